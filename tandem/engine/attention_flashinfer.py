@@ -1,0 +1,72 @@
+"""flashinfer paged attention (CUDA only). NOT RUN HERE: no machine of this project has a GPU.
+
+Written to flashinfer's documented wrapper API: one ``BatchPrefillWithPagedKVCacheWrapper``
+serves prefill, decode and hybrid batches alike (a decode row is a query of length 1 with a
+causal mask over its whole context), planned once per batch and run per layer against the
+pool's ``(k_cache, v_cache)`` NHD tuple. New K/V go in with ``append_paged_kv_cache``. The
+module is imported only when the backend is chosen, so CPU-only machines never import flashinfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from tandem.engine.attention import AttentionBackend, SeqSpan
+from tandem.engine.kv_pool import KVPool, PagedLayout
+
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@dataclass
+class _FlashInferPlan:
+    indptr: torch.Tensor  # [batch + 1] int32, on device
+    indices: torch.Tensor  # [total_blocks] int32
+    last_page_len: torch.Tensor  # [batch] int32
+    batch_indices: torch.Tensor  # [num_tokens] which sequence each new token belongs to
+    positions: torch.Tensor  # [num_tokens] its position in that sequence
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, num_qo_heads: int, device: str | torch.device = "cuda") -> None:
+        import flashinfer  # lazy: CUDA-only dependency
+
+        self._fi = flashinfer
+        self.num_qo_heads = num_qo_heads
+        self.device = torch.device(device)
+        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+    def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> Any:
+        spec = pool.spec
+        layout = PagedLayout.build([s.block_ids for s in spans], [s.kv_len for s in spans], spec.block_size)
+        dev = self.device
+        qo_indptr = torch.tensor([0, *accumulate(s.q_len for s in spans)], dtype=torch.int32, device=dev)
+        indptr, indices, last = (t.to(dev) for t in (layout.indptr, layout.indices, layout.last_page_len))
+        self._wrapper.plan(
+            qo_indptr, indptr, indices, last,
+            self.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.block_size,
+            causal=True, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+        )
+        seq_lens = torch.tensor([s.kv_len for s in spans], dtype=torch.int32, device=dev)
+        num_tokens = sum(s.q_len for s in spans)
+        batch_indices, positions = self._fi.get_batch_indices_positions(qo_indptr, seq_lens, num_tokens)
+        return _FlashInferPlan(indptr, indices, last, batch_indices, positions)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
+    ) -> torch.Tensor:
+        plan: _FlashInferPlan = meta
+        cache = (pool.k_cache(layer), pool.v_cache(layer))
+        self._fi.append_paged_kv_cache(
+            k, v, plan.batch_indices, plan.positions, cache, plan.indices, plan.indptr, plan.last_page_len,
+            kv_layout="NHD",
+        )
+        out: torch.Tensor = self._wrapper.run(q, cache)
+        return out

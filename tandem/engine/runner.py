@@ -1,0 +1,162 @@
+"""The execution API the services use: forward passes over the shared paged pool.
+
+One batch mixes any sequences: a prompt (prefill), a chunk of one (chunked prefill), one
+token each (decode), or all of these at once (hybrid). A pass can be run whole
+(``forward``) or resumed layer group by layer group (``begin`` → ``run_layers`` … →
+``finish``), which is how prefill yields the device to a partition change or a preempting
+request between groups. The runner holds no request state: block ids and cached lengths come
+in with every batch, so the same runner serves any process that maps the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.engine.attention import SeqSpan, make_backend
+from tandem.engine.config import ModelConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.model import LlamaModel
+from tandem.engine.weights import load_checkpoint
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence's work in a batch.
+
+    ``token_ids`` are the new tokens to compute, at positions
+    [num_cached_tokens, num_cached_tokens + len(token_ids)); ``block_ids`` must cover all of
+    them. ``need_logits`` is False for a prefill chunk that is not the prompt's last.
+    """
+
+    token_ids: Sequence[int]
+    num_cached_tokens: int
+    block_ids: Sequence[int]
+    need_logits: bool = True
+
+
+@dataclass
+class ForwardState:
+    """A forward pass in progress; ``next_layer`` is the first layer not yet run."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden]
+    cos: torch.Tensor  # [num_tokens, head_dim]
+    sin: torch.Tensor  # [num_tokens, head_dim]
+    attn_meta: Any
+    logit_rows: torch.Tensor  # [num_seqs_with_logits] int64, last row of each such sequence
+    next_layer: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+        cfg = model.config
+        spec = pool.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"KV pool shape (layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}) "
+                f"does not fit the model ({cfg.num_layers}, {cfg.num_kv_heads}, {cfg.head_dim})"
+            )
+        self.model = model
+        self.pool = pool
+        self.config = cfg
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        pool: KVPool,
+        dtype: torch.dtype = torch.float32,
+        attention: str = "torch",
+    ) -> ModelRunner:
+        config = ModelConfig.from_dir(model_dir)
+        weights = load_checkpoint(model_dir, config, dtype)
+        return cls(LlamaModel(config, weights, make_backend(attention, config.num_heads)), pool)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    # ---------------------------------------------------------------- layer-group API
+    def begin(self, batch: Sequence[SeqInput]) -> ForwardState:
+        """Validate the batch, embed its tokens and plan attention; runs no layer."""
+        if not batch:
+            raise InvalidRequestError("empty batch")
+        block_size = self.pool.spec.block_size
+        max_len = self.config.max_position_embeddings
+        token_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        logit_rows: list[int] = []
+        for seq in batch:
+            q_len = len(seq.token_ids)
+            end = seq.num_cached_tokens + q_len
+            if q_len == 0:
+                raise InvalidRequestError("a sequence in the batch has no new tokens")
+            if end > max_len:
+                raise InvalidRequestError(
+                    f"sequence of {end} tokens exceeds the model's context length of {max_len}"
+                )
+            if -(-end // block_size) > len(seq.block_ids):
+                raise InvalidRequestError(
+                    f"{len(seq.block_ids)} blocks cannot hold {end} tokens (block size {block_size})"
+                )
+            spans.append(SeqSpan(len(token_ids), q_len, seq.num_cached_tokens, seq.block_ids))
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.num_cached_tokens, end))
+            if seq.need_logits:
+                logit_rows.append(len(token_ids) - 1)
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
+            raise InvalidRequestError(f"token id out of range [0, {self.config.vocab_size})")
+        cos, sin = self.model.rotary.lookup(torch.tensor(positions, dtype=torch.int64))
+        return ForwardState(
+            hidden=self.model.embed(ids),
+            cos=cos,
+            sin=sin,
+            attn_meta=self.model.attention.plan(spans, self.pool),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+        )
+
+    @torch.inference_mode()
+    def run_layers(self, state: ForwardState, end: int | None = None) -> None:
+        """Run layers [state.next_layer, end); K/V of those layers land in the pool."""
+        stop = self.num_layers if end is None else end
+        if not state.next_layer <= stop <= self.num_layers:
+            raise ValueError(f"cannot run layers [{state.next_layer}, {stop}) of {self.num_layers}")
+        hidden = state.hidden
+        for index in range(state.next_layer, stop):
+            hidden = self.model.layer(index, hidden, state.cos, state.sin, state.attn_meta, self.pool)
+        state.hidden = hidden
+        state.next_layer = stop
+
+    @torch.inference_mode()
+    def finish(self, state: ForwardState) -> torch.Tensor:
+        """Logits [num_seqs_with_need_logits, vocab] (fp32) of each such sequence's last token."""
+        if state.next_layer != self.num_layers:
+            raise ValueError(f"forward pass stopped at layer {state.next_layer} of {self.num_layers}")
+        return self.model.logits(state.hidden[state.logit_rows])
+
+    # ---------------------------------------------------------------- whole passes
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SeqInput]) -> torch.Tensor:
+        state = self.begin(batch)
+        self.run_layers(state)
+        return self.finish(state)
+
+    def prefill(self, batch: Sequence[SeqInput]) -> torch.Tensor:
+        """Prompts (or their uncached remainder); same as ``forward``, named for readers."""
+        return self.forward(batch)
+
+    def decode(self, token_ids: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One decode step: token ``i`` sits at position ``seq_lens[i] - 1`` of sequence ``i``."""
+        return self.forward(
+            [
+                SeqInput((tok,), seq_len - 1, blocks)
+                for tok, seq_len, blocks in zip(token_ids, seq_lens, block_tables, strict=True)
+            ]
+        )

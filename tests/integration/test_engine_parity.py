@@ -1,0 +1,147 @@
+"""Engine logits against Hugging Face transformers on tiny random checkpoints of each family.
+
+Every execution path must give the reference logits: whole prefill, layer-group prefill,
+chunked prefill, prefix reuse, step-by-step decode and mixed (hybrid) batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.config import ModelConfig
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.runner import ModelRunner, SeqInput
+from tests.tiny_models import TINY_FAMILIES, write_tiny_model
+
+ATOL = 2e-4
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    import transformers
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_dir, hf
+
+
+def _runner(model_dir: Path, num_blocks: int = 64) -> tuple[ModelRunner, BlockAllocator]:
+    config = ModelConfig.from_dir(model_dir)
+    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, BLOCK_SIZE))
+    return ModelRunner.from_dir(model_dir, pool), BlockAllocator(num_blocks, BLOCK_SIZE)
+
+
+def _reference(hf: object, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]  # type: ignore[operator, no-any-return]
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (length,), generator=g).tolist()
+
+
+def test_whole_and_layer_group_prefill(tiny: tuple[Path, object]) -> None:
+    model_dir, hf = tiny
+    runner, alloc = _runner(model_dir)
+    ids = _prompt(1, 37)
+    ref = _reference(hf, ids)
+    blocks = alloc.allocate(ids).block_ids
+    whole = runner.forward([SeqInput(ids, 0, blocks)])
+    torch.testing.assert_close(whole[0], ref[-1], atol=ATOL, rtol=0)
+
+    state = runner.begin([SeqInput(ids, 0, blocks)])
+    for end in range(1, runner.num_layers + 1):
+        runner.run_layers(state, end)  # one layer per group
+    torch.testing.assert_close(runner.finish(state)[0], ref[-1], atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object]) -> None:
+    model_dir, hf = tiny
+    runner, alloc = _runner(model_dir)
+    ids = _prompt(2, 30)
+    ref = _reference(hf, ids)
+    blocks = alloc.allocate(ids).block_ids
+    for start in range(0, 30, 7):
+        chunk = ids[start : start + 7]
+        logits = runner.forward([SeqInput(chunk, start, blocks)])
+        torch.testing.assert_close(logits[0], ref[start + len(chunk) - 1], atol=ATOL, rtol=0)
+
+
+def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object]) -> None:
+    model_dir, hf = tiny
+    runner, alloc = _runner(model_dir)
+    first = _prompt(3, 21)
+    a = alloc.allocate(first)
+    runner.forward([SeqInput(first, 0, a.block_ids)])
+    alloc.publish(a.block_ids, first)
+
+    second = first[:16] + _prompt(4, 9)
+    b = alloc.allocate(second)
+    assert b.num_cached_tokens == 16 and b.block_ids[:4] == a.block_ids[:4]
+    logits = runner.forward([SeqInput(second[16:], 16, b.block_ids)])
+    torch.testing.assert_close(logits[0], _reference(hf, second)[-1], atol=ATOL, rtol=0)
+
+
+def test_step_by_step_decode(tiny: tuple[Path, object]) -> None:
+    model_dir, hf = tiny
+    runner, alloc = _runner(model_dir)
+    ids = _prompt(5, 26)
+    ref = _reference(hf, ids)
+    blocks = list(alloc.allocate(ids[:10]).block_ids)
+    runner.forward([SeqInput(ids[:10], 0, blocks)])
+    for pos in range(10, 26):
+        blocks += alloc.extend(blocks, pos + 1)
+        logits = runner.decode([ids[pos]], [pos + 1], [blocks])
+        torch.testing.assert_close(logits[0], ref[pos], atol=ATOL, rtol=0)
+
+
+def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object]) -> None:
+    """One forward with a fresh prompt, a middle chunk and two decode tokens of other lengths."""
+    model_dir, hf = tiny
+    runner, alloc = _runner(model_dir)
+    fresh, chunked, dec_a, dec_b = _prompt(6, 13), _prompt(7, 24), _prompt(8, 19), _prompt(9, 6)
+    tables = {}
+    for name, ids, done in (("chunked", chunked, 8), ("a", dec_a, 18), ("b", dec_b, 5)):
+        tables[name] = alloc.allocate(ids).block_ids
+        runner.forward([SeqInput(ids[:done], 0, tables[name])])
+    fresh_blocks = alloc.allocate(fresh).block_ids
+    batch = [
+        SeqInput(dec_a[18:], 18, tables["a"]),
+        SeqInput(fresh, 0, fresh_blocks),
+        SeqInput(chunked[8:20], 8, tables["chunked"]),
+        SeqInput(dec_b[5:], 5, tables["b"]),
+    ]
+    logits = runner.forward(batch)
+    expected = [_reference(hf, dec_a)[-1], _reference(hf, fresh)[-1],
+                _reference(hf, chunked)[19], _reference(hf, dec_b)[-1]]
+    for got, want in zip(logits, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object]) -> None:
+    model_dir, _ = tiny
+    runner, alloc = _runner(model_dir)
+    ids = _prompt(10, 12)
+    blocks = alloc.allocate(ids).block_ids
+    out = runner.forward([SeqInput(ids[:6], 0, blocks, need_logits=False), SeqInput(_prompt(11, 3), 0, alloc.allocate([1, 2, 3]).block_ids)])
+    assert out.shape == (1, runner.config.vocab_size)
+
+
+def test_bf16_runs_close_to_fp32(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path, "llama")
+    config = ModelConfig.from_dir(model_dir)
+    ids = _prompt(12, 20)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool.create(KVPoolSpec.for_model(config, 16, BLOCK_SIZE, dtype))
+        runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype)
+        outs.append(runner.forward([SeqInput(ids, 0, list(range(5)))])[0])
+    assert outs[1].dtype == torch.float32  # logits are always returned in fp32
+    assert (outs[0] - outs[1]).abs().max() < 0.1
+    assert int(outs[0].argmax()) == int(outs[1].argmax())

@@ -1,0 +1,45 @@
+"""Tiny random Hugging Face checkpoints written at test time (transformers is the reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# architecture -> config overrides that exercise that family's differences
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "tie_word_embeddings": False,
+                "sliding_window": None},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True,
+              "head_dim": 32},
+}
+
+
+def write_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write config.json + model.safetensors of a random 2-layer model of ``family``."""
+    import transformers
+
+    params: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    )
+    spec = dict(TINY_FAMILIES[family])
+    model_type = spec.pop("model_type")
+    params.update(spec)
+    params.update(overrides)
+    config = transformers.AutoConfig.for_model(model_type, **params)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
