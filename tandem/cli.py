@@ -11,8 +11,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tandem.engine import models_cli
+    from tandem.engine import chat_cli, models_cli
 
+    chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
     return parser
 

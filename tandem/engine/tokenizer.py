@@ -1,0 +1,413 @@
+"""Tokenizer and chat template for a Hugging Face style model directory, without transformers.
+
+``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (``tokenizer.json``) and renders chat templates
+with jinja2 the way transformers' ``apply_chat_template`` does, so that the prompt ids Tandem
+serves are the ids the model was trained on. ``IncrementalDetokenizer`` turns a stream of
+generated ids into a stream of text without ever emitting half a character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from tandem.engine.errors import InvalidRequestError, ModelLoadError
+
+# Names a message's reasoning travels under; transformers fills in the first two from any of
+# them so that templates reading either find it.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> ids for one model, plus its chat template.
+
+    Invariants: ``encode`` and ``decode`` are the ``tokenizers`` backend's, so they agree with
+    transformers' fast tokenizer on the same ``tokenizer.json``; ``apply_chat_template``
+    renders what transformers renders for the same template, messages and options.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        chat_template: str | Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self._chat_template = chat_template
+        self._special_tokens = dict(special_tokens or {})
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self._bos_token_id = bos_token_id
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and the optional ``tokenizer_config.json``,
+        ``chat_template.jinja``, ``generation_config.json`` and ``config.json`` of ``model_dir``.
+
+        Eos ids are the union, in this order, of generation_config.json's (or else
+        config.json's) ``eos_token_id`` and tokenizer_config.json's ``eos_token``: generation
+        stops on any of them. Raises ModelLoadError when tokenizer.json is missing or invalid.
+        """
+        root = Path(model_dir)
+        tokenizer_path = root / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise ModelLoadError(f"model directory {root} has no tokenizer.json")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # the Rust side raises a bare Exception for a bad file
+            raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizers file: {exc}") from None
+
+        tokenizer_config = _read_json(root / "tokenizer_config.json")
+        chat_template = _chat_template_from(tokenizer_config, root)
+        special_tokens = {
+            name: text for name in _SPECIAL_TOKEN_NAMES if (text := _token_text(tokenizer_config.get(name))) is not None
+        }
+
+        eos_ids: list[int] = []
+        generation_eos = _read_json(root / "generation_config.json").get("eos_token_id")
+        model_config = _read_json(root / "config.json")
+        eos_ids += _as_id_list(generation_eos if generation_eos is not None else model_config.get("eos_token_id"))
+        eos_text = special_tokens.get("eos_token")
+        if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
+            eos_ids.append(eos_id)
+
+        bos_text = special_tokens.get("bos_token")
+        bos_id = backend.token_to_id(bos_text) if bos_text is not None else None
+        if bos_id is None and isinstance(model_config.get("bos_token_id"), int):
+            bos_id = model_config["bos_token_id"]
+        return cls(
+            backend,
+            chat_template=chat_template,
+            special_tokens=special_tokens,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos_id,
+        )
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (document end and chat end-of-turn)."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        return size
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def token_to_id(self, token: str) -> int | None:
+        result: int | None = self._backend.token_to_id(token)
+        return result
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for ``text``; ``add_special_tokens`` applies tokenizer.json's post-processor
+        (for example a BOS for Llama 3; nothing for SmolLM2)."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
+        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """Render ``messages`` with the model's chat template, as transformers'
+        ``apply_chat_template(..., tokenize=False)`` does.
+
+        The template sees ``messages``, ``tools``, ``documents`` (from ``extra``, default None),
+        ``add_generation_prompt``, the special token strings (``bos_token``, ``eos_token``, ...)
+        and every key of ``extra`` (e.g. ``enable_thinking``), which overrides the token strings.
+        Raises InvalidRequestError for malformed messages or tools, for a model without a chat
+        template, and when the template itself raises (``raise_exception``).
+        """
+        _validate_messages(messages)
+        if tools is not None:
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
+                raise InvalidRequestError("tools must be a list of JSON-schema objects")
+        template = self._select_template(tools)
+        chat = [_with_reasoning_aliases(dict(message)) for message in messages]
+        documents = extra.pop("documents", None)
+        variables: dict[str, Any] = {**self._special_tokens, **extra}
+        try:
+            rendered: str = _compile_template(template).render(
+                messages=chat,
+                tools=[dict(t) for t in tools] if tools is not None else None,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template rejected the request: {exc}") from None
+        return rendered
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> list[int]:
+        """Prompt ids for a conversation: the rendered template encoded without adding special
+        tokens, because the template already writes every special token it wants (this is what
+        transformers' ``apply_chat_template(tokenize=True)`` does)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+        return self.encode(text, add_special_tokens=False)
+
+    def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
+        template = self._chat_template
+        if template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead of messages")
+        if isinstance(template, str):
+            return template
+        # Named templates: transformers picks "tool_use" when tools are given and it exists.
+        if tools is not None and "tool_use" in template:
+            return template["tool_use"]
+        if "default" in template:
+            return template["default"]
+        raise InvalidRequestError(
+            f"this model has named chat templates ({', '.join(sorted(template))}) but no 'default' one"
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, fed one at a time, into text deltas.
+
+    Decoding one token alone is wrong in two ways: a byte-level BPE token may hold only part
+    of a multi-byte UTF-8 character (its decode ends in U+FFFD), and some decoders change a
+    token's text depending on its neighbours (SentencePiece's leading space). So each step
+    decodes a short window ``ids[prefix_offset:]`` and emits what it adds beyond
+    ``ids[prefix_offset:read_offset]``; text ending in an incomplete character is held back
+    until the character completes.
+
+    Invariant: the concatenation of every ``step`` result and ``flush`` equals
+    ``tokenizer.decode(generated_ids, skip_special_tokens)`` for well-formed output, and no
+    step returns a partial character.
+    """
+
+    # Prompt tokens kept as left context so the first generated token decodes as it would
+    # in the middle of the text.
+    PROMPT_CONTEXT_TOKENS = 6
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT_TOKENS :]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def step(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes (possibly "")."""
+        self._ids.append(int(token_id))
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (e.g. an incomplete character at the end)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        full_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
+        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        # The window decodes to the already-emitted prefix text plus the new text.
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+def _chat_template_from(tokenizer_config: Mapping[str, Any], root: Path) -> str | dict[str, str] | None:
+    raw = tokenizer_config.get("chat_template")
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        return {str(item["name"]): str(item["template"]) for item in raw if isinstance(item, Mapping)}
+    # Newer transformers save the template in its own file instead.
+    jinja_path = root / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    return None
+
+
+def _validate_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    if not messages:
+        raise InvalidRequestError("messages must not be empty")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(
+                f"{where} must be an object with 'role' and 'content', got {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"{where}.role must be a non-empty string")
+        content = message.get("content")
+        # An assistant turn that only calls tools has no text.
+        if content is None and message.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            got = "missing" if "content" not in message else type(content).__name__
+            raise InvalidRequestError(f"{where}.content must be a string, got {got}")
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers uses it to mark assistant
+    tokens for training masks; for serving it only renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace()`` that refuses underscore attributes, so templates cannot reach internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja2's Namespace
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
+
+
+class _TemplateDict:
+    """``dict()`` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, keys: Iterable[Any], value: Any = None) -> dict[Any, Any]:
+        return dict.fromkeys(keys, value)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson HTML-escapes <, >, & and ' and cannot indent; templates expect neither.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    # Chat templates come with downloaded models: untrusted code, hence the immutable sandbox.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from None
