@@ -100,13 +100,16 @@ class LLMEngine:
         kv_cache_bytes: int = 1 << 30,
         block_size: int = 16,
         num_blocks: int | None = None,
+        pack_weights: bool = True,
         **kwargs: int,
     ) -> LLMEngine:
+        """An engine with a private KV pool; ``pack_weights`` pre-packs linear weights for
+        this CPU (faster decode, a private copy of the weights)."""
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
             num_blocks = default_num_blocks(KVPoolSpec.for_model(config, 1, block_size, dtype), kv_cache_bytes)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, dtype))
-        runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype)
+        runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype, pack_weights=pack_weights)
         return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, **kwargs)
 
     # ------------------------------------------------------------------ requests

@@ -72,10 +72,12 @@ class ModelRunner:
         pool: KVPool,
         dtype: torch.dtype = torch.float32,
         attention: str = "torch",
+        pack_weights: bool = False,
     ) -> ModelRunner:
         config = ModelConfig.from_dir(model_dir)
         weights = load_checkpoint(model_dir, config, dtype)
-        return cls(LlamaModel(config, weights, make_backend(attention, config.num_heads)), pool)
+        backend = make_backend(attention, config.num_heads)
+        return cls(LlamaModel(config, weights, backend, pack_weights=pack_weights), pool)
 
     @property
     def num_layers(self) -> int:

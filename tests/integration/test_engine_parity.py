@@ -21,19 +21,25 @@ ATOL = 2e-4
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+@pytest.fixture(scope="module", params=[(f, packed) for f in sorted(TINY_FAMILIES) for packed in (False, True)],
+                ids=lambda p: f"{p[0]}-{'packed' if p[1] else 'plain'}")
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, bool]:
+    """A tiny checkpoint, its transformers reference, and whether our weights are pre-packed."""
     import transformers
 
-    model_dir = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    family, packed = request.param
+    model_dir = write_tiny_model(tmp_path_factory.mktemp(family), family)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, hf
+    return model_dir, hf, packed
 
 
-def _runner(model_dir: Path, num_blocks: int = 64) -> tuple[ModelRunner, BlockAllocator]:
+def _runner(tiny: tuple[Path, object, bool], num_blocks: int = 64) -> tuple[ModelRunner, BlockAllocator]:
+    model_dir, _, packed = tiny
     config = ModelConfig.from_dir(model_dir)
     pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, BLOCK_SIZE))
-    return ModelRunner.from_dir(model_dir, pool), BlockAllocator(num_blocks, BLOCK_SIZE)
+    runner = ModelRunner.from_dir(model_dir, pool, pack_weights=packed)
+    assert runner.model.pack_weights == packed
+    return runner, BlockAllocator(num_blocks, BLOCK_SIZE)
 
 
 def _reference(hf: object, ids: list[int]) -> torch.Tensor:
@@ -46,9 +52,9 @@ def _prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
-def test_whole_and_layer_group_prefill(tiny: tuple[Path, object]) -> None:
-    model_dir, hf = tiny
-    runner, alloc = _runner(model_dir)
+def test_whole_and_layer_group_prefill(tiny: tuple[Path, object, bool]) -> None:
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny)
     ids = _prompt(1, 37)
     ref = _reference(hf, ids)
     blocks = alloc.allocate(ids).block_ids
@@ -61,9 +67,9 @@ def test_whole_and_layer_group_prefill(tiny: tuple[Path, object]) -> None:
     torch.testing.assert_close(runner.finish(state)[0], ref[-1], atol=ATOL, rtol=0)
 
 
-def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object]) -> None:
-    model_dir, hf = tiny
-    runner, alloc = _runner(model_dir)
+def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object, bool]) -> None:
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny)
     ids = _prompt(2, 30)
     ref = _reference(hf, ids)
     blocks = alloc.allocate(ids).block_ids
@@ -73,9 +79,9 @@ def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object]) -> N
         torch.testing.assert_close(logits[0], ref[start + len(chunk) - 1], atol=ATOL, rtol=0)
 
 
-def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object]) -> None:
-    model_dir, hf = tiny
-    runner, alloc = _runner(model_dir)
+def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object, bool]) -> None:
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny)
     first = _prompt(3, 21)
     a = alloc.allocate(first)
     runner.forward([SeqInput(first, 0, a.block_ids)])
@@ -88,9 +94,9 @@ def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object]) -> Non
     torch.testing.assert_close(logits[0], _reference(hf, second)[-1], atol=ATOL, rtol=0)
 
 
-def test_step_by_step_decode(tiny: tuple[Path, object]) -> None:
-    model_dir, hf = tiny
-    runner, alloc = _runner(model_dir)
+def test_step_by_step_decode(tiny: tuple[Path, object, bool]) -> None:
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny)
     ids = _prompt(5, 26)
     ref = _reference(hf, ids)
     blocks = list(alloc.allocate(ids[:10]).block_ids)
@@ -101,10 +107,10 @@ def test_step_by_step_decode(tiny: tuple[Path, object]) -> None:
         torch.testing.assert_close(logits[0], ref[pos], atol=ATOL, rtol=0)
 
 
-def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object]) -> None:
+def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object, bool]) -> None:
     """One forward with a fresh prompt, a middle chunk and two decode tokens of other lengths."""
-    model_dir, hf = tiny
-    runner, alloc = _runner(model_dir)
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny)
     fresh, chunked, dec_a, dec_b = _prompt(6, 13), _prompt(7, 24), _prompt(8, 19), _prompt(9, 6)
     tables = {}
     for name, ids, done in (("chunked", chunked, 8), ("a", dec_a, 18), ("b", dec_b, 5)):
@@ -124,9 +130,8 @@ def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object]) 
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object]) -> None:
-    model_dir, _ = tiny
-    runner, alloc = _runner(model_dir)
+def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object, bool]) -> None:
+    runner, alloc = _runner(tiny)
     ids = _prompt(10, 12)
     blocks = alloc.allocate(ids).block_ids
     out = runner.forward([SeqInput(ids[:6], 0, blocks, need_logits=False), SeqInput(_prompt(11, 3), 0, alloc.allocate([1, 2, 3]).block_ids)])

@@ -46,7 +46,7 @@ def tokenizer(smollm2_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def runner(smollm2_dir: Path) -> ModelRunner:
     config = ModelConfig.from_dir(smollm2_dir)
-    return ModelRunner.from_dir(smollm2_dir, KVPool.create(KVPoolSpec.for_model(config, 96, 16)))
+    return ModelRunner.from_dir(smollm2_dir, KVPool.create(KVPoolSpec.for_model(config, 96, 16)), pack_weights=True)
 
 
 def test_all_paths_match_reference_logits(runner: ModelRunner, hf_model: Any, tokenizer: Tokenizer) -> None:

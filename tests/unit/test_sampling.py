@@ -237,7 +237,7 @@ def test_repetition_penalty_hf_semantics_over_prompt_and_output() -> None:
 
 
 def test_repetition_penalty_matches_transformers() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     logits = torch.randn(2, 30, generator=make_generator(3))
     prompt, output = [[1, 5, 5, 9], [0, 2]], [[9, 11], [29, 2, 2]]
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7)]
