@@ -64,6 +64,7 @@ class _TorchPlan:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     # multi-token rows, attended one sequence at a time
     prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (q_start, q_len, num_cached, blocks)
+    decode_only: bool = False  # every row is a decode row, in order: no row gather/scatter needed
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -101,27 +102,30 @@ class TorchPagedAttention(AttentionBackend):
             positions = torch.arange(max_blocks * block_size)
             mask = (positions[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
             rows = torch.tensor(decode_rows, dtype=torch.int64)
-        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), layout, rows, table, mask, prefill)
+        decode_only = not prefill and decode_rows == list(range(len(decode_rows)))
+        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), layout, rows, table, mask, prefill, decode_only)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
     ) -> torch.Tensor:
         plan: _TorchPlan = meta
         pool.write(layer, plan.slots, k, v)
-        out = torch.empty_like(q)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [num_blocks, bs, kvh, d]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         scale = 1.0 / math.sqrt(head_dim)
+        out = torch.empty_like(q)
         if plan.decode_rows is not None:
             assert plan.decode_table is not None and plan.decode_mask is not None
             num_decode = plan.decode_rows.numel()
             # [num_decode, max_blocks * bs, kvh, d] -> [num_decode, kvh, S, d]
             keys = k_cache[plan.decode_table].view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
             values = v_cache[plan.decode_table].view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
-            queries = q[plan.decode_rows].unsqueeze(2)  # [num_decode, H, 1, d]
+            queries = (q if plan.decode_only else q[plan.decode_rows]).unsqueeze(2)  # [num_decode, H, 1, d]
             attn = F.scaled_dot_product_attention(
                 queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
             )
+            if plan.decode_only:
+                return attn.squeeze(2)
             out[plan.decode_rows] = attn.squeeze(2)
         for q_start, q_len, num_cached, blocks in plan.prefill:
             q_end = q_start + q_len

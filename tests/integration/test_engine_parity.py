@@ -150,3 +150,22 @@ def test_bf16_runs_close_to_fp32(tmp_path: Path) -> None:
     assert outs[1].dtype == torch.float32  # logits are always returned in fp32
     assert (outs[0] - outs[1]).abs().max() < 0.1
     assert int(outs[0].argmax()) == int(outs[1].argmax())
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path: Path) -> None:
+    """A checkpoint split into shards with model.safetensors.index.json gives the same logits."""
+    import transformers
+
+    model_dir = write_tiny_model(tmp_path / "whole", "qwen2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    config = ModelConfig.from_dir(sharded)
+    ids = _prompt(13, 9)
+    outs = []
+    for d in (model_dir, sharded):
+        runner = ModelRunner.from_dir(d, KVPool.create(KVPoolSpec.for_model(config, 8, BLOCK_SIZE)))
+        outs.append(runner.forward([SeqInput(ids, 0, [0, 1, 2])])[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
