@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,38 +21,9 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
-from tandem.engine.runner import ModelRunner, SeqInput
-from tandem.engine.sampling import Sampler, SamplingBatch, SamplingParams, check_stop, make_generator
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
-    num_cached_prompt_tokens: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request: its new token and, at the end, why it stopped."""
-
-    request_id: str
-    token_id: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-    finish_reason: str | None
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampling import Sampler, SamplingParams, make_generator
+from tandem.engine.step import Request, StepOutput, forward_and_sample
 
 
 @dataclass(frozen=True)
@@ -207,44 +178,16 @@ class LLMEngine:
         self.waiting.appendleft(req)
 
     def _run(self, batch: list[Request], prefill: bool) -> list[StepOutput]:
-        inputs = []
-        for req in batch:
-            tokens = req.all_token_ids
-            inputs.append(SeqInput(tokens[req.num_computed_tokens :], req.num_computed_tokens, req.block_ids))
-        logits = self.runner.forward(inputs)
-        for req in batch:
-            req.num_computed_tokens = len(req.all_token_ids)
+        outputs = forward_and_sample(self.runner, self.sampler, batch, self.eos_token_ids)
+        for req, out in zip(batch, outputs, strict=True):
             if prefill:
-                self.allocator.publish(req.block_ids, req.all_token_ids)
+                # Publish only the prompt part that was just written (all but the new token).
+                self.allocator.publish(req.block_ids, req.all_token_ids[: req.num_computed_tokens])
                 self.running.append(req)
-        sampling = SamplingBatch.build(
-            [r.params for r in batch],
-            [r.prompt_token_ids for r in batch],
-            [r.output_token_ids for r in batch],
-            [r.generator for r in batch],
-            self.eos_token_ids,
-            self.config.vocab_size,
-        )
-        sampled = self.sampler.sample(logits, sampling)
-        outputs: list[StepOutput] = []
-        context = self.config.max_position_embeddings
-        for i, req in enumerate(batch):
-            token = sampled.token_ids[i]
-            logprob = sampled.logprobs[i] if sampled.logprobs is not None else None
-            top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else None
-            req.output_token_ids.append(token)
-            if req.params.logprobs is not None and logprob is not None:
-                req.output_logprobs.append(logprob)
-                req.output_top_logprobs.append(top or [])
-            reason = check_stop(token, len(req.output_token_ids), req.params, self.eos_token_ids)
-            if reason is None and len(req.all_token_ids) >= context:
-                reason = "length"
-            if reason is not None:
-                req.finish_reason = reason
+            if out.finish_reason is not None:
                 self.running.remove(req)
                 self._release(req)
                 self.requests.pop(req.request_id, None)
-            outputs.append(StepOutput(req.request_id, token, logprob, top, reason))
         return outputs
 
     def _release(self, req: Request) -> None:
