@@ -72,3 +72,25 @@ class TokenBatch(_message.Message):
     step: int
     step_ns: int
     def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., step: _Optional[int] = ..., step_ns: _Optional[int] = ...) -> None: ...
+
+class DecodeStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeStats(_message.Message):
+    __slots__ = ("num_running", "num_steps", "last_step_ns", "num_handoffs", "handoff_p50_ns", "handoff_p99_ns", "handoff_mean_ns")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_P50_NS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_P99_NS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MEAN_NS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_steps: int
+    last_step_ns: int
+    num_handoffs: int
+    handoff_p50_ns: int
+    handoff_p99_ns: int
+    handoff_mean_ns: int
+    def __init__(self, num_running: _Optional[int] = ..., num_steps: _Optional[int] = ..., last_step_ns: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., handoff_p50_ns: _Optional[int] = ..., handoff_p99_ns: _Optional[int] = ..., handoff_mean_ns: _Optional[int] = ...) -> None: ...

@@ -51,6 +51,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_decode__pb2.StreamRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decode__pb2.TokenBatch.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/tandem.v1.Decode/GetStats',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeStats.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -77,6 +82,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Batch and latency figures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.StreamRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decode__pb2.TokenBatch.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeStatsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +194,33 @@ class Decode:
             '/tandem.v1.Decode/Stream',
             tandem_dot_v1_dot_decode__pb2.StreamRequest.SerializeToString,
             tandem_dot_v1_dot_decode__pb2.TokenBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/GetStats',
+            tandem_dot_v1_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.DecodeStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,63 @@
+"""``python -m decode_svc``: the decode service of one cell."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import grpc
+
+from decode_svc.config import DecodeConfig, parse_args
+from decode_svc.server import DecodeServicer, DecodeWorker
+from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
+from tandem.service.cell import CellMember
+from tandem.service.registry import announce, open_redis
+from tandem.service.runtime import run_service, setup_logging
+from tandem.state.request_store import RequestStore
+
+
+async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
+    log = setup_logging("tandem.decode")
+    setup_tracing("decode_svc")
+    address = f"{config.host}:{config.port}"
+    member = CellMember(agent_pb2.ROLE_DECODE, config.service_id, address, config.agent_address,
+                        pack_weights=config.pack_weights)
+    runner = await member.join()
+    redis = open_redis(config.redis_url)
+    records = RequestStore(redis) if redis is not None else None
+    worker = DecodeWorker(config, member, runner, records)
+    if config.resume:
+        resumed = await worker.resume()
+        if resumed:
+            log.info("resumed %d decoding requests from Redis", resumed)
+    server = grpc.aio.server(interceptors=[server_interceptor()])
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+    server.add_insecure_port(address)
+    await server.start()
+    loop_task = asyncio.create_task(worker.run(), name="decode-loop")
+    try:
+        async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
+            log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s",
+                     config.service_id, address, os.getpid(), member.cell_id, member.units)
+            await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        loop_task.cancel()
+        await member.close()
+        if redis is not None:
+            await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"decode_svc: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_service(lambda stop: serve(config, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""decode_svc: continuous batching over the shared KV pool.
+
+Handoffs (metadata only) join the batch at the next step boundary. Every step: grow blocks
+through the agent where a request crosses a block edge, run one forward + sample on the torch
+thread, record the step in Redis (one atomic script for the whole batch), then send one
+``TokenBatch`` per router. A request's tokens reach its router only after they are recorded,
+so a decode_svc that restarts resumes from the record without losing a token; the router drops
+the repeats (``first_index``). Finished or cancelled requests give their blocks back to the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from decode_svc.config import DecodeConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampling import Sampler, SamplingParams, make_generator
+from tandem.engine.step import Request, forward_and_sample
+from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
+from tandem.rpc.tracing import tracer
+from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+from tandem.state.request_store import OutputUpdate, RequestStore
+from tandem.state.schema import RequestRecord
+
+log = logging.getLogger("tandem.decode")
+_STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
+
+
+@dataclass
+class _Active:
+    req: Request
+    router_id: str
+    num_sent: int  # output tokens the router has been sent (index of the next one)
+    logprobs_from: int = 0  # output index from which logprobs are known (not after a resume)
+    cancelled: bool = False
+    error: str = ""
+
+
+def _generator_state(gen: torch.Generator | None) -> bytes:
+    return gen.get_state().numpy().tobytes() if gen is not None else b""
+
+
+def _restore_generator(params: SamplingParams, state: bytes) -> torch.Generator | None:
+    gen = make_generator(params.seed)
+    if gen is not None and state:
+        gen.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
+    return gen
+
+
+class DecodeWorker:
+    def __init__(self, config: DecodeConfig, member: CellMember, runner: ModelRunner,
+                 records: RequestStore | None) -> None:
+        self.config = config
+        self.member = member
+        self.runner = runner
+        self.records = records
+        self.sampler = Sampler()
+        self.eos_token_ids = runner.config.eos_token_ids
+        self.block_size = runner.pool.spec.block_size
+        self.pending: list[_Active] = []
+        self.running: list[_Active] = []
+        self.by_id: dict[str, _Active] = {}
+        self.routers: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
+        self.num_steps = 0
+        self.last_step_ns = 0
+        # prefill done -> first step that includes the request (wall clock: two processes)
+        self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
+        self._prefill_done_unix_ns: dict[str, int] = {}
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ API
+    async def handoff(self, msg: decode_pb2.HandoffRequest) -> decode_pb2.HandoffReply:
+        start = time.perf_counter_ns()
+        if msg.request_id in self.by_id:
+            return decode_pb2.HandoffReply(accepted=False, message=f"request {msg.request_id} is already decoding")
+        try:
+            params = sampling_from_proto(msg.sampling)
+        except InvalidRequestError as exc:
+            return decode_pb2.HandoffReply(accepted=False, message=str(exc))
+        req = Request(msg.request_id, list(msg.prompt_token_ids), params,
+                      _restore_generator(params, msg.generator_state))
+        req.output_token_ids = list(msg.output_token_ids)
+        req.block_ids = list(msg.block_ids)
+        req.num_computed_tokens = msg.num_computed_tokens
+        if self.records is not None:
+            await self.records.create(RequestRecord(
+                request_id=req.request_id, cell_id=self.member.cell_id, router_id=msg.router_id, state="decode",
+                prompt_token_ids=req.prompt_token_ids, arrival_unix_ns=msg.arrival_unix_ns,
+                output_token_ids=req.output_token_ids, block_ids=req.block_ids,
+                num_computed_tokens=req.num_computed_tokens, sampling=params.to_dict(),
+                generator_state=bytes(msg.generator_state), decode_service_id=self.config.service_id,
+            ))
+        self._admit(_Active(req, msg.router_id, num_sent=len(req.output_token_ids),
+                            logprobs_from=len(req.output_token_ids)))
+        self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
+        return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start)
+
+    def _admit(self, active: _Active) -> None:
+        self.by_id[active.req.request_id] = active
+        self.pending.append(active)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        active = self.by_id.get(request_id)
+        if active is None:
+            return False
+        active.cancelled = True
+        self._wake.set()
+        return True
+
+    def router_queue(self, router_id: str) -> asyncio.Queue[decode_pb2.TokenBatch]:
+        queue = self.routers.get(router_id)
+        if queue is None:
+            queue = asyncio.Queue(maxsize=_STREAM_QUEUE_LIMIT)
+            self.routers[router_id] = queue
+        return queue
+
+    async def resume(self) -> int:
+        """Take over the cell's decoding requests recorded in Redis (after a restart)."""
+        if self.records is None:
+            return 0
+        records = await self.records.list_active(self.member.cell_id, state="decode")
+        for rec in records:
+            params = SamplingParams.from_dict(rec.sampling)
+            req = Request(rec.request_id, rec.prompt_token_ids, params, _restore_generator(params, rec.generator_state))
+            req.output_token_ids = list(rec.output_token_ids)
+            req.block_ids = list(rec.block_ids)
+            req.num_computed_tokens = rec.num_computed_tokens
+            await self.records.set_state(rec.request_id, "decode", decode_service_id=self.config.service_id)
+            # num_sent=0: the router may have missed tokens recorded just before the crash;
+            # it drops the ones it already has.
+            self._admit(_Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids)))
+        return len(records)
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        while True:
+            if not self.pending and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+            self.running.extend(self.pending)
+            self.pending.clear()
+            await self._drop_cancelled()
+            batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
+            if batch:
+                await self._step(batch)
+
+    async def _drop_cancelled(self) -> None:
+        for active in [a for a in self.running if a.cancelled]:
+            await self._finish(active, "abort")
+
+    async def _grow_blocks(self, batch: list[_Active]) -> list[_Active]:
+        async def grow(active: _Active) -> bool:
+            req = active.req
+            need = len(req.all_token_ids)
+            if len(req.block_ids) * self.block_size >= need:
+                return True
+            try:
+                reply = await self.member.agent.Extend(
+                    agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=need), timeout=RPC_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                active.error = f"KV cache exhausted while decoding: {exc.details()}"
+                return False
+            req.block_ids.extend(reply.new_block_ids)
+            return True
+
+        ok = await asyncio.gather(*(grow(a) for a in batch))
+        for active, grown in zip(batch, ok, strict=True):
+            if not grown:
+                await self._finish(active, "error")
+        return [a for a, grown in zip(batch, ok, strict=True) if grown]
+
+    async def _step(self, batch: list[_Active]) -> None:
+        requests = [a.req for a in batch]
+        runner, member = self.runner, self.member
+
+        def work() -> list:  # type: ignore[type-arg]
+            member.apply_partition()
+            return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
+
+        start = time.perf_counter_ns()
+        start_unix_ns = time.time_ns()
+        for active in batch:
+            done_ns = self._prefill_done_unix_ns.pop(active.req.request_id, None)
+            if done_ns:
+                self.handoff_latency_ns.append(start_unix_ns - done_ns)
+        with tracer("tandem.decode").start_as_current_span("decode.step") as span:
+            span.set_attribute("tandem.batch_size", len(batch))
+            outputs = await member.run(work)
+        self.last_step_ns = time.perf_counter_ns() - start
+        self.num_steps += 1
+        if self.records is not None:
+            await self.records.append_outputs([
+                OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
+                             _generator_state(a.req.generator), a.req.block_ids)
+                for a, out in zip(batch, outputs, strict=True)
+            ])
+        self._send(batch)
+        for active, out in zip(batch, outputs, strict=True):
+            if out.finish_reason is not None:
+                await self._finish(active, out.finish_reason, send=False)
+
+    def _update(self, active: _Active, finish_reason: str | None) -> decode_pb2.TokenUpdate:
+        req = active.req
+        tokens = []
+        for i in range(active.num_sent, len(req.output_token_ids)):
+            known = i >= active.logprobs_from and req.params.logprobs is not None
+            j = i - active.logprobs_from
+            tokens.append(token_to_proto(
+                req.output_token_ids[i],
+                req.output_logprobs[j] if known and j < len(req.output_logprobs) else None,
+                req.output_top_logprobs[j] if known and j < len(req.output_top_logprobs) else None,
+            ))
+        update = decode_pb2.TokenUpdate(request_id=req.request_id, first_index=active.num_sent, tokens=tokens,
+                                        finish_reason=finish_to_proto(finish_reason), error=active.error)
+        active.num_sent = len(req.output_token_ids)
+        return update
+
+    def _send(self, batch: list[_Active], finish: dict[str, str] | None = None) -> None:
+        per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
+        for active in batch:
+            reason = (finish or {}).get(active.req.request_id) or active.req.finish_reason
+            per_router.setdefault(active.router_id, []).append(self._update(active, reason))
+        for router_id, updates in per_router.items():
+            queue = self.router_queue(router_id)
+            message = decode_pb2.TokenBatch(updates=updates, step=self.num_steps, step_ns=self.last_step_ns)
+            try:
+                queue.put_nowait(message)
+            except asyncio.QueueFull:
+                log.error("router %s is not reading its stream; dropping a step for %d requests",
+                          router_id, len(updates))
+
+    async def _finish(self, active: _Active, reason: str, send: bool = True) -> None:
+        req = active.req
+        if active in self.running:
+            self.running.remove(active)
+        self.by_id.pop(req.request_id, None)
+        self._prefill_done_unix_ns.pop(req.request_id, None)
+        if send:
+            self._send([active], {req.request_id: reason})
+        try:
+            await self.member.agent.Release(
+                agent_pb2.ReleaseRequest(request_id=req.request_id,
+                                         token_ids=req.all_token_ids[: req.num_computed_tokens]),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.error("could not release blocks of %s: %s", req.request_id, exc.details())
+        if self.records is not None:
+            await self.records.set_state(req.request_id, "failed" if reason == "error" else "done")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Handoff(self, request: decode_pb2.HandoffRequest, context: grpc.aio.ServicerContext) -> decode_pb2.HandoffReply:  # noqa: N802
+        return await self.worker.handoff(request)
+
+    async def Cancel(self, request: prefill_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.CancelReply:  # noqa: N802
+        return prefill_pb2.CancelReply(found=self.worker.cancel(request.request_id))
+
+    async def GetStats(self, request: decode_pb2.DecodeStatsRequest, context: grpc.aio.ServicerContext) -> decode_pb2.DecodeStats:  # noqa: N802
+        w = self.worker
+        samples = sorted(w.handoff_latency_ns)
+        stats = decode_pb2.DecodeStats(num_running=len(w.running), num_steps=w.num_steps, last_step_ns=w.last_step_ns,
+                                       num_handoffs=len(samples))
+        if samples:
+            stats.handoff_p50_ns = samples[len(samples) // 2]
+            stats.handoff_p99_ns = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+            stats.handoff_mean_ns = int(statistics.fmean(samples))
+        return stats
+
+    async def Stream(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+        queue = self.worker.router_queue(request.router_id)
+        # An empty batch first tells the router the stream is live.
+        yield decode_pb2.TokenBatch(step=self.worker.num_steps)
+        while True:
+            yield await queue.get()
+

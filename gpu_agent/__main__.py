@@ -1,0 +1,61 @@
+"""``python -m gpu_agent``: the owner of one device (a cell)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import grpc
+
+from gpu_agent.config import AgentConfig, parse_args
+from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state
+from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
+from tandem.service.registry import announce
+from tandem.service.runtime import run_service, setup_logging
+
+
+async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
+    log = setup_logging("tandem.gpu_agent")
+    setup_tracing("gpu_agent")
+    started = time.perf_counter()
+    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
+    partition = PartitionBoard(
+        common_pb2.Partition(epoch=1, prefill_units=config.prefill_cores, decode_units=config.decode_cores,
+                             decode_lookahead=1, policy="static")
+    )
+    servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition)
+    server = grpc.aio.server(interceptors=[server_interceptor()])
+    agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        async with announce(config.redis_url, "agent", config.cell_id, address):
+            log.info(
+                "gpu_agent %s ready at %s (pid %d): %s, %d KV blocks of %d tokens, loaded in %.1fs",
+                config.cell_id, address, os.getpid(), model_dir.name, pool.spec.num_blocks, pool.spec.block_size,
+                time.perf_counter() - started,
+            )
+            await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        weights.unlink()
+        if pool.store is not None:
+            pool.store.unlink()
+        log.info("gpu_agent %s stopped", config.cell_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"gpu_agent: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_service(lambda stop: serve(config, stop))
+
+
+if __name__ == "__main__":
+    main()

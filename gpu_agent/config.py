@@ -1,0 +1,67 @@
+"""gpu_agent's configuration: flags with TANDEM_* twins, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from tandem.service.flags import add_flag, parse_cores
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    model: str
+    dtype: str
+    kv_cache_gb: float
+    num_blocks: int  # 0: derived from kv_cache_gb
+    block_size: int
+    host: str
+    port: int
+    cell_id: str
+    redis_url: str
+    prefill_cores: tuple[int, ...]
+    decode_cores: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"--num-blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks == 0 and self.kv_cache_gb <= 0:
+            raise ValueError("--kv-cache-gb must be positive when --num-blocks is not given")
+        if not self.prefill_cores or not self.decode_cores:
+            raise ValueError("both --prefill-cores and --decode-cores need at least one core")
+        if not self.cell_id.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"--cell-id must be letters, digits, '-' or '_', got {self.cell_id!r}")
+
+
+def default_split() -> tuple[str, str]:
+    """Cores this process may use, first half to prefill and the rest to decode."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    prefill = cores[:half]
+    decode = cores[half:] or cores[:1]
+    return ",".join(map(str, prefill)), ",".join(map(str, decode))
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    prefill_default, decode_default = default_split()
+    parser = argparse.ArgumentParser(prog="gpu_agent", description="Owner of one device: weights, KV pool, partition")
+    add_flag(parser, "--model", "default", "model directory or 'default'")
+    add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
+    add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
+    add_flag(parser, "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int)
+    add_flag(parser, "--block-size", 16, "tokens per KV block", type=int)
+    add_flag(parser, "--host", "127.0.0.1", "address to listen on")
+    add_flag(parser, "--port", 50060, "gRPC port", type=int)
+    add_flag(parser, "--cell-id", "cell0", "id of this cell (one device)")
+    add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
+    add_flag(parser, "--prefill-cores", prefill_default, "cores given to prefill, e.g. 0 or 0-3")
+    add_flag(parser, "--decode-cores", decode_default, "cores given to decode")
+    a = parser.parse_args(argv)
+    return AgentConfig(
+        model=a.model, dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
+        host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
+        prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
+    )

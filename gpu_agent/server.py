@@ -1,0 +1,142 @@
+"""gpu_agent's gRPC server: weights and KV pool in shared memory, the block ledger, the partition.
+
+All allocator state lives in this one process and is touched only from its event loop, so
+no lock is needed and a block can never be handed to two holders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from gpu_agent.blocks import BlockLedger
+from gpu_agent.config import AgentConfig
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.config import ModelConfig
+from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.model_cache import resolve_model
+from tandem.engine.shm import SharedTensorStore
+from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger("tandem.gpu_agent")
+
+
+class PartitionBoard:
+    """The partition in force and a way to wait for the next one."""
+
+    def __init__(self, initial: common_pb2.Partition) -> None:
+        self.current = initial
+        self._changed = asyncio.Condition()
+
+    async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1) -> None:
+        async with self._changed:
+            self.current = common_pb2.Partition(
+                epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
+                decode_lookahead=lookahead, policy=policy,
+            )
+            self._changed.notify_all()
+
+    async def wait_newer(self, epoch: int) -> common_pb2.Partition:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.current.epoch > epoch)
+            return self.current
+
+
+class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
+    def __init__(self, config: AgentConfig, model_dir: Path, weights_name: str, pool: KVPool,
+                 ledger: BlockLedger, partition: PartitionBoard) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.weights_name = weights_name
+        self.pool = pool
+        self.ledger = ledger
+        self.partition = partition
+        self.services: dict[str, agent_pb2.RegisterRequest] = {}
+
+    async def Register(self, request: agent_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> agent_pb2.RegisterReply:  # noqa: N802
+        self.services[request.service_id] = request
+        log.info("registered %s %s at %s", agent_pb2.Role.Name(request.role), request.service_id, request.address)
+        spec = self.pool.spec
+        assert self.pool.store is not None
+        return agent_pb2.RegisterReply(
+            cell_id=self.config.cell_id,
+            model_dir=str(self.model_dir),
+            weights_shm_name=self.weights_name,
+            kv_pool=agent_pb2.KVPoolInfo(
+                shm_name=self.pool.store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
+                block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                dtype=self.config.dtype,
+            ),
+            partition=self.partition.current,
+            dtype=self.config.dtype,
+        )
+
+    async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802
+        start = time.perf_counter_ns()
+        try:
+            alloc = self.ledger.allocate(request.request_id, list(request.token_ids), request.num_extra_tokens)
+        except OutOfBlocksError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return agent_pb2.AllocateReply(
+            block_ids=alloc.block_ids, num_cached_tokens=alloc.num_cached_tokens,
+            server_ns=time.perf_counter_ns() - start,
+        )
+
+    async def Extend(self, request: agent_pb2.ExtendRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ExtendReply:  # noqa: N802
+        start = time.perf_counter_ns()
+        try:
+            new = self.ledger.extend(request.request_id, request.num_tokens)
+        except OutOfBlocksError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return agent_pb2.ExtendReply(new_block_ids=new, server_ns=time.perf_counter_ns() - start)
+
+    async def Publish(self, request: agent_pb2.PublishRequest, context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:  # noqa: N802
+        try:
+            num = self.ledger.publish(request.request_id, list(request.token_ids))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return agent_pb2.PublishReply(num_published=num)
+
+    async def Release(self, request: agent_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ReleaseReply:  # noqa: N802
+        return agent_pb2.ReleaseReply(num_released=self.ledger.release(request.request_id, list(request.token_ids)))
+
+    async def WatchPartition(self, request: agent_pb2.WatchPartitionRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+        current = self.partition.current
+        yield current
+        while True:
+            current = await self.partition.wait_newer(current.epoch)
+            yield current
+
+    async def GetStats(self, request: agent_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AgentStats:  # noqa: N802
+        alloc = self.ledger.allocator
+        return agent_pb2.AgentStats(
+            num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks, num_requests=self.ledger.num_requests,
+            num_prefix_query_tokens=alloc.num_prefix_queries_tokens, num_prefix_hit_tokens=alloc.num_prefix_hit_tokens,
+            partition=self.partition.current,
+        )
+
+
+def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, BlockLedger]:
+    """Load the weights into shared memory and create the shared KV pool (the slow part)."""
+    model_dir = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model_dir)
+    dtype = parse_dtype(config.dtype)
+    weights = load_checkpoint(model_dir, model_config, dtype)
+    store = share_weights(weights, f"{config.cell_id}-weights", exist_ok=True)
+    del weights
+    num_blocks = config.num_blocks or max(
+        1, int(config.kv_cache_gb * (1 << 30)) // KVPoolSpec.for_model(model_config, 1, config.block_size, dtype).bytes_per_block
+    )
+    spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, dtype)
+    pool = KVPool.create_shared(spec, f"{config.cell_id}-kv", exist_ok=True)
+    return model_dir, store, pool, BlockLedger(BlockAllocator(num_blocks, config.block_size))

@@ -1,0 +1,56 @@
+"""``python -m prefill_svc``: the prefill service of one cell."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import grpc
+
+from prefill_svc.config import PrefillConfig, parse_args
+from prefill_svc.server import PrefillServicer, PrefillWorker
+from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
+from tandem.service.cell import CellMember
+from tandem.service.registry import Discovery, announce
+from tandem.service.runtime import run_service, setup_logging
+
+
+async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
+    log = setup_logging("tandem.prefill")
+    setup_tracing("prefill_svc")
+    address = f"{config.host}:{config.port}"
+    member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address)
+    runner = await member.join()
+    discovery = Discovery(config.redis_url, member.cell_id)
+    decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))
+    worker = PrefillWorker(config, member, runner, decode_address)
+    server = grpc.aio.server(interceptors=[server_interceptor()])
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+    server.add_insecure_port(address)
+    await server.start()
+    async with asyncio.TaskGroup() as tasks:
+        loop_task = tasks.create_task(worker.run(), name="prefill-loop")
+        watch_task = tasks.create_task(discovery.watch(), name="discovery")
+        async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
+            log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s",
+                     config.service_id, address, os.getpid(), member.cell_id, member.units)
+            await stop.wait()
+        await server.stop(grace=1.0)
+        loop_task.cancel()
+        watch_task.cancel()
+    await member.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"prefill_svc: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_service(lambda stop: serve(config, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""prefill_svc: batch admitted prompts, prefill them layer group by layer group into the shared
+pool, sample the first token, hand the request to decode_svc as metadata, answer the router.
+
+Between layer groups the event loop runs: new submissions queue up, cancellations are noted
+and a new partition is applied before the next group. A request's blocks are released on every
+path that does not end in an accepted handoff (cancelled, finished at the first token, refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from prefill_svc.config import PrefillConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampling import Sampler, SamplingParams, make_generator
+from tandem.engine.step import Request, sample_step, step_inputs
+from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
+from tandem.rpc.tracing import client_interceptors, tracer
+from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+
+log = logging.getLogger("tandem.prefill")
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _Pending:
+    msg: prefill_pb2.PrefillRequest
+    params: SamplingParams
+    future: asyncio.Future[prefill_pb2.PrefillReply]
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    cancelled: bool = False
+
+
+class PrefillWorker:
+    """Owns the queue and the batch loop; all state is touched only on the event loop."""
+
+    def __init__(self, config: PrefillConfig, member: CellMember, runner: ModelRunner,
+                 decode_address: Callable[[], str]) -> None:
+        self.config = config
+        self.member = member
+        self.runner = runner
+        self.sampler = Sampler()
+        self.eos_token_ids = runner.config.eos_token_ids
+        self.decode_address = decode_address
+        self.queue: deque[_Pending] = deque()
+        self.running: dict[str, _Pending] = {}
+        self._wake = asyncio.Event()
+        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+
+    # ------------------------------------------------------------------ API
+    async def submit(self, msg: prefill_pb2.PrefillRequest, params: SamplingParams) -> prefill_pb2.PrefillReply:
+        pending = _Pending(msg, params, asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self._wake.set()
+        return await pending.future
+
+    def cancel(self, request_id: str) -> bool:
+        for pending in self.queue:
+            if pending.msg.request_id == request_id:
+                self.queue.remove(pending)
+                _fail(pending, grpc.StatusCode.CANCELLED, "cancelled before prefill")
+                return True
+        running = self.running.get(request_id)
+        if running is not None:
+            running.cancelled = True  # dropped at the end of the batch; blocks released then
+            return True
+        return False
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(len(p.msg.token_ids) for p in self.queue)
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.queue:
+                batch = self._take_batch()
+                try:
+                    await self._process(batch)
+                except Exception as exc:  # a bug must fail the batch, not the service
+                    log.exception("prefill batch failed")
+                    for pending in batch:
+                        _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+                        await self._release(pending.msg.request_id)
+                finally:
+                    for pending in batch:
+                        self.running.pop(pending.msg.request_id, None)
+
+    def _take_batch(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        num_tokens = 0
+        while self.queue and len(batch) < self.config.max_batch_requests:
+            size = len(self.queue[0].msg.token_ids)
+            if batch and num_tokens + size > self.config.max_batch_tokens:
+                break
+            pending = self.queue.popleft()
+            batch.append(pending)
+            self.running[pending.msg.request_id] = pending
+            num_tokens += size
+        return batch
+
+    async def _allocate(self, pending: _Pending) -> Request | None:
+        msg = pending.msg
+        try:
+            reply = await self.member.agent.Allocate(
+                agent_pb2.AllocateRequest(request_id=msg.request_id, token_ids=msg.token_ids, num_extra_tokens=1),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                _fail(pending, code, f"KV cache is full: {exc.details()}")
+            else:
+                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
+            return None
+        req = Request(msg.request_id, list(msg.token_ids), pending.params, make_generator(pending.params.seed))
+        req.block_ids = list(reply.block_ids)
+        req.num_computed_tokens = reply.num_cached_tokens
+        req.num_cached_prompt_tokens = reply.num_cached_tokens
+        return req
+
+    async def _process(self, batch: list[_Pending]) -> None:
+        started_ns = time.perf_counter_ns()
+        allocated = await asyncio.gather(*(self._allocate(p) for p in batch))
+        live = [(p, r) for p, r in zip(batch, allocated, strict=True) if r is not None]
+        if not live:
+            return
+        requests = [r for _, r in live]
+        runner = self.runner
+        with tracer("tandem.prefill").start_as_current_span("prefill.batch") as span:
+            span.set_attribute("tandem.batch_size", len(requests))
+            span.set_attribute("tandem.new_tokens", sum(len(r.prompt_token_ids) - r.num_computed_tokens for r in requests))
+            state = await self.member.run(lambda: runner.begin(step_inputs(requests)))
+            group = self.config.layer_group_size
+            for end in range(group, runner.num_layers + group, group):
+                stop = min(end, runner.num_layers)
+
+                def run_group(stop: int = stop) -> None:
+                    self.member.apply_partition()
+                    runner.run_layers(state, stop)
+
+                await self.member.run(run_group)
+            outputs = await self.member.run(
+                lambda: sample_step(runner, self.sampler, requests, runner.finish(state), self.eos_token_ids)
+            )
+        prefill_ns = time.perf_counter_ns() - started_ns
+        await asyncio.gather(*(
+            self._finish_one(p, r, out.finish_reason, started_ns - p.enqueued_ns, prefill_ns)
+            for (p, r), out in zip(live, outputs, strict=True)
+        ))
+
+    async def _finish_one(self, pending: _Pending, req: Request, finish_reason: str | None,
+                          queue_ns: int, prefill_ns: int) -> None:
+        rid = req.request_id
+        if pending.cancelled or pending.future.done():
+            await self._release(rid)
+            _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")
+            return
+        first = token_to_proto(
+            req.output_token_ids[0],
+            req.output_logprobs[0] if req.output_logprobs else None,
+            req.output_top_logprobs[0] if req.output_top_logprobs else None,
+        )
+        reply = prefill_pb2.PrefillReply(
+            request_id=rid, first_token=first, finish_reason=finish_to_proto(finish_reason),
+            num_cached_tokens=req.num_cached_prompt_tokens, queue_ns=queue_ns, prefill_ns=prefill_ns,
+        )
+        if finish_reason is not None:
+            await self._release(rid, req.prompt_token_ids)
+            _succeed(pending, reply)
+            return
+        handoff_start = time.perf_counter_ns()
+        try:
+            await self.member.agent.Publish(
+                agent_pb2.PublishRequest(request_id=rid, token_ids=req.prompt_token_ids), timeout=RPC_TIMEOUT_S
+            )
+            answer = await self._decode_stub().Handoff(self._handoff_msg(pending, req), timeout=RPC_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            await self._release(rid)
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+            return
+        if not answer.accepted:
+            await self._release(rid)
+            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"decode refused the request: {answer.message}")
+            return
+        reply.handoff_ns = time.perf_counter_ns() - handoff_start
+        if pending.cancelled or pending.future.done():  # the client left during the handoff
+            await self._decode_stub().Cancel(prefill_pb2.CancelRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+            return
+        _succeed(pending, reply)
+
+    def _handoff_msg(self, pending: _Pending, req: Request) -> decode_pb2.HandoffRequest:
+        gen_state = req.generator.get_state().numpy().tobytes() if req.generator is not None else b""
+        return decode_pb2.HandoffRequest(
+            request_id=req.request_id, router_id=pending.msg.router_id,
+            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            block_ids=req.block_ids, num_computed_tokens=req.num_computed_tokens,
+            sampling=pending.msg.sampling, generator_state=gen_state,
+            arrival_unix_ns=pending.msg.arrival_unix_ns, prefill_done_unix_ns=time.time_ns(),
+        )
+
+    def _decode_stub(self) -> decode_pb2_grpc.DecodeStub:
+        address = self.decode_address()
+        channel = self._decode_channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors())
+            self._decode_channels[address] = channel
+        return decode_pb2_grpc.DecodeStub(channel)
+
+    async def _release(self, request_id: str, token_ids: list[int] | None = None) -> None:
+        try:
+            await self.member.agent.Release(
+                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or []), timeout=RPC_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.error("could not release blocks of %s: %s", request_id, exc.details())
+
+
+def _succeed(pending: _Pending, reply: prefill_pb2.PrefillReply) -> None:
+    if not pending.future.done():  # a cancelled Submit cancels its future
+        pending.future.set_result(reply)
+
+
+def _fail(pending: _Pending, code: grpc.StatusCode, message: str) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(RequestFailed(code, message))
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Submit(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillReply:  # noqa: N802
+        config = self.worker.runner.config
+        try:
+            params = sampling_from_proto(request.sampling)
+            if not request.token_ids:
+                raise InvalidRequestError("prompt is empty")
+            if len(request.token_ids) >= config.max_position_embeddings:
+                raise InvalidRequestError(
+                    f"prompt has {len(request.token_ids)} tokens; the context length is {config.max_position_embeddings}"
+                )
+            if max(request.token_ids) >= config.vocab_size:
+                raise InvalidRequestError(f"token ids must be below the vocabulary size {config.vocab_size}")
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            return await self.worker.submit(request, params)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            # The router went away: whatever stage the request is in, its blocks come back.
+            self.worker.cancel(request.request_id)
+            raise
+        raise AssertionError("unreachable")
+
+    async def Cancel(self, request: prefill_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.CancelReply:  # noqa: N802
+        return prefill_pb2.CancelReply(found=self.worker.cancel(request.request_id))

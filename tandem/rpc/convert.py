@@ -1,0 +1,58 @@
+"""proto ↔ dataclass conversions that more than one service needs."""
+
+from __future__ import annotations
+
+from tandem.engine.sampling import SamplingParams
+from tandem.rpc.v1 import common_pb2
+
+_FINISH: dict[str | None, common_pb2.FinishReason] = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_NAMES: dict[int, str | None] = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed % (1 << 64)
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError for out-of-range values, like the dataclass itself."""
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty, max_tokens=msg.max_tokens, min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
+    return _FINISH[reason]
+
+
+def finish_from_proto(value: int) -> str | None:
+    return _FINISH_NAMES.get(value)
+
+
+def token_to_proto(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> common_pb2.GeneratedToken:
+    msg = common_pb2.GeneratedToken(
+        token_id=token_id, top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top or []]
+    )
+    if logprob is not None:
+        msg.logprob = logprob
+    return msg

@@ -1,0 +1,134 @@
+"""Joining a cell: register with its gpu_agent, map the shared weights and KV pool, follow the
+partition. prefill_svc and decode_svc both start this way.
+
+Torch work of a member runs on one dedicated thread (``run``), so the partition — CPU cores
+and the intra-op thread count — is applied in the thread that does the work, and only at the
+boundaries the caller chooses (between layer groups, between decode steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+
+from tandem.engine.attention import make_backend
+from tandem.engine.config import ModelConfig
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.model import LlamaModel
+from tandem.engine.runner import ModelRunner
+from tandem.engine.shm import SharedTensorStore
+from tandem.engine.weights import attach_weights, parse_dtype
+from tandem.rpc.tracing import client_interceptors
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger("tandem.cell")
+T = TypeVar("T")
+RPC_TIMEOUT_S = 10.0
+
+
+def apply_cpu_partition(cores: list[int]) -> None:
+    """Pin every thread of this process to ``cores`` and size torch's pool to match.
+
+    ``sched_setaffinity`` acts on one thread; the intra-op (OpenMP) workers already exist,
+    so each task of the process is pinned, then the calling thread sets the thread count.
+    """
+    allowed = set(cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), allowed)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass  # a thread that just exited, or a core the container does not have
+    torch.set_num_threads(max(1, len(cores)))
+
+
+class CellMember:
+    def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str, pack_weights: bool = False):
+        self.role = role
+        self.service_id = service_id
+        self.address = address
+        self.agent_address = agent_address
+        self.pack_weights = pack_weights
+        self.channel = grpc.aio.insecure_channel(agent_address, interceptors=client_interceptors())
+        self.agent = agent_pb2_grpc.GpuAgentStub(self.channel)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{service_id}")
+        self.partition = common_pb2.Partition()
+        self._applied_epoch = -1
+        self._stores: list[SharedTensorStore] = []
+        self.cell_id = ""
+        self.model_dir = Path()
+        self.runner: ModelRunner | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def units(self) -> list[int]:
+        p = self.partition
+        return list(p.prefill_units if self.role == agent_pb2.ROLE_PREFILL else p.decode_units)
+
+    async def join(self, wait_s: float = 120.0) -> ModelRunner:
+        """Register (retrying while the agent starts), attach shared state, build the runner."""
+        request = agent_pb2.RegisterRequest(service_id=self.service_id, role=self.role, address=self.address)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                reply = await self.agent.Register(request, timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"gpu_agent at {self.agent_address} unreachable: {exc.details()}") from exc
+                await asyncio.sleep(0.2)
+        self.cell_id = reply.cell_id
+        self.model_dir = Path(reply.model_dir)
+        self.partition = reply.partition
+        self.runner = await self.run(lambda: self._attach(reply))
+        self._watch = asyncio.create_task(self._follow_partition(), name="watch-partition")
+        return self.runner
+
+    def _attach(self, reply: agent_pb2.RegisterReply) -> ModelRunner:
+        config = ModelConfig.from_dir(self.model_dir)
+        store, weights = attach_weights(reply.weights_shm_name)
+        info = reply.kv_pool
+        spec = KVPoolSpec(info.num_layers, info.num_blocks, info.block_size, info.num_kv_heads, info.head_dim,
+                          parse_dtype(info.dtype))
+        pool = KVPool.attach(spec, info.shm_name)
+        self._stores = [store] + ([pool.store] if pool.store is not None else [])
+        model = LlamaModel(config, weights, make_backend("torch", config.num_heads), pack_weights=self.pack_weights)
+        return ModelRunner(model, pool)
+
+    async def _follow_partition(self) -> None:
+        while True:
+            try:
+                async for partition in self.agent.WatchPartition(
+                    agent_pb2.WatchPartitionRequest(service_id=self.service_id)
+                ):
+                    if partition.epoch > self.partition.epoch:
+                        self.partition = partition
+            except grpc.aio.AioRpcError as exc:
+                log.warning("partition stream lost (%s); retrying", exc.code().name)
+                await asyncio.sleep(0.5)
+
+    def apply_partition(self) -> bool:
+        """Apply a newer partition; call only from the torch thread, at a boundary."""
+        if self.partition.epoch == self._applied_epoch or not self.units:
+            return False
+        apply_cpu_partition(self.units)
+        self._applied_epoch = self.partition.epoch
+        log.info("%s applied partition epoch %d: cores %s", self.service_id, self.partition.epoch, self.units)
+        return True
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run torch work on the member's torch thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.channel.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)

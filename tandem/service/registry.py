@@ -1,0 +1,85 @@
+"""How a service process appears in, and finds others through, the Redis registry.
+
+Without a Redis URL every helper here is a no-op (addresses then come from flags), so a cell
+can also run wired by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aredis
+
+from tandem.state.registry import HeartbeatTask, Registry
+from tandem.state.schema import Role, ServiceInfo
+
+log = logging.getLogger("tandem.registry")
+
+
+def open_redis(url: str) -> aredis.Redis | None:
+    return aredis.Redis.from_url(url) if url else None
+
+
+@asynccontextmanager
+async def announce(
+    redis_url: str, role: Role, cell_id: str, address: str, service_id: str | None = None
+) -> AsyncIterator[None]:
+    """Keep this process registered (with heartbeats) while the body runs."""
+    client = open_redis(redis_url)
+    if client is None:
+        yield
+        return
+    info = ServiceInfo(
+        service_id=service_id or f"{role}-{uuid.uuid4().hex[:8]}", role=role, cell_id=cell_id, address=address,
+        pid=os.getpid(), started_unix_s=time.time(),
+    )
+    try:
+        async with HeartbeatTask(Registry(client), info):
+            yield
+    finally:
+        await client.aclose()
+
+
+class Discovery:
+    """Live addresses of a cell's services, refreshed from the registry in the background."""
+
+    def __init__(self, redis_url: str, cell_id: str, refresh_s: float = 1.0) -> None:
+        self.cell_id = cell_id
+        self.refresh_s = refresh_s
+        self._client = open_redis(redis_url)
+        self.addresses: dict[str, list[str]] = {}
+
+    async def refresh(self) -> None:
+        if self._client is None:
+            return
+        services = await Registry(self._client).list(cell_id=self.cell_id)
+        found: dict[str, list[str]] = {}
+        for info in services:
+            found.setdefault(info.role, []).append(info.address)
+        self.addresses = {role: sorted(addrs) for role, addrs in found.items()}
+
+    async def watch(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # Redis restarting: keep the last known addresses
+                log.warning("registry refresh failed: %s", exc)
+            await asyncio.sleep(self.refresh_s)
+
+    def pick(self, role: str) -> str:
+        """A live address of ``role``; raises LookupError naming the role when there is none."""
+        addrs = self.addresses.get(role)
+        if not addrs:
+            raise LookupError(f"no live {role} service registered in cell {self.cell_id}")
+        return random.choice(addrs)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()

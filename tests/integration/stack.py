@@ -1,0 +1,120 @@
+"""A real Tandem mesh for tests: Redis, gpu_agent, prefill_svc, decode_svc and router as
+separate processes on private ports, started and stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from tandem.service.runtime import free_port
+from tandem.state.redis_server import RedisServer
+from tests.tiny_models import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_tiny_chat_model(out_dir: Path, smollm2_dir: Path, seed: int = 0) -> Path:
+    """A random 2-layer Llama with SmolLM2's vocabulary, tokenizer and chat template: fast to
+    run, and every text path (chat template, detokenization) is the real one."""
+    write_tiny_model(out_dir, "llama", seed=seed, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                     max_position_embeddings=2048, rope_scaling=None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out_dir / name)
+    return out_dir
+
+
+@dataclass
+class Stack:
+    model_dir: Path
+    log_dir: Path
+    num_blocks: int = 512
+    block_size: int = 16
+    redis: RedisServer | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def start(self) -> Stack:
+        self.redis = RedisServer().start()
+        for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):
+            self.ports[name] = free_port()
+        self.start_process("gpu_agent")
+        self.start_process("decode_svc")
+        self.start_process("prefill_svc")
+        self.start_process("router")
+        return self
+
+    def _args(self, name: str) -> list[str]:
+        agent = ["--agent-address", self.address("gpu_agent")]
+        port = str(self.ports[name])
+        return {
+            "gpu_agent": ["--model", str(self.model_dir), "--port", port, "--num-blocks", str(self.num_blocks),
+                          "--block-size", str(self.block_size)],
+            "decode_svc": [*agent, "--port", port],
+            "prefill_svc": [*agent, "--port", port, "--decode-address", self.address("decode_svc")],
+            "router": ["--model", str(self.model_dir), "--grpc-port", port,
+                       "--prefill-address", self.address("prefill_svc"), "--decode-address", self.address("decode_svc")],
+        }[name]
+
+    def start_process(self, name: str, timeout_s: float = 120.0) -> None:
+        assert self.redis is not None
+        env = dict(os.environ, REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT), TANDEM_CELL_ID="cell0")
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self._args(name)], env=env, cwd=ROOT,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        self.wait_ready(name, timeout_s)
+
+    def wait_ready(self, name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address(name)) as channel:
+            while True:
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited: {self.logs(name)[-3000:]}")
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=0.5)
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}") from None
+        if name in ("prefill_svc", "decode_svc"):
+            self.wait_log(name, "ready at", timeout_s)
+
+    def wait_log(self, name: str, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.logs(name):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} never logged {text!r}: {self.logs(name)[-3000:]}")
+            time.sleep(0.1)
+
+    def logs(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in ("router", "prefill_svc", "decode_svc", "gpu_agent"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if self.redis is not None:
+            self.redis.stop()
