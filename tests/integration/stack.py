@@ -71,11 +71,12 @@ class Stack:
         assert self.redis is not None
         env = dict(os.environ, REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT), TANDEM_CELL_ID="cell0")
         log = open(self.log_dir / f"{name}.log", "ab")
+        offset = len(self.logs(name))
         self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self._args(name)], env=env, cwd=ROOT,
                                             stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready(name, timeout_s)
+        self.wait_ready(name, timeout_s, offset)
 
-    def wait_ready(self, name: str, timeout_s: float) -> None:
+    def wait_ready(self, name: str, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address(name)) as channel:
             while True:
@@ -88,11 +89,11 @@ class Stack:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}") from None
         if name in ("prefill_svc", "decode_svc"):
-            self.wait_log(name, "ready at", timeout_s)
+            self.wait_log(name, "ready at", timeout_s, log_offset)
 
-    def wait_log(self, name: str, text: str, timeout_s: float) -> None:
+    def wait_log(self, name: str, text: str, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s
-        while text not in self.logs(name):
+        while text not in self.logs(name)[log_offset:]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} never logged {text!r}: {self.logs(name)[-3000:]}")
             time.sleep(0.1)

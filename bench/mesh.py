@@ -1,0 +1,150 @@
+"""Mesh benchmark: metadata latencies and output throughput through the real processes.
+
+Measures, in one run on this machine with the default model (or --model):
+- the gpu_agent's Allocate round trip (128-token prompts, no prefix hits; Release after each)
+  as a gRPC client sees it: mean / p50 / p99 (Bullet reports 0.21 ms mean, 1.54 ms p99 for its
+  metadata send/recv);
+- handoff latency, prefill done -> the request in decode's batch, from decode_svc's GetStats;
+- output tokens/s of N concurrent greedy streams through router -> prefill -> decode, against
+  the single-process engine generating the same requests with the same batch (same run).
+Writes JSON (default bench/results/mesh.json).
+
+Usage: python bench/mesh.py [--model DIR] [--streams 16] [--max-tokens 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.sampling import SamplingParams  # noqa: E402
+from tandem.rpc.convert import sampling_to_proto  # noqa: E402
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, decode_pb2, decode_pb2_grpc  # noqa: E402
+from tandem.rpc.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from tests.integration.stack import Stack  # noqa: E402
+
+PROMPT_LEN = 128
+
+
+def _percentiles(samples_ns: list[int]) -> dict[str, float]:
+    ordered = sorted(samples_ns)
+    ms = [s / 1e6 for s in ordered]
+    return {
+        "mean_ms": round(statistics.fmean(ms), 4),
+        "p50_ms": round(ms[len(ms) // 2], 4),
+        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 4),
+        "n": len(ms),
+    }
+
+
+async def agent_round_trips(address: str, num: int) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        agent = agent_pb2_grpc.GpuAgentStub(channel)
+        g = torch.Generator().manual_seed(1)
+        samples = []
+        for i in range(num):
+            ids = torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist()
+            start = time.perf_counter_ns()
+            await agent.Allocate(agent_pb2.AllocateRequest(request_id=f"bench-{i}", token_ids=ids, num_extra_tokens=1),
+                                 timeout=5)
+            samples.append(time.perf_counter_ns() - start)
+            await agent.Release(agent_pb2.ReleaseRequest(request_id=f"bench-{i}"), timeout=5)
+    return _percentiles(samples[10:])  # the first calls open the connection
+
+
+async def mesh_throughput(address: str, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        router = router_pb2_grpc.RouterStub(channel)
+
+        async def one(ids: list[int]) -> list[int]:
+            tokens: list[int] = []
+            request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                                 sampling=sampling_to_proto(params))
+            async for response in router.Generate(request, timeout=600):
+                tokens.extend(t.token_id for t in response.tokens)
+            return tokens
+
+        await one(prompts[0][:16])  # warm the path
+        start = time.perf_counter()
+        outputs = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o) for o in outputs)
+    return {"output_tokens": num_tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(num_tokens / elapsed, 2),
+            "outputs": outputs}
+
+
+def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams, pack: bool) -> dict[str, Any]:
+    engine = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 30, pack_weights=pack)
+    engine.generate([prompts[0][:16]], params)  # warm up
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(r.token_ids) for r in results)
+    return {"output_tokens": num_tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(num_tokens / elapsed, 2),
+            "outputs": [r.token_ids for r in results]}
+
+
+async def decode_stats(address: str) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stats = await decode_pb2_grpc.DecodeStub(channel).GetStats(decode_pb2.DecodeStatsRequest(), timeout=5)
+    return {"n": stats.num_handoffs, "mean_ms": stats.handoff_mean_ns / 1e6, "p50_ms": stats.handoff_p50_ns / 1e6,
+            "p99_ms": stats.handoff_p99_ns / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--out", default="bench/results/mesh.json")
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 40000, (args.streams, PROMPT_LEN), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    report: dict[str, Any] = {"benchmark": "mesh", "model": model_dir.name, "streams": args.streams,
+                              "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory() as logs:
+        stack = Stack(model_dir, Path(logs), num_blocks=2048)
+        try:
+            stack.start()
+            report["agent_allocate_round_trip"] = asyncio.run(
+                agent_round_trips(stack.address("gpu_agent"), args.round_trips))
+            print("agent allocate:", report["agent_allocate_round_trip"], flush=True)
+            mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params))
+            report["handoff"] = asyncio.run(decode_stats(stack.address("decode_svc")))
+            print("handoff:", report["handoff"], flush=True)
+        finally:
+            stack.stop()
+    engine = engine_throughput(model_dir, prompts, params, pack=False)
+    same = sum(a == b for a, b in zip(mesh.pop("outputs"), engine.pop("outputs"), strict=True))
+    report["mesh"] = mesh
+    report["engine_one_process"] = engine
+    report["mesh_over_engine"] = round(mesh["tokens_per_s"] / engine["tokens_per_s"], 3)
+    report["identical_outputs"] = f"{same}/{len(prompts)}"
+    print("mesh:", mesh, "engine:", engine, "ratio:", report["mesh_over_engine"], "identical:", report["identical_outputs"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

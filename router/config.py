@@ -1,0 +1,107 @@
+"""The router's configuration: flags with TANDEM_* twins, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.engine.model_cache import resolve_model
+from tandem.service.flags import add_flag
+
+DEFAULT_STALL_TIMEOUT_S = 30.0
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router process needs; invalid values raise ValueError on construction.
+
+    Upstreams come either from explicit addresses (both lists non-empty) or, when both lists
+    are empty, from the Redis registry at ``redis_url`` (services of ``cell_id``; an empty
+    ``cell_id`` means every cell). Explicit addresses win when both are given.
+    """
+
+    model_dir: Path  # resolved local model directory (config.json, tokenizer.json)
+    host: str
+    grpc_port: int  # 0 binds an ephemeral port (tests)
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    redis_url: str
+    cell_id: str
+    router_id: str  # decode services key their token streams by it; unique per process
+    stall_timeout_s: float  # longest wait for a decode update before giving up on a request
+    request_timeout_s: float  # longest a request may run end to end
+    cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
+    discovery_interval_s: float = 2.0  # how often the registry is re-read
+
+    def __post_init__(self) -> None:
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"--model {self.model_dir} has no config.json")
+        if not (self.model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"--model {self.model_dir} has no tokenizer.json; the router tokenizes")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
+        for flag, addresses in (("--prefill-address", self.prefill_addresses),
+                                ("--decode-address", self.decode_addresses)):
+            for address in addresses:
+                _check_address(flag, address)
+        if bool(self.prefill_addresses) != bool(self.decode_addresses):
+            raise ValueError("give both --prefill-address and --decode-address, or neither (registry discovery)")
+        if not self.prefill_addresses and not self.redis_url:
+            raise ValueError("no upstreams: give --prefill-address and --decode-address, or --redis-url")
+        if not self.router_id or any(c.isspace() for c in self.router_id):
+            raise ValueError(f"--router-id must be non-empty without spaces, got {self.router_id!r}")
+        for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def static_upstreams(self) -> bool:
+        """True when upstream addresses come from flags rather than the registry."""
+        return bool(self.prefill_addresses)
+
+
+def _check_address(flag: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag} entries must be host:port, got {address!r}")
+
+
+def _address_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    """Build the config from ``argv`` and TANDEM_* variables.
+
+    Resolving ``--model default`` may pull the default model into the cache (once); raises
+    ModelLoadError when the model cannot be found and ValueError for invalid values.
+    """
+    parser = argparse.ArgumentParser(prog="router", description="Tandem's public gRPC API: tokenize, route, stream")
+    add_flag(parser, "--model", "default", "model directory or 'default'")
+    add_flag(parser, "--host", "127.0.0.1", "address to listen on")
+    add_flag(parser, "--grpc-port", 50051, "gRPC port (0: any free port)", type=int)
+    add_flag(parser, "--prefill-address", "", "prefill_svc host:port (comma-separated for several)")
+    add_flag(parser, "--decode-address", "", "decode_svc host:port (comma-separated for several)")
+    add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)")
+    add_flag(parser, "--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)")
+    add_flag(parser, "--router-id", "", "id decode services key this router's stream by (default: random)")
+    add_flag(parser, "--stall-timeout-s", DEFAULT_STALL_TIMEOUT_S,
+             "give up on a request after this long without a decode update", type=float)
+    add_flag(parser, "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float)
+    args = parser.parse_args(argv)
+    return RouterConfig(
+        model_dir=resolve_model(args.model),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        prefill_addresses=_address_list(args.prefill_address),
+        decode_addresses=_address_list(args.decode_address),
+        redis_url=args.redis_url,
+        cell_id=args.cell_id,
+        router_id=args.router_id or f"router-{uuid.uuid4().hex[:12]}",
+        stall_timeout_s=args.stall_timeout_s,
+        request_timeout_s=args.request_timeout_s,
+    )

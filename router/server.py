@@ -1,0 +1,626 @@
+"""The router's gRPC server: Tandem's public ``Router`` API.
+
+One ``Generate`` call, in order: tokenize and validate; register the request with the decode
+stream demultiplexer (so no early token is missed); ``Prefill.Submit``, whose reply carries the
+first token; then one response per decode update until a finish reason. On the way the router
+drops re-sent tokens, detokenizes incrementally and applies stop strings. Whenever a request
+ends for any reason other than its upstream finishing it (a stop string, the client going
+away, a deadline, an error), the router cancels it at prefill and decode so its KV blocks
+come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Protocol
+
+import grpc
+import grpc.aio
+
+from router.config import RouterConfig
+from router.streams import ChannelPool, DecodeStreams
+from tandem.engine.config import ModelConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.stop_strings import StopStringMatcher
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
+from tandem.rpc.tracing import client_interceptors, server_interceptor, setup_tracing, shutdown_tracing
+from tandem.rpc.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from tandem.service.registry import announce
+
+log = logging.getLogger("tandem.router")
+
+# What max_tokens 0 (proto3's "unset") means, as in SamplingParams and OpenAI's completions.
+DEFAULT_MAX_TOKENS = 16
+# Stop strings are matched against every delta; a bound keeps that cheap.
+MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_LENGTH = 256
+# How long Health waits for an upstream channel to connect.
+HEALTH_PROBE_TIMEOUT_S = 1.0
+
+_STOP = common_pb2.FINISH_REASON_STOP
+_LENGTH = common_pb2.FINISH_REASON_LENGTH
+_ERROR = common_pb2.FINISH_REASON_ERROR
+_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class RequestRejected(Exception):
+    """Ends a Generate call with a gRPC status; raised by the request path, turned into
+    ``context.abort`` at its top."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# --- upstream discovery ---------------------------------------------------------------------
+
+class Upstreams(NamedTuple):
+    """Where the prefill and decode services listen (host:port each)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+
+class UpstreamSource(Protocol):
+    """Tells the router its upstreams; ``fetch`` is called at start and then periodically."""
+
+    async def fetch(self) -> Upstreams: ...
+
+
+class StaticUpstreams:
+    """The addresses given on the command line."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        self._upstreams = Upstreams(tuple(prefill), tuple(decode))
+
+    async def fetch(self) -> Upstreams:
+        return self._upstreams
+
+
+class _Addressed(Protocol):
+    @property
+    def address(self) -> str: ...
+
+
+class ServiceLister(Protocol):
+    """The part of ``tandem.state.registry.Registry`` that discovery uses."""
+
+    async def list(self, role: Literal["prefill", "decode"] | None = None,
+                   cell_id: str | None = None) -> Sequence[_Addressed]: ...
+
+
+class RegistryUpstreams:
+    """Live prefill and decode services of one cell (every cell when ``cell_id`` is empty)."""
+
+    def __init__(self, lister: ServiceLister, cell_id: str) -> None:
+        self._lister = lister
+        self._cell_id = cell_id or None
+
+    async def fetch(self) -> Upstreams:
+        prefill = await self._lister.list(role="prefill", cell_id=self._cell_id)
+        decode = await self._lister.list(role="decode", cell_id=self._cell_id)
+        return Upstreams(tuple(s.address for s in prefill), tuple(s.address for s in decode))
+
+
+def _registry_source(config: RouterConfig) -> tuple[UpstreamSource, Callable[[], Awaitable[None]]]:
+    """A registry-backed source and the function that closes its Redis client."""
+    import redis.asyncio as aredis
+
+    from tandem.state.registry import Registry
+
+    client = aredis.from_url(config.redis_url)
+    return RegistryUpstreams(Registry(client), config.cell_id), client.aclose
+
+
+# --- request conversion ---------------------------------------------------------------------
+
+def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams from the public proto, reading proto3's 0 ("unset") as the default for
+    the fields where 0 is out of range: max_tokens (16), top_p (1) and repetition_penalty (1).
+    Temperature 0 stays greedy, as the proto documents. Raises InvalidRequestError."""
+    filled = common_pb2.SamplingParams()
+    filled.CopyFrom(msg)
+    if filled.max_tokens == 0:
+        filled.max_tokens = DEFAULT_MAX_TOKENS
+    if filled.top_p == 0:
+        filled.top_p = 1.0
+    if filled.repetition_penalty == 0:
+        filled.repetition_penalty = 1.0
+    return sampling_from_proto(filled)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated Generate request, ready for prefill."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # max_tokens already capped to the room left in the context
+    stop: tuple[str, ...]
+
+
+class TokenGapError(Exception):
+    """An update skipped tokens the client has not seen (the stream lost some)."""
+
+
+class Generation:
+    """One request's output side: turns upstream tokens into client responses.
+
+    Invariants: tokens reach the client in index order, each exactly once (an update's
+    tokens below ``num_delivered`` are re-sends and are dropped; a jump past it raises
+    TokenGapError); at most ``params.max_tokens`` tokens are delivered; text is the
+    incremental detokenization of the delivered tokens with stop strings applied, and the
+    last response (the one with a finish reason) carries the usage. Pure: no I/O, no clock.
+    """
+
+    def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 params: SamplingParams, stop: Sequence[str]) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self.num_delivered = 0
+        self.finish_reason: common_pb2.FinishReason = _UNSPECIFIED
+        # True when upstream itself finished the request: nothing is left to cancel.
+        self.ended_by_upstream = False
+        self._max_tokens = params.max_tokens
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+        self._matcher = StopStringMatcher(stop)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != _UNSPECIFIED
+
+    def advance(self, first_index: int, tokens: Sequence[common_pb2.GeneratedToken],
+                upstream_finish: common_pb2.FinishReason) -> router_pb2.GenerateResponse | None:
+        """Take an upstream update whose first token has output index ``first_index``.
+
+        Returns the response to send, or None when the update adds nothing (a pure re-send,
+        or anything after the request finished).
+        """
+        if self.finished:
+            return None
+        num_repeated = self.num_delivered - first_index
+        if num_repeated < 0:
+            raise TokenGapError(
+                f"request {self.request_id}: expected output token {self.num_delivered}, "
+                f"got an update starting at {first_index}"
+            )
+        new = list(tokens)[num_repeated:]
+        response = router_pb2.GenerateResponse(request_id=self.request_id)
+        text: list[str] = []
+        finish: common_pb2.FinishReason = _UNSPECIFIED
+        num_taken = 0
+        for token in new:
+            if self.num_delivered >= self._max_tokens:
+                break  # upstream overshot max_tokens; the client never sees more
+            response.tokens.append(token)
+            self.num_delivered += 1
+            num_taken += 1
+            fed = self._matcher.feed(self._detokenizer.step(token.token_id))
+            text.append(fed.text)
+            if fed.stopped:
+                finish = _STOP
+                break
+        if upstream_finish != _UNSPECIFIED and num_taken == len(new):
+            self.ended_by_upstream = True
+            if finish == _UNSPECIFIED:
+                finish = upstream_finish
+        if finish == _UNSPECIFIED and self.num_delivered >= self._max_tokens:
+            finish = _LENGTH
+        if finish != _UNSPECIFIED:
+            if not self._matcher.stopped:
+                # The detokenizer may hold an incomplete character, the matcher a partial stop.
+                tail = self._matcher.feed(self._detokenizer.flush())
+                text.append(tail.text)
+                finish = _STOP if tail.stopped else finish
+                text.append(self._matcher.flush())
+            self.finish_reason = finish
+            response.finish_reason = finish
+            response.usage.CopyFrom(router_pb2.Usage(
+                prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_delivered,
+                cached_tokens=self.num_cached_tokens,
+            ))
+        response.text = "".join(text)
+        if not response.tokens and not response.text and not self.finished:
+            return None
+        return response
+
+
+# --- the servicer ---------------------------------------------------------------------------
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Generate / ListModels / Health for one model.
+
+    Owns the decode-stream demultiplexer and the background cancel tasks; ``set_upstreams``
+    tells it where prefill and decode services listen; ``close`` waits for pending cancels
+    and closes the streams (the channels belong to the caller).
+    """
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: ModelConfig,
+                 channels: ChannelPool) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._model_config = model_config
+        self._channels = channels
+        self._model_id = config.model_dir.name
+        names = {"", "default", self._model_id}
+        if self._model_id == DEFAULT_MODEL_NAME:
+            names |= DEFAULT_MODEL_ALIASES
+        self._model_names = frozenset(names)
+        self._streams = DecodeStreams(config.router_id, channels, on_orphan=self._cancel_orphan)
+        self._prefill_addresses: tuple[str, ...] = ()
+        self._next_prefill = itertools.count()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def streams(self) -> DecodeStreams:
+        return self._streams
+
+    @property
+    def context_length(self) -> int:
+        return self._model_config.max_position_embeddings
+
+    def set_upstreams(self, upstreams: Upstreams) -> None:
+        if upstreams.prefill != self._prefill_addresses or upstreams.decode != self._streams.addresses:
+            log.info("upstreams: prefill %s, decode %s",
+                     ", ".join(upstreams.prefill) or "none", ", ".join(upstreams.decode) or "none")
+        self._prefill_addresses = upstreams.prefill
+        self._streams.set_addresses(upstreams.decode)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to ``timeout_s``) for pending upstream cancels, then stop the streams."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+        await self._streams.close()
+
+    # Generate ---------------------------------------------------------------------------------
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Stream the request's tokens and text; see the module docstring for the sequence.
+
+        Statuses: INVALID_ARGUMENT (bad prompt or sampling), NOT_FOUND (unknown model),
+        ALREADY_EXISTS (request id in flight), UNAVAILABLE (no or failing upstream, decode
+        stalled), INTERNAL (decode reported an error), DEADLINE_EXCEEDED (request timeout).
+        """
+        try:
+            await self._generate(request, context)
+        except RequestRejected as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def _generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        loop = asyncio.get_running_loop()
+        started_ns = time.monotonic_ns()
+        arrival_unix_ns = time.time_ns()
+        prepared = self._prepare(request)
+        prefill_address = self._pick_prefill()
+        client_remaining_s = context.time_remaining()
+        budget_s = self._config.request_timeout_s
+        if client_remaining_s is not None:
+            budget_s = min(budget_s, client_remaining_s)
+        deadline_s = loop.time() + budget_s
+
+        try:
+            queue = self._streams.register(prepared.request_id)
+        except ValueError as exc:
+            raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        generation = Generation(prepared.request_id, self._tokenizer, prepared.prompt_ids,
+                                prepared.params, prepared.stop)
+        try:
+            reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+            generation.num_cached_tokens = reply.num_cached_tokens
+            first_tokens = [reply.first_token] if reply.HasField("first_token") else []
+            if not first_tokens and reply.finish_reason == _UNSPECIFIED:
+                raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
+                                      f"prefill service at {prefill_address} replied without a first token")
+            first = generation.advance(0, first_tokens, reply.finish_reason)
+            assert first is not None  # a token or a finish reason: advance always answers
+            first.ttft_ns = time.monotonic_ns() - started_ns
+            await context.write(first)
+            while not generation.finished:
+                update = await self._next_update(queue, deadline_s)
+                if update.finish_reason == _ERROR:
+                    generation.ended_by_upstream = True
+                    raise RequestRejected(grpc.StatusCode.INTERNAL,
+                                          update.error or "decode service failed the request without a message")
+                try:
+                    response = generation.advance(update.first_index, update.tokens, update.finish_reason)
+                except TokenGapError as exc:
+                    raise RequestRejected(grpc.StatusCode.UNAVAILABLE, f"decode stream lost tokens: {exc}") from None
+                if response is not None:
+                    await context.write(response)
+        finally:
+            self._streams.unregister(prepared.request_id)
+            if not generation.ended_by_upstream:
+                # A task of its own, so that the cancellation of this handler (the client went
+                # away) cannot stop the cleanup that gives the request's KV blocks back.
+                self._spawn(self._cancel_upstream(prepared.request_id, prefill_address))
+            log.debug("request %s: %d prompt tokens, %d generated, finish %s", prepared.request_id,
+                      generation.num_prompt_tokens, generation.num_delivered, generation.finish_reason)
+
+    def _prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
+        if request.model not in self._model_names:
+            raise RequestRejected(grpc.StatusCode.NOT_FOUND,
+                                  f"model {request.model!r} is not served here; this router serves {self._model_id!r}")
+        if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id must be at most {MAX_REQUEST_ID_LENGTH} characters")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        try:
+            prompt_ids = self._prompt_ids(request)
+            params = sampling_from_request(request.sampling)
+            StopStringMatcher(request.stop)  # validates the stop strings
+        except InvalidRequestError as exc:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The context bounds prompt + output; a shorter max_tokens is fine and finishes with
+        # LENGTH when the context is full, as the FinishReason proto documents.
+        room = self.context_length - len(prompt_ids)
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return PreparedRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            params=params,
+            stop=tuple(request.stop),
+        )
+
+    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """Raises InvalidRequestError for a missing, empty, unknown-token or over-long prompt."""
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = self._tokenizer.encode(request.text)
+        elif kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            ids = self._tokenizer.encode_chat(messages)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            vocab_size = self._model_config.vocab_size
+            bad = [i for i in ids if i >= vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} ids")
+        else:
+            raise InvalidRequestError("the request has no prompt: set text, token_ids or messages")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)")
+        context = self.context_length
+        if len(ids) >= context:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but the model's context length is {context} tokens; "
+                f"a prompt may have at most {context - 1} tokens, leaving room for one generated token"
+            )
+        return ids
+
+    def _pick_prefill(self) -> str:
+        addresses = self._prefill_addresses
+        if not addresses:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill service is known to this router")
+        if not self._streams.addresses:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode service is known to this router")
+        return addresses[next(self._next_prefill) % len(addresses)]
+
+    async def _submit(self, address: str, prepared: PreparedRequest, arrival_unix_ns: int,
+                      deadline_s: float) -> prefill_pb2.PrefillReply:
+        timeout_s = deadline_s - asyncio.get_running_loop().time()
+        stub = prefill_pb2_grpc.PrefillStub(self._channels.get(address))
+        message = prefill_pb2.PrefillRequest(
+            request_id=prepared.request_id, token_ids=prepared.prompt_ids,
+            sampling=sampling_to_proto(prepared.params), router_id=self._config.router_id,
+            arrival_unix_ns=arrival_unix_ns,
+        )
+        try:
+            reply: prefill_pb2.PrefillReply = await stub.Submit(message, timeout=max(timeout_s, 0.001))
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RequestRejected(code, f"prefill did not answer within the request's {timeout_s:.3g}s") from None
+            # The client can act on these as they are: fix the request, or retry later.
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise RequestRejected(code, f"prefill: {exc.details()}") from None
+            log.warning("prefill at %s failed request %s: %s %s", address, prepared.request_id,
+                        code.name, exc.details())
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
+                                  f"prefill service at {address} is unavailable ({code.name}: {exc.details()})") from None
+        return reply
+
+    async def _next_update(self, queue: asyncio.Queue[decode_pb2.TokenUpdate],
+                           deadline_s: float) -> decode_pb2.TokenUpdate:
+        if not queue.empty():
+            return queue.get_nowait()
+        loop = asyncio.get_running_loop()
+        remaining_s = deadline_s - loop.time()
+        stall_s = self._config.stall_timeout_s
+        try:
+            if remaining_s <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(queue.get(), timeout=min(stall_s, remaining_s))
+        except TimeoutError:
+            if loop.time() >= deadline_s:
+                raise RequestRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      "the request ran out of time (request timeout or client deadline)") from None
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
+                                  f"decode service stopped producing tokens (no update for {stall_s:g}s)") from None
+
+    # Cancellation -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_upstream(self, request_id: str, prefill_address: str) -> None:
+        """Cancel at the prefill service that had the request and at every decode service
+        (the prefill service chose the decode side); both calls are idempotent."""
+        calls: list[Awaitable[Any]] = [self._cancel_at(prefill_pb2_grpc.PrefillStub, prefill_address, request_id)]
+        calls += [self._cancel_at(decode_pb2_grpc.DecodeStub, address, request_id)
+                  for address in self._streams.addresses]
+        await asyncio.gather(*calls)
+
+    def _cancel_orphan(self, address: str, request_id: str) -> None:
+        log.info("decode at %s streams request %s that nobody reads; cancelling it", address, request_id)
+        self._spawn(self._cancel_at(decode_pb2_grpc.DecodeStub, address, request_id))
+
+    async def _cancel_at(self, stub_type: Callable[[grpc.aio.Channel], Any], address: str, request_id: str) -> None:
+        stub = stub_type(self._channels.get(address))
+        try:
+            await stub.Cancel(prefill_pb2.CancelRequest(request_id=request_id), timeout=self._config.cancel_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            # Best effort: a service that is down has lost the request's state anyway.
+            log.debug("cancel of %s at %s failed: %s", request_id, address, exc.code().name)
+
+    # ListModels / Health ----------------------------------------------------------------------
+
+    async def ListModels(self, request: router_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsReply:
+        return router_pb2.ListModelsReply(models=[
+            router_pb2.ModelInfo(id=self._model_id, max_context=self.context_length)
+        ])
+
+    async def Health(self, request: router_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> router_pb2.HealthReply:
+        """Live always; ready when at least one prefill and one decode service are known and
+        accept a connection within HEALTH_PROBE_TIMEOUT_S (the tokenizer is loaded before the
+        server starts, so a servicer that answers has one)."""
+        prefill_ok, decode_ok = await asyncio.gather(
+            self._any_reachable(self._prefill_addresses), self._any_reachable(self._streams.addresses)
+        )
+        problems: list[str] = []
+        for role, addresses, ok in (("prefill", self._prefill_addresses, prefill_ok),
+                                    ("decode", self._streams.addresses, decode_ok)):
+            if not addresses:
+                problems.append(f"no {role} service known")
+            elif not ok:
+                problems.append(f"no {role} service reachable ({', '.join(addresses)})")
+        detail = "; ".join(problems) if problems else (
+            f"model {self._model_id}; prefill {', '.join(self._prefill_addresses)}; "
+            f"decode {', '.join(self._streams.addresses)}"
+        )
+        return router_pb2.HealthReply(live=True, ready=not problems, detail=detail)
+
+    async def _any_reachable(self, addresses: Sequence[str]) -> bool:
+        if not addresses:
+            return False
+
+        async def probe(address: str) -> bool:
+            try:
+                await asyncio.wait_for(self._channels.get(address).channel_ready(), HEALTH_PROBE_TIMEOUT_S)
+            except TimeoutError:
+                return False
+            return True
+
+        return any(await asyncio.gather(*(probe(a) for a in addresses)))
+
+
+# --- process --------------------------------------------------------------------------------
+
+class RunningRouter:
+    """A started router: its address, servicer and server, and the discovery task."""
+
+    def __init__(self, config: RouterConfig, server: grpc.aio.Server, servicer: RouterServicer,
+                 channels: ChannelPool, address: str, source: UpstreamSource,
+                 close_source: Callable[[], Awaitable[None]] | None) -> None:
+        self.config = config
+        self.server = server
+        self.servicer = servicer
+        self.address = address
+        self._channels = channels
+        self._source = source
+        self._close_source = close_source
+        self._discovery: asyncio.Task[None] | None = None
+
+    async def refresh_upstreams(self) -> None:
+        """Ask the source once and apply what it says; errors keep the previous upstreams."""
+        try:
+            upstreams = await self._source.fetch()
+        except Exception as exc:  # Redis down: keep routing to what we knew
+            log.warning("upstream discovery failed, keeping the previous upstreams: %s", exc)
+            return
+        self.servicer.set_upstreams(upstreams)
+
+    def start_discovery(self) -> None:
+        """Re-read the source every ``discovery_interval_s`` (registry sources only)."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.config.discovery_interval_s)
+                await self.refresh_upstreams()
+
+        self._discovery = asyncio.get_running_loop().create_task(loop(), name="router-discovery")
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s``), then cancel upstream work and close."""
+        if self._discovery is not None:
+            self._discovery.cancel()
+            await asyncio.gather(self._discovery, return_exceptions=True)
+        await self.server.stop(grace_s)
+        await self.servicer.close()
+        await self._channels.close()
+        if self._close_source is not None:
+            await self._close_source()
+
+
+async def start_router(config: RouterConfig, source: UpstreamSource | None = None) -> RunningRouter:
+    """Load the tokenizer, bind the port, learn the upstreams and start serving.
+
+    ``source`` defaults to the flags' addresses, or the Redis registry when none were given.
+    Raises ModelLoadError for an unusable model directory.
+    """
+    tokenizer, model_config = await asyncio.to_thread(
+        lambda: (Tokenizer.from_dir(config.model_dir), ModelConfig.from_dir(config.model_dir))
+    )
+    channels = ChannelPool(client_interceptors())
+    servicer = RouterServicer(config, tokenizer, model_config, channels)
+    server = grpc.aio.server(interceptors=[server_interceptor()])
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    close_source: Callable[[], Awaitable[None]] | None = None
+    if source is None:
+        if config.static_upstreams:
+            source = StaticUpstreams(config.prefill_addresses, config.decode_addresses)
+        else:
+            source, close_source = _registry_source(config)
+    running = RunningRouter(config, server, servicer, channels, f"{config.host}:{port}", source, close_source)
+    await running.refresh_upstreams()
+    if not isinstance(source, StaticUpstreams):
+        running.start_discovery()
+    await server.start()
+    return running
+
+
+async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
+    """Run the router until ``stop_event`` is set; with a Redis URL it is registered (role
+    ``router``) while it serves."""
+    setup_tracing("router")
+    started_s = time.perf_counter()
+    running = await start_router(config)
+    try:
+        async with announce(config.redis_url, "router", config.cell_id, running.address,
+                            service_id=config.router_id):
+            log.info("router %s ready at %s (pid %d): model %s, context %d, upstreams from %s, started in %.1fs",
+                     config.router_id, running.address, os.getpid(), config.model_dir.name,
+                     running.servicer.context_length, "flags" if config.static_upstreams else "registry",
+                     time.perf_counter() - started_s)
+            await stop_event.wait()
+    finally:
+        await running.stop()
+        shutdown_tracing()
+        log.info("router %s stopped", config.router_id)

@@ -1,0 +1,149 @@
+"""The mesh as real processes: gpu_agent, prefill_svc, decode_svc and router talking gRPC,
+sharing one KV pool in shared memory, with a real Redis on a private port."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.engine.llm import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.rpc.convert import sampling_to_proto
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
+from tests.integration.stack import Stack
+
+pytestmark = pytest.mark.slow
+NUM_BLOCKS = 1024
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("mesh-logs")
+    s = Stack(smollm2_dir, logs, num_blocks=NUM_BLOCKS)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n, length), generator=g).tolist()
+
+
+async def _generate(address: str, ids: list[int], params: SamplingParams,
+                    on_token: asyncio.Event | None = None) -> tuple[list[int], int]:
+    """All tokens of one streamed generation, and its finish reason."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        router = router_pb2_grpc.RouterStub(channel)
+        tokens: list[int] = []
+        reason = 0
+        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), sampling=sampling_to_proto(params))
+        async for response in router.Generate(request, timeout=300):
+            tokens.extend(t.token_id for t in response.tokens)
+            if response.finish_reason:
+                reason = response.finish_reason
+            if on_token is not None and tokens:
+                on_token.set()
+        return tokens, reason
+
+
+async def _agent_stats(stack: Stack) -> agent_pb2.AgentStats:
+    async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
+        return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=5)
+
+
+async def _wait_all_blocks_free(stack: Stack, timeout_s: float = 20.0) -> agent_pb2.AgentStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await _agent_stats(stack)
+        if stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.1)
+
+
+def _pid(stack: Stack, name: str) -> int:
+    match = re.search(r"ready at \S+ \(pid (\d+)\)", stack.logs(name))
+    assert match, stack.logs(name)[-2000:]
+    return int(match.group(1))
+
+
+def test_16_concurrent_greedy_streams_equal_the_engine(stack: Stack, smollm2_dir: Path) -> None:
+    prompts = _prompts(16, 24, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run() -> list[tuple[list[int], int]]:
+        return await asyncio.gather(*(_generate(stack.address("router"), p, params) for p in prompts))
+
+    results = asyncio.run(run())
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256, pack_weights=False)
+    expected = engine.generate(prompts, params)
+    for (tokens, reason), want in zip(results, expected, strict=True):
+        assert tokens == want.token_ids
+        assert reason == common_pb2.FINISH_REASON_LENGTH
+    # prefill and decode really are two processes, neither of them this one
+    assert _pid(stack, "prefill_svc") != _pid(stack, "decode_svc")
+    stats = asyncio.run(_wait_all_blocks_free(stack))
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
+
+
+def test_cancel_mid_decode_and_mid_prefill_returns_every_block(stack: Stack) -> None:
+    async def run() -> agent_pb2.AgentStats:
+        address = stack.address("router")
+        # mid-decode: cancel once tokens are flowing
+        first = asyncio.Event()
+        long_decode = asyncio.create_task(
+            _generate(address, _prompts(1, 20, seed=1)[0], SamplingParams(temperature=0.0, max_tokens=1500,
+                                                                          ignore_eos=True), first))
+        await asyncio.wait_for(first.wait(), 60)
+        await asyncio.sleep(0.3)
+        long_decode.cancel()
+        # mid-prefill: a long prompt, cancelled well before its prefill can finish
+        long_prefill = asyncio.create_task(
+            _generate(address, _prompts(1, 1800, seed=2)[0], SamplingParams(temperature=0.0, max_tokens=4)))
+        await asyncio.sleep(0.5)
+        stats_during = await _agent_stats(stack)
+        long_prefill.cancel()
+        for task in (long_decode, long_prefill):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert stats_during.num_requests >= 1  # the long prompt held blocks while prefilling
+        return await _wait_all_blocks_free(stack)
+
+    stats = asyncio.run(run())
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
+
+
+def test_decode_killed_mid_stream_resumes_without_loss_or_repeat(stack: Stack, smollm2_dir: Path) -> None:
+    prompts = _prompts(4, 16, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+
+    async def run() -> list[tuple[list[int], int]]:
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(_generate(stack.address("router"), p, params, started)) for p in prompts]
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(1.0)
+        stack.kill("decode_svc")
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(stack.start_process, "decode_svc")
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert "resumed 4 decoding requests" in stack.logs("decode_svc")
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256, pack_weights=False)
+    expected = engine.generate(prompts, params)
+    for (tokens, reason), want in zip(results, expected, strict=True):
+        assert tokens == want.token_ids  # nothing lost, nothing repeated
+        assert reason == common_pb2.FINISH_REASON_LENGTH
+    stats = asyncio.run(_wait_all_blocks_free(stack))
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0

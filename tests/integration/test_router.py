@@ -1,0 +1,556 @@
+"""The router over gRPC against fake prefill and decode services.
+
+prefill_svc and decode_svc are being written at the same time as the router, so these tests run
+the real router (its server, decode-stream demultiplexer, tokenizer and stop strings, over real
+grpc.aio channels) against fakes written here that follow the proto contract and script what
+the services say: first tokens, decode updates with re-sends, errors, silence. A test against
+the real service processes comes once those services exist.
+
+The router's model directory holds SmolLM2's real tokenizer and config.json with a 64-token
+context, so prompt-length limits are cheap to hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import pytest
+
+from router.config import RouterConfig
+from router.server import RegistryUpstreams, RunningRouter, Upstreams, start_router
+from tandem.engine.tokenizer import Tokenizer
+from tandem.rpc.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from tandem.service.runtime import free_port
+
+CONTEXT_LENGTH = 64
+ROUTER_ID = "router-test"
+T = TypeVar("T")
+
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+ERROR = common_pb2.FINISH_REASON_ERROR
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("router-model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT_LENGTH
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+# --- fakes ----------------------------------------------------------------------------------
+
+Behaviour = Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillReply]]
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    """Records Submit and Cancel calls; Submit answers with ``behaviour``."""
+
+    def __init__(self) -> None:
+        self.submits: list[prefill_pb2.PrefillRequest] = []
+        self.submitted = asyncio.Event()
+        self.cancelled: list[str] = []
+        self.cancel_seen = asyncio.Event()
+        self.behaviour: Behaviour = self._first_token_only
+
+    @staticmethod
+    async def _first_token_only(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+        return prefill_pb2.PrefillReply(request_id=request.request_id,
+                                        first_token=common_pb2.GeneratedToken(token_id=42))
+
+    async def Submit(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillReply:
+        self.submits.append(request)
+        self.submitted.set()
+        return await self.behaviour(request)
+
+    async def Cancel(self, request: prefill_pb2.CancelRequest, context: Any) -> prefill_pb2.CancelReply:
+        self.cancelled.append(request.request_id)
+        self.cancel_seen.set()
+        return prefill_pb2.CancelReply(found=False)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    """Streams whatever the test ``emit``s to the router whose id it is given."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
+        self.stream_opened = asyncio.Event()
+        self.cancelled: list[str] = []
+        self.cancel_seen = asyncio.Event()
+        self._step = 0
+
+    async def Stream(self, request: decode_pb2.StreamRequest, context: Any) -> AsyncIterator[decode_pb2.TokenBatch]:
+        queue: asyncio.Queue[decode_pb2.TokenBatch] = asyncio.Queue()
+        self.streams[request.router_id] = queue
+        self.stream_opened.set()
+        while True:
+            yield await queue.get()
+
+    async def Cancel(self, request: prefill_pb2.CancelRequest, context: Any) -> prefill_pb2.CancelReply:
+        self.cancelled.append(request.request_id)
+        self.cancel_seen.set()
+        return prefill_pb2.CancelReply(found=True)
+
+    def emit(self, *updates: decode_pb2.TokenUpdate) -> None:
+        self._step += 1
+        self.streams[ROUTER_ID].put_nowait(decode_pb2.TokenBatch(updates=list(updates), step=self._step))
+
+
+def update(request_id: str, first_index: int, token_ids: Sequence[int],
+           finish: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED,
+           error: str = "") -> decode_pb2.TokenUpdate:
+    return decode_pb2.TokenUpdate(
+        request_id=request_id, first_index=first_index,
+        tokens=[common_pb2.GeneratedToken(token_id=t) for t in token_ids], finish_reason=finish, error=error,
+    )
+
+
+def first_token_reply(request: prefill_pb2.PrefillRequest, token_id: int, **fields: Any) -> prefill_pb2.PrefillReply:
+    return prefill_pb2.PrefillReply(request_id=request.request_id,
+                                    first_token=common_pb2.GeneratedToken(token_id=token_id), **fields)
+
+
+async def start_server(servicer: Any, add: Callable[[Any, grpc.aio.Server], None], port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"
+
+
+@dataclass
+class Stack:
+    router: RunningRouter
+    client: router_pb2_grpc.RouterStub
+    prefill: FakePrefill
+    decode: FakeDecode
+    decode_address: str
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def stack(model_dir: Path, *, prefill_up: bool = True, **overrides: Any) -> AsyncIterator[Stack]:
+    """Fake prefill + fake decode + the router; yields once the router's decode stream is open."""
+    prefill, decode = FakePrefill(), FakeDecode()
+    servers: list[grpc.aio.Server] = []
+    if prefill_up:
+        server, prefill_address = await start_server(prefill, prefill_pb2_grpc.add_PrefillServicer_to_server)
+        servers.append(server)
+    else:
+        prefill_address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    server, decode_address = await start_server(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
+    servers.append(server)
+    settings: dict[str, Any] = dict(
+        model_dir=model_dir, host="127.0.0.1", grpc_port=0, prefill_addresses=(prefill_address,),
+        decode_addresses=(decode_address,), redis_url="", cell_id="cell0", router_id=ROUTER_ID,
+        stall_timeout_s=10.0, request_timeout_s=30.0,
+    )
+    settings.update(overrides)
+    router = await start_router(RouterConfig(**settings))
+    channel = grpc.aio.insecure_channel(router.address)
+    try:
+        await asyncio.wait_for(decode.stream_opened.wait(), 10)
+        yield Stack(router, router_pb2_grpc.RouterStub(channel), prefill, decode, decode_address, servers)
+    finally:
+        await channel.close()
+        await router.stop(grace_s=0.5)
+        for server in servers:
+            await server.stop(0)
+
+
+async def generate(client: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest) -> list[router_pb2.GenerateResponse]:
+    return [response async for response in client.Generate(request, timeout=20)]
+
+
+async def generate_error(client: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(client, request)
+    return info.value
+
+
+def all_tokens(responses: Sequence[router_pb2.GenerateResponse]) -> list[int]:
+    return [t.token_id for r in responses for t in r.tokens]
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+def test_text_tokens_usage_and_resend_dedup(model_dir: Path, tokenizer: Tokenizer) -> None:
+    prompt = "Once upon a time"
+    output = tokenizer.encode(" there was a small fox who loved to run.")  # 10 tokens
+
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                rid = request.request_id
+                # Decode gets ahead of the prefill reply, and re-sends from index 0 as after
+                # a restart: the client must still see every token exactly once, in order.
+                s.decode.emit(update(rid, 1, output[1:3]))
+                s.decode.emit(update(rid, 0, output[0:5]))
+                s.decode.emit(update(rid, 3, output[3:4]))  # nothing new
+                s.decode.emit(update(rid, 5, output[5:], finish=STOP))
+                return first_token_reply(request, output[0], num_cached_tokens=2)
+
+            s.prefill.behaviour = behaviour
+            responses = await generate(s.client, router_pb2.GenerateRequest(text=prompt))
+            assert all_tokens(responses) == output
+            assert "".join(r.text for r in responses) == tokenizer.decode(output)
+            assert [t.token_id for t in responses[0].tokens] == [output[0]] and responses[0].ttft_ns > 0
+            assert [r.finish_reason for r in responses[:-1]] == [0] * (len(responses) - 1)
+            last = responses[-1]
+            assert last.finish_reason == STOP
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (
+                len(tokenizer.encode(prompt)), len(output), 2)
+            assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+
+            submitted = s.prefill.submits[0]
+            assert list(submitted.token_ids) == tokenizer.encode(prompt)
+            assert submitted.router_id == ROUTER_ID and submitted.request_id == responses[0].request_id
+            assert submitted.sampling.max_tokens == 16 and submitted.sampling.top_p == 1.0
+            assert submitted.arrival_unix_ns > 0
+            # Finished by upstream: nothing to cancel.
+            await asyncio.sleep(0.2)
+            assert s.prefill.cancelled == [] and s.decode.cancelled == []
+
+    run(body())
+
+
+def test_stop_string_across_token_boundary_cancels_decode(model_dir: Path, tokenizer: Tokenizer) -> None:
+    output = tokenizer.encode(" Hello world, this is the end of it")  # " Hello" " world" ...
+    stop = "lo wor"  # starts in " Hello", ends in " world"
+    num_expected = next(k for k in range(1, len(output) + 1) if stop in tokenizer.decode(output[:k]))
+
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            streaming: list[asyncio.Task[None]] = []
+
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                rid = request.request_id
+
+                async def stream_one_per_step() -> None:
+                    for index in range(1, len(output)):
+                        s.decode.emit(update(rid, index, output[index:index + 1]))
+                        await asyncio.sleep(0.01)
+
+                streaming.append(asyncio.create_task(stream_one_per_step()))
+                return first_token_reply(request, output[0])
+
+            s.prefill.behaviour = behaviour
+            request = router_pb2.GenerateRequest(text="Say hi", stop=["never appears", stop],
+                                                 request_id="stop-1", sampling=common_pb2.SamplingParams(max_tokens=12))
+            responses = await generate(s.client, request)
+            text = "".join(r.text for r in responses)
+            assert text == " Hel"
+            assert all_tokens(responses) == output[:num_expected]
+            assert responses[-1].finish_reason == STOP
+            assert responses[-1].usage.completion_tokens == num_expected
+            # The router ended the request, so decode (still generating) must hear about it.
+            await asyncio.wait_for(s.decode.cancel_seen.wait(), 5)
+            assert "stop-1" in s.decode.cancelled
+            await asyncio.gather(*streaming)
+
+    run(body())
+
+
+def test_chat_prompt_finished_by_prefill(model_dir: Path, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                return first_token_reply(request, 19556, finish_reason=LENGTH, num_cached_tokens=7)
+
+            s.prefill.behaviour = behaviour
+            request = router_pb2.GenerateRequest(
+                messages=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in messages]),
+                sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+            )
+            responses = await generate(s.client, request)
+            assert len(responses) == 1
+            only = responses[0]
+            assert all_tokens(responses) == [19556] and only.text == tokenizer.decode([19556])
+            assert only.finish_reason == LENGTH and only.ttft_ns > 0
+            assert (only.usage.prompt_tokens, only.usage.completion_tokens, only.usage.cached_tokens) == (
+                len(tokenizer.encode_chat(messages)), 1, 7)
+            assert list(s.prefill.submits[0].token_ids) == tokenizer.encode_chat(messages)
+            assert s.prefill.submits[0].sampling.max_tokens == 1
+
+            # A prompt close to the context gets max_tokens capped to the room that is left.
+            await generate(s.client, router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5] * 60)))
+            assert s.prefill.submits[1].sampling.max_tokens == CONTEXT_LENGTH - 60
+
+    run(body())
+
+
+def test_client_cancel_reaches_prefill_and_decode(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                s.decode.emit(update(request.request_id, 1, [43]))
+                return first_token_reply(request, 42)
+
+            s.prefill.behaviour = behaviour
+            call = s.client.Generate(router_pb2.GenerateRequest(text="Hello", request_id="gone-1"), timeout=20)
+            assert all_tokens([await call.read(), await call.read()]) == [42, 43]
+            call.cancel()
+            await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
+            assert s.prefill.cancelled == ["gone-1"] and s.decode.cancelled == ["gone-1"]
+            assert s.router.servicer.streams.num_registered == 0
+
+    run(body())
+
+
+def test_client_cancel_during_prefill(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            never = asyncio.Event()
+
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                await never.wait()
+                raise AssertionError("unreachable")
+
+            s.prefill.behaviour = behaviour
+            call = s.client.Generate(router_pb2.GenerateRequest(text="Hello", request_id="gone-2"), timeout=20)
+            await asyncio.wait_for(s.prefill.submitted.wait(), 5)
+            call.cancel()
+            await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
+            assert s.prefill.cancelled == ["gone-2"] and s.decode.cancelled == ["gone-2"]
+
+    run(body())
+
+
+def test_invalid_requests(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            def with_sampling(**fields: Any) -> router_pb2.GenerateRequest:
+                return router_pb2.GenerateRequest(text="Hello", sampling=common_pb2.SamplingParams(**fields))
+
+            cases: list[tuple[router_pb2.GenerateRequest, str]] = [
+                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5] * CONTEXT_LENGTH)),
+                 f"context length is {CONTEXT_LENGTH} tokens; a prompt may have at most {CONTEXT_LENGTH - 1}"),
+                (router_pb2.GenerateRequest(text="word " * 100), f"context length is {CONTEXT_LENGTH}"),
+                (router_pb2.GenerateRequest(text=""), "empty"),
+                (router_pb2.GenerateRequest(), "no prompt"),
+                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 10**6])), "out of range"),
+                (with_sampling(top_p=1.5), "top_p"),
+                (with_sampling(temperature=-1.0), "temperature"),
+                (with_sampling(max_tokens=4, min_tokens=8), "min_tokens"),
+                (router_pb2.GenerateRequest(text="Hello", stop=["ok", ""]), "stop strings"),
+            ]
+            for request, expected in cases:
+                error = await generate_error(s.client, request)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (request, error)
+                assert expected in (error.details() or ""), (expected, error.details())
+            error = await generate_error(s.client, router_pb2.GenerateRequest(text="Hello", model="gpt-9"))
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert s.prefill.submits == []
+
+    run(body())
+
+
+def test_prefill_down_is_unavailable(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir, prefill_up=False) as s:
+            error = await generate_error(s.client, router_pb2.GenerateRequest(text="Hello"))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "prefill service" in (error.details() or "")
+            health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
+            assert health.live and not health.ready and "prefill" in health.detail
+
+    run(body())
+
+
+def test_decode_error_aborts_with_internal(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                s.decode.emit(update(request.request_id, 1, [], finish=ERROR, error="KV pool exploded"))
+                return first_token_reply(request, 42)
+
+            s.prefill.behaviour = behaviour
+            call = s.client.Generate(router_pb2.GenerateRequest(text="Hello"), timeout=20)
+            first = await call.read()
+            assert all_tokens([first]) == [42]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.INTERNAL and info.value.details() == "KV pool exploded"
+
+    run(body())
+
+
+def test_stalled_decode_is_unavailable_and_cancelled(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir, stall_timeout_s=0.3) as s:
+            error = await generate_error(s.client, router_pb2.GenerateRequest(text="Hello", request_id="stall-1"))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode service stopped producing tokens" in (error.details() or "")
+            await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
+            assert s.decode.cancelled == ["stall-1"]
+
+    run(body())
+
+
+def test_decode_restart_reconnects_and_resend_is_deduplicated(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                s.decode.emit(update(request.request_id, 1, [11, 12]))
+                return first_token_reply(request, 10)
+
+            s.prefill.behaviour = behaviour
+            call = s.client.Generate(router_pb2.GenerateRequest(text="Hello", request_id="restart-1"), timeout=20)
+            seen = [await call.read(), await call.read()]
+            # The decode service dies and a new one comes up on the same address; it resumes
+            # the request from its record and re-sends every output token.
+            await s.servers[-1].stop(0)
+            restarted = FakeDecode()
+            port = int(s.decode_address.rsplit(":", 1)[1])
+            server, _ = await start_server(restarted, decode_pb2_grpc.add_DecodeServicer_to_server, port)
+            s.servers.append(server)
+            await asyncio.wait_for(restarted.stream_opened.wait(), 10)
+            restarted.emit(update("restart-1", 0, [10, 11, 12, 13, 14], finish=STOP))
+            while (response := await call.read()) is not grpc.aio.EOF:
+                seen.append(response)
+            assert all_tokens(seen) == [10, 11, 12, 13, 14]
+            assert seen[-1].finish_reason == STOP and seen[-1].usage.completion_tokens == 5
+
+    run(body())
+
+
+def test_duplicate_request_id_and_orphan_updates(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            release = asyncio.Event()
+
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                await release.wait()
+                return first_token_reply(request, 42, finish_reason=STOP)
+
+            s.prefill.behaviour = behaviour
+            request = router_pb2.GenerateRequest(text="Hello", request_id="same-id")
+            first = asyncio.create_task(generate(s.client, request))
+            await asyncio.wait_for(s.prefill.submitted.wait(), 5)
+            error = await generate_error(s.client, request)
+            assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+            release.set()
+            assert (await first)[-1].finish_reason == STOP
+
+            # Tokens of a request this router does not know: decode is told to stop it, once.
+            s.decode.emit(update("ghost", 3, [1]))
+            s.decode.emit(update("ghost", 4, [1]))
+            await asyncio.wait_for(s.decode.cancel_seen.wait(), 5)
+            await asyncio.sleep(0.1)
+            assert s.decode.cancelled == ["ghost"]
+
+    run(body())
+
+
+def test_list_models_and_health(model_dir: Path) -> None:
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            models = await s.client.ListModels(router_pb2.ListModelsRequest(), timeout=5)
+            assert [(m.id, m.max_context) for m in models.models] == [(model_dir.name, CONTEXT_LENGTH)]
+            health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
+            assert health.live and health.ready, health.detail
+
+    run(body())
+
+
+def test_registry_discovery_feeds_upstreams(model_dir: Path) -> None:
+    @dataclass(frozen=True)
+    class Info:
+        address: str
+        role: str
+        cell_id: str
+
+    class FakeRegistry:
+        def __init__(self) -> None:
+            self.services: list[Info] = []
+
+        async def list(self, role: str | None = None, cell_id: str | None = None) -> list[Info]:
+            return [i for i in self.services if i.role == role and (cell_id is None or i.cell_id == cell_id)]
+
+    async def body() -> None:
+        prefill, decode = FakePrefill(), FakeDecode()
+        prefill_server, prefill_address = await start_server(prefill, prefill_pb2_grpc.add_PrefillServicer_to_server)
+        decode_server, decode_address = await start_server(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
+        registry = FakeRegistry()
+        config = RouterConfig(
+            model_dir=model_dir, host="127.0.0.1", grpc_port=0, prefill_addresses=(), decode_addresses=(),
+            redis_url="redis://unused", cell_id="cell0", router_id=ROUTER_ID, stall_timeout_s=5.0,
+            request_timeout_s=30.0, discovery_interval_s=0.05,
+        )
+        router = await start_router(config, source=RegistryUpstreams(registry, config.cell_id))
+        channel = grpc.aio.insecure_channel(router.address)
+        client = router_pb2_grpc.RouterStub(channel)
+        try:
+            error = await generate_error(client, router_pb2.GenerateRequest(text="Hello"))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "no prefill service" in (error.details() or "")
+            registry.services = [Info(prefill_address, "prefill", "cell0"), Info(decode_address, "decode", "cell0"),
+                                 Info("127.0.0.1:1", "decode", "other-cell")]
+            await asyncio.wait_for(decode.stream_opened.wait(), 5)
+            assert router.servicer.streams.addresses == (decode_address,)
+            prefill.behaviour = lambda r: _finished_reply(r)
+            responses = await generate(client, router_pb2.GenerateRequest(text="Hello"))
+            assert responses[-1].finish_reason == STOP
+        finally:
+            await channel.close()
+            await router.stop(grace_s=0.5)
+            await prefill_server.stop(0)
+            await decode_server.stop(0)
+
+    assert run(RegistryUpstreams(FakeRegistry(), "").fetch()) == Upstreams((), ())
+    run(body())
+
+
+async def _finished_reply(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+    return first_token_reply(request, 42, finish_reason=STOP)
+
+
+def test_config_validation(model_dir: Path) -> None:
+    base: dict[str, Any] = dict(
+        model_dir=model_dir, host="127.0.0.1", grpc_port=0, prefill_addresses=("127.0.0.1:1",),
+        decode_addresses=("127.0.0.1:2",), redis_url="", cell_id="cell0", router_id=ROUTER_ID,
+        stall_timeout_s=1.0, request_timeout_s=10.0,
+    )
+    RouterConfig(**base)
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(prefill_addresses=("nohost",)), "host:port"),
+        (dict(decode_addresses=()), "both"),
+        (dict(prefill_addresses=(), decode_addresses=()), "--redis-url"),
+        (dict(stall_timeout_s=0.0), "stall_timeout_s"),
+        (dict(model_dir=model_dir.parent), "config.json"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(**{**base, **bad})
