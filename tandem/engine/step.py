@@ -52,10 +52,22 @@ def forward_and_sample(
     requests in place (output tokens, logprobs, ``num_computed_tokens``, ``finish_reason``);
     releasing blocks is the caller's business.
     """
-    inputs = [
+    logits = runner.forward(step_inputs(batch))
+    return sample_step(runner, sampler, batch, logits, eos_token_ids)
+
+
+def step_inputs(batch: Sequence[Request]) -> list[SeqInput]:
+    """The runner's input for each request: its tokens from ``num_computed_tokens`` on."""
+    return [
         SeqInput(req.all_token_ids[req.num_computed_tokens :], req.num_computed_tokens, req.block_ids) for req in batch
     ]
-    logits = runner.forward(inputs)
+
+
+def sample_step(
+    runner: ModelRunner, sampler: Sampler, batch: Sequence[Request], logits: torch.Tensor,
+    eos_token_ids: Sequence[int],
+) -> list[StepOutput]:
+    """Sample one token per request from ``logits`` [len(batch), vocab] of ``step_inputs(batch)``."""
     for req in batch:
         req.num_computed_tokens = len(req.all_token_ids)
     eos = tuple(eos_token_ids)
