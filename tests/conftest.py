@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import redis.asyncio as aredis
+
+    from tandem.state.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +24,35 @@ def smollm2_dir() -> Path:
     from tandem.engine.model_cache import pull_default
 
     return pull_default()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server on a free 127.0.0.1 port for the whole session (no persistence)."""
+    from tandem.state.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[aredis.Redis]:
+    """An async client on the session server's db 0, flushed before and after the test.
+
+    Async connections belong to the event loop that opened them: use the client inside ONE
+    ``asyncio.run(...)`` per test and close it there (``async with redis_client:``). The teardown
+    closes it again, harmlessly, in case the test did not.
+    """
+    import asyncio
+
+    import redis
+    import redis.asyncio as aredis
+
+    with redis.Redis.from_url(redis_server.url) as admin:
+        admin.flushdb()
+        client = aredis.Redis.from_url(redis_server.url)
+        try:
+            yield client
+        finally:
+            asyncio.run(client.aclose())
+            admin.flushdb()

