@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+from opentelemetry import trace
 
 from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
@@ -45,6 +46,7 @@ class _Active:
     logprobs_from: int = 0  # output index from which logprobs are known (not after a resume)
     cancelled: bool = False
     error: str = ""
+    span: trace.Span | None = None  # "decode" span of the request, handoff to finish
 
 
 def _generator_state(gen: torch.Generator | None) -> bytes:
@@ -101,8 +103,10 @@ class DecodeWorker:
                 num_computed_tokens=req.num_computed_tokens, sampling=params.to_dict(),
                 generator_state=bytes(msg.generator_state), decode_service_id=self.config.service_id,
             ))
+        # Started inside the Handoff server span, so it joins the request's trace.
+        span = tracer("tandem.decode").start_span("decode", attributes={"tandem.request_id": req.request_id})
         self._admit(_Active(req, msg.router_id, num_sent=len(req.output_token_ids),
-                            logprobs_from=len(req.output_token_ids)))
+                            logprobs_from=len(req.output_token_ids), span=span))
         self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
         return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start)
 
@@ -196,11 +200,12 @@ class DecodeWorker:
             done_ns = self._prefill_done_unix_ns.pop(active.req.request_id, None)
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
-        with tracer("tandem.decode").start_as_current_span("decode.step") as span:
-            span.set_attribute("tandem.batch_size", len(batch))
-            outputs = await member.run(work)
+        outputs = await member.run(work)
         self.last_step_ns = time.perf_counter_ns() - start
         self.num_steps += 1
+        for active in batch:
+            if active.span is not None:
+                active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
         if self.records is not None:
             await self.records.append_outputs([
                 OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
@@ -250,6 +255,10 @@ class DecodeWorker:
         self._prefill_done_unix_ns.pop(req.request_id, None)
         if send:
             self._send([active], {req.request_id: reason})
+        if active.span is not None:
+            active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))
+            active.span.set_attribute("tandem.finish_reason", reason)
+            active.span.end()
         try:
             await self.member.agent.Release(
                 agent_pb2.ReleaseRequest(request_id=req.request_id,

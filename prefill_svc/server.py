@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from prefill_svc.config import PrefillConfig
 from tandem.engine.errors import InvalidRequestError
@@ -43,7 +45,10 @@ class _Pending:
     params: SamplingParams
     future: asyncio.Future[prefill_pb2.PrefillReply]
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    enqueued_unix_ns: int = field(default_factory=time.time_ns)
     cancelled: bool = False
+    # The Submit call's trace context: the batch loop's spans for this request join its trace.
+    trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
 
 
 class PrefillWorker:
@@ -118,6 +123,9 @@ class PrefillWorker:
 
     async def _allocate(self, pending: _Pending) -> Request | None:
         msg = pending.msg
+        # gather runs this in its own task: attaching the request's context here scopes the
+        # outgoing RPC's span to this request's trace without touching the loop's context.
+        otel_context.attach(pending.trace_context)
         try:
             reply = await self.member.agent.Allocate(
                 agent_pb2.AllocateRequest(request_id=msg.request_id, token_ids=msg.token_ids, num_extra_tokens=1),
@@ -144,31 +152,56 @@ class PrefillWorker:
             return
         requests = [r for _, r in live]
         runner = self.runner
-        with tracer("tandem.prefill").start_as_current_span("prefill.batch") as span:
-            span.set_attribute("tandem.batch_size", len(requests))
-            span.set_attribute("tandem.new_tokens", sum(len(r.prompt_token_ids) - r.num_computed_tokens for r in requests))
-            state = await self.member.run(lambda: runner.begin(step_inputs(requests)))
-            group = self.config.layer_group_size
-            for end in range(group, runner.num_layers + group, group):
-                stop = min(end, runner.num_layers)
+        spans = self._request_spans(live, started_ns)
+        state = await self.member.run(lambda: runner.begin(step_inputs(requests)))
+        group = self.config.layer_group_size
+        for end in range(group, runner.num_layers + group, group):
+            stop = min(end, runner.num_layers)
+            first = state.next_layer
 
-                def run_group(stop: int = stop) -> None:
-                    self.member.apply_partition()
-                    runner.run_layers(state, stop)
+            def run_group(stop: int = stop) -> None:
+                self.member.apply_partition()
+                runner.run_layers(state, stop)
 
-                await self.member.run(run_group)
-            outputs = await self.member.run(
-                lambda: sample_step(runner, self.sampler, requests, runner.finish(state), self.eos_token_ids)
-            )
+            group_start = time.time_ns()
+            await self.member.run(run_group)
+            for span in spans:  # one child span per layer group, in each request's trace
+                child = tracer("tandem.prefill").start_span(
+                    f"prefill.layers[{first}:{stop}]", context=trace.set_span_in_context(span), start_time=group_start,
+                    attributes={"tandem.partition_epoch": self.member.partition.epoch},
+                )
+                child.end()
+        outputs = await self.member.run(
+            lambda: sample_step(runner, self.sampler, requests, runner.finish(state), self.eos_token_ids)
+        )
+        for span in spans:
+            span.end()
         prefill_ns = time.perf_counter_ns() - started_ns
         await asyncio.gather(*(
             self._finish_one(p, r, out.finish_reason, started_ns - p.enqueued_ns, prefill_ns)
             for (p, r), out in zip(live, outputs, strict=True)
         ))
 
+    def _request_spans(self, live: list[tuple[_Pending, Request]], started_ns: int) -> list[trace.Span]:
+        """A finished queueing span and an open forward span per request, in its own trace."""
+        now_unix_ns = time.time_ns()
+        batch_start_unix_ns = now_unix_ns - (time.perf_counter_ns() - started_ns)
+        t = tracer("tandem.prefill")
+        spans = []
+        for pending, req in live:
+            queued = t.start_span("prefill.queue", context=pending.trace_context, start_time=pending.enqueued_unix_ns)
+            queued.end(end_time=batch_start_unix_ns)
+            spans.append(t.start_span(
+                "prefill.forward", context=pending.trace_context, start_time=batch_start_unix_ns,
+                attributes={"tandem.batch_size": len(live), "tandem.prompt_tokens": len(req.prompt_token_ids),
+                            "tandem.cached_tokens": req.num_computed_tokens},
+            ))
+        return spans
+
     async def _finish_one(self, pending: _Pending, req: Request, finish_reason: str | None,
                           queue_ns: int, prefill_ns: int) -> None:
         rid = req.request_id
+        otel_context.attach(pending.trace_context)  # own task (gather): see _allocate
         if pending.cancelled or pending.future.done():
             await self._release(rid)
             _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")

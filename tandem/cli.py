@@ -11,10 +11,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tandem import launcher
+    from tandem import ask_cli, launcher
     from tandem.engine import chat_cli, models_cli
 
     launcher.add_parser(sub)
+    ask_cli.add_parser(sub)
     chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
     return parser

@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"tandem up: {child.name} ready at {child.address} (pid {child.proc.pid if child.proc else '?'})",
                   flush=True)
         print(f"tandem up: serving {model_dir.name}; gRPC API at {router_addr}. Ctrl-C stops.", flush=True)
+        print(f"tandem up: try  {sys.executable.rsplit('/', 1)[0]}/tandem ask --address {router_addr} "
+              f"'What is the capital of France?'", flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:

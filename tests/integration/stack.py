@@ -39,6 +39,7 @@ class Stack:
     num_blocks: int = 512
     block_size: int = 16
     redis: RedisServer | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -69,7 +70,7 @@ class Stack:
 
     def start_process(self, name: str, timeout_s: float = 120.0) -> None:
         assert self.redis is not None
-        env = dict(os.environ, REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT), TANDEM_CELL_ID="cell0")
+        env = dict(os.environ, REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT), TANDEM_CELL_ID="cell0", **self.extra_env)
         log = open(self.log_dir / f"{name}.log", "ab")
         offset = len(self.logs(name))
         self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self._args(name)], env=env, cwd=ROOT,

@@ -1,0 +1,61 @@
+"""`tandem up` brings the whole stack up as separate processes and SIGTERM takes it all down."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.service.runtime import free_port
+from tests.integration.stack import ROOT, write_tiny_chat_model
+
+
+def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Path) -> None:
+    model_dir = write_tiny_chat_model(tmp_path / "model", smollm2_dir)
+    port = free_port()
+    cell = f"up-{uuid.uuid4().hex[:6]}"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # must start its own redis
+    env["PYTHONPATH"] = str(ROOT)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(port),
+             "--cell-id", cell, "--kv-cache-gb", "0.05"],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "serving" not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "stack did not come up"
+            time.sleep(0.2)
+        text = log_path.read_text(errors="replace")
+        pids = [int(p) for p in re.findall(r"ready at \S+ \(pid (\d+)\)", text)]
+        assert len(set(pids)) == 4  # agent, decode, prefill, router: four processes
+        assert "redis at redis://127.0.0.1:" in text
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = router_pb2.GenerateRequest(
+                text="Hello", sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            )
+            responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
+        assert sum(len(r.tokens) for r in responses) == 4
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "tandem up: stopped" in log_path.read_text(errors="replace")
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        assert not list(Path("/dev/shm").glob(f"tandem-{cell}-*"))  # weights and KV pool unlinked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
