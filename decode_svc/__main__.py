@@ -13,7 +13,7 @@ from decode_svc.server import DecodeServicer, DecodeWorker
 from tandem.rpc.tracing import server_interceptor, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
-from tandem.service.registry import announce, open_redis
+from tandem.service.registry import announce, open_redis, report_load
 from tandem.service.runtime import run_service, setup_logging
 from tandem.state.request_store import RequestStore
 
@@ -37,6 +37,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     server.add_insecure_port(address)
     await server.start()
     loop_task = asyncio.create_task(worker.run(), name="decode-loop")
+    load_task = asyncio.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
     try:
         async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s",
@@ -45,6 +46,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     finally:
         await server.stop(grace=1.0)
         loop_task.cancel()
+        load_task.cancel()
         await member.close()
         if redis is not None:
             await redis.aclose()

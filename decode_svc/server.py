@@ -32,7 +32,7 @@ from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
 from tandem.state.request_store import OutputUpdate, RequestStore
-from tandem.state.schema import RequestRecord
+from tandem.state.schema import LoadReport, RequestRecord
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
@@ -114,6 +114,17 @@ class DecodeWorker:
         self.by_id[active.req.request_id] = active
         self.pending.append(active)
         self._wake.set()
+
+    def load_report(self) -> LoadReport:
+        p = self.member.partition
+        return LoadReport(
+            service_id=self.config.service_id, cell_id=self.member.cell_id, role="decode",
+            num_queued_requests=len(self.pending), num_queued_tokens=0, num_running=len(self.running),
+            batch_size=min(len(self.running), self.config.max_batch_requests), predicted_ttft_ms=0.0,
+            predicted_tbt_ms=self.last_step_ns / 1e6, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
+            decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=self.runner.pool.spec.num_blocks,
+            updated_unix_ns=time.time_ns(),
+        )
 
     def cancel(self, request_id: str) -> bool:
         active = self.by_id.get(request_id)

@@ -13,7 +13,8 @@ from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state
 from tandem.rpc.tracing import server_interceptor, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
-from tandem.service.registry import announce
+from tandem.service.registry import announce, report_load
+from tandem.state.schema import LoadReport
 from tandem.service.runtime import run_service, setup_logging
 
 
@@ -32,8 +33,21 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()
+
+    def load_report() -> LoadReport:
+        p = partition.current
+        alloc = ledger.allocator
+        return LoadReport(
+            service_id=f"agent-{config.cell_id}", cell_id=config.cell_id, role="agent", num_queued_requests=0,
+            num_queued_tokens=0, num_running=ledger.num_requests, batch_size=0, predicted_ttft_ms=0.0,
+            predicted_tbt_ms=0.0, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
+            decode_units=list(p.decode_units), kv_free_blocks=alloc.num_free_blocks, kv_total_blocks=alloc.num_blocks,
+            updated_unix_ns=time.time_ns(),
+        )
+
+    load_task = asyncio.create_task(report_load(config.redis_url, load_report), name="load-report")
     try:
-        async with announce(config.redis_url, "agent", config.cell_id, address):
+        async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
                 "gpu_agent %s ready at %s (pid %d): %s, %d KV blocks of %d tokens, loaded in %.1fs",
                 config.cell_id, address, os.getpid(), model_dir.name, pool.spec.num_blocks, pool.spec.block_size,
@@ -41,6 +55,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
             )
             await stop.wait()
     finally:
+        load_task.cancel()
         await server.stop(grace=1.0)
         weights.unlink()
         if pool.store is not None:

@@ -13,7 +13,7 @@ from prefill_svc.server import PrefillServicer, PrefillWorker
 from tandem.rpc.tracing import server_interceptor, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
-from tandem.service.registry import Discovery, announce
+from tandem.service.registry import Discovery, announce, report_load
 from tandem.service.runtime import run_service, setup_logging
 
 
@@ -33,6 +33,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     async with asyncio.TaskGroup() as tasks:
         loop_task = tasks.create_task(worker.run(), name="prefill-loop")
         watch_task = tasks.create_task(discovery.watch(), name="discovery")
+        load_task = tasks.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
         async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s",
                      config.service_id, address, os.getpid(), member.cell_id, member.units)
@@ -40,6 +41,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
         await server.stop(grace=1.0)
         loop_task.cancel()
         watch_task.cancel()
+        load_task.cancel()
     await member.close()
 
 

@@ -28,6 +28,7 @@ from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_pr
 from tandem.rpc.tracing import client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+from tandem.state.schema import LoadReport
 
 log = logging.getLogger("tandem.prefill")
 
@@ -66,6 +67,7 @@ class PrefillWorker:
         self.running: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self.tokens_per_s = 1000.0  # prefill rate, smoothed over recent batches
 
     # ------------------------------------------------------------------ API
     async def submit(self, msg: prefill_pb2.PrefillRequest, params: SamplingParams) -> prefill_pb2.PrefillReply:
@@ -89,6 +91,21 @@ class PrefillWorker:
     @property
     def num_queued_tokens(self) -> int:
         return sum(len(p.msg.token_ids) for p in self.queue)
+
+    def load_report(self) -> LoadReport:
+        """Live load; the TTFT guess is queued tokens at the recent prefill rate (the perf
+        model replaces it when the policies land)."""
+        p = self.member.partition
+        queued = self.num_queued_tokens + sum(len(x.msg.token_ids) for x in self.running.values())
+        spec = self.runner.pool.spec
+        return LoadReport(
+            service_id=self.config.service_id, cell_id=self.member.cell_id, role="prefill",
+            num_queued_requests=len(self.queue), num_queued_tokens=queued, num_running=len(self.running),
+            batch_size=len(self.running), predicted_ttft_ms=1000.0 * queued / self.tokens_per_s,
+            predicted_tbt_ms=0.0, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
+            decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=spec.num_blocks,
+            updated_unix_ns=time.time_ns(),
+        )
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
@@ -177,6 +194,8 @@ class PrefillWorker:
         for span in spans:
             span.end()
         prefill_ns = time.perf_counter_ns() - started_ns
+        num_new = sum(len(r.prompt_token_ids) - r.num_cached_prompt_tokens for r in requests)
+        self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * num_new / max(prefill_ns / 1e9, 1e-6)
         await asyncio.gather(*(
             self._finish_one(p, r, out.finish_reason, started_ns - p.enqueued_ns, prefill_ns)
             for (p, r), out in zip(live, outputs, strict=True)

@@ -12,13 +12,14 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aredis
 
+from tandem.state.load_board import LoadBoard
 from tandem.state.registry import HeartbeatTask, Registry
-from tandem.state.schema import Role, ServiceInfo
+from tandem.state.schema import LoadReport, Role, ServiceInfo
 
 log = logging.getLogger("tandem.registry")
 
@@ -83,3 +84,20 @@ class Discovery:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+async def report_load(redis_url: str, make_report: Callable[[], LoadReport], interval_s: float = 0.25) -> None:
+    """Publish ``make_report()`` on the load board every ``interval_s`` until cancelled."""
+    client = open_redis(redis_url)
+    if client is None:
+        return
+    board = LoadBoard(client)
+    try:
+        while True:
+            try:
+                await board.publish(make_report())
+            except Exception as exc:  # Redis restarting: the next tick tries again
+                log.warning("load report failed: %s", exc)
+            await asyncio.sleep(interval_s)
+    finally:
+        await client.aclose()

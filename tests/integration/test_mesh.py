@@ -147,3 +147,32 @@ def test_decode_killed_mid_stream_resumes_without_loss_or_repeat(stack: Stack, s
         assert reason == common_pb2.FINISH_REASON_LENGTH
     stats = asyncio.run(_wait_all_blocks_free(stack))
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
+
+
+def test_registry_and_load_board_show_the_cell(stack: Stack) -> None:
+    import redis.asyncio as aredis
+
+    from tandem.state.load_board import LoadBoard
+    from tandem.state.registry import Registry
+
+    async def read() -> tuple[list, list]:  # type: ignore[type-arg]
+        assert stack.redis is not None
+        async with aredis.Redis.from_url(stack.redis.url) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                services = await Registry(client).list(cell_id="cell0")
+                reports = await LoadBoard(client).read(cell_id="cell0")
+                if {r.role for r in reports} >= {"agent", "prefill", "decode"} or time.monotonic() > deadline:
+                    return services, reports
+                await asyncio.sleep(0.2)
+
+    services, reports = asyncio.run(read())
+    addresses = {s.role: s.address for s in services}
+    assert addresses["prefill"] == stack.address("prefill_svc")
+    assert addresses["decode"] == stack.address("decode_svc")
+    assert addresses["agent"] == stack.address("gpu_agent")
+    by_role = {r.role: r for r in reports}
+    assert by_role["agent"].kv_total_blocks == NUM_BLOCKS
+    for role in ("agent", "prefill", "decode"):
+        assert by_role[role].partition_epoch >= 1
+        assert by_role[role].prefill_units and by_role[role].decode_units
