@@ -10,7 +10,7 @@ import grpc
 
 from decode_svc.config import DecodeConfig, parse_args
 from decode_svc.server import DecodeServicer, DecodeWorker
-from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
@@ -32,7 +32,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
         resumed = await worker.resume()
         if resumed:
             log.info("resumed %d decoding requests from Redis", resumed)
-    server = grpc.aio.server(interceptors=[server_interceptor()])
+    server = grpc.aio.server(interceptors=service_server_interceptors())
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
     server.add_insecure_port(address)
     await server.start()

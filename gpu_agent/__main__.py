@@ -11,7 +11,7 @@ import grpc
 
 from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state
-from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, report_load
 from tandem.state.schema import LoadReport
@@ -28,7 +28,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
                              decode_lookahead=1, policy="static")
     )
     servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition)
-    server = grpc.aio.server(interceptors=[server_interceptor()])
+    server = grpc.aio.server(interceptors=service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)

@@ -10,7 +10,7 @@ import grpc
 
 from prefill_svc.config import PrefillConfig, parse_args
 from prefill_svc.server import PrefillServicer, PrefillWorker
-from tandem.rpc.tracing import server_interceptor, setup_tracing
+from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import Discovery, announce, report_load
@@ -26,7 +26,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     discovery = Discovery(config.redis_url, member.cell_id)
     decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))
     worker = PrefillWorker(config, member, runner, decode_address)
-    server = grpc.aio.server(interceptors=[server_interceptor()])
+    server = grpc.aio.server(interceptors=service_server_interceptors())
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
     server.add_insecure_port(address)
     await server.start()

@@ -25,7 +25,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
-from tandem.rpc.tracing import client_interceptors, tracer
+from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
 from tandem.state.schema import LoadReport
@@ -273,7 +273,7 @@ class PrefillWorker:
         address = self.decode_address()
         channel = self._decode_channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors())
+            channel = grpc.aio.insecure_channel(address, interceptors=service_client_interceptors())
             self._decode_channels[address] = channel
         return decode_pb2_grpc.DecodeStub(channel)
 

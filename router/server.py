@@ -34,7 +34,12 @@ from tandem.engine.sampling import SamplingParams
 from tandem.engine.stop_strings import StopStringMatcher
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
-from tandem.rpc.tracing import client_interceptors, server_interceptor, setup_tracing, shutdown_tracing
+from tandem.rpc.tracing import (
+    service_client_interceptors,
+    service_server_interceptors,
+    setup_tracing,
+    shutdown_tracing,
+)
 from tandem.rpc.v1 import (
     common_pb2,
     decode_pb2,
@@ -587,9 +592,9 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     tokenizer, model_config = await asyncio.to_thread(
         lambda: (Tokenizer.from_dir(config.model_dir), ModelConfig.from_dir(config.model_dir))
     )
-    channels = ChannelPool(client_interceptors())
+    channels = ChannelPool(service_client_interceptors())
     servicer = RouterServicer(config, tokenizer, model_config, channels)
-    server = grpc.aio.server(interceptors=[server_interceptor()])
+    server = grpc.aio.server(interceptors=service_server_interceptors())
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     close_source: Callable[[], Awaitable[None]] | None = None

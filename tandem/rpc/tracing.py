@@ -584,3 +584,27 @@ def server_interceptor(tracer_provider: TracerProvider | None = None) -> grpc.ai
     the global one.
     """
     return _ServerTracing(tracer_provider)
+
+
+# --------------------------------------------------------------------------------------------
+# What the services install
+# --------------------------------------------------------------------------------------------
+
+
+def tracing_enabled() -> bool:
+    """Whether this process exports spans (``OTEL_TRACES_EXPORTER`` names an exporter)."""
+    return bool(_exporter_names(os.environ.get(_EXPORTERS_ENV)))
+
+
+def service_server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The server interceptors a Tandem process installs: tracing only when spans are exported.
+
+    With no exporter nobody reads the spans, and the interceptors would cost every metadata RPC
+    (allocate, extend, handoff) about 0.1 ms on each side for nothing.
+    """
+    return [server_interceptor()] if tracing_enabled() else []
+
+
+def service_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Client-side twin of ``service_server_interceptors``."""
+    return client_interceptors() if tracing_enabled() else []

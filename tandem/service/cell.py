@@ -26,7 +26,7 @@ from tandem.engine.model import LlamaModel
 from tandem.engine.runner import ModelRunner
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
-from tandem.rpc.tracing import client_interceptors
+from tandem.rpc.tracing import service_client_interceptors
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("tandem.cell")
@@ -56,7 +56,7 @@ class CellMember:
         self.address = address
         self.agent_address = agent_address
         self.pack_weights = pack_weights
-        self.channel = grpc.aio.insecure_channel(agent_address, interceptors=client_interceptors())
+        self.channel = grpc.aio.insecure_channel(agent_address, interceptors=service_client_interceptors())
         self.agent = agent_pb2_grpc.GpuAgentStub(self.channel)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{service_id}")
         self.partition = common_pb2.Partition()
