@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
 import grpc
 
@@ -14,7 +13,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
-from tandem.service.runtime import run_service, setup_logging
+from tandem.service.runtime import service_main, setup_logging
 from tandem.state.request_store import RequestStore
 
 
@@ -53,12 +52,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse_args(argv)
-    except ValueError as exc:
-        print(f"decode_svc: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    run_service(lambda stop: serve(config, stop))
+    service_main("decode_svc", parse_args, serve, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 
 import grpc
@@ -15,7 +14,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, report_load
 from tandem.state.schema import LoadReport
-from tandem.service.runtime import run_service, setup_logging
+from tandem.service.runtime import service_main, setup_logging
 
 
 async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
@@ -64,12 +63,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse_args(argv)
-    except ValueError as exc:
-        print(f"gpu_agent: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    run_service(lambda stop: serve(config, stop))
+    service_main("gpu_agent", parse_args, serve, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
 import grpc
 
@@ -14,7 +13,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import Discovery, announce, report_load
-from tandem.service.runtime import run_service, setup_logging
+from tandem.service.runtime import service_main, setup_logging
 
 
 async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
@@ -46,12 +45,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse_args(argv)
-    except ValueError as exc:
-        print(f"prefill_svc: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    run_service(lambda stop: serve(config, stop))
+    service_main("prefill_svc", parse_args, serve, argv)
 
 
 if __name__ == "__main__":

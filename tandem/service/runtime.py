@@ -9,6 +9,9 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+C = TypeVar("C")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 
@@ -38,3 +41,20 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     uvloop.run(runner())
+
+
+def service_main(
+    prog: str,
+    parse_args: Callable[[list[str] | None], C],
+    serve: Callable[[C, asyncio.Event], Awaitable[None]],
+    argv: list[str] | None = None,
+) -> None:
+    """The ``python -m <service>`` entry point: a bad flag exits 2 with ``prog: error: ...``."""
+    from tandem.engine.errors import TandemError
+
+    try:
+        config = parse_args(argv)
+    except (ValueError, TandemError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_service(lambda stop: serve(config, stop))
