@@ -1,0 +1,160 @@
+"""AsyncTandemClient: the asyncio client for the router's public gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar, Unpack
+
+import grpc
+import grpc.aio
+
+from tandem.client.errors import error_from_rpc
+from tandem.client.protocol import (
+    DEFAULT_ADDRESS,
+    CompletionBuilder,
+    GenerateOptions,
+    RetryPolicy,
+    call_metadata,
+    chunk_from_response,
+    generate_request,
+    health_from_reply,
+    models_from_reply,
+    retry_delay_s,
+)
+from tandem.client.types import Chunk, Completion, Health, ModelInfo
+from tandem.rpc.v1 import router_pb2, router_pb2_grpc
+
+R = TypeVar("R")
+
+
+class AsyncTandemClient:
+    """An asyncio client for a Tandem router, with the same contract as TandemClient:
+
+    - Every call has a deadline (``timeout_s`` of the call, else the client's) covering the
+      retries and their backoff sleeps; None = no deadline.
+    - UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff and full
+      jitter; a stream only before its first response, never after tokens were delivered.
+    - Failures raise ``tandem.client.ClientError`` subclasses. Cancelling the awaiting task
+      cancels the call (asyncio.CancelledError propagates, it is not turned into Cancelled).
+    - A stream closed early (``aclose()``, or ``contextlib.aclosing`` around a loop that
+      breaks) cancels the call, so the server frees the request's KV blocks.
+
+    Create it inside the event loop that uses it (grpc.aio channels belong to one loop), e.g.
+    ``async with AsyncTandemClient() as client:``.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout_s: float | None = 60.0,
+        max_retries: int = 3,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+        api_key: str | None = None,
+        metadata: Sequence[tuple[str, str]] | Mapping[str, str] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, int | str]] = (),
+    ) -> None:
+        """Arguments as for TandemClient."""
+        self._timeout_s = timeout_s
+        self._retry = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s)
+        self._metadata = call_metadata(api_key, metadata)
+        self._rng = random.Random()
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=list(options)) if credentials
+                         else grpc.aio.insecure_channel(address, options=list(options)))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # Generate ------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+                       **options: Unpack[GenerateOptions]) -> Completion:
+        """Generate from raw text or token ids and return the whole completion."""
+        return await self._complete(generate_request(prompt, **options), timeout_s)
+
+    def stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+               **options: Unpack[GenerateOptions]) -> AsyncGenerator[Chunk, None]:
+        """Like generate, as an async iterator of Chunks (``async for chunk in client.stream(...)``)."""
+        return self._stream(generate_request(prompt, **options), timeout_s)
+
+    async def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+                   **options: Unpack[GenerateOptions]) -> Completion:
+        """The assistant's reply to ``messages``, rendered with the model's chat template by the router."""
+        return await self._complete(generate_request(messages=messages, **options), timeout_s)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+                    **options: Unpack[GenerateOptions]) -> AsyncGenerator[Chunk, None]:
+        """Like chat, as an async iterator of Chunks."""
+        return self._stream(generate_request(messages=messages, **options), timeout_s)
+
+    async def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Completion:
+        builder = CompletionBuilder()
+        async for chunk in self._stream(request, timeout_s):
+            builder.add(chunk)
+        return builder.build()
+
+    async def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> AsyncGenerator[Chunk, None]:
+        deadline = self._deadline(timeout_s)
+        retry_index = 0
+        while True:
+            call = self._stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield chunk_from_response(response)
+                return
+            except grpc.aio.AioRpcError as exc:
+                delay_s = None if received else retry_delay_s(
+                    self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
+                if delay_s is None:
+                    raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+            await asyncio.sleep(delay_s)
+            retry_index += 1
+
+    # ListModels / Health -------------------------------------------------------------------
+
+    async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        """The models this deployment serves."""
+        return models_from_reply(await self._unary(self._stub.ListModels, router_pb2.ListModelsRequest(), timeout_s))
+
+    async def health(self, *, timeout_s: float | None = None) -> Health:
+        """The router's liveness and readiness; an unreachable router raises Unavailable."""
+        return health_from_reply(await self._unary(self._stub.Health, router_pb2.HealthRequest(), timeout_s))
+
+    async def _unary(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None) -> R:
+        deadline = self._deadline(timeout_s)
+        retry_index = 0
+        while True:
+            try:
+                return await method(request, timeout=_remaining_s(deadline), metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                delay_s = retry_delay_s(self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
+                if delay_s is None:
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay_s)
+            retry_index += 1
+
+    def _deadline(self, timeout_s: float | None) -> float | None:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _remaining_s(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -1,0 +1,227 @@
+"""What the sync and async clients share: request building, reply conversion, stream
+assembly and the retry policy. No I/O here; the clients own the channels and the clock."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+import grpc
+
+from tandem.client.errors import ServerError
+from tandem.client.types import (
+    Chunk,
+    Completion,
+    Health,
+    ModelInfo,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from tandem.rpc.v1 import common_pb2, router_pb2
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_FINISH_PREFIX = "FINISH_REASON_"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter for UNAVAILABLE.
+
+    A call is tried at most ``1 + max_retries`` times; before retry ``n`` (0-based) the client
+    sleeps a uniform random time in ``[0, min(max_backoff_s, initial_backoff_s * 2**n)]``; a
+    sleep that would reach the call's deadline is not taken and the failure is final. Jitter
+    keeps many clients that lost the same router from coming back in lockstep.
+    """
+
+    max_retries: int = 3
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+
+    def backoff_s(self, retry_index: int, rng: random.Random) -> float:
+        cap = min(self.max_backoff_s, self.initial_backoff_s * 2.0 ** min(retry_index, 64))  # no float overflow
+        return rng.uniform(0.0, cap)
+
+
+def retry_delay_s(policy: RetryPolicy, code: grpc.StatusCode | None, retry_index: int,
+                  remaining_s: float | None, rng: random.Random) -> float | None:
+    """Seconds to sleep before retry ``retry_index``, or None when the failure is final: the
+    status is not UNAVAILABLE, the retries are used up, or the sleep would reach the deadline."""
+    if code != grpc.StatusCode.UNAVAILABLE or retry_index >= policy.max_retries:
+        return None
+    delay_s = policy.backoff_s(retry_index, rng)
+    if remaining_s is not None and delay_s >= remaining_s:
+        return None
+    return delay_s
+
+
+def call_metadata(api_key: str | None, metadata: Sequence[tuple[str, str]] | Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The metadata sent on every call: the caller's pairs, plus ``authorization: Bearer
+    <api_key>`` when a key is given."""
+    pairs = list(metadata.items()) if isinstance(metadata, Mapping) else list(metadata)
+    if api_key is not None:
+        pairs.append(("authorization", f"Bearer {api_key}"))
+    return tuple((key.lower(), value) for key, value in pairs)
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword options of generate / stream / chat / chat_stream. Each one left out is not set
+    on the wire and the router applies its default (greedy, max_tokens 16, top_p 1, ...); the
+    router validates every value and answers INVALID_ARGUMENT (InvalidRequest) for a bad one.
+    """
+
+    model: str  # model name; empty (the default) = the deployment's model
+    max_tokens: int  # most tokens to generate (capped to the room left in the context)
+    temperature: float  # 0 is greedy
+    top_p: float  # nucleus mass in (0, 1]
+    top_k: int  # keep the k most likely tokens; 0 or -1 disables
+    min_p: float  # drop tokens below min_p times the top probability; 0 disables
+    seed: int  # per-request seed for reproducible sampling
+    stop: str | Sequence[str]  # strings that end the request; never part of the text
+    presence_penalty: float  # OpenAI presence penalty in [-2, 2]
+    frequency_penalty: float  # OpenAI frequency penalty in [-2, 2]
+    repetition_penalty: float  # Hugging Face repetition penalty (> 0; 1 disables)
+    ignore_eos: bool  # keep generating past EOS
+    logprobs: int  # number of top logprobs per token (and the chosen token's); unset returns none
+    request_id: str  # the client's id for the request; the router makes one when absent
+
+
+def generate_request(
+    prompt: str | Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    *,
+    model: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    request_id: str | None = None,
+) -> router_pb2.GenerateRequest:
+    """The GenerateRequest for a prompt (text or token ids) or chat messages (exactly one).
+
+    A parameter left at None is not set on the wire, so the router applies its own default
+    (greedy temperature, max_tokens 16, top_p 1, ...); the client validates nothing the router
+    validates, so every range error comes back as InvalidRequest with the router's message.
+    """
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt and messages")
+    sampling = common_pb2.SamplingParams(ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("min_p", min_p), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+                        ("logprobs", logprobs)):
+        if value is not None:
+            setattr(sampling, name, value)
+    if seed is not None:
+        sampling.seed = seed % (1 << 64)  # the wire type is uint64; negative seeds wrap
+    request = router_pb2.GenerateRequest(
+        model=model, sampling=sampling, request_id=request_id or "",
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+    )
+    if messages is not None:
+        request.messages.CopyFrom(router_pb2.ChatMessages(messages=[
+            router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        ]))
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        assert prompt is not None
+        request.token_ids.CopyFrom(router_pb2.TokenIds(ids=list(prompt)))
+    return request
+
+
+def finish_reason_name(value: int) -> str | None:
+    """"stop", "length", ... from the proto enum (its names lower-cased, prefix removed);
+    None for UNSPECIFIED, which every response but the last carries."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    try:
+        name = common_pb2.FinishReason.Name(value)
+    except ValueError:
+        return f"unknown_{value}"  # a newer server's reason: pass it on rather than fail
+    return name.removeprefix(_FINISH_PREFIX).lower()
+
+
+def chunk_from_response(response: router_pb2.GenerateResponse) -> Chunk:
+    return Chunk(
+        request_id=response.request_id,
+        text=response.text,
+        token_ids=tuple(t.token_id for t in response.tokens),
+        logprobs=tuple(
+            TokenLogprob(
+                token_id=t.token_id,
+                logprob=t.logprob if t.HasField("logprob") else None,
+                top_logprobs=tuple(TopLogprob(x.token_id, x.logprob) for x in t.top_logprobs),
+            )
+            for t in response.tokens
+        ),
+        finish_reason=finish_reason_name(response.finish_reason),
+        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.cached_tokens)
+        if response.HasField("usage") else None,
+        ttft_s=response.ttft_ns / 1e9 if response.ttft_ns else None,
+    )
+
+
+class CompletionBuilder:
+    """Joins a stream's chunks into a Completion.
+
+    Invariant: ``build`` succeeds only after a chunk with a finish reason and usage (the
+    router's last response carries both); a stream that the server closed with OK before that
+    is a protocol violation and raises ServerError.
+    """
+
+    def __init__(self) -> None:
+        self._request_id = ""
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._finish_reason: str | None = None
+        self._usage: Usage | None = None
+        self._ttft_s: float | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self._request_id = self._request_id or chunk.request_id
+        self._texts.append(chunk.text)
+        self._token_ids.extend(chunk.token_ids)
+        self._logprobs.extend(chunk.logprobs)
+        if self._ttft_s is None:
+            self._ttft_s = chunk.ttft_s
+        if chunk.finish_reason is not None:
+            self._finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self._usage = chunk.usage
+
+    def build(self) -> Completion:
+        if self._finish_reason is None:
+            raise ServerError(grpc.StatusCode.INTERNAL, "the Generate stream ended without a finish reason")
+        if self._usage is None:
+            raise ServerError(grpc.StatusCode.INTERNAL, "the Generate stream's last response carries no usage")
+        return Completion(
+            request_id=self._request_id, text="".join(self._texts), token_ids=tuple(self._token_ids),
+            finish_reason=self._finish_reason, usage=self._usage, ttft_s=self._ttft_s,
+            logprobs=tuple(self._logprobs) if any(lp.logprob is not None for lp in self._logprobs) else (),
+        )
+
+
+def models_from_reply(reply: router_pb2.ListModelsReply) -> list[ModelInfo]:
+    return [ModelInfo(id=m.id, max_context=m.max_context) for m in reply.models]
+
+
+def health_from_reply(reply: router_pb2.HealthReply) -> Health:
+    return Health(live=reply.live, ready=reply.ready, detail=reply.detail)

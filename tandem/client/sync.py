@@ -1,0 +1,164 @@
+"""TandemClient: the blocking client for the router's public gRPC API."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from types import TracebackType
+from typing import Self, TypeVar, Unpack
+
+import grpc
+
+from tandem.client.errors import error_from_rpc
+from tandem.client.protocol import (
+    DEFAULT_ADDRESS,
+    CompletionBuilder,
+    GenerateOptions,
+    RetryPolicy,
+    call_metadata,
+    chunk_from_response,
+    generate_request,
+    health_from_reply,
+    models_from_reply,
+    retry_delay_s,
+)
+from tandem.client.types import Chunk, Completion, Health, ModelInfo
+from tandem.rpc.v1 import router_pb2, router_pb2_grpc
+
+R = TypeVar("R")
+
+
+class TandemClient:
+    """A blocking client for a Tandem router (``tandem up`` serves it on 127.0.0.1:50051).
+
+    Contract:
+    - Every call has a deadline: ``timeout_s`` of the call, else the client's; it bounds the
+      whole call including retries and backoff sleeps (None = no deadline).
+    - UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff and full
+      jitter, but a stream only before its first response arrived: once tokens were delivered
+      a retry could deliver them twice, so the error surfaces instead.
+    - Failures raise a ``tandem.client.ClientError`` subclass, never a raw ``grpc.RpcError``.
+    - A stream the caller stops iterating early (``break``, an exception, ``close()``) cancels
+      the call, so the server frees the request's KV blocks.
+    Thread-safe: one client may serve many threads (grpc channels are).
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout_s: float | None = 60.0,
+        max_retries: int = 3,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+        api_key: str | None = None,
+        metadata: Sequence[tuple[str, str]] | Mapping[str, str] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, int | str]] = (),
+    ) -> None:
+        """``api_key`` is sent as ``authorization: Bearer <key>``; ``metadata`` goes on every
+        call; ``credentials`` makes a TLS channel (insecure without); ``options`` are grpc
+        channel options."""
+        self._timeout_s = timeout_s
+        self._retry = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s)
+        self._metadata = call_metadata(api_key, metadata)
+        self._rng = random.Random()
+        self._channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
+                         else grpc.insecure_channel(address, options=list(options)))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # Generate ------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+                 **options: Unpack[GenerateOptions]) -> Completion:
+        """Generate from raw text (tokenized without a chat template) or token ids, and wait
+        for the whole completion. See GenerateOptions for the options."""
+        return self._complete(generate_request(prompt, **options), timeout_s)
+
+    def stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+               **options: Unpack[GenerateOptions]) -> Generator[Chunk, None, None]:
+        """Like generate, but yields each Chunk as the router sends it; the last one carries
+        the finish reason and usage."""
+        return self._stream(generate_request(prompt, **options), timeout_s)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+             **options: Unpack[GenerateOptions]) -> Completion:
+        """Generate the assistant's reply to ``messages`` (dicts with "role" and "content",
+        oldest first), rendered with the model's chat template by the router."""
+        return self._complete(generate_request(messages=messages, **options), timeout_s)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+                    **options: Unpack[GenerateOptions]) -> Generator[Chunk, None, None]:
+        """Like chat, streaming Chunks."""
+        return self._stream(generate_request(messages=messages, **options), timeout_s)
+
+    def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Completion:
+        builder = CompletionBuilder()
+        for chunk in self._stream(request, timeout_s):
+            builder.add(chunk)
+        return builder.build()
+
+    def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Generator[Chunk, None, None]:
+        deadline = self._deadline(timeout_s)
+        retry_index = 0
+        while True:
+            call = self._stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata)
+            received = False
+            try:
+                for response in call:
+                    received = True
+                    yield chunk_from_response(response)
+                return
+            except grpc.RpcError as exc:
+                delay_s = None if received else retry_delay_s(
+                    self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
+                if delay_s is None:
+                    raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+            time.sleep(delay_s)
+            retry_index += 1
+
+    # ListModels / Health -------------------------------------------------------------------
+
+    def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        """The models this deployment serves."""
+        return models_from_reply(self._unary(self._stub.ListModels, router_pb2.ListModelsRequest(), timeout_s))
+
+    def health(self, *, timeout_s: float | None = None) -> Health:
+        """The router's liveness and readiness. An unreachable router raises Unavailable (after
+        the retries) rather than answering ``live=False``."""
+        return health_from_reply(self._unary(self._stub.Health, router_pb2.HealthRequest(), timeout_s))
+
+    def _unary(self, method: Callable[..., R], request: object, timeout_s: float | None) -> R:
+        deadline = self._deadline(timeout_s)
+        retry_index = 0
+        while True:
+            try:
+                return method(request, timeout=_remaining_s(deadline), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                delay_s = retry_delay_s(self._retry, exc.code(), retry_index,
+                                        _remaining_s(deadline), self._rng)
+                if delay_s is None:
+                    raise error_from_rpc(exc) from exc
+            time.sleep(delay_s)
+            retry_index += 1
+
+    def _deadline(self, timeout_s: float | None) -> float | None:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _remaining_s(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
