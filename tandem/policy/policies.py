@@ -1,0 +1,659 @@
+"""Partition policies: `decide(snapshot, predictor) -> Decision`, pure and deterministic.
+
+- `chunked`: one aggregated hybrid batch per step; decode tokens plus prefill chunks up to
+  the token budget that keeps the predicted step within the TBT SLO (Sarathi / vLLM).
+- `static`: a fixed split of units between the phases (MuxServe / Semi-PD baseline).
+- `dynamic` (default): Bullet / MuxWise. Decode gets the fewest units whose predicted step,
+  times the contention factor, stays within TBT (best fit); prefill gets the rest and is
+  launched a layer group at a time; a burst of at-risk prefill may take every unit while
+  decode slack allows; a short request may preempt a long prefill that still meets its
+  deadline afterwards, never recursively.
+- `adaptive`: DuetServe. Aggregated while the predicted hybrid step meets TBT; otherwise a
+  split (S_p, S_d, k) from a small grid maximising token throughput subject to TBT.
+
+Policies are tuned by frozen config dataclasses; a configured policy is a small callable
+class so that every entry of `POLICIES` has the same signature.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill
+
+Policy = Callable[[ClusterSnapshot, Predictor], Decision]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def edf_order(queued: Sequence[QueuedRequest], snapshot: ClusterSnapshot) -> list[QueuedRequest]:
+    """Earliest deadline first; ties by arrival then id so the order is total."""
+    return sorted(queued, key=lambda r: (r.deadline(snapshot.slo), r.arrival_s, r.request_id))
+
+
+def fcfs_order(queued: Sequence[QueuedRequest]) -> list[QueuedRequest]:
+    return sorted(queued, key=lambda r: (r.arrival_s, r.request_id))
+
+
+def decode_step_s(predictor: Predictor, context_lens: Sequence[int], decode_units: int, prefill_units: int) -> float:
+    """Predicted decode step on `decode_units` with prefill running beside it on `prefill_units`."""
+    if not context_lens or decode_units < 1:
+        return 0.0
+    t = predictor.predict_decode(context_lens, decode_units)
+    if prefill_units > 0:
+        t *= predictor.contention(decode_units, prefill_units)
+    return t
+
+
+def prefill_s(
+    predictor: Predictor,
+    seqs: Sequence[tuple[int, int]],
+    prefill_units: int,
+    decode_units: int,
+    decode_running: bool,
+) -> float:
+    """Predicted whole-model prefill of `seqs`, slowed by contention if decode runs beside it."""
+    if not seqs:
+        return 0.0
+    t = predictor.predict_prefill(seqs, prefill_units)
+    if decode_running and decode_units > 0:
+        t *= predictor.contention(prefill_units, decode_units)
+    return t
+
+
+def min_decode_units(predictor: Predictor, context_lens: Sequence[int], total_units: int, tbt_s: float) -> int | None:
+    """Fewest decode units d in [1, total-1] with step(d, beside total-d prefill) <= TBT, or None.
+
+    Bisection relies on the predictor's monotonicity (more units never slower, and the
+    contention a phase suffers does not grow as its share grows).
+    """
+    lo, hi = 1, total_units - 1
+    if hi < lo or decode_step_s(predictor, context_lens, hi, total_units - hi) > tbt_s:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode_step_s(predictor, context_lens, mid, total_units - mid) <= tbt_s:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _decode_only(snapshot: ClusterSnapshot, reason: str) -> Decision:
+    return Decision(
+        prefill_units=0,
+        decode_units=snapshot.total_units if snapshot.decode_context_lens else 0,
+        prefill_batch=(),
+        prefill_layers=0,
+        decode_lookahead=1,
+        preempt=None,
+        aggregated=False,
+        reason=reason,
+    )
+
+
+def _in_flight(snapshot: ClusterSnapshot) -> RunningPrefill | None:
+    """The prefill to continue before taking new work: the running one, else the paused one."""
+    return snapshot.running_prefill if snapshot.running_prefill is not None else snapshot.paused_prefill
+
+
+def _edf_batch(
+    ordered: Sequence[QueuedRequest],
+    snapshot: ClusterSnapshot,
+    predictor: Predictor,
+    prefill_units: int,
+    decode_units: int,
+    max_batch_tokens: int,
+) -> list[QueuedRequest]:
+    """FineServe's batch: the longest EDF prefix whose prefill still ends by the anchor's deadline."""
+    anchor = ordered[0]
+    deadline = anchor.deadline(snapshot.slo)
+    decode_running = bool(snapshot.decode_context_lens)
+    # Longest prefix within the token cap; then bisect on the deadline (prefill time grows
+    # with the batch), so a long queue costs O(log n) predictions.
+    limit, tokens = 1, anchor.new_tokens
+    while limit < len(ordered) and tokens + ordered[limit].new_tokens <= max_batch_tokens:
+        tokens += ordered[limit].new_tokens
+        limit += 1
+
+    def fits(n: int) -> bool:
+        seqs = [r.seq for r in ordered[:n]]
+        return snapshot.now_s + prefill_s(predictor, seqs, prefill_units, decode_units, decode_running) <= deadline
+
+    lo, hi = 1, limit  # the anchor always goes; answer in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return list(ordered[:lo])
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+@dataclass(frozen=True)
+class ChunkedConfig:
+    """`max_budget_tokens` caps decode + prefill tokens per step (the roofline knee);
+    `min_chunk_tokens` is a progress floor so prefill never starves behind a long decode."""
+
+    max_budget_tokens: int = 2048
+    min_chunk_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0:
+            raise ValueError("bad chunked config")
+
+
+def _pending_prefill(snapshot: ClusterSnapshot) -> list[tuple[str, int, int]]:
+    """(id, new_tokens, cached_tokens) in service order: in-flight, paused, then FCFS queue."""
+    pending: list[tuple[str, int, int]] = []
+    for rp in (snapshot.running_prefill, snapshot.paused_prefill):
+        if rp is not None:
+            pending.append((rp.request_id, rp.new_tokens, rp.cached_tokens))
+    for r in fcfs_order(snapshot.queued):
+        pending.append((r.request_id, r.new_tokens, r.cached_tokens))
+    return pending
+
+
+def _chunks(pending: Sequence[tuple[str, int, int]], budget: int) -> list[tuple[str, int, int]]:
+    """Fill `budget` prompt tokens greedily in order; each chunk is (id, chunk, cached)."""
+    out: list[tuple[str, int, int]] = []
+    left = budget
+    for request_id, new, cached in pending:
+        if left <= 0:
+            break
+        take = min(new, left)
+        out.append((request_id, take, cached))
+        left -= take
+    return out
+
+
+def _hybrid_s(predictor: Predictor, chunks: Sequence[tuple[str, int, int]], ctx: Sequence[int], units: int) -> float:
+    return predictor.predict_hybrid([(c, cached) for _, c, cached in chunks], ctx, units)
+
+
+def _aggregated(snapshot: ClusterSnapshot, chunks: Sequence[tuple[str, int, int]], reason: str) -> Decision:
+    total = snapshot.total_units
+    return Decision(
+        prefill_units=total if chunks else 0,
+        decode_units=total if snapshot.decode_context_lens else 0,
+        prefill_batch=tuple(rid for rid, _, _ in chunks),
+        prefill_layers=snapshot.num_layers if chunks else 0,
+        decode_lookahead=1,
+        preempt=None,
+        aggregated=True,
+        reason=reason,
+        prefill_chunk_tokens=tuple(c for _, c, _ in chunks),
+    )
+
+
+def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget_tokens: int) -> int:
+    """Most prefill tokens one hybrid step may carry: decode + prefill tokens within
+    `max_budget_tokens` and the predicted step within TBT (bisection; monotone in tokens)."""
+    pending = _pending_prefill(snapshot)
+    ctx = snapshot.decode_context_lens
+    cap = min(max(0, max_budget_tokens - len(ctx)), sum(n for _, n, _ in pending))
+    if not ctx:
+        return cap
+
+    def fits(tokens: int) -> bool:
+        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s
+
+    if fits(cap):
+        return cap
+    lo, hi = 0, cap  # invariant: answer in [lo, hi), fits(hi) is False
+    if not fits(0):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ChunkedPolicy:
+    """Aggregated hybrid batches with a TBT-bounded token budget."""
+
+    def __init__(self, config: ChunkedConfig = ChunkedConfig()) -> None:
+        self.config = config
+
+    def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
+        pending = _pending_prefill(snapshot)
+        if not pending:
+            return _aggregated(snapshot, [], "chunked: decode only")
+        budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens)
+        floor = min(self.config.min_chunk_tokens, sum(n for _, n, _ in pending))
+        reason = f"chunked: {budget} prefill tokens fit TBT"
+        if budget < floor:
+            budget, reason = floor, f"chunked: TBT leaves {budget} tokens; progress floor {floor}"
+        return _aggregated(snapshot, _chunks(pending, budget), reason)
+
+
+# --------------------------------------------------------------------------- static
+
+
+@dataclass(frozen=True)
+class StaticConfig:
+    """A fixed split: `decode_units` if given, else `decode_fraction` of the device."""
+
+    decode_fraction: float = 0.5
+    decode_units: int | None = None
+    max_batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decode_fraction < 1.0:
+            raise ValueError("decode_fraction must be in (0, 1)")
+        if self.decode_units is not None and self.decode_units < 1:
+            raise ValueError("decode_units must be >= 1")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+
+    def split(self, total_units: int) -> tuple[int, int]:
+        """(prefill_units, decode_units) on a device of `total_units` (needs >= 2)."""
+        if total_units < 2:
+            raise ValueError("a split needs at least 2 units")
+        decode = self.decode_units if self.decode_units is not None else round(total_units * self.decode_fraction)
+        if not 1 <= decode <= total_units - 1:
+            raise ValueError(f"decode_units={decode} does not fit {total_units} units")
+        return total_units - decode, decode
+
+
+class StaticPolicy:
+    """Fixed split; FCFS prefill batches launched whole; no preemption."""
+
+    def __init__(self, config: StaticConfig = StaticConfig()) -> None:
+        self.config = config
+
+    def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
+        prefill_units, decode_units = self.config.split(snapshot.total_units)
+        flight = _in_flight(snapshot)
+        if flight is not None:
+            batch: tuple[str, ...] = (flight.request_id,)
+            layers = flight.layers_left
+        elif snapshot.queued:
+            picked: list[str] = []
+            tokens = 0
+            for r in fcfs_order(snapshot.queued):
+                if picked and tokens + r.new_tokens > self.config.max_batch_tokens:
+                    break
+                picked.append(r.request_id)
+                tokens += r.new_tokens
+            batch, layers = tuple(picked), snapshot.num_layers
+        else:
+            batch, layers = (), 0
+        return Decision(
+            prefill_units=prefill_units,
+            decode_units=decode_units,
+            prefill_batch=batch,
+            prefill_layers=layers,
+            decode_lookahead=1,
+            preempt=None,
+            aggregated=False,
+            reason=f"static: {prefill_units}/{decode_units}",
+        )
+
+
+# --------------------------------------------------------------------------- dynamic
+
+
+@dataclass(frozen=True)
+class DynamicConfig:
+    """`layer_group`: fixed layers per launch, or None to end each group before the next
+    decode-step boundary; `max_layer_group` caps it; `max_batch_tokens` caps a new batch;
+    `max_lookahead` caps k; `preemption` and `burst` switch those mechanisms;
+    `risk_horizon` bounds how many waiting requests the burst check predicts."""
+
+    layer_group: int | None = None
+    max_layer_group: int = 8
+    max_batch_tokens: int = 8192
+    max_lookahead: int = 8
+    preemption: bool = True
+    burst: bool = True
+    risk_horizon: int = 16
+
+    def __post_init__(self) -> None:
+        if self.layer_group is not None and self.layer_group < 1:
+            raise ValueError("layer_group must be >= 1")
+        if min(self.max_layer_group, self.max_batch_tokens, self.max_lookahead, self.risk_horizon) < 1:
+            raise ValueError("bad dynamic config")
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    batch: tuple[str, ...]
+    seqs: tuple[tuple[int, int], ...]
+    fraction_left: float  # of the whole-model prefill still to run
+    layers_left: int
+    preempt: str | None
+    reason: str
+
+
+class DynamicPolicy:
+    """Best-fit decode units, layer-group prefill, bursts and one-level preemption."""
+
+    def __init__(self, config: DynamicConfig = DynamicConfig()) -> None:
+        self.config = config
+
+    def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
+        total = snapshot.total_units
+        ctx = snapshot.decode_context_lens
+        tbt = snapshot.slo.tbt_s
+        if not snapshot.has_prefill_work:
+            return _decode_only(snapshot, "dynamic: no prefill work")
+        if total < 2:
+            # Nothing to split: share the single unit in time, as chunked does.
+            fallback = ChunkedPolicy()(snapshot, predictor)
+            return replace(fallback, reason=f"dynamic: one unit; {fallback.reason}")
+
+        if not ctx:
+            decode_units, why = 0, "no decode"
+        else:
+            best = min_decode_units(predictor, ctx, total, tbt)
+            if best is None:
+                # Both SLOs cannot hold: Bullet's answer is a balanced split rather than
+                # starving either phase.
+                decode_units, why = total // 2, "overloaded: no split meets TBT, balanced"
+            else:
+                decode_units, why = best, "best fit"
+        prefill_units = total - decode_units
+
+        plan = self._plan(snapshot, predictor, prefill_units, decode_units)
+        t_decode = decode_step_s(predictor, ctx, decode_units, prefill_units)
+
+        if self.config.burst and ctx and self._at_risk(snapshot, predictor, plan, prefill_units, decode_units):
+            layer_all = predictor.predict_prefill(plan.seqs, total) / snapshot.num_layers
+            # Decode is paused during the burst; its next step (back on its best-fit share)
+            # must still land within the slack.
+            room = snapshot.slack_s - t_decode
+            burst_layers = min(plan.layers_left, math.floor(room / layer_all)) if layer_all > 0 and room > 0 else 0
+            if burst_layers >= 1:
+                return Decision(
+                    prefill_units=total,
+                    decode_units=0,
+                    prefill_batch=plan.batch,
+                    prefill_layers=burst_layers,
+                    decode_lookahead=1,
+                    preempt=plan.preempt,
+                    aggregated=False,
+                    reason=f"dynamic: burst, {burst_layers} layers on all units within slack; {plan.reason}",
+                )
+
+        layer_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, bool(ctx)) / snapshot.num_layers
+        if self.config.layer_group is not None:
+            layers = self.config.layer_group
+        elif ctx and layer_s > 0:
+            layers = math.floor(t_decode / layer_s)
+        else:
+            layers = self.config.max_layer_group
+        layers = max(1, min(layers, self.config.max_layer_group, plan.layers_left))
+        lookahead = 1
+        if ctx and t_decode > 0:
+            lookahead = max(1, min(self.config.max_lookahead, math.floor(layers * layer_s / t_decode)))
+        return Decision(
+            prefill_units=prefill_units,
+            decode_units=decode_units,
+            prefill_batch=plan.batch,
+            prefill_layers=layers,
+            decode_lookahead=lookahead,
+            preempt=plan.preempt,
+            aggregated=False,
+            reason=f"dynamic: {why} decode={decode_units}; {plan.reason}",
+        )
+
+    def _plan(self, snapshot: ClusterSnapshot, predictor: Predictor, prefill_units: int, decode_units: int) -> _PrefillPlan:
+        running = snapshot.running_prefill
+        if running is not None:
+            victim = self._preemption(snapshot, predictor, running, prefill_units, decode_units)
+            if victim is not None:
+                return _PrefillPlan(
+                    batch=(victim.request_id,),
+                    seqs=(victim.seq,),
+                    fraction_left=1.0,
+                    layers_left=snapshot.num_layers,
+                    preempt=running.request_id,
+                    reason=f"{victim.request_id} preempts {running.request_id}",
+                )
+        flight = _in_flight(snapshot)
+        if flight is not None:
+            verb = "continue" if flight is running else "resume"
+            return _PrefillPlan(
+                batch=(flight.request_id,),
+                seqs=(flight.seq,),
+                fraction_left=flight.fraction_left,
+                layers_left=flight.layers_left,
+                preempt=None,
+                reason=f"{verb} {flight.request_id}",
+            )
+        ordered = edf_order(snapshot.queued, snapshot)
+        batch = _edf_batch(ordered, snapshot, predictor, prefill_units, decode_units, self.config.max_batch_tokens)
+        return _PrefillPlan(
+            batch=tuple(r.request_id for r in batch),
+            seqs=tuple(r.seq for r in batch),
+            fraction_left=1.0,
+            layers_left=snapshot.num_layers,
+            preempt=None,
+            reason=f"EDF batch of {len(batch)}",
+        )
+
+    def _preemption(
+        self,
+        snapshot: ClusterSnapshot,
+        predictor: Predictor,
+        running: RunningPrefill,
+        prefill_units: int,
+        decode_units: int,
+    ) -> QueuedRequest | None:
+        """The queued request that may preempt `running` now (MuxWise's rule), or None.
+
+        Only when: preemption is on; `running` did not itself preempt anyone and nothing is
+        already paused (one level only); the earliest-deadline waiter would miss its
+        deadline behind `running` but meets it if it goes first, is shorter than what is
+        left of `running`, and `running` still meets its own deadline after it.
+        """
+        if not self.config.preemption or not running.can_be_preempted or snapshot.paused_prefill is not None:
+            return None
+        if not snapshot.queued:
+            return None
+        decode_running = bool(snapshot.decode_context_lens)
+        now = snapshot.now_s
+        short = edf_order(snapshot.queued, snapshot)[0]
+        t_short = prefill_s(predictor, [short.seq], prefill_units, decode_units, decode_running)
+        t_left = prefill_s(predictor, [running.seq], prefill_units, decode_units, decode_running) * running.fraction_left
+        short_deadline = short.deadline(snapshot.slo)
+        misses_if_waiting = now + t_left + t_short > short_deadline
+        meets_if_first = now + t_short <= short_deadline
+        long_still_meets = now + t_short + t_left <= running.deadline_s
+        if misses_if_waiting and meets_if_first and long_still_meets and t_short < t_left:
+            return short
+        return None
+
+    def _at_risk(
+        self,
+        snapshot: ClusterSnapshot,
+        predictor: Predictor,
+        plan: _PrefillPlan,
+        prefill_units: int,
+        decode_units: int,
+    ) -> bool:
+        """Whether some prefill (the planned batch, then the EDF queue behind it) is
+        predicted to miss its deadline on the split's prefill share."""
+        decode_running = bool(snapshot.decode_context_lens)
+        t = snapshot.now_s + prefill_s(predictor, plan.seqs, prefill_units, decode_units, decode_running) * plan.fraction_left
+        deadlines: list[float] = []
+        for rp in (snapshot.running_prefill, snapshot.paused_prefill):
+            if rp is not None and rp.request_id in plan.batch:
+                deadlines.append(rp.deadline_s)
+        in_batch = set(plan.batch)
+        deadlines.extend(r.deadline(snapshot.slo) for r in snapshot.queued if r.request_id in in_batch)
+        if any(t > d for d in deadlines):
+            return True
+        # Whatever is not in the batch waits behind it, in EDF order.
+        waiting: list[tuple[float, tuple[int, int]]] = []
+        for rp in (snapshot.running_prefill, snapshot.paused_prefill):
+            if rp is not None and rp.request_id not in in_batch:
+                waiting.append((rp.deadline_s, rp.seq))
+        waiting.extend((r.deadline(snapshot.slo), r.seq) for r in edf_order(snapshot.queued, snapshot) if r.request_id not in in_batch)
+        waiting.sort(key=lambda w: w[0])
+        for deadline, seq in waiting[: self.config.risk_horizon]:
+            t += prefill_s(predictor, [seq], prefill_units, decode_units, decode_running)
+            if t > deadline:
+                return True
+        return False
+
+
+# --------------------------------------------------------------------------- adaptive
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """`token_budget`: tokens per aggregated step (the knee); `k_grid`: look-ahead values;
+    `max_grid_points`: decode-unit candidates searched; `max_batch_tokens`: split prefill batch."""
+
+    token_budget: int = 2048
+    k_grid: tuple[int, ...] = (1, 2, 4, 8)
+    max_grid_points: int = 32
+    max_batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_grid_points < 1 or self.max_batch_tokens < 1:
+            raise ValueError("bad adaptive config")
+        if not self.k_grid or min(self.k_grid) < 1:
+            raise ValueError("k_grid needs values >= 1")
+
+    def decode_unit_grid(self, total_units: int) -> tuple[int, ...]:
+        """Decode-unit candidates: every unit on small devices, evenly strided on large ones,
+        always including total-1."""
+        step = max(1, math.ceil((total_units - 1) / self.max_grid_points))
+        grid = list(range(1, total_units, step))
+        if total_units - 1 >= 1 and grid[-1:] != [total_units - 1]:
+            grid.append(total_units - 1)
+        return tuple(grid)
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    prefill_units: int
+    decode_units: int
+    lookahead: int
+    throughput_tps: float
+
+
+def split_throughput(k: int, decode_tokens: int, prefill_tokens: float, t_decode_s: float, t_prefill_s: float) -> float:
+    """DuetServe's objective: tokens out of one launch window / window length."""
+    window = max(k * t_decode_s, t_prefill_s)
+    return (k * decode_tokens + prefill_tokens) / window if window > 0 else 0.0
+
+
+class AdaptivePolicy:
+    """Aggregated while the hybrid step holds TBT; otherwise the best (S_p, S_d, k) split."""
+
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig()) -> None:
+        self.config = config
+
+    def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
+        ctx = snapshot.decode_context_lens
+        total = snapshot.total_units
+        pending = _pending_prefill(snapshot)
+        if not pending:
+            return _aggregated(snapshot, [], "adaptive: decode only")
+        chunks = _chunks(pending, max(0, self.config.token_budget - len(ctx)))
+        if not ctx or not chunks:
+            return _aggregated(snapshot, chunks, "adaptive: aggregated, no decode")
+        t_hybrid = _hybrid_s(predictor, chunks, ctx, total)
+        if t_hybrid <= snapshot.slo.tbt_s:
+            return _aggregated(snapshot, chunks, f"adaptive: aggregated, hybrid {t_hybrid * 1e3:.2f}ms meets TBT")
+        if total < 2:
+            fallback = ChunkedPolicy()(snapshot, predictor)
+            return replace(fallback, reason=f"adaptive: one unit; {fallback.reason}")
+
+        batch, seqs, fraction, layers = self._prefill_batch(snapshot, predictor)
+        choice = self.best_split(snapshot, predictor, seqs, fraction)
+        if choice is None:
+            fallback = ChunkedPolicy(ChunkedConfig(max_budget_tokens=self.config.token_budget))(snapshot, predictor)
+            return replace(fallback, reason=f"adaptive: no split meets TBT; {fallback.reason}")
+        return Decision(
+            prefill_units=choice.prefill_units,
+            decode_units=choice.decode_units,
+            prefill_batch=batch,
+            prefill_layers=layers,
+            decode_lookahead=choice.lookahead,
+            preempt=None,
+            aggregated=False,
+            reason=(
+                f"adaptive: hybrid {t_hybrid * 1e3:.2f}ms breaks TBT; split "
+                f"{choice.prefill_units}/{choice.decode_units} k={choice.lookahead} "
+                f"{choice.throughput_tps:.0f} tok/s"
+            ),
+        )
+
+    def _prefill_batch(
+        self, snapshot: ClusterSnapshot, predictor: Predictor
+    ) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...], float, int]:
+        flight = _in_flight(snapshot)
+        if flight is not None:
+            return (flight.request_id,), (flight.seq,), flight.fraction_left, flight.layers_left
+        picked: list[QueuedRequest] = []
+        tokens = 0
+        for r in edf_order(snapshot.queued, snapshot):
+            if picked and tokens + r.new_tokens > self.config.max_batch_tokens:
+                break
+            picked.append(r)
+            tokens += r.new_tokens
+        return tuple(r.request_id for r in picked), tuple(r.seq for r in picked), 1.0, snapshot.num_layers
+
+    def best_split(
+        self,
+        snapshot: ClusterSnapshot,
+        predictor: Predictor,
+        seqs: Sequence[tuple[int, int]],
+        fraction_left: float,
+    ) -> SplitChoice | None:
+        """Grid search of (S_p, S_d, k) maximising throughput with the decode step within TBT.
+        Ties keep the first candidate in grid order (fewest decode units, smallest k)."""
+        ctx = snapshot.decode_context_lens
+        total = snapshot.total_units
+        prefill_tokens = sum(n for n, _ in seqs) * fraction_left
+        best: SplitChoice | None = None
+        for decode_units in self.config.decode_unit_grid(total):
+            prefill_units = total - decode_units
+            t_decode = decode_step_s(predictor, ctx, decode_units, prefill_units)
+            if t_decode > snapshot.slo.tbt_s:
+                continue
+            t_prefill = prefill_s(predictor, seqs, prefill_units, decode_units, True) * fraction_left
+            for k in self.config.k_grid:
+                tps = split_throughput(k, len(ctx), prefill_tokens, t_decode, t_prefill)
+                if best is None or tps > best.throughput_tps:
+                    best = SplitChoice(prefill_units, decode_units, k, tps)
+        return best
+
+
+# --------------------------------------------------------------------------- registry
+
+chunked: Policy = ChunkedPolicy()
+static: Policy = StaticPolicy()
+dynamic: Policy = DynamicPolicy()
+adaptive: Policy = AdaptivePolicy()
+
+POLICIES: dict[str, Policy] = {
+    "chunked": chunked,
+    "static": static,
+    "dynamic": dynamic,
+    "adaptive": adaptive,
+}
+
+DEFAULT_POLICY = "dynamic"
+
+
+def get_policy(name: str) -> Policy:
+    """The registered policy called `name`; KeyError lists the known names."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None

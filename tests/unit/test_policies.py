@@ -1,0 +1,483 @@
+"""Partition policies on crafted states: best-fit decode share, bursts, preemption rules,
+adaptive's aggregated/split switch and grid optimum, chunked's budget, static's split,
+determinism and purity.
+
+`LinearPredictor` is a closed-form latency model (work / units, linear contention) used as
+a test input so the expected decision can be recomputed exactly; it is not a stand-in for
+`tandem.perf`.
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+import tandem.policy.policies as policies_module
+from tandem.policy.policies import (
+    POLICIES,
+    AdaptiveConfig,
+    AdaptivePolicy,
+    ChunkedConfig,
+    ChunkedPolicy,
+    DynamicConfig,
+    DynamicPolicy,
+    StaticConfig,
+    StaticPolicy,
+    decode_step_s,
+    get_policy,
+    prefill_s,
+    split_throughput,
+)
+from tandem.policy.types import ClusterSnapshot, Decision, QueuedRequest, RunningPrefill, Slo
+
+
+@dataclass(frozen=True)
+class LinearPredictor:
+    prefill_token_us: float = 500.0  # unit-microseconds per prompt token
+    decode_base_us: float = 20_000.0  # unit-microseconds per decode step
+    decode_seq_us: float = 1_000.0  # per sequence in the step
+    decode_ctx_us: float = 10.0  # per context token read
+    contention_gamma: float = 0.2  # extra slowdown when the other phase holds every unit
+
+    def _prefill_us(self, seqs: Sequence[tuple[int, int]]) -> float:
+        return sum(self.prefill_token_us * n for n, _ in seqs)
+
+    def _decode_us(self, ctx: Sequence[int]) -> float:
+        if not ctx:
+            return 0.0
+        return self.decode_base_us + self.decode_seq_us * len(ctx) + self.decode_ctx_us * sum(ctx)
+
+    def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
+        return self._prefill_us(seqs) / units / 1e6
+
+    def predict_decode(self, context_lens: Sequence[int], units: int) -> float:
+        return self._decode_us(context_lens) / units / 1e6
+
+    def predict_hybrid(
+        self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
+    ) -> float:
+        return (self._prefill_us(prefill_seqs) + self._decode_us(decode_context_lens)) / units / 1e6
+
+    def contention(self, my_units: int, other_units: int) -> float:
+        if other_units <= 0:
+            return 1.0
+        return 1.0 + self.contention_gamma * other_units / (my_units + other_units)
+
+
+P = LinearPredictor()
+SLO = Slo(ttft_s=1.0, tbt_s=0.05)
+NOW = 100.0
+DECODE = (1000,) * 8  # 8 sequences of 1000 tokens: 108 ms of work on one unit
+
+
+def q(request_id: str, tokens: int, *, arrival_s: float = NOW, deadline_s: float | None = None) -> QueuedRequest:
+    return QueuedRequest(request_id, arrival_s, tokens, 0, deadline_s)
+
+
+def rp(
+    request_id: str, tokens: int, *, deadline_s: float, layers_done: int = 0, preempted_id: str | None = None
+) -> RunningPrefill:
+    return RunningPrefill(request_id, tokens, 0, layers_done, 32, deadline_s, NOW - 0.1, preempted_id)
+
+
+def snap(
+    *,
+    queue: tuple[QueuedRequest, ...] = (),
+    running: RunningPrefill | None = None,
+    paused: RunningPrefill | None = None,
+    decode: tuple[int, ...] = DECODE,
+    total_units: int = 16,
+    slack_s: float | None = None,
+) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        now_s=NOW,
+        total_units=total_units,
+        num_layers=32,
+        queued=queue,
+        running_prefill=running,
+        decode_context_lens=decode,
+        current=None,
+        slo=SLO,
+        decode_slack_s=slack_s,
+        paused_prefill=paused,
+    )
+
+
+def decode_t(d: int, total: int = 16, ctx: tuple[int, ...] = DECODE) -> float:
+    return decode_step_s(P, ctx, d, total - d)
+
+
+# --------------------------------------------------------------------------- dynamic
+
+
+def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
+    s = snap(queue=(q("a", 512),))
+    d = POLICIES["dynamic"](s, P)
+    assert not d.aggregated
+    assert d.decode_units + d.prefill_units == 16
+    assert decode_t(d.decode_units) <= SLO.tbt_s
+    assert decode_t(d.decode_units - 1) > SLO.tbt_s  # one unit less would break TBT
+    assert d.decode_units == 3  # 108 ms / 3 * (1 + 0.2 * 13/16) = 41.9 ms; on 2: 63.5 ms
+    assert d.prefill_batch == ("a",)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4, 8, 16, 32])
+def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
+    ctx = (2000,) * num_seqs
+    d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=ctx), P)
+    assert decode_t(d.decode_units, ctx=ctx) <= SLO.tbt_s
+    if d.decode_units > 1:
+        assert decode_t(d.decode_units - 1, ctx=ctx) > SLO.tbt_s
+
+
+def test_dynamic_contention_guard_costs_units() -> None:
+    s = snap(queue=(q("a", 512),))
+    plain = DynamicPolicy()(s, LinearPredictor(contention_gamma=0.0))
+    guarded = DynamicPolicy()(s, LinearPredictor(contention_gamma=1.0))
+    assert guarded.decode_units > plain.decode_units
+
+
+def test_dynamic_overloaded_falls_back_to_balanced_split() -> None:
+    huge = (100_000,) * 64  # no split can hold TBT
+    d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=huge), P)
+    assert (d.prefill_units, d.decode_units) == (8, 8)
+    assert "overloaded" in d.reason
+
+
+def test_dynamic_without_prefill_gives_decode_everything() -> None:
+    d = DynamicPolicy()(snap(), P)
+    assert (d.prefill_units, d.decode_units, d.prefill_batch) == (0, 16, ())
+
+
+def test_dynamic_without_decode_gives_prefill_everything() -> None:
+    d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=()), P)
+    assert (d.prefill_units, d.decode_units) == (16, 0)
+
+
+def test_dynamic_layer_group_ends_before_the_next_decode_step() -> None:
+    s = snap(queue=(q("a", 4096),))
+    d = DynamicPolicy(DynamicConfig(max_layer_group=32))(s, P)
+    layer_s = prefill_s(P, [(4096, 0)], d.prefill_units, d.decode_units, True) / 32
+    t_dec = decode_t(d.decode_units)
+    assert d.prefill_layers >= 1
+    assert d.prefill_layers * layer_s <= t_dec
+    assert (d.prefill_layers + 1) * layer_s > t_dec  # the largest group that fits
+    assert d.decode_lookahead == 1
+
+
+def test_dynamic_fixed_layer_group_and_lookahead() -> None:
+    s = snap(queue=(q("a", 4096),))
+    d = DynamicPolicy(DynamicConfig(layer_group=8))(s, P)
+    assert d.prefill_layers == 8
+    layer_s = prefill_s(P, [(4096, 0)], d.prefill_units, d.decode_units, True) / 32
+    assert d.decode_lookahead == max(1, int(8 * layer_s / decode_t(d.decode_units)))
+
+
+def test_dynamic_continues_running_prefill_with_remaining_layers() -> None:
+    r = rp("long", 2048, deadline_s=NOW + 10, layers_done=30)
+    d = DynamicPolicy()(snap(running=r), P)
+    assert d.prefill_batch == ("long",) and d.prefill_layers <= 2 and d.preempt is None
+
+
+def test_dynamic_edf_batch_keeps_the_earliest_deadline() -> None:
+    # FineServe: grow the batch in EDF order while the anchor's deadline still holds.
+    anchor = q("anchor", 1000, deadline_s=NOW + 0.09)
+    rest = (q("b", 1000, deadline_s=NOW + 0.5), q("c", 1000, deadline_s=NOW + 0.6), q("d", 1000, deadline_s=NOW + 0.7))
+    d = DynamicPolicy(DynamicConfig(burst=False))(snap(queue=(rest[2], anchor, rest[0], rest[1])), P)
+    assert d.prefill_batch[0] == "anchor"
+    n = len(d.prefill_batch)
+    t = prefill_s(P, [(1000, 0)] * n, d.prefill_units, d.decode_units, True)
+    t_more = prefill_s(P, [(1000, 0)] * (n + 1), d.prefill_units, d.decode_units, True)
+    assert NOW + t <= NOW + 0.09 < NOW + t_more
+    assert d.prefill_batch == ("anchor", "b", "c")[:n]
+
+
+def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
+    # 4096 tokens on 13 units take ~165 ms; the deadline is 60 ms away: at risk.
+    s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),))
+    base = DynamicPolicy(DynamicConfig(burst=False))(s, P)
+    burst = DynamicPolicy()(s, P)
+    assert burst.prefill_units == 16 and burst.decode_units == 0
+    assert burst.prefill_units > base.prefill_units
+    assert "burst" in burst.reason
+    layer_all = P.predict_prefill([(4096, 0)], 16) / 32
+    # The burst plus the next decode step on its best-fit share stays within TBT slack.
+    assert burst.prefill_layers * layer_all + decode_t(base.decode_units) <= SLO.tbt_s
+    assert (burst.prefill_layers + 1) * layer_all + decode_t(base.decode_units) > SLO.tbt_s
+
+
+def test_no_burst_without_slack() -> None:
+    s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),), slack_s=decode_t(3) + 1e-6)
+    d = DynamicPolicy()(s, P)
+    assert d.decode_units == 3 and d.prefill_units == 13
+
+
+def test_no_burst_when_deadlines_are_safe() -> None:
+    s = snap(queue=(q("calm", 4096, deadline_s=NOW + 5),))
+    d = DynamicPolicy()(s, P)
+    assert d.decode_units == 3 and "burst" not in d.reason
+
+
+def test_burst_counts_requests_waiting_behind_the_batch() -> None:
+    # The running prefill is safe, but the queue behind it is not.
+    r = rp("safe", 2048, deadline_s=NOW + 5)
+    s = snap(running=r, queue=(q("late", 4096, deadline_s=NOW + 0.2),))
+    d = DynamicPolicy(DynamicConfig(preemption=False))(s, P)
+    assert d.prefill_batch == ("safe",) and d.prefill_units == 16 and d.decode_units == 0
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def _preemption_times(long_tokens: int, short_tokens: int, layers_done: int) -> tuple[float, float]:
+    """(short's prefill, what is left of long) on dynamic's split for DECODE (13/3)."""
+    t_short = prefill_s(P, [(short_tokens, 0)], 13, 3, True)
+    t_left = prefill_s(P, [(long_tokens, 0)], 13, 3, True) * (32 - layers_done) / 32
+    return t_short, t_left
+
+
+def test_short_request_preempts_long_prefill_that_still_meets_ttft() -> None:
+    t_short, t_left = _preemption_times(20_000, 500, 2)
+    long = rp("long", 20_000, deadline_s=NOW + t_left + t_short + 0.01, layers_done=2)
+    short = q("short", 500, deadline_s=NOW + t_short + 0.01)  # misses if it waits
+    d = DynamicPolicy(DynamicConfig(burst=False))(snap(running=long, queue=(short,)), P)
+    assert d.preempt == "long"
+    assert d.prefill_batch == ("short",)
+    assert d.prefill_layers >= 1
+
+
+def test_no_preemption_when_the_long_prefill_would_miss_its_ttft() -> None:
+    t_short, t_left = _preemption_times(20_000, 500, 2)
+    long = rp("long", 20_000, deadline_s=NOW + t_left + t_short / 2, layers_done=2)
+    short = q("short", 500, deadline_s=NOW + t_short + 0.01)
+    for config in (DynamicConfig(), DynamicConfig(burst=False)):
+        d = DynamicPolicy(config)(snap(running=long, queue=(short,)), P)
+        assert d.preempt is None
+        assert d.prefill_batch == ("long",)
+
+
+def test_no_preemption_when_the_short_request_is_fine_waiting() -> None:
+    t_short, t_left = _preemption_times(20_000, 500, 2)
+    long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
+    short = q("short", 500, deadline_s=NOW + t_left + t_short + 0.01)
+    d = DynamicPolicy()(snap(running=long, queue=(short,)), P)
+    assert d.preempt is None
+
+
+def test_no_recursive_preemption() -> None:
+    t_short, _ = _preemption_times(20_000, 500, 0)
+    # "mid" itself preempted someone: even a request that would qualify may not preempt it.
+    mid = rp("mid", 20_000, deadline_s=NOW + 10, preempted_id="first")
+    short = q("short", 500, deadline_s=NOW + t_short + 0.01)
+    d = DynamicPolicy()(snap(running=mid, queue=(short,)), P)
+    assert d.preempt is None and d.prefill_batch == ("mid",)
+    # Same with a paused prefill waiting: only one level of preemption at a time.
+    plain = rp("mid", 20_000, deadline_s=NOW + 10)
+    paused = rp("first", 30_000, deadline_s=NOW + 20, layers_done=5)
+    d = DynamicPolicy()(snap(running=plain, paused=paused, queue=(short,)), P)
+    assert d.preempt is None and d.prefill_batch == ("mid",)
+    # And the control: the same state without those marks does preempt.
+    d = DynamicPolicy()(snap(running=plain, queue=(short,)), P)
+    assert d.preempt == "mid"
+
+
+def test_paused_prefill_resumes_before_new_work() -> None:
+    paused = rp("long", 20_000, deadline_s=NOW + 10, layers_done=5)
+    d = DynamicPolicy()(snap(paused=paused, queue=(q("x", 100, deadline_s=NOW + 5),)), P)
+    assert d.prefill_batch == ("long",) and d.preempt is None
+    assert d.prefill_layers <= 27
+
+
+def test_preemption_can_be_switched_off() -> None:
+    t_short, _ = _preemption_times(20_000, 500, 2)
+    long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
+    short = q("short", 500, deadline_s=NOW + t_short + 0.01)
+    d = DynamicPolicy(DynamicConfig(preemption=False))(snap(running=long, queue=(short,)), P)
+    assert d.preempt is None
+
+
+# --------------------------------------------------------------------------- adaptive
+
+
+def test_adaptive_stays_aggregated_while_tbt_holds() -> None:
+    s = snap(queue=(q("a", 256),))
+    d = POLICIES["adaptive"](s, P)
+    assert d.aggregated
+    assert (d.prefill_units, d.decode_units) == (16, 16)
+    assert d.prefill_batch == ("a",) and d.prefill_chunk_tokens == (256,)
+    assert P.predict_hybrid([(256, 0)], DECODE, 16) <= SLO.tbt_s
+
+
+def test_adaptive_splits_when_hybrid_breaks_tbt() -> None:
+    s = snap(queue=(q("a", 4096), q("b", 2048, arrival_s=NOW + 0.001)))
+    assert P.predict_hybrid([(2040, 0)], DECODE, 16) > SLO.tbt_s
+    d = AdaptivePolicy()(s, P)
+    assert not d.aggregated
+    assert d.prefill_units + d.decode_units == 16
+    assert decode_t(d.decode_units) <= SLO.tbt_s
+    assert d.prefill_layers == 32 and set(d.prefill_batch) == {"a", "b"}
+
+
+def test_adaptive_split_is_the_grid_optimum() -> None:
+    s = snap(queue=(q("a", 4096), q("b", 2048, arrival_s=NOW + 0.001)))
+    config = AdaptiveConfig()
+    d = AdaptivePolicy(config)(s, P)
+    seqs = [(4096, 0), (2048, 0)]
+
+    def tps(sd: int, k: int) -> float:
+        t_dec = decode_t(sd)
+        t_pre = prefill_s(P, seqs, 16 - sd, sd, True)
+        return split_throughput(k, len(DECODE), 6144, t_dec, t_pre)
+
+    chosen = tps(d.decode_units, d.decode_lookahead)
+    feasible = [(sd, k) for sd in range(1, 16) for k in config.k_grid if decode_t(sd) <= SLO.tbt_s]
+    infeasible = [sd for sd in range(1, 16) if decode_t(sd) > SLO.tbt_s]
+    assert d.decode_units not in infeasible
+    assert all(chosen >= tps(sd, k) - 1e-9 for sd, k in feasible)
+    # The optimum is a real trade-off, not a corner: k > 1 overlaps decode steps with one launch.
+    assert d.decode_lookahead > 1
+    assert chosen > tps(d.decode_units, 1)
+
+
+def test_adaptive_grid_strides_on_large_devices() -> None:
+    grid = AdaptiveConfig(max_grid_points=8).decode_unit_grid(132)
+    assert grid[0] == 1 and grid[-1] == 131 and len(grid) <= 10
+    assert AdaptiveConfig().decode_unit_grid(8) == (1, 2, 3, 4, 5, 6, 7)
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def test_chunked_budget_is_the_largest_that_keeps_tbt() -> None:
+    s = snap(queue=(q("a", 3000), q("b", 3000, arrival_s=NOW + 1)))
+    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=4096, min_chunk_tokens=0))(s, P)
+    assert d.aggregated and (d.prefill_units, d.decode_units) == (16, 16)
+    tokens = sum(d.prefill_chunk_tokens)
+    assert tokens + len(DECODE) <= 4096
+    assert P.predict_hybrid([(tokens, 0)], DECODE, 16) <= SLO.tbt_s
+    assert P.predict_hybrid([(tokens + 1, 0)], DECODE, 16) > SLO.tbt_s
+    assert d.prefill_batch == ("a",)  # FCFS: the first prompt takes the whole chunk
+
+
+def test_chunked_respects_the_token_budget() -> None:
+    s = snap(queue=(q("a", 100), q("b", 3000, arrival_s=NOW + 1)), decode=(10,) * 4)
+    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=512))(s, P)
+    assert d.prefill_batch == ("a", "b")
+    assert d.prefill_chunk_tokens == (100, 512 - 4 - 100)  # decode tokens count too
+
+
+def test_chunked_running_prefill_goes_first_and_no_decode_means_full_budget() -> None:
+    r = RunningPrefill("r", 300, 1000, 0, 32, NOW + 5, NOW - 1)
+    s = snap(running=r, queue=(q("a", 5000),), decode=())
+    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=2048))(s, P)
+    assert d.prefill_batch == ("r", "a") and d.prefill_chunk_tokens == (300, 1748)
+    assert d.decode_units == 0
+
+
+def test_chunked_progress_floor() -> None:
+    heavy = (50_000,) * 64  # decode alone breaks TBT
+    s = snap(queue=(q("a", 3000),), decode=heavy)
+    assert ChunkedPolicy(ChunkedConfig(min_chunk_tokens=0))(s, P).prefill_batch == ()
+    d = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=32))(s, P)
+    assert d.prefill_chunk_tokens == (32,)
+
+
+# --------------------------------------------------------------------------- static
+
+
+def test_static_returns_its_split() -> None:
+    s = snap(queue=(q("a", 512), q("b", 512, arrival_s=NOW + 1)))
+    assert (StaticPolicy(StaticConfig(decode_units=5))(s, P).decode_units) == 5
+    d = StaticPolicy(StaticConfig(decode_units=5))(s, P)
+    assert (d.prefill_units, d.decode_units, d.prefill_batch, d.prefill_layers) == (11, 5, ("a", "b"), 32)
+    assert (POLICIES["static"](s, P).prefill_units, POLICIES["static"](s, P).decode_units) == (8, 8)
+    # The split does not move with load.
+    assert StaticPolicy(StaticConfig(decode_units=5))(snap(decode=(10,)), P).decode_units == 5
+
+
+def test_static_rejects_a_split_that_does_not_fit() -> None:
+    with pytest.raises(ValueError):
+        StaticPolicy(StaticConfig(decode_units=16))(snap(), P)
+    with pytest.raises(ValueError):
+        StaticConfig(decode_fraction=1.0)
+
+
+# --------------------------------------------------------------------------- all policies
+
+
+def _states() -> list[ClusterSnapshot]:
+    long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
+    return [
+        snap(),
+        snap(queue=(q("a", 512),)),
+        snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06), q("b", 100, arrival_s=NOW - 0.5))),
+        snap(running=long, queue=(q("short", 500, deadline_s=NOW + 0.02),)),
+        snap(queue=(q("a", 4096), q("b", 2048)), decode=(3000,) * 32, slack_s=0.01),
+        snap(queue=(q("a", 10),), decode=(), total_units=1),
+    ]
+
+
+@contextmanager
+def _no_clock() -> Iterator[None]:
+    def boom(*_: object) -> float:
+        raise AssertionError("a policy read the clock")
+
+    names = ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns")
+    with mock.patch.multiple(time, **{name: boom for name in names}):
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_is_deterministic_and_clock_free(name: str) -> None:
+    policy = get_policy(name)
+    for s in _states():
+        if name == "static" and s.total_units < 2:
+            continue
+        with _no_clock():
+            first = policy(s, P)
+            second = policy(s, P)
+        assert isinstance(first, Decision)
+        assert first == second
+        if not first.aggregated:
+            assert first.prefill_units + first.decode_units <= s.total_units
+        assert first.prefill_layers <= s.num_layers
+
+
+def test_policy_modules_import_no_clock_or_io() -> None:
+    banned = {"time", "datetime", "random", "os", "socket", "asyncio", "redis", "torch"}
+    root = Path(policies_module.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert not banned.intersection(names), f"{path.name} imports {names}"
+
+
+def test_registry_and_unknown_name() -> None:
+    assert set(POLICIES) == {"chunked", "static", "dynamic", "adaptive"}
+    with pytest.raises(KeyError, match="known"):
+        get_policy("fifo")
+
+
+def test_snapshot_and_decision_are_frozen_and_validated() -> None:
+    s = snap()
+    with pytest.raises(AttributeError):
+        s.now_s = 0.0  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        Decision(1, 1, ("a",), 0, 1, None, False, "no layers")
+    with pytest.raises(ValueError):
+        QueuedRequest("x", 0.0, 10, 10)
+    with pytest.raises(ValueError):
+        Slo(ttft_s=0.0, tbt_s=0.1)
