@@ -159,11 +159,24 @@ class DecodeWorker:
         return len(records)
 
     # ------------------------------------------------------------------ loop
+    def _report_load(self) -> None:
+        self.member.report_load(agent_pb2.PhaseLoad(
+            service_id=self.config.service_id, role=agent_pb2.ROLE_DECODE,
+            decode_context_lens=[len(a.req.all_token_ids) for a in self.running + self.pending],
+            last_step_ns=self.last_step_ns,
+        ))
+
     async def run(self) -> None:
+        was_busy = False
         while True:
+            busy = bool(self.pending or self.running)
+            if busy != was_busy or (busy and self.num_steps % 8 == 0):
+                self._report_load()  # on every change of state, and every few steps
+                was_busy = busy
             if not self.pending and not self.running:
                 self._wake.clear()
                 await self._wake.wait()
+                continue
             self.running.extend(self.pending)
             self.pending.clear()
             await self._drop_cancelled()

@@ -9,7 +9,12 @@ import time
 import grpc
 
 from gpu_agent.config import AgentConfig, parse_args
-from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state
+from gpu_agent.policy_loop import PolicyLoop
+from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, policy_ticks
+from tandem.engine.config import ModelConfig
+from tandem.perf.predictor import cpu_predictor
+from tandem.policy.policies import get_policy
+from tandem.policy.types import Slo
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, report_load
@@ -26,7 +31,14 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
         common_pb2.Partition(epoch=1, prefill_units=config.prefill_cores, decode_units=config.decode_cores,
                              decode_lookahead=1, policy="static")
     )
-    servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition)
+    policy = None
+    if config.policy != "static":
+        # The static policy is the split from the flags; the others re-split on live load.
+        cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
+        model_config = ModelConfig.from_dir(model_dir)
+        policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
+                            cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000))
+    servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition, policy)
     server = grpc.aio.server(interceptors=service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
     address = f"{config.host}:{config.port}"
@@ -45,6 +57,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
         )
 
     load_task = asyncio.create_task(report_load(config.redis_url, load_report), name="load-report")
+    tick_task = asyncio.create_task(policy_ticks(policy, partition), name="policy-ticks")
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
@@ -55,6 +68,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
             await stop.wait()
     finally:
         load_task.cancel()
+        tick_task.cancel()
         await server.stop(grace=1.0)
         weights.unlink()
         if pool.store is not None:

@@ -22,8 +22,18 @@ class AgentConfig:
     redis_url: str
     prefill_cores: tuple[int, ...]
     decode_cores: tuple[int, ...]
+    policy: str = "dynamic"
+    ttft_slo_ms: float = 2000.0
+    tbt_slo_ms: float = 200.0
+    profile: str = ""
 
     def __post_init__(self) -> None:
+        from tandem.policy.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+        if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
+            raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.num_blocks < 0:
@@ -59,9 +69,14 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
     add_flag(parser, "--prefill-cores", prefill_default, "cores given to prefill, e.g. 0 or 0-3")
     add_flag(parser, "--decode-cores", decode_default, "cores given to decode")
+    add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
+    add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float)
+    add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float)
+    add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
     a = parser.parse_args(argv)
     return AgentConfig(
         model=a.model, dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
         host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
         prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
+        policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, profile=a.profile,
     )

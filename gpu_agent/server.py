@@ -15,6 +15,7 @@ import grpc
 
 from gpu_agent.blocks import BlockLedger
 from gpu_agent.config import AgentConfig
+from gpu_agent.policy_loop import PolicyLoop
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
@@ -50,8 +51,9 @@ class PartitionBoard:
 
 class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
     def __init__(self, config: AgentConfig, model_dir: Path, weights_name: str, pool: KVPool,
-                 ledger: BlockLedger, partition: PartitionBoard) -> None:
+                 ledger: BlockLedger, partition: PartitionBoard, policy: PolicyLoop | None = None) -> None:
         self.config = config
+        self.policy = policy
         self.model_dir = model_dir
         self.weights_name = weights_name
         self.pool = pool
@@ -117,6 +119,12 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             current = await self.partition.wait_newer(current.epoch)
             yield current
 
+    async def ReportLoad(self, request: agent_pb2.PhaseLoad, context: grpc.aio.ServicerContext) -> agent_pb2.ReportLoadReply:  # noqa: N802
+        if self.policy is not None:
+            self.policy.report(request)
+            await _apply_policy(self.policy, self.partition)
+        return agent_pb2.ReportLoadReply(partition=self.partition.current)
+
     async def GetStats(self, request: agent_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AgentStats:  # noqa: N802
         alloc = self.ledger.allocator
         return agent_pb2.AgentStats(
@@ -124,6 +132,22 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             num_prefix_query_tokens=alloc.num_prefix_queries_tokens, num_prefix_hit_tokens=alloc.num_prefix_hit_tokens,
             partition=self.partition.current,
         )
+
+
+async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) -> None:
+    if policy is None:
+        return
+    change = policy.decide()
+    if change is not None:
+        prefill_cores, decode_cores, reason = change
+        await partition.set(prefill_cores, decode_cores, reason)
+
+
+async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:
+    """Re-decide periodically too: deadlines move with time even when no report arrives."""
+    while policy is not None:
+        await asyncio.sleep(interval_s)
+        await _apply_policy(policy, partition)
 
 
 def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, BlockLedger]:

@@ -73,8 +73,19 @@ class PrefillWorker:
     async def submit(self, msg: prefill_pb2.PrefillRequest, params: SamplingParams) -> prefill_pb2.PrefillReply:
         pending = _Pending(msg, params, asyncio.get_running_loop().create_future())
         self.queue.append(pending)
+        self._report_load()
         self._wake.set()
         return await pending.future
+
+    def _report_load(self) -> None:
+        """Tell the agent's scheduler what is queued or running (it may re-split the cores)."""
+        waiting = [*self.running.values(), *self.queue]
+        self.member.report_load(agent_pb2.PhaseLoad(
+            service_id=self.config.service_id, role=agent_pb2.ROLE_PREFILL,
+            queued=[agent_pb2.QueuedPrefill(request_id=p.msg.request_id, arrival_unix_ns=p.msg.arrival_unix_ns or
+                                            p.enqueued_unix_ns, prompt_tokens=len(p.msg.token_ids))
+                    for p in waiting],
+        ))
 
     def cancel(self, request_id: str) -> bool:
         for pending in self.queue:
@@ -124,6 +135,7 @@ class PrefillWorker:
                 finally:
                     for pending in batch:
                         self.running.pop(pending.msg.request_id, None)
+                    self._report_load()
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []

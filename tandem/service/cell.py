@@ -66,6 +66,8 @@ class CellMember:
         self.model_dir = Path()
         self.runner: ModelRunner | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._report: asyncio.Task[None] | None = None
+        self._pending_load: agent_pb2.PhaseLoad | None = None
 
     @property
     def units(self) -> list[int]:
@@ -88,6 +90,7 @@ class CellMember:
         self.model_dir = Path(reply.model_dir)
         self.partition = reply.partition
         self.runner = await self.run(lambda: self._attach(reply))
+        await self.run(self.apply_partition)  # joining is the first boundary
         self._watch = asyncio.create_task(self._follow_partition(), name="watch-partition")
         return self.runner
 
@@ -114,6 +117,24 @@ class CellMember:
                 log.warning("partition stream lost (%s); retrying", exc.code().name)
                 await asyncio.sleep(0.5)
 
+    def report_load(self, load: agent_pb2.PhaseLoad) -> None:
+        """Send ``load`` to the agent's scheduler without waiting; while one report is in flight
+        only the newest later one is kept (older ones are stale)."""
+        self._pending_load = load
+        if self._report is None or self._report.done():
+            self._report = asyncio.create_task(self._send_reports(), name="report-load")
+
+    async def _send_reports(self) -> None:
+        while self._pending_load is not None:
+            load, self._pending_load = self._pending_load, None
+            try:
+                reply = await self.agent.ReportLoad(load, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("load report to the agent failed: %s", exc.code().name)
+                continue
+            if reply.partition.epoch > self.partition.epoch:
+                self.partition = reply.partition  # sooner than the watch stream delivers it
+
     def apply_partition(self) -> bool:
         """Apply a newer partition; call only from the torch thread, at a boundary."""
         if self.partition.epoch == self._applied_epoch or not self.units:
@@ -128,7 +149,8 @@ class CellMember:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._report):
+            if task is not None:
+                task.cancel()
         await self.channel.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -151,3 +151,35 @@ class AgentStats(_message.Message):
     num_prefix_hit_tokens: int
     partition: _common_pb2.Partition
     def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ...) -> None: ...
+
+class QueuedPrefill(_message.Message):
+    __slots__ = ("request_id", "arrival_unix_ns", "prompt_tokens", "cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    arrival_unix_ns: int
+    prompt_tokens: int
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PhaseLoad(_message.Message):
+    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns")
+    SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    service_id: str
+    role: Role
+    queued: _containers.RepeatedCompositeFieldContainer[QueuedPrefill]
+    decode_context_lens: _containers.RepeatedScalarFieldContainer[int]
+    last_step_ns: int
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ...) -> None: ...
+
+class ReportLoadReply(_message.Message):
+    __slots__ = ("partition",)
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    partition: _common_pb2.Partition
+    def __init__(self, partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ...) -> None: ...

@@ -71,6 +71,11 @@ class GpuAgentStub:
                 request_serializer=tandem_dot_v1_dot_agent__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_agent__pb2.AgentStats.FromString,
                 _registered_method=True)
+        self.ReportLoad = channel.unary_unary(
+                '/tandem.v1.GpuAgent/ReportLoad',
+                request_serializer=tandem_dot_v1_dot_agent__pb2.PhaseLoad.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_agent__pb2.ReportLoadReply.FromString,
+                _registered_method=True)
 
 
 class GpuAgentServicer:
@@ -125,6 +130,13 @@ class GpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportLoad(self, request, context):
+        """A phase's live load; the agent re-runs its policy on it and may publish a new partition.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +174,11 @@ def add_GpuAgentServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tandem_dot_v1_dot_agent__pb2.GetStatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_agent__pb2.AgentStats.SerializeToString,
+            ),
+            'ReportLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLoad,
+                    request_deserializer=tandem_dot_v1_dot_agent__pb2.PhaseLoad.FromString,
+                    response_serializer=tandem_dot_v1_dot_agent__pb2.ReportLoadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +370,33 @@ class GpuAgent:
             '/tandem.v1.GpuAgent/GetStats',
             tandem_dot_v1_dot_agent__pb2.GetStatsRequest.SerializeToString,
             tandem_dot_v1_dot_agent__pb2.AgentStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GpuAgent/ReportLoad',
+            tandem_dot_v1_dot_agent__pb2.PhaseLoad.SerializeToString,
+            tandem_dot_v1_dot_agent__pb2.ReportLoadReply.FromString,
             options,
             channel_credentials,
             insecure,

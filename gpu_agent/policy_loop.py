@@ -1,0 +1,81 @@
+"""The agent's scheduler: run the partition policy on live load and publish its decisions.
+
+prefill_svc and decode_svc report what they have to do (``ReportLoad``); every report and a
+periodic tick build a ``ClusterSnapshot`` and call the configured pure policy. On a CPU the
+units are cores and a phase must never share a core with the other (OpenMP workers of two
+processes on one core thrash), so the decision is mapped onto disjoint core sets: a phase with
+no work lends all its cores to the other, and when both have work decode keeps the number of
+cores the policy asks for (at least one) and prefill takes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, Slo
+from tandem.rpc.v1 import agent_pb2
+
+log = logging.getLogger("tandem.gpu_agent.policy")
+
+Policy = Callable[[ClusterSnapshot, Predictor], Decision]
+
+
+def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
+    """Disjoint (prefill, decode) core lists for ``decision``; see the module docstring."""
+    cores = list(cores)
+    if not decode_busy:
+        return cores, []
+    if not prefill_busy:
+        return [], cores
+    if len(cores) == 1:
+        return cores, cores  # one core: the phases cannot be kept apart
+    num_decode = min(max(decision.decode_units, 1), len(cores) - 1)
+    return cores[: len(cores) - num_decode], cores[len(cores) - num_decode :]
+
+
+class PolicyLoop:
+    def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
+                 num_layers: int, slo: Slo) -> None:
+        self.policy_name = policy_name
+        self.policy = policy
+        self.predictor = predictor
+        self.cores = list(cores)
+        self.num_layers = num_layers
+        self.slo = slo
+        self.loads: dict[int, agent_pb2.PhaseLoad] = {}
+        self.last: tuple[list[int], list[int]] | None = None
+        self.num_decisions = 0
+
+    def report(self, load: agent_pb2.PhaseLoad) -> None:
+        self.loads[load.role] = load
+
+    def snapshot(self, now_s: float) -> ClusterSnapshot:
+        prefill = self.loads.get(agent_pb2.ROLE_PREFILL)
+        decode = self.loads.get(agent_pb2.ROLE_DECODE)
+        queued = tuple(
+            QueuedRequest(q.request_id, q.arrival_unix_ns / 1e9, max(q.prompt_tokens, 1),
+                          min(q.cached_tokens, max(q.prompt_tokens, 1) - 1))
+            for q in (prefill.queued if prefill is not None else ())
+        )
+        contexts = tuple(decode.decode_context_lens) if decode is not None else ()
+        return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
+                               running_prefill=None, decode_context_lens=contexts, current=None, slo=self.slo)
+
+    def decide(self) -> tuple[list[int], list[int], str] | None:
+        """Run the policy once; the new (prefill cores, decode cores, reason) when the split
+        changes, else None."""
+        snapshot = self.snapshot(time.time())
+        prefill_busy = bool(snapshot.queued)
+        decode_busy = bool(snapshot.decode_context_lens)
+        if not prefill_busy and not decode_busy:
+            return None  # nothing to run: keep the split in force
+        decision = self.policy(snapshot, self.predictor)
+        self.num_decisions += 1
+        split = split_cores(self.cores, decision, prefill_busy, decode_busy)
+        if split == self.last:
+            return None
+        self.last = split
+        log.info("partition: prefill %s, decode %s (%s)", split[0], split[1], decision.reason)
+        return split[0], split[1], f"{self.policy_name}: {decision.reason}"

@@ -1,0 +1,86 @@
+"""The dynamic policy on the live stack: the partition follows the load, in the agent, in
+Redis, and in the processes' real CPU affinity as the OS reports it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import redis.asyncio as aredis
+
+from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.state.load_board import LoadBoard
+from tests.integration.stack import Stack
+
+
+def _affinity(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+async def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_dynamic_partition_follows_the_load(smollm2_dir: Path, tmp_path: Path) -> None:
+    stack = Stack(smollm2_dir, tmp_path, num_blocks=512, extra_env={"TANDEM_POLICY": "dynamic"})
+    try:
+        stack.start()
+        decode_pid = stack.procs["decode_svc"].pid
+        prefill_pid = stack.procs["prefill_svc"].pid
+        assert _affinity(decode_pid) == "1" and _affinity(prefill_pid) == "0"  # the static start
+
+        async def scenario() -> list[str]:
+            seen: list[str] = []
+            async with grpc.aio.insecure_channel(stack.address("router")) as channel:
+                router = router_pb2_grpc.RouterStub(channel)
+
+                async def generate(ids: list[int], max_tokens: int) -> None:
+                    request = router_pb2.GenerateRequest(
+                        token_ids=router_pb2.TokenIds(ids=ids),
+                        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                    async for _ in router.Generate(request, timeout=300):
+                        pass
+
+                decoding = asyncio.create_task(generate(list(range(100, 120)), 400))
+                # decode alone: it gets both cores
+                await _until(lambda: _affinity(decode_pid) == "0-1", 30, "decode on both cores")
+                seen.append(_affinity(decode_pid))
+                board = await _agent_report(stack)
+                assert list(board.decode_units) == [0, 1] and not board.prefill_units
+                # a long prompt arrives: prefill takes a core back, decode keeps one
+                prefilling = asyncio.create_task(generate(list(range(200, 2000)), 2))
+                await _until(lambda: _affinity(decode_pid) == "1" and _affinity(prefill_pid) == "0", 30,
+                             "prefill and decode on their own cores")
+                seen.append(_affinity(decode_pid))
+                await prefilling
+                # the prompt is done, decode alone again: both cores once more
+                await _until(lambda: _affinity(decode_pid) == "0-1", 30, "decode back on both cores")
+                seen.append(_affinity(decode_pid))
+                decoding.cancel()
+            return seen
+
+        assert asyncio.run(scenario()) == ["0-1", "1", "0-1"]
+        assert "applied partition" in stack.logs("decode_svc")
+    finally:
+        stack.stop()
+
+
+async def _agent_report(stack: Stack):  # type: ignore[no-untyped-def]
+    assert stack.redis is not None
+    async with aredis.Redis.from_url(stack.redis.url) as client:
+        deadline = time.monotonic() + 5
+        while True:
+            reports = [r for r in await LoadBoard(client).read() if r.role == "agent"]
+            if reports and list(reports[0].decode_units) == [0, 1] or time.monotonic() > deadline:
+                return reports[0]
+            await asyncio.sleep(0.1)
