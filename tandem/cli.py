@@ -13,11 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tandem import ask_cli, launcher
     from tandem.engine import chat_cli, models_cli
+    from tandem.perf import profile_cli
 
     launcher.add_parser(sub)
     ask_cli.add_parser(sub)
     chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
+    profile_cli.add_parser(sub)
     return parser
 
 

@@ -8,7 +8,10 @@ JSON, version 1:
   "units": [unit counts that were profiled],
   "calibration_samples": [{"phase", "num_tokens", "units", "measured_s", "predicted_s"}, ...],
   "contention": {"unit_points": [...], "default_slowdown": 1.0,
-                 "slowdowns": {"decode": [[...], ...], ...}} | null
+                 "slowdowns": {"decode": [[...], ...], ...}} | null,
+  "heldout_samples": [same form as calibration_samples; shapes NOT used to fit],   (optional)
+  "heldout_error": {"prefill": MAPE as a fraction, "prefill@2": on 2 units, ...},  (optional)
+  "notes": ["free text for humans: what was measured, what was skipped and why"]   (optional)
 }
 The calibration is refitted from the samples on load, so a profile stays valid when the fitting
 rule changes. `profile_to_dict` / `profile_from_dict` are pure; only save/load touch files.
@@ -36,6 +39,11 @@ class PerfProfile:
     units: tuple[int, ...] = ()
     calibration_samples: tuple[CalibrationSample, ...] = ()
     contention: ContentionGuard | None = field(default=None, compare=False)
+    # Shapes measured in the same run but kept out of the fit, and the calibrated model's mean
+    # absolute percentage error on them per phase (a fraction: 0.08 is 8%).
+    heldout_samples: tuple[CalibrationSample, ...] = ()
+    heldout_error: dict[str, float] = field(default_factory=dict, compare=False)
+    notes: tuple[str, ...] = ()
 
     def calibration(self) -> Calibration:
         return Calibration.fit(self.calibration_samples)
@@ -51,6 +59,9 @@ def profile_to_dict(profile: PerfProfile) -> dict[str, Any]:
         "units": list(profile.units),
         "calibration_samples": [dataclasses.asdict(s) for s in profile.calibration_samples],
         "contention": profile.contention.to_dict() if profile.contention is not None else None,
+        "heldout_samples": [dataclasses.asdict(s) for s in profile.heldout_samples],
+        "heldout_error": dict(profile.heldout_error),
+        "notes": list(profile.notes),
     }
 
 
@@ -71,6 +82,9 @@ def profile_from_dict(raw: dict[str, Any]) -> PerfProfile:
         units=tuple(int(u) for u in raw.get("units", ())),
         calibration_samples=samples,
         contention=ContentionGuard.from_dict(contention_raw) if contention_raw else None,
+        heldout_samples=tuple(CalibrationSample(**s) for s in raw.get("heldout_samples", ())),
+        heldout_error={str(k): float(v) for k, v in (raw.get("heldout_error") or {}).items()},
+        notes=tuple(str(n) for n in raw.get("notes", ())),
     )
 
 
