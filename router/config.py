@@ -36,6 +36,8 @@ class RouterConfig:
     request_timeout_s: float  # longest a request may run end to end
     cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
     discovery_interval_s: float = 2.0  # how often the registry is re-read
+    http_port: int | None = None  # OpenAI-compatible HTTP API; None serves none (0: any free port)
+    api_key: str = ""  # when set, HTTP requests must carry ``Authorization: Bearer <api_key>``
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "config.json").is_file():
@@ -44,6 +46,8 @@ class RouterConfig:
             raise ValueError(f"--model {self.model_dir} has no tokenizer.json; the router tokenizes")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         for flag, addresses in (("--prefill-address", self.prefill_addresses),
                                 ("--decode-address", self.decode_addresses)):
             for address in addresses:
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     add_flag(parser, "--model", "default", "model directory or 'default'")
     add_flag(parser, "--host", "127.0.0.1", "address to listen on")
     add_flag(parser, "--grpc-port", 50051, "gRPC port (0: any free port)", type=int)
+    add_flag(parser, "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int)
+    add_flag(parser, "--api-key", "", "if set, HTTP clients must send 'Authorization: Bearer <key>'")
     add_flag(parser, "--prefill-address", "", "prefill_svc host:port (comma-separated for several)")
     add_flag(parser, "--decode-address", "", "decode_svc host:port (comma-separated for several)")
     add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)")
@@ -104,4 +110,6 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         router_id=args.router_id or f"router-{uuid.uuid4().hex[:12]}",
         stall_timeout_s=args.stall_timeout_s,
         request_timeout_s=args.request_timeout_s,
+        http_port=args.http_port,
+        api_key=args.api_key,
     )

@@ -12,15 +12,16 @@ come back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import grpc
 import grpc.aio
@@ -50,6 +51,10 @@ from tandem.rpc.v1 import (
     router_pb2_grpc,
 )
 from tandem.service.registry import announce
+
+if TYPE_CHECKING:
+    from router.http import HttpServer
+    from tandem.state.schema import LoadReport
 
 log = logging.getLogger("tandem.router")
 
@@ -162,6 +167,13 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams  # max_tokens already capped to the room left in the context
     stop: tuple[str, ...]
+
+
+@dataclass
+class StreamTimings:
+    """What ``generate_stream`` learns about a request's timing on the way."""
+
+    queue_s: float = 0.0  # time the request waited in prefill's queue
 
 
 class TokenGapError(Exception):
@@ -282,6 +294,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return self._streams
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
     def context_length(self) -> int:
         return self._model_config.max_position_embeddings
 
@@ -305,23 +325,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         Statuses: INVALID_ARGUMENT (bad prompt or sampling), NOT_FOUND (unknown model),
         ALREADY_EXISTS (request id in flight), UNAVAILABLE (no or failing upstream, decode
-        stalled), INTERNAL (decode reported an error), DEADLINE_EXCEEDED (request timeout).
+        stalled), INTERNAL (decode reported an error), DEADLINE_EXCEEDED (request timeout),
+        RESOURCE_EXHAUSTED (prefill admission refused).
         """
         try:
-            await self._generate(request, context)
+            async with contextlib.aclosing(self.generate_stream(request, context.time_remaining())) as stream:
+                async for response in stream:
+                    await context.write(response)
         except RequestRejected as exc:
             await context.abort(exc.code, exc.message)
 
-    async def _generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def generate_stream(self, request: router_pb2.GenerateRequest, client_timeout_s: float | None = None,
+                              timings: StreamTimings | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """The responses of one generation, the last one carrying a finish reason and usage.
+
+        Every failure raises RequestRejected (with the status Generate documents), before the
+        first response or between two. ``client_timeout_s`` shortens the router's request
+        timeout. When the generation ends any other way than its upstream finishing it (a stop
+        string, an error, the consumer closing the iterator or its task being cancelled), the
+        request is cancelled at prefill and decode in a task of its own, so its KV blocks come
+        back; consumers should close the iterator (``contextlib.aclosing``) when they stop early.
+        ``timings``, when given, is filled in as the request goes.
+        """
         loop = asyncio.get_running_loop()
         started_ns = time.monotonic_ns()
         arrival_unix_ns = time.time_ns()
         prepared = self._prepare(request)
         prefill_address = self._pick_prefill()
-        client_remaining_s = context.time_remaining()
         budget_s = self._config.request_timeout_s
-        if client_remaining_s is not None:
-            budget_s = min(budget_s, client_remaining_s)
+        if client_timeout_s is not None:
+            budget_s = min(budget_s, client_timeout_s)
         deadline_s = loop.time() + budget_s
 
         try:
@@ -332,6 +365,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 prepared.params, prepared.stop)
         try:
             reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+            if timings is not None:
+                timings.queue_s = reply.queue_ns / 1e9
             generation.num_cached_tokens = reply.num_cached_tokens
             first_tokens = [reply.first_token] if reply.HasField("first_token") else []
             if not first_tokens and reply.finish_reason == _UNSPECIFIED:
@@ -340,7 +375,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             first = generation.advance(0, first_tokens, reply.finish_reason)
             assert first is not None  # a token or a finish reason: advance always answers
             first.ttft_ns = time.monotonic_ns() - started_ns
-            await context.write(first)
+            yield first
             while not generation.finished:
                 update = await self._next_update(queue, deadline_s)
                 if update.finish_reason == _ERROR:
@@ -352,11 +387,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 except TokenGapError as exc:
                     raise RequestRejected(grpc.StatusCode.UNAVAILABLE, f"decode stream lost tokens: {exc}") from None
                 if response is not None:
-                    await context.write(response)
+                    yield response
         finally:
             self._streams.unregister(prepared.request_id)
             if not generation.ended_by_upstream:
-                # A task of its own, so that the cancellation of this handler (the client went
+                # A task of its own, so that the cancellation of the consumer (the client went
                 # away) cannot stop the cleanup that gives the request's KV blocks back.
                 self._spawn(self._cancel_upstream(prepared.request_id, prefill_address))
             log.debug("request %s: %d prompt tokens, %d generated, finish %s", prepared.request_id,
@@ -503,6 +538,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Health(self, request: router_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> router_pb2.HealthReply:
+        return await self.health()
+
+    async def health(self) -> router_pb2.HealthReply:
         """Live always; ready when at least one prefill and one decode service are known and
         accept a connection within HEALTH_PROBE_TIMEOUT_S (the tokenizer is loaded before the
         server starts, so a servicer that answers has one)."""
@@ -539,11 +577,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 # --- process --------------------------------------------------------------------------------
 
 class RunningRouter:
-    """A started router: its address, servicer and server, and the discovery task."""
+    """A started router: its address, servicer and server, and the discovery task; and, when
+    ``config.http_port`` is set, the OpenAI-compatible HTTP server (``http`` is None otherwise)."""
 
     def __init__(self, config: RouterConfig, server: grpc.aio.Server, servicer: RouterServicer,
                  channels: ChannelPool, address: str, source: UpstreamSource,
                  close_source: Callable[[], Awaitable[None]] | None) -> None:
+        self.http: HttpServer | None = None
+        self.close_http_redis: Callable[[], Awaitable[None]] | None = None
         self.config = config
         self.server = server
         self.servicer = servicer
@@ -576,6 +617,10 @@ class RunningRouter:
         if self._discovery is not None:
             self._discovery.cancel()
             await asyncio.gather(self._discovery, return_exceptions=True)
+        if self.http is not None:
+            await self.http.stop()
+        if self.close_http_redis is not None:
+            await self.close_http_redis()
         await self.server.stop(grace_s)
         await self.servicer.close()
         await self._channels.close()
@@ -608,7 +653,38 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     if not isinstance(source, StaticUpstreams):
         running.start_discovery()
     await server.start()
+    if config.http_port is not None:
+        try:
+            await _start_http(running)
+        except BaseException:
+            await running.stop()
+            raise
     return running
+
+
+async def _start_http(running: RunningRouter) -> None:
+    """The HTTP gateway over ``running``'s servicer, with the agent's load report read from
+    the Redis load board when a Redis URL is configured."""
+    from router.http import Gateway, start_http
+    from router.metrics import RouterMetrics
+
+    config = running.config
+    read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None
+    if config.redis_url:
+        import redis.asyncio as aredis
+
+        from tandem.state.load_board import LoadBoard
+
+        client = aredis.from_url(config.redis_url)
+        board = LoadBoard(client)
+        running.close_http_redis = client.aclose
+
+        async def read_agent_load() -> LoadReport | None:
+            reports = await board.read(config.cell_id or None)
+            return next((r for r in reports if r.role == "agent"), None)
+
+    gateway = Gateway(running.servicer, RouterMetrics(), config.api_key, read_agent_load)
+    running.http = await start_http(gateway, config.host, config.http_port or 0)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
@@ -620,8 +696,9 @@ async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
     try:
         async with announce(config.redis_url, "router", config.cell_id, running.address,
                             service_id=config.router_id):
-            log.info("router %s ready at %s (pid %d): model %s, context %d, upstreams from %s, started in %.1fs",
-                     config.router_id, running.address, os.getpid(), config.model_dir.name,
+            http = f"HTTP at http://{running.http.address}; " if running.http is not None else ""
+            log.info("router %s ready at %s (pid %d): %smodel %s, context %d, upstreams from %s, started in %.1fs",
+                     config.router_id, running.address, os.getpid(), http, config.model_dir.name,
                      running.servicer.context_length, "flags" if config.static_upstreams else "registry",
                      time.perf_counter() - started_s)
             await stop_event.wait()

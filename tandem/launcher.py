@@ -49,6 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser("up", help="run a whole cell and a router on this machine")
     add_flag(parser, "--model", "default", "model directory or 'default'")
     add_flag(parser, "--host", "127.0.0.1", "address the router listens on")
+    add_flag(parser, "--port", 8000, "router's OpenAI-compatible HTTP port", type=int)
     add_flag(parser, "--grpc-port", 50051, "router's public gRPC port", type=int)
     add_flag(parser, "--cell-id", "cell0", "id of the cell")
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         Child("prefill_svc", ["prefill_svc", "--agent-address", agent_addr, "--decode-address", decode_addr,
                               "--port", prefill_addr.rsplit(":", 1)[1]], prefill_addr, restartable=True),
         Child("router", ["router", "--model", str(model_dir), "--host", args.host, "--grpc-port", str(args.grpc_port),
+                         "--http-port", str(args.port),
                          "--prefill-address", prefill_addr, "--decode-address", decode_addr], router_addr,
               restartable=True),
     ]
@@ -119,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
             wait_ready(child, deadline)
             print(f"tandem up: {child.name} ready at {child.address} (pid {child.proc.pid if child.proc else '?'})",
                   flush=True)
-        print(f"tandem up: serving {model_dir.name}; gRPC API at {router_addr}. Ctrl-C stops.", flush=True)
+        http_url = f"http://{args.host}:{args.port}"
+        print(f"tandem up: serving {model_dir.name}; HTTP at {http_url} (OpenAI-compatible, {http_url}/v1), "
+              f"gRPC at {router_addr}. Ctrl-C stops.", flush=True)
         print(f"tandem up: try  {sys.executable.rsplit('/', 1)[0]}/tandem ask --address {router_addr} "
               f"'What is the capital of France?'", flush=True)
         while not stopping:

@@ -4,6 +4,7 @@ separate processes on private ports, started and stopped by the test."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,13 @@ class Stack:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible HTTP API, as a base URL (the router binds any free
+        port, so another process cannot take it first; its log says which)."""
+        matches = re.findall(r"HTTP at (http://\S+);", self.logs("router"))
+        assert matches, self.logs("router")[-3000:]
+        return str(matches[-1])
+
     def start(self) -> Stack:
         self.redis = RedisServer().start()
         for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):
@@ -64,13 +72,15 @@ class Stack:
                           "--block-size", str(self.block_size)],
             "decode_svc": [*agent, "--port", port],
             "prefill_svc": [*agent, "--port", port, "--decode-address", self.address("decode_svc")],
-            "router": ["--model", str(self.model_dir), "--grpc-port", port,
+            "router": ["--model", str(self.model_dir), "--grpc-port", port, "--http-port", "0",
                        "--prefill-address", self.address("prefill_svc"), "--decode-address", self.address("decode_svc")],
         }[name]
 
     def start_process(self, name: str, timeout_s: float = 120.0) -> None:
         assert self.redis is not None
-        env = dict(os.environ, REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT), TANDEM_CELL_ID="cell0", **self.extra_env)
+        # extra_env may override the cell id (it names the shared-memory segments: one per stack)
+        env = {**os.environ, "REDIS_URL": self.redis.url, "PYTHONPATH": str(ROOT), "TANDEM_CELL_ID": "cell0",
+               **self.extra_env}
         log = open(self.log_dir / f"{name}.log", "ab")
         offset = len(self.logs(name))
         self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self._args(name)], env=env, cwd=ROOT,
@@ -89,7 +99,7 @@ class Stack:
                 except grpc.FutureTimeoutError:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}") from None
-        if name in ("prefill_svc", "decode_svc"):
+        if name in ("prefill_svc", "decode_svc", "router"):
             self.wait_log(name, "ready at", timeout_s, log_offset)
 
     def wait_log(self, name: str, text: str, timeout_s: float, log_offset: int = 0) -> None:

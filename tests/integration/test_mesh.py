@@ -174,5 +174,8 @@ def test_registry_and_load_board_show_the_cell(stack: Stack) -> None:
     by_role = {r.role: r for r in reports}
     assert by_role["agent"].kv_total_blocks == NUM_BLOCKS
     for role in ("agent", "prefill", "decode"):
-        assert by_role[role].partition_epoch >= 1
-        assert by_role[role].prefill_units and by_role[role].decode_units
+        report = by_role[role]
+        assert report.partition_epoch >= 1
+        # the dynamic policy may lend an idle phase's cores to the other, never beyond the machine
+        assert set(report.prefill_units) | set(report.decode_units) <= {0, 1}
+        assert report.prefill_units or report.decode_units

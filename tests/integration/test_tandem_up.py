@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tests.integration.stack import ROOT, write_tiny_chat_model
 def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Path) -> None:
     model_dir = write_tiny_chat_model(tmp_path / "model", smollm2_dir)
     port = free_port()
+    http_port = free_port()
     cell = f"up-{uuid.uuid4().hex[:6]}"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # must start its own redis
     env["PYTHONPATH"] = str(ROOT)
@@ -28,7 +30,7 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(port),
-             "--cell-id", cell, "--kv-cache-gb", "0.05"],
+             "--port", str(http_port), "--cell-id", cell, "--kv-cache-gb", "0.05"],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
@@ -41,6 +43,9 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
         pids = [int(p) for p in re.findall(r"ready at \S+ \(pid (\d+)\)", text)]
         assert len(set(pids)) == 4  # agent, decode, prefill, router: four processes
         assert "redis at redis://127.0.0.1:" in text
+        assert f"HTTP at http://127.0.0.1:{http_port}" in text and f"gRPC at 127.0.0.1:{port}" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as answer:
+            assert answer.status == 200
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             request = router_pb2.GenerateRequest(

@@ -1,0 +1,787 @@
+"""The router's OpenAI-compatible HTTP API, on Starlette and uvicorn in the gRPC server's loop.
+
+Every generation goes through ``RouterServicer.generate_stream``, the same path as gRPC
+``Generate``: this module only turns JSON into ``GenerateRequest`` s and responses into
+OpenAI's JSON (and SSE) shapes, runs the ``n`` choices of a request concurrently, maps
+``RequestRejected`` statuses to HTTP statuses, and observes the Prometheus metrics.
+
+Invariants: every error body has OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``; a request whose client goes away (or that fails on one choice) has all of its
+choices' iterators cancelled, which cancels them upstream so their KV blocks come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router.metrics import RouterMetrics
+from router.server import MAX_STOP_STRINGS, RequestRejected, RouterServicer, StreamTimings
+from tandem.engine.sampling import MAX_NUM_LOGPROBS
+from tandem.rpc.v1 import common_pb2, router_pb2
+from tandem.state.schema import LoadReport
+
+log = logging.getLogger("tandem.router.http")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_MESSAGES = 1024
+MAX_N = 16
+MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
+MAX_TOP_K = 2**31 - 1  # the proto's int32
+RETRY_AFTER_S = 1
+
+Kind = Literal["chat", "completion"]
+T = TypeVar("T")
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_FINISH_REASON = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class HTTPError(Exception):
+    """An HTTP error answer in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @classmethod
+    def from_rejected(cls, exc: RequestRejected) -> HTTPError:
+        status, type_ = _HTTP_STATUS.get(exc.code, (500, "internal_error"))
+        code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.code.name.lower())
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        return cls(status, exc.message, type=type_, code=code, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# --- request parsing --------------------------------------------------------------------------
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HTTPError(400, f"{name} must be a number, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise HTTPError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HTTPError(400, f"{name} must be an integer, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise HTTPError(400, f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+    return value
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise HTTPError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    return [s for s in stop if s]
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HTTPError(400, f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}; "
+                                     "only text is supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise HTTPError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def _chat_messages(body: dict[str, Any]) -> router_pb2.ChatMessages:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise HTTPError(400, f"at most {MAX_MESSAGES} messages per request, got {len(messages)}", param="messages")
+    out = router_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
+        out.messages.append(router_pb2.ChatMessage(role=message["role"],
+                                                   content=_message_text(message.get("content"), i)))
+    return out
+
+
+def _set_prompt(request: router_pb2.GenerateRequest, body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)):
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise HTTPError(400, "prompt must be a string or a list of token ids (batches of several prompts "
+                             "are not supported; send one request per prompt)", param="prompt")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """An OpenAI request turned into one GenerateRequest per choice."""
+
+    kind: Kind
+    model: str
+    stream: bool
+    include_usage: bool
+    num_logprobs: int | None  # top logprobs per token; None: no logprobs
+    requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
+
+
+def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -> ParsedRequest:
+    """Validate an OpenAI request body; raises HTTPError(400) naming the bad parameter.
+
+    Unknown fields are ignored. ``max_tokens`` may not exceed the context length; a shorter one
+    that does not fit after the prompt is capped by the router (the choice finishes with
+    ``length``).
+    """
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise HTTPError(400, "model must be a string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise HTTPError(400, "stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise HTTPError(400, "stream_options must be an object with a boolean include_usage", param="stream_options")
+    include_usage = bool(options and options.get("include_usage", False))
+    n = _integer(body, "n", 1, 1, MAX_N)
+    assert n is not None
+
+    max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    default_max_tokens = context_length if kind == "chat" else 16
+    max_tokens = body.get(max_tokens_name)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+        raise HTTPError(400, f"{max_tokens_name} must be an integer, got {max_tokens!r}", param=max_tokens_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise HTTPError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}", param=max_tokens_name)
+    if max_tokens is not None and max_tokens > context_length:
+        raise HTTPError(400, f"{max_tokens_name} is {max_tokens} but the model's context length is "
+                             f"{context_length} tokens (prompt and output together)", param=max_tokens_name)
+
+    num_logprobs: int | None
+    if kind == "chat":
+        logprobs = body.get("logprobs", False)
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise HTTPError(400, "logprobs must be a boolean for chat completions", param="logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_NUM_LOGPROBS)
+        if top is not None and not logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        num_logprobs = (top or 0) if logprobs else None
+    else:
+        num_logprobs = _integer(body, "logprobs", None, 0, MAX_NUM_LOGPROBS)
+
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise HTTPError(400, "ignore_eos must be a boolean", param="ignore_eos")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise HTTPError(400, "user must be a string", param="user")
+    seed = _integer(body, "seed", None, 0, MAX_SEED - MAX_N)
+    sampling = common_pb2.SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 1e4),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_integer(body, "top_k", -1, -1, MAX_TOP_K),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 1e4),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        min_tokens=_integer(body, "min_tokens", 0, 0, context_length),
+        ignore_eos=ignore_eos,
+    )
+    if sampling.top_p == 0:
+        raise HTTPError(400, "top_p must be in (0, 1]", param="top_p")
+    if sampling.repetition_penalty == 0:
+        raise HTTPError(400, "repetition_penalty must be > 0", param="repetition_penalty")
+    if num_logprobs is not None:
+        sampling.logprobs = num_logprobs
+    base = router_pb2.GenerateRequest(model=model, stop=_stop_strings(body))
+    if kind == "chat":
+        base.messages.CopyFrom(_chat_messages(body))
+    else:
+        _set_prompt(base, body)
+    parsed = ParsedRequest(kind, model, stream, include_usage, num_logprobs)
+    for i in range(n):
+        request = router_pb2.GenerateRequest()
+        request.CopyFrom(base)
+        request.sampling.CopyFrom(sampling)
+        if seed is not None:
+            request.sampling.seed = seed + i
+        request.request_id = f"{request_id}-{i}"
+        parsed.requests.append(request)
+    return parsed
+
+
+# --- running the choices ------------------------------------------------------------------------
+
+ChoiceItem = router_pb2.GenerateResponse | RequestRejected | None  # None: the choice is done
+
+
+class Choices:
+    """The ``n`` generations of one request, each pumped by a task into one queue.
+
+    ``get`` returns ``(index, item)``: a response, the RequestRejected that ended the choice, or
+    None once the choice finished. ``cancel`` (synchronous, so it works inside a cancelled
+    task) cancels every pump, which closes its generation and cancels it upstream.
+    """
+
+    def __init__(self, servicer: RouterServicer, requests: list[router_pb2.GenerateRequest],
+                 metrics: RouterMetrics, tasks: set[asyncio.Task[None]]) -> None:
+        self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
+        self._metrics = metrics
+        self._tasks: list[asyncio.Task[None]] = []
+        for i, request in enumerate(requests):
+            task = asyncio.get_running_loop().create_task(self._pump(i, servicer, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            self._tasks.append(task)
+
+    async def _pump(self, index: int, servicer: RouterServicer, request: router_pb2.GenerateRequest) -> None:
+        timings = StreamTimings()
+        started_s = time.perf_counter()
+        last_s = started_s
+        has_first = False
+        self._metrics.request_started()
+        item: ChoiceItem = None
+        try:
+            async with contextlib.aclosing(servicer.generate_stream(request, timings=timings)) as stream:
+                async for response in stream:
+                    now_s = time.perf_counter()
+                    if not has_first:
+                        has_first = True
+                        self._metrics.first_token(response.ttft_ns / 1e9, timings.queue_s)
+                    else:
+                        self._metrics.inter_token_latency_s.observe(now_s - last_s)
+                    last_s = now_s
+                    if response.HasField("usage"):
+                        u = response.usage
+                        self._metrics.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                    self._queue.put_nowait((index, response))
+        except RequestRejected as exc:
+            item = exc
+        except Exception as exc:  # a bug: the client still gets an answer, the log the trace
+            log.exception("request %s failed", request.request_id)
+            item = RequestRejected(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        finally:
+            self._metrics.request_finished(has_first, time.perf_counter() - started_s)
+        self._queue.put_nowait((index, item))
+
+    async def get(self) -> tuple[int, ChoiceItem]:
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[common_pb2.GeneratedToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: router_pb2.Usage | None = None
+    started: bool = False
+
+
+# --- response shapes ------------------------------------------------------------------------------
+
+class Renderer:
+    """Builds OpenAI's JSON for one request (ids, timestamps, logprobs)."""
+
+    def __init__(self, servicer: RouterServicer, parsed: ParsedRequest, response_id: str) -> None:
+        self._tokenizer = servicer.tokenizer
+        self.parsed = parsed
+        self.id = response_id
+        self.created = int(time.time())
+        self.model = parsed.model or servicer.model_id
+        self._token_text: dict[int, str] = {}
+
+    def _token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def logprobs(self, tokens: list[common_pb2.GeneratedToken], text_offset: int = 0) -> dict[str, Any] | None:
+        if self.parsed.num_logprobs is None:
+            return None
+        if self.parsed.kind == "chat":
+            content = []
+            for t in tokens:
+                text = self._token(t.token_id)
+                content.append({
+                    "token": text, "logprob": t.logprob, "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": self._token(c.token_id), "logprob": c.logprob,
+                                      "bytes": list(self._token(c.token_id).encode())} for c in t.top_logprobs],
+                })
+            return {"content": content}
+        offsets: list[int] = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(self._token(t.token_id))
+        return {
+            "tokens": [self._token(t.token_id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self._token(c.token_id): c.logprob for c in t.top_logprobs} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
+        prompt = max((s.usage.prompt_tokens for s in states if s.usage), default=0)
+        completion = sum(s.usage.completion_tokens for s in states if s.usage)
+        cached = max((s.usage.cached_tokens for s in states if s.usage), default=0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def completion(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for i, s in enumerate(states):
+            text = "".join(s.text)
+            if self.parsed.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self.logprobs(s.tokens), "finish_reason": s.finish_reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": self.logprobs(s.tokens),
+                                "finish_reason": s.finish_reason})
+        obj = "chat.completion" if self.parsed.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(states)}
+
+    def chunk(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+        tokens = list(response.tokens)
+        finish = _FINISH_REASON.get(response.finish_reason, "stop") if response.finish_reason else None
+        if self.parsed.kind == "chat":
+            delta: dict[str, Any] = {"content": response.text}
+            if not state.started:
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(tokens), "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            offset = sum(len(t) for t in state.text)
+            choice = {"index": index, "text": response.text, "logprobs": self.logprobs(tokens, offset),
+                      "finish_reason": finish}
+            obj = "text_completion"
+        chunk: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                                 "choices": [choice]}
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.parsed.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self.usage(states)}
+
+
+def _absorb(state: ChoiceState, response: router_pb2.GenerateResponse) -> None:
+    state.started = True
+    state.text.append(response.text)
+    state.tokens.extend(response.tokens)
+    if response.finish_reason:
+        state.finish_reason = _FINISH_REASON.get(response.finish_reason, "stop")
+    if response.HasField("usage"):
+        state.usage = response.usage
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+# --- the app ----------------------------------------------------------------------------------------
+
+class Gateway:
+    """The HTTP endpoints over one servicer.
+
+    ``read_agent_load`` (optional) returns the agent's latest load report for the cell gauges.
+    """
+
+    def __init__(self, servicer: RouterServicer, metrics: RouterMetrics, api_key: str = "",
+                 read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None) -> None:
+        self._servicer = servicer
+        self._metrics = metrics
+        self._api_key = api_key
+        self._read_agent_load = read_agent_load
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ]
+        exception_handlers: dict[Any, Callable[[Request, Exception], Any]] = {
+            404: _not_found, 405: _method_not_allowed,
+        }
+        return Starlette(routes=routes, exception_handlers=exception_handlers)
+
+    # endpoints --------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except HTTPError as exc:
+            return exc.response()
+        s = self._servicer
+        return JSONResponse({"object": "list", "data": [
+            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": s.context_length}
+        ]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        reply = await self._servicer.health()
+        if not reply.ready:
+            return HTTPError(503, f"not ready: {reply.detail}", type="service_unavailable",
+                             code="not_ready").response()
+        return JSONResponse({"status": "ready", "detail": reply.detail})
+
+    async def metrics(self, request: Request) -> Response:
+        report: LoadReport | None = None
+        if self._read_agent_load is not None:
+            try:
+                report = await asyncio.wait_for(self._read_agent_load(), 2.0)
+            except Exception as exc:  # Redis down: the request metrics are still worth serving
+                log.debug("load board read failed: %s", exc)
+        self._metrics.set_cell(report)
+        return Response(self._metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema(self._servicer.context_length))
+
+    # generation --------------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if not self._api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise HTTPError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            type="authentication_error", code="invalid_api_key")
+
+    async def _read_json(self, request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise HTTPError(413, f"the request body has {length} bytes; the limit is {MAX_BODY_BYTES}",
+                            code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise HTTPError(413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes",
+                                code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as exc:
+            raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            parsed = parse_request(kind, body, self._servicer.context_length, response_id)
+        except HTTPError as exc:
+            return exc.response()
+        renderer = Renderer(self._servicer, parsed, response_id)
+        choices = Choices(self._servicer, parsed.requests, self._metrics, self._tasks)
+        states = [ChoiceState() for _ in parsed.requests]
+        try:
+            if not parsed.stream:
+                await _unless_disconnected(request, self._collect(choices, states, wait_for="all"))
+                return JSONResponse(renderer.completion(states))
+            # Wait for every choice's first response so that an early error (bad prompt,
+            # admission refused) still gets its HTTP status.
+            buffered = await _unless_disconnected(request, self._collect(choices, states, wait_for="first"))
+        except HTTPError as exc:
+            choices.cancel()
+            return exc.response()
+        except ClientDisconnected:
+            choices.cancel()
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            choices.cancel()
+            raise
+        return StreamingResponse(self._events(choices, states, renderer, buffered), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, choices: Choices, states: list[ChoiceState],
+                       wait_for: Literal["first", "all"]) -> list[tuple[int, router_pb2.GenerateResponse | None]]:
+        """Read until every choice has started (``first``) or finished (``all``); raises HTTPError
+        when a choice fails. Returns what was read, ends (None) included, for ``first``;
+        ``all`` absorbs it into ``states``."""
+        buffered: list[tuple[int, router_pb2.GenerateResponse | None]] = []
+        pending = set(range(len(states)))
+        while pending:
+            index, item = await choices.get()
+            if isinstance(item, RequestRejected):
+                raise HTTPError.from_rejected(item)
+            if wait_for == "first":
+                buffered.append((index, item))
+                pending.discard(index)
+            elif item is None:
+                pending.discard(index)
+            else:
+                _absorb(states[index], item)
+        return buffered
+
+    async def _events(self, choices: Choices, states: list[ChoiceState], renderer: Renderer,
+                      buffered: list[tuple[int, router_pb2.GenerateResponse | None]]) -> AsyncIterator[bytes]:
+        """The SSE body; when the client goes away Starlette cancels this generator, which
+        cancels every choice upstream."""
+        try:
+            num_done = 0
+            for index, response in buffered:
+                if response is None:
+                    num_done += 1
+                    continue
+                yield _sse(renderer.chunk(index, states[index], response))
+                _absorb(states[index], response)
+            while num_done < len(states):
+                index, item = await choices.get()
+                if item is None:
+                    num_done += 1
+                elif isinstance(item, RequestRejected):
+                    yield _sse(HTTPError.from_rejected(item).body())
+                    return
+                else:
+                    yield _sse(renderer.chunk(index, states[index], item))
+                    _absorb(states[index], item)
+            if renderer.parsed.include_usage:
+                yield _sse(renderer.usage_chunk(states))
+            yield _sse("[DONE]")
+        finally:
+            choices.cancel()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed the connection before its answer was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, or ClientDisconnected (``work`` cancelled) if the client goes away
+    first. Starlette notices a disconnect only while it streams a body; this covers the wait
+    before it (the whole of a non-streaming request)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    loop = asyncio.get_running_loop()
+    work_task = loop.create_task(work)
+    watch_task = loop.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task not in done:
+        raise ClientDisconnected
+    return work_task.result()
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return HTTPError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return HTTPError(405, f"method {request.method} is not allowed on {request.url.path}",
+                     code="method_not_allowed").response()
+
+
+# --- OpenAPI --------------------------------------------------------------------------------------
+
+def openapi_schema(context_length: int) -> dict[str, Any]:
+    """The API's OpenAPI 3.0 description (the parameters this gateway reads)."""
+    number = {"type": "number"}
+    stop = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}],
+            "nullable": True}
+    common: dict[str, Any] = {
+        "model": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": context_length, "nullable": True},
+        "temperature": {**number, "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": {**number, "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
+        "top_k": {"type": "integer", "minimum": -1, "nullable": True},
+        "min_p": {**number, "minimum": 0, "maximum": 1, "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True},
+        "stop": stop,
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED - MAX_N, "nullable": True},
+        "presence_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
+        "frequency_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
+        "repetition_penalty": {**number, "exclusiveMinimum": True, "minimum": 0, "maximum": 2, "nullable": True},
+        "ignore_eos": {"type": "boolean"},
+        "user": {"type": "string"},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True,
+                           "properties": {"include_usage": {"type": "boolean"}}},
+    }
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        "content": {"type": "string"},
+    }}
+    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+        **common,
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": context_length, "nullable": True},
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_NUM_LOGPROBS, "nullable": True},
+    }}
+    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+        **common,
+        "prompt": {"oneOf": [{"type": "string"},
+                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_NUM_LOGPROBS, "nullable": True},
+    }}
+    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
+
+    def answers(ok: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"200": {"description": ok, "content": {"application/json": {"schema": {"type": "object"}},
+                                                                      "text/event-stream": {"schema": {"type": "string"}}}}}
+        for status, text in (("400", "invalid parameters"), ("401", "bad API key"), ("404", "unknown model"),
+                             ("413", "body too large"), ("429", "admission refused; see Retry-After"),
+                             ("503", "not ready")):
+            out[status] = {"description": text, "content": {"application/json": {"schema": error}}}
+        return out
+
+    def post(schema: dict[str, Any], summary: str) -> dict[str, Any]:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": schema}}}, "responses": answers(summary)}}
+
+    def get(summary: str) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": {
+            "200": {"description": summary}, "503": {"description": "not ready"}}}}
+
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
+        "paths": {
+            "/v1/chat/completions": post(chat, "chat completion"),
+            "/v1/completions": post(completion, "text completion"),
+            "/v1/models": get("served models"),
+            "/health": get("process is up"),
+            "/ready": get("a prefill and a decode service are reachable"),
+            "/metrics": get("Prometheus metrics"),
+        },
+    }
+
+
+# --- serving ----------------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the process's own handlers stop the router."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    """A started HTTP server and its task."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    address: str
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def start_http(gateway: Gateway, host: str, port: int) -> HttpServer:
+    """Serve ``gateway`` on ``host:port`` (0: any free port) in this event loop; returns once
+    it listens. Raises OSError when the port cannot be bound."""
+    config = uvicorn.Config(gateway.app(), host=host, port=port, lifespan="off", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=2, backlog=4096)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(), name="router-http")
+    while not server.started:
+        if task.done():
+            # uvicorn logs a bind error and exits the task with SystemExit.
+            with contextlib.suppress(BaseException):
+                task.result()
+            raise OSError(f"the HTTP server could not listen on {host}:{port}")
+        await asyncio.sleep(0.01)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    return HttpServer(server, task, f"{host}:{bound_port}")

@@ -1,0 +1,97 @@
+"""The router's Prometheus metrics, under the ``tandem:`` prefix that dashboards scrape.
+
+Request metrics are observed by the HTTP gateway as its requests go; the cell gauges (KV cache
+use, partition) are read from the agent's entry on the Redis load board at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.state.schema import LoadReport
+
+PREFIX = "tandem:"
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics:
+    """One process's metrics in a registry of its own (so tests may run several routers).
+
+    Contract: ``num_requests_waiting`` counts requests admitted by the gateway that have no
+    first token yet, ``num_requests_running`` those streaming tokens; each request moves
+    waiting → running → gone exactly once through ``request_started`` / ``first_token`` /
+    ``request_finished``.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.time_to_first_token_s = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token_latency_s = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between two streamed updates.",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e_request_latency_s = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Request latency end to end.",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.request_queue_time_s = Histogram(
+            f"{PREFIX}request_queue_time_seconds", "Time a request waited in prefill's queue.",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.num_requests_running = Gauge(
+            f"{PREFIX}num_requests_running", "Requests streaming tokens.", registry=r)
+        self.num_requests_waiting = Gauge(
+            f"{PREFIX}num_requests_waiting", "Requests waiting for their first token.", registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.",
+            registry=r)
+        self.num_prefill_units = Gauge(
+            f"{PREFIX}partition_prefill_units", "Compute units given to prefill.", registry=r)
+        self.num_decode_units = Gauge(
+            f"{PREFIX}partition_decode_units", "Compute units given to decode.", registry=r)
+        self.partition_epoch = Gauge(f"{PREFIX}partition_epoch", "Epoch of the partition in force.", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
+        self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished.", registry=r)
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+
+    def request_started(self) -> None:
+        self.num_requests_waiting.inc()
+
+    def first_token(self, ttft_s: float, queue_s: float) -> None:
+        self.num_requests_waiting.dec()
+        self.num_requests_running.inc()
+        self.time_to_first_token_s.observe(ttft_s)
+        self.request_queue_time_s.observe(queue_s)
+
+    def request_finished(self, started: bool, e2e_s: float) -> None:
+        """``started``: whether ``first_token`` was called for this request."""
+        (self.num_requests_running if started else self.num_requests_waiting).dec()
+        self.e2e_request_latency_s.observe(e2e_s)
+
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> None:
+        """A finished request's token counts (feeds the prefix-cache hit rate)."""
+        self.num_requests.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_completion_tokens)
+        self._num_prompt_tokens += num_prompt_tokens
+        self._num_cached_tokens += num_cached_tokens
+        if self._num_prompt_tokens:
+            self.prefix_cache_hit_rate.set(self._num_cached_tokens / self._num_prompt_tokens)
+
+    def set_cell(self, agent: LoadReport | None) -> None:
+        """The cell gauges from the agent's load report; zeros when there is none."""
+        if agent is None or agent.kv_total_blocks == 0:
+            self.kv_cache_usage_perc.set(0)
+        else:
+            self.kv_cache_usage_perc.set(1 - agent.kv_free_blocks / agent.kv_total_blocks)
+        self.num_prefill_units.set(len(agent.prefill_units) if agent else 0)
+        self.num_decode_units.set(len(agent.decode_units) if agent else 0)
+        self.partition_epoch.set(agent.partition_epoch if agent else 0)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

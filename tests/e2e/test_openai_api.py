@@ -1,0 +1,432 @@
+"""The OpenAI-compatible HTTP API against the real stack (gpu_agent, prefill_svc, decode_svc and
+router as processes), through the official ``openai`` client, httpx and a schemathesis fuzz.
+
+Most tests run on a tiny random model with SmolLM2's tokenizer and chat template (fast, and every
+text path is the real one); SmolLM2 itself serves the tests where the output must be right, and
+its stack also has an API key and a KV pool too small for long prompts (admission refuses them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tandem.engine.llm import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc
+from tests.integration.stack import Stack, write_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+
+TINY_BLOCKS = 4096
+SMOL_BLOCKS = 64  # 1024 tokens of KV: a 1500-token prompt is refused by admission
+API_KEY = "tandem-test-key"
+CONTEXT = 2048  # the tiny model's context length
+HELLO: list[Any] = [{"role": "user", "content": "Hello! Who are you?"}]  # openai wants its TypedDicts
+# What the fuzz puts in malformed bodies; max_tokens is left out (its default can be the context).
+PARAMS = ["model", "messages", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream",
+          "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "ignore_eos", "user", "min_tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("openai-tiny")
+    model_dir = write_tiny_chat_model(root / "model", smollm2_dir)
+    (root / "logs").mkdir()
+    # A cell of its own: the cell id names the shared-memory weights and KV pool.
+    stack = Stack(model_dir, root / "logs", num_blocks=TINY_BLOCKS,
+                  extra_env={"TANDEM_CELL_ID": f"oa-tiny-{uuid.uuid4().hex[:6]}"})
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(smollm2_dir, tmp_path_factory.mktemp("openai-smol-logs"), num_blocks=SMOL_BLOCKS,
+                  extra_env={"TANDEM_API_KEY": API_KEY, "TANDEM_CELL_ID": f"oa-smol-{uuid.uuid4().hex[:6]}"})
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _client(stack: Stack, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_address()}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def _async_client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.http_address()}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def _agent_stats(stack: Stack) -> agent_pb2.AgentStats:
+    async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
+        return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=5)
+
+
+async def _wait_all_blocks_free(stack: Stack, timeout_s: float) -> agent_pb2.AgentStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await _agent_stats(stack)
+        if (stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def _assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    for word in words:
+        assert word in error["message"], error
+    return dict(error)
+
+
+# --- the openai client ----------------------------------------------------------------------------
+
+def test_sync_client_chat_and_completions_streaming_and_not(tiny: Stack) -> None:
+    client = _client(tiny)
+    chat = client.chat.completions.create(model="default", messages=HELLO, max_tokens=12, temperature=0, user="u1",
+                                          extra_body={"ignore_eos": True, "an_unknown_field": [1]})
+    assert chat.object == "chat.completion" and len(chat.choices) == 1
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 12
+    assert chat.usage.prompt_tokens > 5 and chat.usage.total_tokens == chat.usage.prompt_tokens + 12
+
+    chunks = list(client.chat.completions.create(model="default", messages=HELLO, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+    text = client.completions.create(model="default", prompt="The capital of France is", max_tokens=7,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert text.object == "text_completion" and text.choices[0].finish_reason == "length"
+    assert text.usage is not None and text.usage.completion_tokens == 7
+    streamed = list(client.completions.create(model="default", prompt="The capital of France is", max_tokens=7,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    # a token-id prompt is the same prompt
+    ids = Tokenizer.from_dir(tiny.model_dir).encode("The capital of France is")
+    by_ids = client.completions.create(model="default", prompt=ids, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == text.choices[0].text
+
+
+def test_n_choices_and_seeds(tiny: Stack) -> None:
+    client = _client(tiny)
+    first = client.chat.completions.create(model="default", messages=HELLO, max_tokens=10, n=3, seed=7,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(model="default", messages=HELLO, max_tokens=10, n=3, seed=7,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]  # seed + i: reproducible per choice
+    assert len(set(texts)) == 3  # and different between choices
+    assert first.usage is not None and first.usage.completion_tokens == 30
+
+    chunks = list(client.completions.create(model="default", prompt="Once upon a time", max_tokens=6, n=2,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    per_choice = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            per_choice[choice.index] += choice.text
+    assert per_choice[0] == per_choice[1] != ""  # greedy: both choices agree
+
+
+def test_stop_strings_across_tokens_are_not_emitted(tiny: Stack) -> None:
+    client = _client(tiny)
+    full = client.completions.create(model="default", prompt="Tell me a story", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) > 30
+    stop = full[12:19]  # most likely spans a token boundary
+    expected = full[:full.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model="default", prompt="Tell me a story", max_tokens=40,
+                                                    temperature=0, stop=[stop, "\x00never"], stream=True,
+                                                    extra_body={"ignore_eos": True}))
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            answer = client.completions.create(model="default", prompt="Tell me a story", max_tokens=40,
+                                               temperature=0, stop=stop, extra_body={"ignore_eos": True})
+            text, reason = answer.choices[0].text, answer.choices[0].finish_reason
+        assert text == expected and reason == "stop"
+
+
+def test_async_client_with_include_usage_and_logprobs(tiny: Stack) -> None:
+    async def run() -> None:
+        client = _async_client(tiny)
+        stream = await client.chat.completions.create(
+            model="default", messages=HELLO, max_tokens=5, temperature=0, stream=True, n=2,
+            stream_options={"include_usage": True}, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 10
+        assert all(c.usage is None for c in chunks[:-1])
+        contents = [lp for c in chunks[:-1] for ch in c.choices if ch.logprobs and ch.logprobs.content
+                    for lp in ch.logprobs.content]
+        assert len(contents) == 10
+        for lp in contents:
+            assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+            # greedy picks the most likely token
+            assert lp.logprob >= lp.top_logprobs[0].logprob - 1e-4
+
+        completion, chat = await asyncio.gather(
+            client.completions.create(model="default", prompt="Hi", max_tokens=4, logprobs=2, temperature=0,
+                                      extra_body={"ignore_eos": True}),
+            client.chat.completions.create(model="default", messages=HELLO, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True}),
+        )
+        logprobs = completion.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 4
+        assert "".join(logprobs.tokens) == completion.choices[0].text
+        assert logprobs.top_logprobs is not None and all(len(t) == 2 for t in logprobs.top_logprobs)
+        assert chat.usage is not None and chat.usage.completion_tokens == 4
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_greedy_chat_equals_the_engine(smol: Stack, smollm2_dir: Path) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = _client(smol, API_KEY).chat.completions.create(model="default", messages=messages,  # type: ignore[arg-type]
+                                                            max_tokens=24, temperature=0)
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=64, pack_weights=False)
+    [want] = engine.generate([tokenizer.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=24))
+    assert answer.choices[0].message.content == tokenizer.decode(want.token_ids)
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.usage is not None and answer.usage.completion_tokens == len(want.token_ids)
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+def test_errors_have_the_openai_shape(tiny: Stack) -> None:
+    base = tiny.http_address()
+    chat = f"{base}/v1/chat/completions"
+    with httpx.Client(timeout=30) as http:
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, "temperature": -1}),
+                      400, "temperature")
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, "temperature": "hot"}),
+                      400, "temperature")
+        _assert_error(http.post(chat, json={"model": "default", "messages": []}), 400, "messages")
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO * 1025}), 400, "1024")
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, "n": 17}), 400, "n must")
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, "max_tokens": CONTEXT + 1}),
+                      400, str(CONTEXT))
+        _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, "stop": [1]}), 400, "stop")
+        _assert_error(http.post(chat, content=b"{not json", headers={"content-type": "application/json"}),
+                      400, "JSON")
+        long_prompt = "hello " * (CONTEXT + 10)
+        error = _assert_error(http.post(f"{base}/v1/completions", json={"model": "default", "prompt": long_prompt}),
+                              400, str(CONTEXT), str(CONTEXT - 1))
+        assert error["type"] == "invalid_request_error"
+        _assert_error(http.post(chat, content=b" " * (4 * 1024 * 1024 + 1),
+                                headers={"content-type": "application/json"}), 413, "limit")
+        error = _assert_error(http.post(chat, json={"model": "gpt-17", "messages": HELLO}), 404, "gpt-17")
+        assert error["code"] == "model_not_found"
+        _assert_error(http.get(f"{base}/v1/nothing"), 404)
+    client = _client(tiny)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=HELLO)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="default", prompt="hello " * (CONTEXT + 10))
+
+
+def test_api_key_admission_and_not_ready(smol: Stack) -> None:
+    base = smol.http_address()
+    chat = f"{base}/v1/chat/completions"
+    body = {"model": "default", "messages": HELLO, "max_tokens": 2}
+    with httpx.Client(timeout=60) as http:
+        _assert_error(http.post(chat, json=body), 401, "API key")
+        _assert_error(http.post(chat, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        _assert_error(http.get(f"{base}/v1/models"), 401)
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert http.post(chat, json=body, headers=auth).status_code == 200
+        # a prompt needing more KV blocks than the pool holds: admission refuses it
+        long_body = {"model": "default", "prompt": "hello " * 1500, "max_tokens": 2}
+        refused = http.post(f"{base}/v1/completions", json=long_body, headers=auth)
+        _assert_error(refused, 429, "KV")
+        assert refused.headers["retry-after"].isdigit()
+        with pytest.raises(openai.RateLimitError):
+            _client(smol, API_KEY).completions.create(model="default", prompt="hello " * 1500, max_tokens=2)
+        assert http.get(f"{base}/ready").status_code == 200
+        # without prefill and decode the router is not ready and generation is unavailable
+        smol.kill("prefill_svc")
+        smol.kill("decode_svc")
+        _assert_error(http.get(f"{base}/ready"), 503, "prefill")
+        _assert_error(http.post(chat, json=body, headers=auth), 503)
+        assert http.get(f"{base}/health").status_code == 200
+
+
+# --- lifecycle and load ----------------------------------------------------------------------------
+
+def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stack) -> None:
+    max_tokens = 1900
+
+    async def run() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats, float, float]:
+        body = {"model": "default", "messages": HELLO, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        event_times_s: list[float] = []
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{tiny.http_address()}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        event_times_s.append(time.monotonic())
+                    if len(event_times_s) >= 20:
+                        break
+                during = await _agent_stats(tiny)
+        left_s = time.monotonic()
+        after = await _wait_all_blocks_free(tiny, timeout_s=60)
+        tokens_per_s = (len(event_times_s) - 1) / (event_times_s[-1] - event_times_s[0])
+        return during, after, time.monotonic() - left_s, tokens_per_s
+
+    during, after, freed_in_s, tokens_per_s = asyncio.run(run())
+    assert during.num_requests == 1 and during.num_free_blocks < during.num_blocks
+    assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
+    # Cancelled, not finished: the blocks came back long before the rest of the tokens could
+    # have been generated at the rate they were streaming.
+    assert freed_in_s < max(3.0, 0.5 * (max_tokens - 20) / tokens_per_s), (freed_in_s, tokens_per_s)
+
+    # the same for a non-streaming request whose client gives up waiting
+    async def give_up() -> tuple[agent_pb2.AgentStats, float]:
+        body = {"model": "default", "prompt": "Once", "max_tokens": max_tokens, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(f"{tiny.http_address()}/v1/completions", json=body)
+        left_s = time.monotonic()
+        stats = await _wait_all_blocks_free(tiny, timeout_s=60)
+        return stats, time.monotonic() - left_s
+
+    after, freed_in_s = asyncio.run(give_up())
+    assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
+    assert freed_in_s < max(3.0, 0.5 * max_tokens / tokens_per_s), (freed_in_s, tokens_per_s)
+    metrics = httpx.get(f"{tiny.http_address()}/metrics").text
+    assert "tandem:num_requests_running 0.0" in metrics and "tandem:num_requests_waiting 0.0" in metrics
+
+
+def test_models_health_ready_metrics_openapi(tiny: Stack) -> None:
+    base = tiny.http_address()
+    with httpx.Client(timeout=30) as http:
+        models = http.get(f"{base}/v1/models").json()
+        assert models["object"] == "list" and models["data"][0]["id"] == "model"
+        assert models["data"][0]["max_model_len"] == CONTEXT
+        assert http.get(f"{base}/health").json() == {"status": "ok"}
+        assert http.get(f"{base}/ready").status_code == 200
+        http.post(f"{base}/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 3})
+        metrics = http.get(f"{base}/metrics").text
+        for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                     "request_queue_time_seconds", "num_requests_running", "num_requests_waiting",
+                     "kv_cache_usage_perc", "prefix_cache_hit_rate", "partition_prefill_units",
+                     "partition_decode_units"):
+            assert f"# TYPE tandem:{name} " in metrics, name
+        assert "tandem:time_to_first_token_seconds_count 0.0" not in metrics
+        units = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith("tandem:partition_")}
+        # read from the agent's load report (the policy may give every unit to one phase)
+        assert units["tandem:partition_prefill_units"] + units["tandem:partition_decode_units"] >= 1
+        assert units["tandem:partition_epoch"] >= 1
+        schema = http.get(f"{base}/openapi.json").json()
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+
+
+def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    raw = httpx.get(f"{tiny.http_address()}/openapi.json").json()
+    # Bound the work per example: a few tokens and choices each.
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        props = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in props:
+                props[name]["maximum"] = 8
+        props["n"]["maximum"] = 2
+        props["model"] = {"type": "string", "enum": ["default", "model", "nope"]}
+    schema = schemathesis.openapi.from_dict(raw)
+    # schemathesis's own negative mode can spend minutes generating; arbitrary JSON bodies are
+    # the bounded way to send malformed requests.
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+        max_leaves=12,
+    )
+    endpoint = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
+    junk = st.tuples(endpoint, st.dictionaries(st.sampled_from(PARAMS), json_values, max_size=6) | json_values)
+    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), junk)
+    statuses: list[int] = []
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def check(case: Any) -> None:
+        if isinstance(case, tuple):  # (path, arbitrary JSON body)
+            path, body = case
+            if isinstance(body, dict):
+                body.setdefault("max_tokens", 4)
+            # json.dumps writes NaN and Infinity, which some clients send
+            response = httpx.post(f"{tiny.http_address()}{path}", content=json.dumps(body), timeout=30,
+                                  headers={"content-type": "application/json"})
+            status, text = response.status_code, response.text
+        else:
+            path, body = case.path, case.body
+            if isinstance(body, dict) and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                body["max_tokens"] = 4  # chat's default is the whole context: seconds per example
+            answer = case.call(base_url=tiny.http_address(), timeout=30)
+            status, text = answer.status_code, answer.text
+        statuses.append(status)
+        assert status < 500, (path, body, text)
+        if status >= 400 and path.startswith("/v1/"):
+            assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+
+    check()
+    assert 200 in statuses and any(400 <= s < 500 for s in statuses)
+
+
+def test_200_concurrent_streaming_clients(tiny: Stack) -> None:
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str, bool]:
+        body = {"model": "default", "messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 8,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        text, done, status = "", False, 0
+        async with http.stream("POST", f"{tiny.http_address()}/v1/chat/completions", json=body) as response:
+            status = response.status_code
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["delta"].get("content", "") for c in chunk["choices"])
+                    if not chunk["choices"]:
+                        assert chunk["usage"]["completion_tokens"] == 8
+        return status, text, done
+
+    async def run() -> list[tuple[int, str, bool]]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(200)))
+
+    results = asyncio.run(run())
+    assert [status for status, _, _ in results] == [200] * 200
+    assert all(done and text for _, text, done in results)
+    stats = asyncio.run(_wait_all_blocks_free(tiny, timeout_s=20))
+    assert stats.num_free_blocks == TINY_BLOCKS and stats.num_requests == 0

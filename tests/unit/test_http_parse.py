@@ -1,0 +1,82 @@
+"""The HTTP gateway's request parsing and error mapping (pure: no server, no model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
+from router.server import RequestRejected
+
+CONTEXT = 2048
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _error(kind: Any, body: Any) -> HTTPError:
+    with pytest.raises(HTTPError) as info:
+        parse_request(kind, body, CONTEXT, "req")
+    return info.value
+
+
+def test_chat_defaults_n_seeds_and_stop() -> None:
+    parsed = parse_request("chat", {"model": "m", "messages": MESSAGES, "n": 3, "seed": 5, "stop": "END",
+                                    "unknown": {"x": 1}, "user": "u"}, CONTEXT, "req")
+    assert [r.request_id for r in parsed.requests] == ["req-0", "req-1", "req-2"]
+    assert [r.sampling.seed for r in parsed.requests] == [5, 6, 7]
+    first = parsed.requests[0]
+    assert list(first.stop) == ["END"] and first.model == "m"
+    assert first.sampling.temperature == 1.0 and first.sampling.max_tokens == CONTEXT  # OpenAI's defaults
+    assert [(m.role, m.content) for m in first.messages.messages] == [("user", "hi")]
+    assert not first.sampling.HasField("logprobs") and parsed.num_logprobs is None
+
+
+def test_completion_prompt_forms_logprobs_and_max_completion_tokens() -> None:
+    parsed = parse_request("completion", {"prompt": ["Hello"], "logprobs": 2, "max_tokens": 9}, CONTEXT, "r")
+    assert parsed.requests[0].text == "Hello" and parsed.requests[0].sampling.logprobs == 2
+    assert parsed.requests[0].sampling.max_tokens == 9
+    ids = parse_request("completion", {"prompt": [1, 2, 3]}, CONTEXT, "r").requests[0]
+    assert list(ids.token_ids.ids) == [1, 2, 3] and ids.sampling.max_tokens == 16
+    chat = parse_request("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "text", "text": "b"}]}],
+                                  "logprobs": True, "top_logprobs": 4, "max_completion_tokens": 3},
+                         CONTEXT, "r")
+    assert chat.num_logprobs == 4 and chat.requests[0].sampling.max_tokens == 3
+    assert chat.requests[0].messages.messages[0].content == "ab"
+
+
+@pytest.mark.parametrize(("kind", "body", "param"), [
+    ("chat", [], None),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": MESSAGES * (MAX_MESSAGES + 1)}, "messages"),
+    ("chat", {"messages": [{"content": "no role"}]}, "messages"),
+    ("chat", {"messages": MESSAGES, "n": MAX_N + 1}, "n"),
+    ("chat", {"messages": MESSAGES, "n": True}, "n"),
+    ("chat", {"messages": MESSAGES, "temperature": float("nan")}, "temperature"),
+    ("chat", {"messages": MESSAGES, "top_p": 0}, "top_p"),
+    ("chat", {"messages": MESSAGES, "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ("chat", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": MESSAGES, "seed": -1}, "seed"),
+    ("chat", {"messages": MESSAGES, "stop": ["a"] * 17}, "stop"),
+    ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": MESSAGES, "logprobs": 3}, "logprobs"),
+    ("chat", {"messages": MESSAGES, "stream": "yes"}, "stream"),
+    ("completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"prompt": [-1]}, "prompt"),
+    ("completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
+])
+def test_invalid_parameters_are_400_naming_the_parameter(kind: Any, body: Any, param: str | None) -> None:
+    error = _error(kind, body)
+    assert error.status == 400 and error.param == param
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_upstream_statuses_map_to_openai_errors() -> None:
+    refused = HTTPError.from_rejected(RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool full"))
+    assert refused.status == 429 and refused.headers["Retry-After"].isdigit()
+    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.NOT_FOUND, "m")).body()["error"]["code"] == \
+        "model_not_found"
+    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.UNAVAILABLE, "down")).status == 503
+    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "bad")).status == 400
+    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.INTERNAL, "bug")).status == 500
