@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.kv_pool import KVPool, PagedLayout, slot_ids
+from tandem.engine.kv_pool import KVPool, slot_ids
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,6 @@ class AttentionBackend(ABC):
 @dataclass
 class _TorchPlan:
     slots: torch.Tensor  # [num_tokens] int64
-    layout: PagedLayout
     # decode rows (q_len == 1), attended in one padded batch
     decode_rows: torch.Tensor | None  # [num_decode] int64 token rows
     decode_table: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with a valid id
@@ -91,9 +90,6 @@ class TorchPagedAttention(AttentionBackend):
                     torch.tensor(span.block_ids[:num_blocks], dtype=torch.int64) if span.num_cached else None
                 )
                 prefill.append((span.q_start, span.q_len, span.num_cached, blocks))
-        layout = PagedLayout.build(
-            [s.block_ids for s in spans], [s.kv_len for s in spans], block_size
-        )
         rows = table = mask = None
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
@@ -103,7 +99,7 @@ class TorchPagedAttention(AttentionBackend):
             mask = (positions[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
             rows = torch.tensor(decode_rows, dtype=torch.int64)
         decode_only = not prefill and decode_rows == list(range(len(decode_rows)))
-        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), layout, rows, table, mask, prefill, decode_only)
+        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), rows, table, mask, prefill, decode_only)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
