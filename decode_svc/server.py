@@ -18,14 +18,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
-import torch
 from opentelemetry import trace
 
 from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, make_generator
+from tandem.engine.sampling import Sampler, SamplingParams, generator_state, restore_generator
 from tandem.engine.step import Request, forward_and_sample
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
@@ -47,17 +45,6 @@ class _Active:
     cancelled: bool = False
     error: str = ""
     span: trace.Span | None = None  # "decode" span of the request, handoff to finish
-
-
-def _generator_state(gen: torch.Generator | None) -> bytes:
-    return gen.get_state().numpy().tobytes() if gen is not None else b""
-
-
-def _restore_generator(params: SamplingParams, state: bytes) -> torch.Generator | None:
-    gen = make_generator(params.seed)
-    if gen is not None and state:
-        gen.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
-    return gen
 
 
 class DecodeWorker:
@@ -91,7 +78,7 @@ class DecodeWorker:
         except InvalidRequestError as exc:
             return decode_pb2.HandoffReply(accepted=False, message=str(exc))
         req = Request(msg.request_id, list(msg.prompt_token_ids), params,
-                      _restore_generator(params, msg.generator_state))
+                      restore_generator(params, msg.generator_state))
         req.output_token_ids = list(msg.output_token_ids)
         req.block_ids = list(msg.block_ids)
         req.num_computed_tokens = msg.num_computed_tokens
@@ -148,7 +135,7 @@ class DecodeWorker:
         records = await self.records.list_active(self.member.cell_id, state="decode")
         for rec in records:
             params = SamplingParams.from_dict(rec.sampling)
-            req = Request(rec.request_id, rec.prompt_token_ids, params, _restore_generator(params, rec.generator_state))
+            req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
             req.output_token_ids = list(rec.output_token_ids)
             req.block_ids = list(rec.block_ids)
             req.num_computed_tokens = rec.num_computed_tokens
@@ -233,7 +220,7 @@ class DecodeWorker:
         if self.records is not None:
             await self.records.append_outputs([
                 OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
-                             _generator_state(a.req.generator), a.req.block_ids)
+                             generator_state(a.req.generator), a.req.block_ids)
                 for a, out in zip(batch, outputs, strict=True)
             ])
         self._send(batch)

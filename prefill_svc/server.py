@@ -22,7 +22,7 @@ from opentelemetry import trace
 from prefill_svc.config import PrefillConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, make_generator
+from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
@@ -272,12 +272,11 @@ class PrefillWorker:
         _succeed(pending, reply)
 
     def _handoff_msg(self, pending: _Pending, req: Request) -> decode_pb2.HandoffRequest:
-        gen_state = req.generator.get_state().numpy().tobytes() if req.generator is not None else b""
         return decode_pb2.HandoffRequest(
             request_id=req.request_id, router_id=pending.msg.router_id,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             block_ids=req.block_ids, num_computed_tokens=req.num_computed_tokens,
-            sampling=pending.msg.sampling, generator_state=gen_state,
+            sampling=pending.msg.sampling, generator_state=generator_state(req.generator),
             arrival_unix_ns=pending.msg.arrival_unix_ns, prefill_done_unix_ns=time.time_ns(),
         )
 

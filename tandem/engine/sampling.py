@@ -143,6 +143,19 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def generator_state(generator: torch.Generator | None) -> bytes:
+    """A seeded request's RNG state as bytes, to hand it to another process (b"" if unseeded)."""
+    return generator.get_state().numpy().tobytes() if generator is not None else b""
+
+
+def restore_generator(params: SamplingParams, state: bytes) -> torch.Generator | None:
+    """The generator ``params`` asks for, continued from ``generator_state`` bytes when given."""
+    generator = make_generator(params.seed)
+    if generator is not None and state:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
 @dataclass(frozen=True)
 class SampleOutput:
     """What ``Sampler.sample`` chose for each row, in batch order.

@@ -484,3 +484,17 @@ def test_top_k_larger_than_vocab_is_off() -> None:
 def test_check_stop(token_id: int, num_output_tokens: int, params: SamplingParams,
                     expected: str | None) -> None:
     assert check_stop(token_id, num_output_tokens, params, (0, 2)) == expected
+
+
+def test_generator_state_round_trip_continues_the_same_draws() -> None:
+    """A seeded request handed to another process continues its random stream exactly."""
+    from tandem.engine.sampling import generator_state, restore_generator
+
+    params = SamplingParams(seed=7)
+    original = make_generator(7)
+    assert original is not None
+    torch.rand(5, generator=original)
+    copy = restore_generator(params, generator_state(original))
+    assert copy is not None
+    assert torch.equal(torch.rand(3, generator=original), torch.rand(3, generator=copy))
+    assert generator_state(None) == b"" and restore_generator(SamplingParams(), b"") is None
