@@ -19,7 +19,7 @@ from gpu_agent.policy_loop import PolicyLoop
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
-from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
 from tandem.engine.model_cache import resolve_model
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
@@ -158,8 +158,8 @@ def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, B
     weights = load_checkpoint(model_dir, model_config, dtype)
     store = share_weights(weights, f"{config.cell_id}-weights", exist_ok=True)
     del weights
-    num_blocks = config.num_blocks or max(
-        1, int(config.kv_cache_gb * (1 << 30)) // KVPoolSpec.for_model(model_config, 1, config.block_size, dtype).bytes_per_block
+    num_blocks = config.num_blocks or num_blocks_for_budget(
+        model_config, int(config.kv_cache_gb * (1 << 30)), config.block_size, dtype
     )
     spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, dtype)
     pool = KVPool.create_shared(spec, f"{config.cell_id}-kv", exist_ok=True)

@@ -47,6 +47,11 @@ class KVPoolSpec:
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
 
 
+def num_blocks_for_budget(config: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks of ``config``'s K/V fit in ``kv_cache_bytes`` (at least one)."""
+    return max(1, kv_cache_bytes // KVPoolSpec.for_model(config, 1, block_size, dtype).bytes_per_block)
+
+
 class KVPool:
     """The K/V tensor; private (``create``), or in shared memory (``create_shared`` / ``attach``)."""
 

