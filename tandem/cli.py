@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from tandem import ask_cli, launcher
+    from tandem.bench import cli as bench_cli
     from tandem.engine import chat_cli, models_cli
     from tandem.perf import profile_cli
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
     profile_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 
