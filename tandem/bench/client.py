@@ -253,9 +253,11 @@ class RunResult:
 
 async def run_workload(target: Target, model: str, requests: Sequence[RequestSpec],
                        prompts: Sequence[list[int] | str], *, concurrency: int | None = None,
-                       on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+                       on_done: Callable[[RequestRecord], None] | None = None,
+                       transport: httpx.AsyncBaseTransport | None = None) -> RunResult:
     """Send ``requests`` on schedule (at ``arrival_s``; with ``concurrency`` at most that many in
-    flight, in order) and return every record. A session's turn waits for its previous turn."""
+    flight, in order) and return every record. A session's turn waits for its previous turn.
+    ``transport`` replaces the network (tests)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
     previous_turn: dict[int, asyncio.Event] = {}
@@ -275,7 +277,8 @@ async def run_workload(target: Target, model: str, requests: Sequence[RequestSpe
     def clock() -> float:
         return time.perf_counter() - start
 
-    async with httpx.AsyncClient(base_url=target.base_url, headers=target.headers, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=target.base_url, headers=target.headers, limits=limits,
+                                 transport=transport) as http:
         async def one(index: int) -> RequestRecord:
             spec = requests[index]
             delay = spec.arrival_s - clock()

@@ -1,0 +1,127 @@
+"""The bench client against an in-process fake server (httpx.MockTransport): token counting per
+chunk, errors as records, scheduling of concurrency and sessions, deterministic prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from tandem.bench.client import PromptBuilder, Target, run_workload
+from tandem.bench.workload import RequestSpec
+
+
+def _sse(*payloads: dict[str, Any] | str) -> bytes:
+    return b"".join(f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n".encode() for p in payloads)
+
+
+class FakeServer:
+    """Answers by the request's max_tokens: 429 for 99, a cut stream for 98, else a stream whose
+    first chunk holds two tokens (logprobs), then one text chunk, one empty chunk, usage = max_tokens."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.delay_s = delay_s
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        n = body["max_tokens"]
+        if n == 99:
+            return httpx.Response(429, json={"error": {"message": "the queue is full", "type": "overloaded"}})
+        if n == 97:
+            raise httpx.ConnectError("connection refused")
+        two = {"choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b"]}}], "usage": None}
+        one = {"choices": [{"index": 0, "text": "c", "logprobs": None}], "usage": None}
+        empty = {"choices": [{"index": 0, "text": "", "logprobs": None}], "usage": None}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}}
+        if n == 98:
+            return httpx.Response(200, content=_sse(two))
+        return httpx.Response(200, content=_sse(two, one, empty, usage, "[DONE]"),
+                              headers={"content-type": "text/event-stream"})
+
+
+def _run(server: FakeServer, specs: list[RequestSpec], concurrency: int | None = None, endpoint: str = "completions"):
+    target = Target("fake", "http://fake", endpoint)
+    builder = PromptBuilder(0, token_ids=list(range(100, 200)))
+    prompts = [builder.prompt(s) for s in specs]
+    return asyncio.run(run_workload(target, "m", specs, prompts, concurrency=concurrency,
+                                    transport=httpx.MockTransport(server)))
+
+
+def test_tokens_per_chunk_usage_and_the_request_body() -> None:
+    server = FakeServer()
+    result = _run(server, [RequestSpec("r0", 0.0, 5, 4), RequestSpec("r1", 0.0, 6, 3)])
+    r0, r1 = result.records
+    assert r0.ok and r0.output_len == 4  # 2 (logprobs) + 1 (text) + 0 (empty) + 1 more said by usage
+    assert r0.token_times_s[0] == r0.token_times_s[1] and r0.token_times_s == tuple(sorted(r0.token_times_s))
+    assert r1.ok and r1.output_len == 3  # usage says 3: nothing added
+    body = server.bodies[0]
+    assert body["max_tokens"] == 4 and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["logprobs"] == 0 and body["model"] == "m"
+    assert len(body["prompt"]) == 5 and all(100 <= t < 200 for t in body["prompt"])
+    assert result.duration_s > 0
+
+
+def test_failures_are_records_not_crashes() -> None:
+    result = _run(FakeServer(), [RequestSpec("busy", 0.0, 5, 99), RequestSpec("cut", 0.0, 5, 98),
+                                 RequestSpec("down", 0.0, 5, 97), RequestSpec("fine", 0.0, 5, 2)])
+    busy, cut, down, fine = result.records
+    assert not busy.ok and busy.error == "HTTP 429: the queue is full"
+    assert not cut.ok and "[DONE]" in (cut.error or "") and cut.output_len == 2  # tokens kept
+    assert not down.ok and (down.error or "").startswith("ConnectError")
+    assert fine.ok
+
+
+def test_fixed_concurrency_caps_requests_in_flight() -> None:
+    server = FakeServer(delay_s=0.02)
+    result = _run(server, [RequestSpec(f"r{i}", 0.0, 4, 2) for i in range(6)], concurrency=2)
+    assert server.max_in_flight == 2 and all(r.ok for r in result.records)
+    unbounded = FakeServer(delay_s=0.02)
+    _run(unbounded, [RequestSpec(f"r{i}", 0.0, 4, 2) for i in range(6)])
+    assert unbounded.max_in_flight == 6
+
+
+def test_a_session_turn_waits_for_the_previous_turn_and_arrivals_are_kept() -> None:
+    server = FakeServer(delay_s=0.05)
+    specs = [RequestSpec("t0", 0.0, 8, 2, session_id=0), RequestSpec("t1", 0.01, 12, 2, session_id=0, shared_prefix_len=10),
+             RequestSpec("x", 0.1, 4, 2)]
+    t0, t1, x = _run(server, specs).records
+    assert t0.finish_s is not None and t1.arrival_s >= t0.finish_s
+    assert x.arrival_s >= 0.1 - 1e-3
+    assert server.bodies[1]["prompt"][:8] == server.bodies[0]["prompt"]
+
+
+def test_chat_body_and_text_prompts() -> None:
+    server = FakeServer()
+    specs = [RequestSpec("r0", 0.0, 7, 2)]
+    target = Target("fake", "http://fake", "chat")
+    builder = PromptBuilder(0)
+    asyncio.run(run_workload(target, "m", specs, [builder.prompt(specs[0])], transport=httpx.MockTransport(server)))
+    body = server.bodies[0]
+    assert body["logprobs"] is True and body["top_logprobs"] == 0
+    assert len(body["messages"][0]["content"].split()) == 7
+
+
+def test_prompts_are_deterministic_and_sessions_share_prefixes_in_any_order() -> None:
+    turns = [RequestSpec("a", 0.0, 300, 5, 3, 0), RequestSpec("b", 1.0, 700, 5, 3, 305)]
+    forward = PromptBuilder(5, token_ids=list(range(50000)))
+    backward = PromptBuilder(5, token_ids=list(range(50000)))
+    first, second = forward.prompt(turns[0]), forward.prompt(turns[1])
+    assert backward.prompt(turns[1]) == second and backward.prompt(turns[0]) == first
+    assert isinstance(first, list) and isinstance(second, list)
+    assert len(first) == 300 and len(second) == 700 and second[:300] == first
+    single = RequestSpec("c", 0.0, 300, 5)
+    assert forward.prompt(single) != first  # unrelated requests do not share a prefix
+    assert PromptBuilder(6, token_ids=list(range(50000))).prompt(single) != forward.prompt(single)
