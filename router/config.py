@@ -13,6 +13,9 @@ from tandem.service.flags import add_flag
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# The same defaults as gpu_agent's, so that admission and the partition policy share one SLO.
+DEFAULT_TTFT_SLO_MS = 2000.0
+DEFAULT_TBT_SLO_MS = 200.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class RouterConfig:
     discovery_interval_s: float = 2.0  # how often the registry is re-read
     http_port: int | None = None  # OpenAI-compatible HTTP API; None serves none (0: any free port)
     api_key: str = ""  # when set, HTTP requests must carry ``Authorization: Bearer <api_key>``
+    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS  # admission: a request's deadline is arrival + this
+    tbt_slo_ms: float = DEFAULT_TBT_SLO_MS  # reported with the SLO; the agent's policy enforces it
+    admission: bool = True  # refuse early what cannot meet its TTFT deadline (False: admit all)
+    profile: str = ""  # perf profile from `tandem profile`; "" uses the CPU placeholder model
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "config.json").is_file():
@@ -58,7 +65,8 @@ class RouterConfig:
             raise ValueError("no upstreams: give --prefill-address and --decode-address, or --redis-url")
         if not self.router_id or any(c.isspace() for c in self.router_id):
             raise ValueError(f"--router-id must be non-empty without spaces, got {self.router_id!r}")
-        for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s"):
+        for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s",
+                     "ttft_slo_ms", "tbt_slo_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -98,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     add_flag(parser, "--stall-timeout-s", DEFAULT_STALL_TIMEOUT_S,
              "give up on a request after this long without a decode update", type=float)
     add_flag(parser, "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float)
+    add_flag(parser, "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float)
+    add_flag(parser, "--tbt-slo-ms", DEFAULT_TBT_SLO_MS, "time-between-tokens SLO of this model", type=float)
+    add_flag(parser, "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
+             choices=["on", "off"])
+    add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
     args = parser.parse_args(argv)
     return RouterConfig(
         model_dir=resolve_model(args.model),
@@ -112,4 +125,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         http_port=args.http_port,
         api_key=args.api_key,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tbt_slo_ms=args.tbt_slo_ms,
+        admission=args.admission == "on",
+        profile=args.profile,
     )

@@ -82,7 +82,10 @@ class HTTPError(Exception):
     def from_rejected(cls, exc: RequestRejected) -> HTTPError:
         status, type_ = _HTTP_STATUS.get(exc.code, (500, "internal_error"))
         code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.code.name.lower())
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        headers = None
+        if status == 429:
+            retry_s = RETRY_AFTER_S if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
+            headers = {"Retry-After": str(retry_s)}
         return cls(status, exc.message, type=type_, code=code, headers=headers)
 
     def body(self) -> dict[str, Any]:

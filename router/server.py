@@ -53,6 +53,7 @@ from tandem.rpc.v1 import (
 from tandem.service.registry import announce
 
 if TYPE_CHECKING:
+    from router.admission import AdmissionController
     from router.http import HttpServer
     from tandem.state.schema import LoadReport
 
@@ -76,10 +77,16 @@ class RequestRejected(Exception):
     """Ends a Generate call with a gRPC status; raised by the request path, turned into
     ``context.abort`` at its top."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # admission's hint for RESOURCE_EXHAUSTED
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """``retry-after`` (seconds) when there is a hint, as the SDK reads it."""
+        return (("retry-after", f"{self.retry_after_s:.3f}"),) if self.retry_after_s is not None else ()
 
 
 # --- upstream discovery ---------------------------------------------------------------------
@@ -274,8 +281,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: ModelConfig,
-                 channels: ChannelPool) -> None:
+                 channels: ChannelPool, admission: AdmissionController | None = None) -> None:
         self._config = config
+        self.admission = admission
         self._tokenizer = tokenizer
         self._model_config = model_config
         self._channels = channels
@@ -333,7 +341,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for response in stream:
                     await context.write(response)
         except RequestRejected as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
 
     async def generate_stream(self, request: router_pb2.GenerateRequest, client_timeout_s: float | None = None,
                               timings: StreamTimings | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
@@ -363,8 +371,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         generation = Generation(prepared.request_id, self._tokenizer, prepared.prompt_ids,
                                 prepared.params, prepared.stop)
+        admission = self.admission
+        if admission is not None:
+            refusal = admission.try_admit(prepared.request_id, len(prepared.prompt_ids))
+            if refusal is not None:
+                self._streams.unregister(prepared.request_id)
+                log.info("request %s refused: %s", prepared.request_id, refusal.reason)
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message(admission.slo),
+                                      retry_after_s=refusal.retry_after_s)
         try:
-            reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+            try:
+                reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+            finally:
+                if admission is not None:
+                    admission.done(prepared.request_id)
             if timings is not None:
                 timings.queue_s = reply.queue_ns / 1e9
             generation.num_cached_tokens = reply.num_cached_tokens
@@ -584,7 +604,9 @@ class RunningRouter:
                  channels: ChannelPool, address: str, source: UpstreamSource,
                  close_source: Callable[[], Awaitable[None]] | None) -> None:
         self.http: HttpServer | None = None
-        self.close_http_redis: Callable[[], Awaitable[None]] | None = None
+        self.read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None
+        self.follow_load: asyncio.Task[None] | None = None
+        self.close_load_redis: Callable[[], Awaitable[None]] | None = None
         self.config = config
         self.server = server
         self.servicer = servicer
@@ -617,10 +639,13 @@ class RunningRouter:
         if self._discovery is not None:
             self._discovery.cancel()
             await asyncio.gather(self._discovery, return_exceptions=True)
+        if self.follow_load is not None:
+            self.follow_load.cancel()
+            await asyncio.gather(self.follow_load, return_exceptions=True)
         if self.http is not None:
             await self.http.stop()
-        if self.close_http_redis is not None:
-            await self.close_http_redis()
+        if self.close_load_redis is not None:
+            await self.close_load_redis()
         await self.server.stop(grace_s)
         await self.servicer.close()
         await self._channels.close()
@@ -637,8 +662,9 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     tokenizer, model_config = await asyncio.to_thread(
         lambda: (Tokenizer.from_dir(config.model_dir), ModelConfig.from_dir(config.model_dir))
     )
+    admission = await asyncio.to_thread(_admission_controller, config, model_config)
     channels = ChannelPool(service_client_interceptors())
-    servicer = RouterServicer(config, tokenizer, model_config, channels)
+    servicer = RouterServicer(config, tokenizer, model_config, channels, admission)
     server = grpc.aio.server(interceptors=service_server_interceptors())
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
@@ -652,6 +678,7 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     await running.refresh_upstreams()
     if not isinstance(source, StaticUpstreams):
         running.start_discovery()
+    _follow_agent_load(running)
     await server.start()
     if config.http_port is not None:
         try:
@@ -662,6 +689,42 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     return running
 
 
+def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> AdmissionController:
+    from router.admission import AdmissionController
+    from tandem.perf.predictor import cpu_predictor
+    from tandem.policy.types import Slo
+
+    num_units = len(os.sched_getaffinity(0))
+    predictor = cpu_predictor(model_config, num_units, config.profile or None)
+    slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000)
+    return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units)
+
+
+def _follow_agent_load(running: RunningRouter) -> None:
+    """With a Redis URL, read the agent's entry on the load board (the partition in force, the
+    KV pool) every 250 ms for admission and the HTTP gauges."""
+    config = running.config
+    if not config.redis_url:
+        return
+    import redis.asyncio as aredis
+
+    from tandem.state.load_board import LoadBoard
+
+    client = aredis.from_url(config.redis_url)
+    board = LoadBoard(client)
+    running.close_load_redis = client.aclose
+
+    async def read_agent_load() -> LoadReport | None:
+        reports = await board.read(config.cell_id or None)
+        return next((r for r in reports if r.role == "agent"), None)
+
+    running.read_agent_load = read_agent_load
+    admission = running.servicer.admission
+    if admission is not None:
+        running.follow_load = asyncio.get_running_loop().create_task(
+            admission.follow(read_agent_load), name="router-agent-load")
+
+
 async def _start_http(running: RunningRouter) -> None:
     """The HTTP gateway over ``running``'s servicer, with the agent's load report read from
     the Redis load board when a Redis URL is configured."""
@@ -669,21 +732,7 @@ async def _start_http(running: RunningRouter) -> None:
     from router.metrics import RouterMetrics
 
     config = running.config
-    read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None
-    if config.redis_url:
-        import redis.asyncio as aredis
-
-        from tandem.state.load_board import LoadBoard
-
-        client = aredis.from_url(config.redis_url)
-        board = LoadBoard(client)
-        running.close_http_redis = client.aclose
-
-        async def read_agent_load() -> LoadReport | None:
-            reports = await board.read(config.cell_id or None)
-            return next((r for r in reports if r.role == "agent"), None)
-
-    gateway = Gateway(running.servicer, RouterMetrics(), config.api_key, read_agent_load)
+    gateway = Gateway(running.servicer, RouterMetrics(), config.api_key, running.read_agent_load)
     running.http = await start_http(gateway, config.host, config.http_port or 0)
 
 

@@ -56,6 +56,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--prefill-cores", "", "cores for prefill (default: first half)")
     add_flag(parser, "--decode-cores", "", "cores for decode (default: the rest)")
     add_flag(parser, "--ready-timeout-s", 300.0, "how long to wait for the stack to come up", type=float)
+    add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
+    add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO (admission and policy)", type=float)
+    add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO (policy)", type=float)
+    add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
+             choices=["on", "off"])
+    add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
     parser.set_defaults(func=run)
     return parser
 
@@ -85,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
     prefill_addr = f"127.0.0.1:{free_port()}"
     decode_addr = f"127.0.0.1:{free_port()}"
     router_addr = f"{args.host}:{args.grpc_port}"
-    common = {"REDIS_URL": redis_url, "TANDEM_CELL_ID": args.cell_id}
+    # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
+    # router's admission and the agent's policy work from the same numbers.
+    common = {"REDIS_URL": redis_url, "TANDEM_CELL_ID": args.cell_id, "TANDEM_POLICY": args.policy,
+              "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
+              "TANDEM_ADMISSION": args.admission, "TANDEM_PROFILE": args.profile}
     cores = []
     if args.prefill_cores:
         cores += ["--prefill-cores", args.prefill_cores]

@@ -105,3 +105,37 @@ def admit(
         order=tuple(kept),
         predicted_ttft_s=tuple(ttfts),
     )
+
+
+def admit_one(
+    ahead: Sequence[QueuedRequest],
+    request: QueuedRequest,
+    now_s: float,
+    predictor: Predictor,
+    units: int,
+    slo: Slo,
+) -> Rejection | None:
+    """Admit or refuse one arriving ``request`` behind ``ahead``, the admitted requests that
+    have no first token yet (all of them count: they were admitted earlier and are served
+    before it, late or not). None admits it; a Rejection carries the reason and retry hint.
+
+    This is the router's incremental form of ``admit``: with one SLO per model, earliest
+    deadline first is arrival order, so the newcomer is served after everything ahead. One
+    work-conserving exception: a request too long to meet the SLO even alone is admitted
+    when nothing is ahead of it, since serving it late then delays nobody.
+    """
+    if units < 1:
+        raise ValueError("admission needs at least one prefill unit")
+    own_s = predictor.predict_prefill([request.seq], units)
+    backlog_s = sum(predictor.predict_prefill([r.seq], units) for r in ahead)
+    deadline = request.deadline(slo)
+    if now_s + backlog_s + own_s <= deadline:
+        return None
+    if own_s > slo.ttft_s:
+        if not ahead:
+            return None
+        # It can fit only once the backlog has drained.
+        return Rejection(request.request_id, REASON_TOO_LONG, backlog_s)
+    if now_s >= deadline:
+        return Rejection(request.request_id, REASON_PAST_DEADLINE, 0.0)
+    return Rejection(request.request_id, REASON_QUEUE, max(0.0, backlog_s + own_s - slo.ttft_s))

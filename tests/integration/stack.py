@@ -41,6 +41,9 @@ class Stack:
     block_size: int = 16
     redis: RedisServer | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Off unless a test is about admission: the others send bursts (16 to 200 streams) that
+    # the CPU cannot serve within the default 2 s TTFT SLO, and must see every one served.
+    admission: str = "off"
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -72,7 +75,7 @@ class Stack:
                           "--block-size", str(self.block_size)],
             "decode_svc": [*agent, "--port", port],
             "prefill_svc": [*agent, "--port", port, "--decode-address", self.address("decode_svc")],
-            "router": ["--model", str(self.model_dir), "--grpc-port", port, "--http-port", "0",
+            "router": ["--model", str(self.model_dir), "--grpc-port", port, "--http-port", "0", "--admission", self.admission,
                        "--prefill-address", self.address("prefill_svc"), "--decode-address", self.address("decode_svc")],
         }[name]
 

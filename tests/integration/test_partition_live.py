@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import httpx
 import redis.asyncio as aredis
 
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -55,13 +56,17 @@ def test_dynamic_partition_follows_the_load(smollm2_dir: Path, tmp_path: Path) -
                 # decode alone: it gets both cores
                 await _until(lambda: _affinity(decode_pid) == "0-1", 30, "decode on both cores")
                 seen.append(_affinity(decode_pid))
-                board = await _agent_report(stack)
+                board = await _agent_report(stack, [0, 1])
                 assert list(board.decode_units) == [0, 1] and not board.prefill_units
+                await _until_metrics(stack, prefill=0, decode=2)
                 # a long prompt arrives: prefill takes a core back, decode keeps one
                 prefilling = asyncio.create_task(generate(list(range(200, 2000)), 2))
                 await _until(lambda: _affinity(decode_pid) == "1" and _affinity(prefill_pid) == "0", 30,
                              "prefill and decode on their own cores")
                 seen.append(_affinity(decode_pid))
+                board = await _agent_report(stack, [1])
+                assert list(board.decode_units) == [1] and list(board.prefill_units) == [0]
+                await _until_metrics(stack, prefill=1, decode=1)
                 await prefilling
                 # the prompt is done, decode alone again: both cores once more
                 await _until(lambda: _affinity(decode_pid) == "0-1", 30, "decode back on both cores")
@@ -75,12 +80,31 @@ def test_dynamic_partition_follows_the_load(smollm2_dir: Path, tmp_path: Path) -
         stack.stop()
 
 
-async def _agent_report(stack: Stack):  # type: ignore[no-untyped-def]
+async def _agent_report(stack: Stack, decode_units: list[int]):  # type: ignore[no-untyped-def]
+    """The agent's load-board entry, once it shows ``decode_units`` (or after 5 s)."""
     assert stack.redis is not None
     async with aredis.Redis.from_url(stack.redis.url) as client:
         deadline = time.monotonic() + 5
         while True:
             reports = [r for r in await LoadBoard(client).read() if r.role == "agent"]
-            if reports and list(reports[0].decode_units) == [0, 1] or time.monotonic() > deadline:
+            if reports and list(reports[0].decode_units) == decode_units or time.monotonic() > deadline:
                 return reports[0]
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
+
+
+async def _until_metrics(stack: Stack, prefill: int, decode: int) -> None:
+    """The router's Prometheus gauges show the partition (read from the board at scrape time)."""
+    def values(text: str) -> tuple[float, float]:
+        found = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                 if line.startswith(("tandem:partition_prefill_units", "tandem:partition_decode_units"))}
+        return found["tandem:partition_prefill_units"], found["tandem:partition_decode_units"]
+
+    async with httpx.AsyncClient(timeout=5) as http:
+        deadline = time.monotonic() + 5
+        while True:
+            got = values((await http.get(f"{stack.http_address()}/metrics")).text)
+            if got == (prefill, decode):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/metrics shows partition {got}, expected {(prefill, decode)}")
+            await asyncio.sleep(0.05)

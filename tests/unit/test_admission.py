@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from tandem.policy.admission import REASON_PAST_DEADLINE, REASON_QUEUE, REASON_TOO_LONG, admit
+from tandem.policy.admission import REASON_PAST_DEADLINE, REASON_QUEUE, REASON_TOO_LONG, admit, admit_one
 from tandem.policy.types import QueuedRequest, Slo
 
 
@@ -150,3 +150,40 @@ def test_deterministic_and_clock_free() -> None:
 def test_needs_a_prefill_unit() -> None:
     with pytest.raises(ValueError):
         admit([q("a", 10, NOW)], NOW, P, 0, SLO)
+
+
+# --- admit_one: the router's incremental rule -------------------------------------------------
+
+def test_admit_one_counts_everything_ahead_and_refuses_what_cannot_fit() -> None:
+    ahead = [q("a", 3000, NOW - 0.1), q("b", 3000, NOW - 0.05)]  # 0.6 s of prefill on one unit
+    assert admit_one(ahead, q("fits", 4000, NOW), NOW, P, 1, SLO) is None  # 0.6 + 0.4 <= 1.0
+    refused = admit_one(ahead, q("late", 5000, NOW), NOW, P, 1, SLO)  # 0.6 + 0.5 > 1.0
+    assert refused is not None and refused.reason == REASON_QUEUE
+    assert refused.retry_after_s == pytest.approx(0.1)
+    # twice the units halve every prefill: now it fits
+    assert admit_one(ahead, q("late", 5000, NOW), NOW, P, 2, SLO) is None
+    # a late request ahead still counts (it is served first, late or not)
+    overdue = [q("old", 9000, NOW - 5.0)]
+    refused = admit_one(overdue, q("x", 2000, NOW), NOW, P, 1, SLO)
+    assert refused is not None and refused.retry_after_s == pytest.approx(0.9 + 0.2 - 1.0)
+
+
+def test_admit_one_retry_hint_works() -> None:
+    """Resubmitted after the hint, with the queue ahead drained by then, the request fits."""
+    ahead = [q("a", 8000, NOW)]
+    refused = admit_one(ahead, q("r", 4000, NOW), NOW, P, 1, SLO)
+    assert refused is not None
+    later = NOW + refused.retry_after_s
+    # by then `a` has run for retry_after_s of its 0.8 s
+    left = max(1, round(8000 - refused.retry_after_s / P.token_s))
+    assert admit_one([q("a", left, NOW)], q("r", 4000, later), later, P, 1, SLO) is None
+
+
+def test_admit_one_serves_a_lone_long_prompt_but_not_behind_a_queue() -> None:
+    long = q("long", 20000, NOW)  # 2 s alone: over the 1 s SLO on its own
+    assert admit_one([], long, NOW, P, 1, SLO) is None
+    refused = admit_one([q("a", 1000, NOW)], long, NOW, P, 1, SLO)
+    assert refused is not None and refused.reason == REASON_TOO_LONG
+    assert refused.retry_after_s == pytest.approx(0.1)  # once the queue ahead has drained
+    with pytest.raises(ValueError):
+        admit_one([], long, NOW, P, 0, SLO)
