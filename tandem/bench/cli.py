@@ -133,7 +133,7 @@ async def warm_up(system: System, num: int) -> None:
     if num <= 0:
         return
     specs = [RequestSpec(f"warmup{i}", 0.0, 16, 4) for i in range(num)]
-    prompts = [system.prompts.prompt(s) for s in specs]
+    prompts = [system.prompts.salted("warmup").prompt(s) for s in specs]
     result = await run_workload(system.target, system.info.model, specs, prompts)
     failed = [r.error for r in result.records if not r.ok]
     if failed:
@@ -207,7 +207,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     ratio_rows: list[dict[str, Any]] = []
-    for load in loads:
+    for load_index, load in enumerate(loads):
         spec = workload_spec(args, load)
         specs = build_requests(spec)
         summaries: dict[str, dict[str, Any]] = {}
@@ -220,7 +220,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 if too_long:
                     print(f"warning: {label}: {too_long} requests exceed the context length {limit}; "
                           "the server may cut their outputs short", file=sys.stderr)
-            prompts = [system.prompts.prompt(s) for s in specs]
+            # Fresh content per load (the same for both systems): a run must not hit the prefix
+            # cache that an earlier rate of the sweep filled.
+            builder = system.prompts.salted(f"load{load_index}")
+            prompts = [builder.prompt(s) for s in specs]
             on_done, close = _progress(len(specs), f"{label} {load.name}", not args.no_progress)
             try:
                 result: RunResult = await run_workload(system.target, system.info.model, specs, prompts,

@@ -132,7 +132,12 @@ class PromptBuilder:
 
     seed: int
     token_ids: Sequence[int] | None = None
+    salt: str = ""  # another salt, other content (one per rate: no run hits the prefix cache of another)
     _streams: dict[int, list[int]] = field(default_factory=dict)
+
+    def salted(self, salt: str) -> PromptBuilder:
+        """The same vocabulary and seed with fresh content."""
+        return PromptBuilder(self.seed, self.token_ids, salt)
 
     def _draw(self, rng: random.Random, num: int) -> list[int]:
         size = len(self.token_ids) if self.token_ids is not None else len(WORDS)
@@ -140,13 +145,13 @@ class PromptBuilder:
 
     def _indices(self, spec: RequestSpec) -> list[int]:
         if spec.session_id is None:
-            return self._draw(random.Random(f"{self.seed}/{spec.request_id}"), spec.input_len)
+            return self._draw(random.Random(f"{self.seed}/{self.salt}/{spec.request_id}"), spec.input_len)
         stream = self._streams.setdefault(spec.session_id, [])
         while len(stream) < spec.input_len:
             # Fixed-size blocks, each from its own generator: the stream does not depend on the
             # order in which turns ask for it.
             block = len(stream) // SESSION_BLOCK
-            stream.extend(self._draw(random.Random(f"{self.seed}/session{spec.session_id}/{block}"), SESSION_BLOCK))
+            stream.extend(self._draw(random.Random(f"{self.seed}/{self.salt}/session{spec.session_id}/{block}"), SESSION_BLOCK))
         return stream[:spec.input_len]
 
     def prompt(self, spec: RequestSpec) -> list[int] | str:

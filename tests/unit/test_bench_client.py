@@ -125,3 +125,5 @@ def test_prompts_are_deterministic_and_sessions_share_prefixes_in_any_order() ->
     single = RequestSpec("c", 0.0, 300, 5)
     assert forward.prompt(single) != first  # unrelated requests do not share a prefix
     assert PromptBuilder(6, token_ids=list(range(50000))).prompt(single) != forward.prompt(single)
+    assert forward.salted("load1").prompt(single) != forward.prompt(single)  # a fresh prompt per rate
+    assert forward.salted("load1").prompt(single) == backward.salted("load1").prompt(single)
