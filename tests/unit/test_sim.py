@@ -1,0 +1,203 @@
+"""The simulator on the real policies, perf model and block allocator: determinism, a pinned run,
+conservation of requests and KV blocks, each policy's unit split, bursts, preemption, prefix
+reuse, admission, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.metrics import RequestRecord, SloSpec
+from tandem.bench.workload import RequestSpec
+from tandem.cli import main
+from tandem.policy.policies import StaticConfig, get_policy
+from tandem.policy.types import ClusterSnapshot, Decision, Predictor
+from tandem.sim.config import CellConfig, build_predictor, cell_config_for, kv_num_blocks, load_shape
+from tandem.sim.run import simulate, workload_requests
+from tandem.sim.simulator import REASON_NO_KV, Simulator
+
+SLO = SloSpec(ttft_s=0.25, tbt_s=0.1, ttft_s_per_1k_input=0.25)
+SHAPE = load_shape("Llama-3.1-8B")
+PREDICTOR, A100 = build_predictor("A100-80G", SHAPE)
+CELL = cell_config_for(A100, SHAPE)
+
+
+class Recording:
+    """A policy wrapper that keeps every (snapshot, decision) pair."""
+
+    def __init__(self, name: str) -> None:
+        self.policy = get_policy(name)
+        self.calls: list[tuple[ClusterSnapshot, Decision]] = []
+
+    def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
+        decision = self.policy(snapshot, predictor)
+        self.calls.append((snapshot, decision))
+        return decision
+
+
+def run_sim(requests: Sequence[RequestSpec], policy: str | Recording, *, cell: CellConfig = CELL,
+            admission: bool = True, num_cells: int = 1) -> tuple[Simulator, list[RequestRecord]]:
+    sim = Simulator(policy=get_policy(policy) if isinstance(policy, str) else policy, predictor=PREDICTOR,
+                    cell_config=cell, slo=SLO, num_cells=num_cells, admission=admission)
+    result = sim.run(requests)
+    return sim, result.records
+
+
+def sharegpt(rate: float, n: int, seed: int = 0) -> list[RequestSpec]:
+    return workload_requests("sharegpt", rate_rps=rate, num_requests=n, seed=seed)
+
+
+def test_kv_blocks_come_from_memory_minus_weights() -> None:
+    # 8B in bf16 is ~16 GB; 0.9 x 80 GB - 16 GB at 128 KiB of K/V per token -> ~427k tokens.
+    assert 26_000 < CELL.num_blocks < 27_000
+    assert CELL.total_units == 108 and CELL.num_layers == 32
+    seventy = load_shape("Llama-3.1-70B")
+    assert kv_num_blocks(seventy, 80e9) > 0  # TP 4: weights per rank fit
+    with pytest.raises(ValueError):
+        kv_num_blocks(seventy.with_tp(1), 80e9)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "static", "dynamic", "adaptive"])
+def test_same_seed_same_run(policy: str) -> None:
+    requests = sharegpt(8.0, 60, seed=3)
+    _, first = run_sim(requests, policy)
+    _, second = run_sim(requests, policy)
+    assert first == second
+
+
+def test_pinned_small_run() -> None:
+    """Computed once from this simulator; a change here means the simulation drifted."""
+    result = simulate(sharegpt(4.0, 30, seed=7), policy="dynamic", predictor=PREDICTOR, cell_config=CELL, slo=SLO)
+    s = result.summary
+    assert (s["num_ok"], s["num_failed"]) == (30, 0)
+    assert round(s["duration_s"], 3) == pytest.approx(PINNED["duration_s"])
+    assert round(s["ttft_s"]["p50"] * 1e3, 2) == pytest.approx(PINNED["ttft_p50_ms"])
+    assert round(s["tbt_s"]["mean"] * 1e3, 2) == pytest.approx(PINNED["tbt_mean_ms"])
+    assert round(s["slo_attainment"], 3) == pytest.approx(PINNED["slo_attainment"])
+
+
+PINNED = {"duration_s": 16.337, "ttft_p50_ms": 19.47, "tbt_mean_ms": 14.28, "slo_attainment": 1.0}
+
+
+@pytest.mark.parametrize("policy", ["chunked", "static", "dynamic", "adaptive"])
+def test_every_request_ends_and_every_block_returns(policy: str) -> None:
+    # A pool of 600 blocks (9600 tokens) makes requests wait for blocks; one request cannot fit.
+    requests = sharegpt(20.0, 120, seed=1)
+    huge = RequestSpec("r999999", 1.0, 9000, 1000)
+    cell = replace(CELL, num_blocks=600)
+    sim, records = run_sim([*requests, huge], policy, cell=cell)
+    assert len(records) == len(requests) + 1
+    for r in records:
+        if r.ok:
+            spec = next(q for q in [*requests, huge] if q.request_id == r.request_id)
+            assert len(r.token_times_s) == spec.output_len
+            assert list(r.token_times_s) == sorted(r.token_times_s) and r.token_times_s[0] >= r.arrival_s
+        else:
+            assert r.error
+    assert next(r for r in records if r.request_id == "r999999").error == REASON_NO_KV
+    assert sum(c.stats.num_kv_waits for c in sim.cells) > 0
+    for cell_state in sim.cells:
+        assert cell_state.allocator.num_free_blocks == cell.num_blocks
+
+
+def test_chunked_never_splits_units() -> None:
+    rec = Recording("chunked")
+    sim, records = run_sim(sharegpt(10.0, 80), rec)
+    assert all(r.ok for r in records)
+    total = CELL.total_units
+    assert rec.calls
+    for _, d in rec.calls:
+        assert d.aggregated and d.prefill_units in (0, total) and d.decode_units in (0, total)
+    assert sim.cells[0].stats.num_split_launches == 0
+
+
+def test_static_keeps_its_split() -> None:
+    rec = Recording("static")
+    sim, _ = run_sim(sharegpt(10.0, 80), rec)
+    prefill, decode = StaticConfig().split(CELL.total_units)
+    assert {(d.prefill_units, d.decode_units, d.aggregated) for _, d in rec.calls} == {(prefill, decode, False)}
+    stats = sim.cells[0].stats.to_dict()
+    assert stats["mean_prefill_units"] == pytest.approx(prefill)
+    assert stats["mean_decode_units"] == pytest.approx(decode)
+
+
+def test_a_burst_moves_units_to_prefill_under_dynamic() -> None:
+    # Four long decodes, then 40 prompts of 1500 tokens at once.
+    decodes = [RequestSpec(f"d{i}", 0.0, 100, 400) for i in range(4)]
+    burst = [RequestSpec(f"b{i:02d}", 1.0, 1500, 20) for i in range(40)]
+    rec = Recording("dynamic")
+    run_sim([*decodes, *burst], rec, admission=False)
+    total = CELL.total_units
+    quiet = [d for s, d in rec.calls if 0.2 < s.now_s < 1.0]
+    busy = [d for s, d in rec.calls if s.now_s >= 1.0 and s.queued and s.decode_context_lens]
+    assert quiet and all(d.decode_units == total and d.prefill_units == 0 for d in quiet)
+    assert busy and max(d.prefill_units for d in busy) >= total - 8
+    assert min(d.decode_units for d in busy) < total // 4
+
+
+def test_a_short_request_preempts_a_long_prefill_which_resumes() -> None:
+    long = RequestSpec("r0", 0.0, 8000, 5)
+    short = RequestSpec("r1", 0.05, 64, 5)
+    rec = Recording("dynamic")
+    sim, records = run_sim([long, short], rec, admission=False)
+    assert sim.cells[0].stats.num_preemptions == 1
+    assert any(d.preempt == "r0" for _, d in rec.calls)
+    assert any(s.paused_prefill is not None and s.paused_prefill.layers_done > 0 for s, _ in rec.calls)
+    by_id = {r.request_id: r for r in records}
+    assert all(r.ok for r in records)
+    assert by_id["r1"].ttft_s is not None and by_id["r1"].ttft_s <= SLO.ttft_limit_s(64)
+    assert by_id["r1"].token_times_s[0] < by_id["r0"].token_times_s[0]
+
+
+def test_multi_turn_sessions_reuse_their_prefix() -> None:
+    requests = workload_requests("multiturn", rate_rps=2.0, num_requests=40, seed=0)
+    assert any(r.shared_prefix_len > 0 for r in requests)
+    sim, records = run_sim(requests, "dynamic")
+    assert all(r.ok for r in records)
+    alloc = sim.cells[0].allocator
+    assert alloc.num_prefix_hit_tokens > 0.3 * sum(r.shared_prefix_len for r in requests)
+
+
+def test_admission_refuses_under_overload_only_when_on() -> None:
+    requests = workload_requests("azure-code", rate_rps=40.0, num_requests=150, seed=2)
+    _, with_admission = run_sim(requests, "dynamic", admission=True)
+    _, without = run_sim(requests, "dynamic", admission=False)
+    refused = [r for r in with_admission if r.error and r.error.startswith("admission refused")]
+    assert len(refused) > 10
+    assert all(r.ok for r in without)
+
+
+def test_several_cells_share_the_load() -> None:
+    sim, records = run_sim(sharegpt(20.0, 100), "dynamic", num_cells=2)
+    assert all(r.ok for r in records)
+    assert all(c.stats.num_decisions > 0 for c in sim.cells)
+
+
+def test_fixed_costs_slow_the_run() -> None:
+    requests = sharegpt(5.0, 40)
+    _, base = run_sim(requests, "chunked")
+    _, slow = run_sim(requests, "chunked", cell=replace(CELL, handoff_s=0.01, step_overhead_s=0.002))
+    assert sum(r.e2e_s or 0 for r in slow) > sum(r.e2e_s or 0 for r in base)
+
+
+def test_cli_sweeps_policies_on_a_cpu_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "torch_dtype": "float32",
+    }))
+    out = tmp_path / "sim.json"
+    code = main(["sim", "--hardware", "cpu", "--model-dir", str(model_dir), "--policy", "chunked", "--policy",
+                 "dynamic", "--rate", "2", "--num-requests", "20", "--max-input-len", "256", "--max-output-len",
+                 "32", "--ttft-slo-ms", "2000", "--tbt-slo-ms", "200", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["policy"] for r in result["runs"]] == ["chunked", "dynamic"]
+    assert "dynamic" in result["goodput_ratio_vs_chunked"]
+    assert "goodput relative to chunked" in capsys.readouterr().out
