@@ -53,6 +53,56 @@ class SimError(RuntimeError):
     """The simulated stack reached a state the live stack cannot be in (a policy or sim bug)."""
 
 
+class CachedPredictor:
+    """Memoises a pure predictor on its exact arguments, so results are identical: within one
+    decision the policies ask the same decode step at many unit counts and the same queued
+    prompts at every decision. Each table is dropped when it grows past `max_entries`."""
+
+    def __init__(self, inner: Predictor, max_entries: int = 100_000) -> None:
+        self.inner = inner
+        self.max_entries = max_entries
+        self._prefill: dict[tuple[tuple[tuple[int, int], ...], int], float] = {}
+        self._decode: dict[tuple[tuple[int, ...], int], float] = {}
+        self._hybrid: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...], int], float] = {}
+        self._contention: dict[tuple[int, int], float] = {}
+
+    def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
+        key = (tuple(seqs), units)
+        t = self._prefill.get(key)
+        if t is None:
+            if len(self._prefill) >= self.max_entries:
+                self._prefill.clear()
+            t = self._prefill[key] = self.inner.predict_prefill(seqs, units)
+        return t
+
+    def predict_decode(self, context_lens: Sequence[int], units: int) -> float:
+        key = (tuple(context_lens), units)
+        t = self._decode.get(key)
+        if t is None:
+            if len(self._decode) >= self.max_entries:
+                self._decode.clear()
+            t = self._decode[key] = self.inner.predict_decode(context_lens, units)
+        return t
+
+    def predict_hybrid(
+        self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
+    ) -> float:
+        key = (tuple(prefill_seqs), tuple(decode_context_lens), units)
+        t = self._hybrid.get(key)
+        if t is None:
+            if len(self._hybrid) >= self.max_entries:
+                self._hybrid.clear()
+            t = self._hybrid[key] = self.inner.predict_hybrid(prefill_seqs, decode_context_lens, units)
+        return t
+
+    def contention(self, my_units: int, other_units: int) -> float:
+        key = (my_units, other_units)
+        c = self._contention.get(key)
+        if c is None:
+            c = self._contention[key] = self.inner.contention(my_units, other_units)
+        return c
+
+
 class SimRequest:
     """One request's life in the simulator."""
 
@@ -174,6 +224,10 @@ class _Cell:
         self.num_steps = 0  # decode steps completed (G)
         self.step_times: list[float] = []  # end time of decode step i
         self.last_token_s: float | None = None
+        self._ctx_key: tuple[int, int] = (-1, -1)
+        self._ctx: tuple[int, ...] = ()
+        self._ctx_version = 0  # bumped when the decode batch changes
+        self.max_finish_step = 0
 
     # ------------------------------------------------------------------ router side
     def prefill_units_for_admission(self) -> int:
@@ -241,15 +295,19 @@ class _Cell:
             self._allocate(self.kv_wait.popleft())
 
     def _release(self, req: SimRequest) -> None:
-        num_computed = req.spec.input_len + req.spec.output_len - 1
-        self.allocator.publish(req.blocks, req.token_ids[:num_computed])
+        if req.spec.session_id is not None:
+            num_computed = req.spec.input_len + req.spec.output_len - 1
+            self.allocator.publish(req.blocks, req.token_ids[:num_computed])
         self.allocator.free(req.blocks)
         req.blocks = []
 
     # ------------------------------------------------------------------ snapshot and decision
     def context_lens(self) -> tuple[int, ...]:
-        g = self.num_steps
-        return tuple(b + g for b in self.ctx_base.values())
+        key = (self.num_steps, self._ctx_version)
+        if key != self._ctx_key:
+            self._ctx_key = key
+            self._ctx = tuple(map(self.num_steps.__add__, self.ctx_base.values()))
+        return self._ctx
 
     def snapshot(self, now: float, at_decode_boundary: bool) -> ClusterSnapshot:
         slack: float | None = None
@@ -280,10 +338,14 @@ class _Cell:
             for req in self.joining:
                 req.join_step = self.num_steps
                 req.finish_step = self.num_steps + req.spec.output_len - 1
+                # Members leave exactly at their finish step, so while the batch is not empty
+                # the largest finish step ever joined is the largest in the batch.
+                self.max_finish_step = max(self.max_finish_step, req.finish_step)
                 self.decoding[req.request_id] = req
                 self.ctx_base[req.request_id] = req.spec.input_len + 1 - self.num_steps
                 heapq.heappush(self.finish_heap, (req.finish_step, self.sim.next_seq(), req))
             self.joining = []
+            self._ctx_version += 1
         has_prefill = bool(self.queue) or self.running is not None or self.paused is not None
         has_decode = bool(self.decoding)
         prefill_can = prefill_idle and has_prefill
@@ -367,8 +429,7 @@ class _Cell:
             t *= self.predictor.contention(units, self.prefill_units_busy)
         t += self.cfg.step_overhead_s
         # Look-ahead steps past the last request's last token are not launched.
-        k = min(lookahead, max(r.finish_step for r in self.decoding.values()) - self.num_steps)
-        k = max(k, 1)
+        k = max(1, min(lookahead, self.max_finish_step - self.num_steps))
         for j in range(1, k + 1):
             self.step_times.append(now + j * t)
         self.decode_busy = True
@@ -494,6 +555,7 @@ class _Cell:
             _, _, req = heapq.heappop(heap)
             del self.decoding[req.request_id]
             del self.ctx_base[req.request_id]
+            self._ctx_version += 1
             assert req.first_token_s is not None
             req.token_times = (req.first_token_s, *self.step_times[req.join_step : req.finish_step])
             self._finish(req)
@@ -502,8 +564,11 @@ class _Cell:
     def _first_token(self, req: SimRequest, now: float) -> None:
         req.first_token_s = now
         self.router_pending.pop(req.request_id, None)
-        prompt = req.spec.input_len
-        self.allocator.publish(req.blocks[: -(-prompt // self.cfg.block_size)], req.token_ids[:prompt])
+        if req.spec.session_id is not None:
+            # Only a session's ids ever recur; publishing ids no other request holds would leave
+            # the allocator's choices exactly as they are, so it is skipped for speed.
+            prompt = req.spec.input_len
+            self.allocator.publish(req.blocks[: -(-prompt // self.cfg.block_size)], req.token_ids[:prompt])
         if req.spec.output_len == 1:
             req.token_times = (now,)
             self._finish(req)
@@ -548,7 +613,7 @@ class Simulator:
         if num_cells < 1:
             raise ValueError("num_cells must be >= 1")
         self.policy = policy
-        self.predictor = predictor
+        self.predictor: Predictor = CachedPredictor(predictor)
         self.cell_config = cell_config
         self.slo = slo
         self.policy_slo = Slo(ttft_s=slo.ttft_s, tbt_s=slo.tbt_s)
@@ -557,7 +622,6 @@ class Simulator:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._done: dict[str, SimRequest] = {}
-        self._prefill_cache: dict[tuple[tuple[tuple[int, int], ...], int], float] = {}
         self.now = 0.0
 
     # ------------------------------------------------------------------ plumbing
@@ -571,15 +635,9 @@ class Simulator:
     def done(self, req: SimRequest) -> None:
         self._done[req.request_id] = req
 
-    # Predictions of the clock. Cached on the exact arguments, so results are identical.
+    # The clock: the same (cached) predictor the policies consult.
     def prefill_time(self, seq: tuple[int, int], units: int) -> float:
-        key = ((seq,), units)
-        t = self._prefill_cache.get(key)
-        if t is None:
-            if len(self._prefill_cache) > 200_000:
-                self._prefill_cache.clear()
-            t = self._prefill_cache[key] = self.predictor.predict_prefill([seq], units)
-        return t
+        return self.predictor.predict_prefill([seq], units)
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.predictor.predict_prefill(seqs, units) if seqs else 0.0
