@@ -38,7 +38,7 @@ def test_ab_sweep_over_the_real_stack(stack: Stack, tmp_path: Path) -> None:
     url = stack.http_address()
     out, plots = tmp_path / "result.json", tmp_path / "plots"
     done = _bench("--base-url", url, "--base-url-b", url, "--label-a", "one", "--label-b", "two",
-                  "--workload", "fixed", "--input-len", "40", "--output-len", "7", "--num-requests", "4",
+                  "--workload", "fixed", "--input-len", "24", "--output-len", "6", "--num-requests", "3",
                   "--rate", "8", "--rate", "inf", "--seed", "3", "--out", str(out), "--plots", str(plots))
     result = json.loads(out.read_text())
     assert result["systems"]["one"]["is_tandem"] and result["systems"]["one"]["prompt"] == "token_ids"
@@ -46,11 +46,11 @@ def test_ab_sweep_over_the_real_stack(stack: Stack, tmp_path: Path) -> None:
     assert [(r["label"], r["load"]) for r in runs] == [("one", "8 req/s"), ("two", "8 req/s"),
                                                        ("one", "inf req/s"), ("two", "inf req/s")]
     for run in runs:
-        assert run["summary"]["num_ok"] == 4 and run["summary"]["num_failed"] == 0
+        assert run["summary"]["num_ok"] == 3 and run["summary"]["num_failed"] == 0
         for row in run["requests"]:
             assert row["error"] is None, row
-            assert row["output_len"] == row["max_tokens"] == 7
-            assert row["input_len"] == 40
+            assert row["output_len"] == row["max_tokens"] == 6
+            assert row["input_len"] == 24
             assert 0 < row["ttft_s"] <= row["e2e_s"]
             times = row["token_times_s"]
             assert times == sorted(times) and times[0] >= row["arrival_s"] and row["finish_s"] >= times[-1]

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tandem.bench.client import PromptBuilder, Target, run_workload
+from tandem.bench.client import PromptBuilder, RunResult, Target, run_workload
 from tandem.bench.workload import RequestSpec
 
 
@@ -51,7 +51,8 @@ class FakeServer:
                               headers={"content-type": "text/event-stream"})
 
 
-def _run(server: FakeServer, specs: list[RequestSpec], concurrency: int | None = None, endpoint: str = "completions"):
+def _run(server: FakeServer, specs: list[RequestSpec], concurrency: int | None = None,
+         endpoint: str = "completions") -> RunResult:
     target = Target("fake", "http://fake", endpoint)
     builder = PromptBuilder(0, token_ids=list(range(100, 200)))
     prompts = [builder.prompt(s) for s in specs]
