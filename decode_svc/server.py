@@ -6,6 +6,12 @@ thread, record the step in Redis (one atomic script for the whole batch), then s
 ``TokenBatch`` per router. A request's tokens reach its router only after they are recorded,
 so a decode_svc that restarts resumes from the record without losing a token; the router drops
 the repeats (``first_index``). Finished or cancelled requests give their blocks back to the agent.
+
+Aggregated mode (the policy's decision, e.g. ``chunked``): prefill_svc hands requests over
+before their prompt is computed (``needs_prefill``). Each step then also carries prompt chunks,
+up to the decided token budget, first come first served (hybrid batches); when a prompt's last
+chunk is computed its first token is sampled and returned as the Handoff reply, and the request
+decodes from the next step on.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, restore_generator
-from tandem.engine.step import Request, forward_and_sample
+from tandem.engine.step import Request, StepOutput, forward_and_sample, hybrid_step
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -34,6 +40,9 @@ from tandem.state.schema import LoadReport, RequestRecord
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
+# Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
+# (the agent left aggregated mode while some were still in progress).
+DEFAULT_PREFILL_TOKEN_BUDGET = 256
 
 
 @dataclass
@@ -45,6 +54,10 @@ class _Active:
     cancelled: bool = False
     error: str = ""
     span: trace.Span | None = None  # "decode" span of the request, handoff to finish
+    # needs_prefill: the Handoff call waiting for the first token, and when the request came
+    first_token: asyncio.Future[decode_pb2.HandoffReply] | None = None
+    handed_ns: int = 0
+    arrival_unix_ns: int = 0
 
 
 class DecodeWorker:
@@ -59,6 +72,7 @@ class DecodeWorker:
         self.block_size = runner.pool.spec.block_size
         self.pending: list[_Active] = []
         self.running: list[_Active] = []
+        self.prefilling: list[_Active] = []  # aggregated mode: prompts computed in chunks
         self.by_id: dict[str, _Active] = {}
         self.routers: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
         self.num_steps = 0
@@ -92,10 +106,31 @@ class DecodeWorker:
             ))
         # Started inside the Handoff server span, so it joins the request's trace.
         span = tracer("tandem.decode").start_span("decode", attributes={"tandem.request_id": req.request_id})
+        if msg.needs_prefill:
+            return await self._prefill_then_reply(_Active(req, msg.router_id, num_sent=1, span=span,
+                                                          handed_ns=start, arrival_unix_ns=msg.arrival_unix_ns))
         self._admit(_Active(req, msg.router_id, num_sent=len(req.output_token_ids),
                             logprobs_from=len(req.output_token_ids), span=span))
         self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
         return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start)
+
+    async def _prefill_then_reply(self, active: _Active) -> decode_pb2.HandoffReply:
+        """Aggregated mode: queue the prompt for chunks and answer once its first token is out.
+        The first token travels in the reply (prefill relays it), so the stream starts at 1."""
+        if not active.req.block_ids:
+            return decode_pb2.HandoffReply(accepted=False, message="a prompt to prefill needs its blocks")
+        active.req.num_cached_prompt_tokens = active.req.num_computed_tokens
+        active.first_token = asyncio.get_running_loop().create_future()
+        self.by_id[active.req.request_id] = active
+        self.prefilling.append(active)
+        self._wake.set()
+        self._report_load()
+        try:
+            return await asyncio.shield(active.first_token)
+        except asyncio.CancelledError:
+            active.cancelled = True  # prefill gave up (it died or timed out): drop it
+            self._wake.set()
+            raise
 
     def _admit(self, active: _Active) -> None:
         self.by_id[active.req.request_id] = active
@@ -134,6 +169,11 @@ class DecodeWorker:
             return 0
         records = await self.records.list_active(self.member.cell_id, state="decode")
         for rec in records:
+            if not rec.output_token_ids:
+                # Handed over uncomputed (aggregated mode) and lost before its first token:
+                # prefill_svc saw the handoff fail, failed the request and freed its blocks.
+                await self.records.set_state(rec.request_id, "failed")
+                continue
             params = SamplingParams.from_dict(rec.sampling)
             req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
             req.output_token_ids = list(rec.output_token_ids)
@@ -150,17 +190,21 @@ class DecodeWorker:
         self.member.report_load(agent_pb2.PhaseLoad(
             service_id=self.config.service_id, role=agent_pb2.ROLE_DECODE,
             decode_context_lens=[len(a.req.all_token_ids) for a in self.running + self.pending],
+            queued=[agent_pb2.QueuedPrefill(request_id=a.req.request_id, arrival_unix_ns=a.arrival_unix_ns,
+                                            prompt_tokens=len(a.req.prompt_token_ids),
+                        cached_tokens=min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
+                    for a in self.prefilling],
             last_step_ns=self.last_step_ns,
         ))
 
     async def run(self) -> None:
         was_busy = False
         while True:
-            busy = bool(self.pending or self.running)
+            busy = bool(self.pending or self.running or self.prefilling)
             if busy != was_busy or (busy and self.num_steps % 8 == 0):
                 self._report_load()  # on every change of state, and every few steps
                 was_busy = busy
-            if not self.pending and not self.running:
+            if not busy:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -168,12 +212,29 @@ class DecodeWorker:
             self.pending.clear()
             await self._drop_cancelled()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
-            if batch:
-                await self._step(batch)
+            chunks = self._plan_chunks()
+            if batch or chunks:
+                await self._step(batch, chunks)
+
+    def _plan_chunks(self) -> list[tuple[_Active, int]]:
+        """Prompt chunks for this step: first come first served within the token budget the
+        partition gives (its aggregated decision), a whole default budget otherwise."""
+        partition = self.member.partition
+        budget = (partition.prefill_token_budget if partition.aggregated else 0) or DEFAULT_PREFILL_TOKEN_BUDGET
+        chunks: list[tuple[_Active, int]] = []
+        for active in self.prefilling:
+            if budget <= 0:
+                break
+            req = active.req
+            take = min(budget, len(req.prompt_token_ids) - req.num_computed_tokens)
+            chunks.append((active, take))
+            budget -= take
+        return chunks
 
     async def _drop_cancelled(self) -> None:
-        for active in [a for a in self.running if a.cancelled]:
-            await self._finish(active, "abort")
+        for active in [a for a in self.running + self.prefilling if a.cancelled]:
+            # A prompt still in chunks has sent nothing: its Handoff reply says it was cancelled.
+            await self._finish(active, "abort", send=active not in self.prefilling)
 
     async def _grow_blocks(self, batch: list[_Active]) -> list[_Active]:
         async def grow(active: _Active) -> bool:
@@ -197,13 +258,19 @@ class DecodeWorker:
                 await self._finish(active, "error")
         return [a for a, grown in zip(batch, ok, strict=True) if grown]
 
-    async def _step(self, batch: list[_Active]) -> None:
+    async def _step(self, batch: list[_Active], chunks: list[tuple[_Active, int]] = []) -> None:  # noqa: B006
         requests = [a.req for a in batch]
         runner, member = self.runner, self.member
+        chunk_reqs = [(a.req, n) for a, n in chunks]
+        firsts: list = []  # type: ignore[type-arg]
 
         def work() -> list:  # type: ignore[type-arg]
             member.apply_partition()
-            return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
+            if not chunk_reqs:
+                return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
+            outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
+            firsts.extend(chunk_outs)
+            return outs
 
         start = time.perf_counter_ns()
         start_unix_ns = time.time_ns()
@@ -217,16 +284,42 @@ class DecodeWorker:
         for active in batch:
             if active.span is not None:
                 active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
+        done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
         if self.records is not None:
             await self.records.append_outputs([
                 OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
                              generator_state(a.req.generator), a.req.block_ids)
-                for a, out in zip(batch, outputs, strict=True)
+                for a, out in [*zip(batch, outputs, strict=True), *done]
             ])
         self._send(batch)
         for active, out in zip(batch, outputs, strict=True):
             if out.finish_reason is not None:
                 await self._finish(active, out.finish_reason, send=False)
+        for active, out in done:
+            await self._first_token(active, out)
+
+    async def _first_token(self, active: _Active, out: StepOutput) -> None:
+        """A prompt computed in chunks has its first token: answer the Handoff with it and
+        make the prompt's blocks reusable, then decode it (unless that token ends it)."""
+        req = active.req
+        self.prefilling.remove(active)
+        reply = decode_pb2.HandoffReply(
+            accepted=True, first_token=token_to_proto(out.token_id, out.logprob, out.top_logprobs),
+            finish_reason=finish_to_proto(out.finish_reason), prefill_ns=time.perf_counter_ns() - active.handed_ns,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+        )
+        if out.finish_reason is not None:
+            await self._finish(active, out.finish_reason, send=False)
+        else:
+            try:
+                await self.member.agent.Publish(
+                    agent_pb2.PublishRequest(request_id=req.request_id, token_ids=req.prompt_token_ids),
+                    timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:  # only the prefix cache misses out
+                log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
+            self.running.append(active)
+        if active.first_token is not None and not active.first_token.done():
+            active.first_token.set_result(reply)
 
     def _update(self, active: _Active, finish_reason: str | None) -> decode_pb2.TokenUpdate:
         req = active.req
@@ -262,6 +355,11 @@ class DecodeWorker:
         req = active.req
         if active in self.running:
             self.running.remove(active)
+        if active in self.prefilling:
+            self.prefilling.remove(active)
+            if active.first_token is not None and not active.first_token.done():
+                active.first_token.set_result(decode_pb2.HandoffReply(
+                    accepted=False, message="cancelled" if reason == "abort" else active.error or reason))
         self.by_id.pop(req.request_id, None)
         self._prefill_done_unix_ns.pop(req.request_id, None)
         if send:

@@ -27,10 +27,15 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     setup_tracing("gpu_agent")
     started = time.perf_counter()
     model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
-    partition = PartitionBoard(
-        common_pb2.Partition(epoch=1, prefill_units=config.prefill_cores, decode_units=config.decode_cores,
-                             decode_lookahead=1, policy="static")
-    )
+    if config.policy == "chunked":
+        # Aggregated from the start, so no request is prefilled apart before the first decision.
+        cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
+        initial = common_pb2.Partition(epoch=1, decode_units=cores, decode_lookahead=1, policy="chunked",
+                                       aggregated=True)
+    else:
+        initial = common_pb2.Partition(epoch=1, prefill_units=config.prefill_cores,
+                                       decode_units=config.decode_cores, decode_lookahead=1, policy="static")
+    partition = PartitionBoard(initial)
     policy = None
     if config.policy != "static":
         # The static policy is the split from the flags; the others re-split on live load.

@@ -5,7 +5,10 @@ periodic tick build a ``ClusterSnapshot`` and call the configured pure policy. O
 units are cores and a phase must never share a core with the other (OpenMP workers of two
 processes on one core thrash), so the decision is mapped onto disjoint core sets: a phase with
 no work lends all its cores to the other, and when both have work decode keeps the number of
-cores the policy asks for (at least one) and prefill takes the rest.
+cores the policy asks for (at least one) and prefill takes the rest. (`static` runs no loop: its
+split is the flags', fixed.) An aggregated decision (chunked, or adaptive while TBT holds)
+gives every core to decode_svc, which then runs prompt chunks inside its steps within the
+decided token budget; prefill_svc forwards new requests to it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, Slo
 from tandem.rpc.v1 import agent_pb2
@@ -22,9 +26,22 @@ log = logging.getLogger("tandem.gpu_agent.policy")
 Policy = Callable[[ClusterSnapshot, Predictor], Decision]
 
 
+class Applied(NamedTuple):
+    """What the services are told: a decision mapped onto this CPU's cores."""
+
+    prefill_cores: list[int]
+    decode_cores: list[int]
+    aggregated: bool
+    prefill_token_budget: int
+    prefill_layers: int
+    decode_lookahead: int
+
+
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
     """Disjoint (prefill, decode) core lists for ``decision``; see the module docstring."""
     cores = list(cores)
+    if decision.aggregated:
+        return [], cores
     if not decode_busy:
         return cores, []
     if not prefill_busy:
@@ -45,7 +62,7 @@ class PolicyLoop:
         self.num_layers = num_layers
         self.slo = slo
         self.loads: dict[int, agent_pb2.PhaseLoad] = {}
-        self.last: tuple[list[int], list[int]] | None = None
+        self.last: Applied | None = None
         self.num_decisions = 0
 
     def report(self, load: agent_pb2.PhaseLoad) -> None:
@@ -54,18 +71,19 @@ class PolicyLoop:
     def snapshot(self, now_s: float) -> ClusterSnapshot:
         prefill = self.loads.get(agent_pb2.ROLE_PREFILL)
         decode = self.loads.get(agent_pb2.ROLE_DECODE)
+        # Prompts still to compute: prefill's queue, and decode's chunks in aggregated mode.
+        waiting = [*(prefill.queued if prefill is not None else ()), *(decode.queued if decode is not None else ())]
         queued = tuple(
             QueuedRequest(q.request_id, q.arrival_unix_ns / 1e9, max(q.prompt_tokens, 1),
                           min(q.cached_tokens, max(q.prompt_tokens, 1) - 1))
-            for q in (prefill.queued if prefill is not None else ())
+            for q in waiting
         )
         contexts = tuple(decode.decode_context_lens) if decode is not None else ()
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
                                running_prefill=None, decode_context_lens=contexts, current=None, slo=self.slo)
 
-    def decide(self) -> tuple[list[int], list[int], str] | None:
-        """Run the policy once; the new (prefill cores, decode cores, reason) when the split
-        changes, else None."""
+    def decide(self) -> tuple[Applied, str] | None:
+        """Run the policy once; the new assignment and its reason when it changes, else None."""
         snapshot = self.snapshot(time.time())
         prefill_busy = bool(snapshot.queued)
         decode_busy = bool(snapshot.decode_context_lens)
@@ -73,9 +91,15 @@ class PolicyLoop:
             return None  # nothing to run: keep the split in force
         decision = self.policy(snapshot, self.predictor)
         self.num_decisions += 1
-        split = split_cores(self.cores, decision, prefill_busy, decode_busy)
-        if split == self.last:
+        prefill_cores, decode_cores = split_cores(self.cores, decision, prefill_busy, decode_busy)
+        applied = Applied(prefill_cores, decode_cores, decision.aggregated,
+                          sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
+                          decision.prefill_layers if not decision.aggregated else 0,
+                          decision.decode_lookahead)
+        if applied == self.last:
             return None
-        self.last = split
-        log.info("partition: prefill %s, decode %s (%s)", split[0], split[1], decision.reason)
-        return split[0], split[1], f"{self.policy_name}: {decision.reason}"
+        if self.last is None or applied[:3] != self.last[:3]:
+            log.info("partition: prefill %s, decode %s%s (%s)", prefill_cores, decode_cores,
+                     ", aggregated" if decision.aggregated else "", decision.reason)
+        self.last = applied
+        return applied, f"{self.policy_name}: {decision.reason}"

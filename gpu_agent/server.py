@@ -35,11 +35,13 @@ class PartitionBoard:
         self.current = initial
         self._changed = asyncio.Condition()
 
-    async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1) -> None:
+    async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1, *,
+                  aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
-                decode_lookahead=lookahead, policy=policy,
+                decode_lookahead=lookahead, policy=policy, aggregated=aggregated,
+                prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
             )
             self._changed.notify_all()
 
@@ -139,8 +141,10 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
         return
     change = policy.decide()
     if change is not None:
-        prefill_cores, decode_cores, reason = change
-        await partition.set(prefill_cores, decode_cores, reason)
+        applied, reason = change
+        await partition.set(applied.prefill_cores, applied.decode_cores, reason, applied.decode_lookahead,
+                            aggregated=applied.aggregated, prefill_token_budget=applied.prefill_token_budget,
+                            prefill_layers=applied.prefill_layers)
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:

@@ -30,6 +30,10 @@ from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, p
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
 from tandem.state.schema import LoadReport
 
+# Aggregated mode: decode answers the handoff with the first token, after the prompt's chunks
+# have had their turn in its steps, so the call lasts as long as a whole prefill with its queue.
+AGGREGATED_TIMEOUT_S = 600.0
+
 log = logging.getLogger("tandem.prefill")
 
 
@@ -68,6 +72,9 @@ class PrefillWorker:
         self._wake = asyncio.Event()
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self.tokens_per_s = 1000.0  # prefill rate, smoothed over recent batches
+        self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._aggregated = False
 
     # ------------------------------------------------------------------ API
     async def submit(self, msg: prefill_pb2.PrefillRequest, params: SamplingParams) -> prefill_pb2.PrefillReply:
@@ -93,7 +100,7 @@ class PrefillWorker:
                 self.queue.remove(pending)
                 _fail(pending, grpc.StatusCode.CANCELLED, "cancelled before prefill")
                 return True
-        running = self.running.get(request_id)
+        running = self.running.get(request_id) or self.forwarded.get(request_id)
         if running is not None:
             running.cancelled = True  # dropped at the end of the batch; blocks released then
             return True
@@ -124,6 +131,14 @@ class PrefillWorker:
             await self._wake.wait()
             self._wake.clear()
             while self.queue:
+                aggregated = self.member.partition.aggregated
+                if aggregated != self._aggregated:
+                    log.info("%s: %s", self.config.service_id, "aggregated mode: decode computes new prompts in "
+                             "hybrid steps" if aggregated else "split mode: computing prompts here")
+                    self._aggregated = aggregated
+                if aggregated:
+                    self._forward_queue()
+                    break
                 batch = self._take_batch()
                 try:
                     await self._process(batch)
@@ -136,6 +151,52 @@ class PrefillWorker:
                     for pending in batch:
                         self.running.pop(pending.msg.request_id, None)
                     self._report_load()
+
+    # ------------------------------------------------------------------ aggregated mode
+    def _forward_queue(self) -> None:
+        """Aggregated mode: hand every queued request to decode_svc, which computes the prompt
+        in chunks inside its steps; each waits there for its first token on its own task."""
+        while self.queue:
+            pending = self.queue.popleft()
+            self.forwarded[pending.msg.request_id] = pending
+            task = asyncio.get_running_loop().create_task(self._forward(pending))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._report_load()
+
+    async def _forward(self, pending: _Pending) -> None:
+        rid = pending.msg.request_id
+        try:
+            req = await self._allocate(pending)
+            if req is None:
+                return
+            msg = self._handoff_msg(pending, req)
+            msg.needs_prefill = True
+            msg.ClearField("prefill_done_unix_ns")
+            try:
+                # The reply comes with the first token: as long as the prompt's turn takes.
+                answer = await self._decode_stub().Handoff(msg, timeout=AGGREGATED_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, LookupError) as exc:
+                await self._release(rid)
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+                return
+            if not answer.accepted:
+                await self._release(rid)
+                code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
+                _fail(pending, code, f"decode did not prefill the request: {answer.message}")
+                return
+            _succeed(pending, prefill_pb2.PrefillReply(
+                request_id=rid, first_token=answer.first_token, finish_reason=answer.finish_reason,
+                num_cached_tokens=answer.num_cached_tokens, queue_ns=time.perf_counter_ns() - pending.enqueued_ns
+                - answer.prefill_ns, prefill_ns=answer.prefill_ns,
+            ))
+        except Exception as exc:  # a bug must fail the request, not the service
+            log.exception("forwarding %s to decode failed", rid)
+            _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+            await self._release(rid)
+        finally:
+            self.forwarded.pop(rid, None)
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []
@@ -183,10 +244,11 @@ class PrefillWorker:
         runner = self.runner
         spans = self._request_spans(live, started_ns)
         state = await self.member.run(lambda: runner.begin(step_inputs(requests)))
-        group = self.config.layer_group_size
-        for end in range(group, runner.num_layers + group, group):
-            stop = min(end, runner.num_layers)
+        while state.next_layer < runner.num_layers:
+            # The policy's layer count when it gives one (re-read at every group boundary).
+            group = self.member.partition.prefill_layers or self.config.layer_group_size
             first = state.next_layer
+            stop = min(first + group, runner.num_layers)
 
             def run_group(stop: int = stop) -> None:
                 self.member.apply_partition()

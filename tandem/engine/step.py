@@ -96,3 +96,34 @@ def sample_step(
         req.finish_reason = reason
         outputs.append(StepOutput(req.request_id, token, logprob, top, reason))
     return outputs
+
+
+def hybrid_step(
+    runner: ModelRunner, sampler: Sampler, decode: Sequence[Request], chunks: Sequence[tuple[Request, int]],
+    eos_token_ids: Sequence[int],
+) -> tuple[list[StepOutput], list[StepOutput | None]]:
+    """One aggregated (chunked-prefill) step: every ``decode`` request's uncomputed tokens plus
+    the next ``n`` prompt tokens of each ``(request, n)`` chunk, in one forward.
+
+    Decode requests get a token each. A chunk that reaches the end of its prompt gets its first
+    token; a partial chunk only advances ``num_computed_tokens`` (its output is None). Blocks
+    must cover each request's tokens, as for ``forward_and_sample``.
+    """
+    inputs = step_inputs(decode)
+    for req, n in chunks:
+        start = req.num_computed_tokens
+        if not 0 < n <= len(req.all_token_ids) - start:
+            raise ValueError(f"{req.request_id}: chunk of {n} tokens at {start} of {len(req.all_token_ids)}")
+        inputs.append(SeqInput(req.all_token_ids[start : start + n], start, req.block_ids))
+    logits = runner.forward(inputs)  # [len(inputs), vocab]: each sequence's last position
+    rows = list(range(len(decode)))
+    finishing: list[Request] = []
+    for i, (req, n) in enumerate(chunks):
+        if req.num_computed_tokens + n == len(req.all_token_ids):
+            rows.append(len(decode) + i)
+            finishing.append(req)
+        else:
+            req.num_computed_tokens += n
+    sampled = sample_step(runner, sampler, [*decode, *finishing], logits[rows], eos_token_ids)
+    by_id = {out.request_id: out for out in sampled[len(decode) :]}
+    return sampled[: len(decode)], [by_id.get(req.request_id) for req, _ in chunks]

@@ -70,15 +70,21 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Partition(_message.Message):
-    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy")
+    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_UNITS_FIELD_NUMBER: _ClassVar[int]
     DECODE_UNITS_FIELD_NUMBER: _ClassVar[int]
     DECODE_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     prefill_units: _containers.RepeatedScalarFieldContainer[int]
     decode_units: _containers.RepeatedScalarFieldContainer[int]
     decode_lookahead: int
     policy: str
-    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    aggregated: bool
+    prefill_token_budget: int
+    prefill_layers: int
+    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ...) -> None: ...

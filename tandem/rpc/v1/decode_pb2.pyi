@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("request_id", "router_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens", "sampling", "generator_state", "arrival_unix_ns", "prefill_done_unix_ns")
+    __slots__ = ("request_id", "router_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens", "sampling", "generator_state", "arrival_unix_ns", "prefill_done_unix_ns", "needs_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class HandoffRequest(_message.Message):
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     router_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,17 +32,26 @@ class HandoffRequest(_message.Message):
     generator_state: bytes
     arrival_unix_ns: int
     prefill_done_unix_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., router_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., arrival_unix_ns: _Optional[int] = ..., prefill_done_unix_ns: _Optional[int] = ...) -> None: ...
+    needs_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., router_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., arrival_unix_ns: _Optional[int] = ..., prefill_done_unix_ns: _Optional[int] = ..., needs_prefill: _Optional[bool] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
-    __slots__ = ("accepted", "message", "server_ns")
+    __slots__ = ("accepted", "message", "server_ns", "first_token", "finish_reason", "prefill_ns", "num_cached_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SERVER_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     message: str
     server_ns: int
-    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ...) -> None: ...
+    first_token: _common_pb2.GeneratedToken
+    finish_reason: _common_pb2.FinishReason
+    prefill_ns: int
+    num_cached_tokens: int
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prefill_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("router_id",)

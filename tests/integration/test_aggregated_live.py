@@ -1,0 +1,81 @@
+"""Aggregated mode on the live stack: with `chunked` (and `adaptive` while TBT holds) the agent
+gives every core to decode_svc, prefill_svc forwards prompts uncomputed, and decode_svc runs them
+in chunks inside its decode steps (hybrid batches). The streams must equal the single-process
+engine token for token, cancels must return every block, and the prefix cache must still work."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tandem.engine.llm import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tests.integration.stack import Stack
+from tests.integration.test_mesh import _agent_stats, _generate, _prompts, _wait_all_blocks_free
+
+pytestmark = pytest.mark.slow
+NUM_BLOCKS = 512
+
+
+@pytest.mark.parametrize("policy", ["chunked", "adaptive"])
+def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smollm2_dir: Path, tmp_path: Path) -> None:
+    stack = Stack(smollm2_dir, tmp_path, num_blocks=NUM_BLOCKS,
+                  extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": f"agg-{uuid.uuid4().hex[:6]}"})
+    # Prompts longer than the default chunk budget, so some take several hybrid steps.
+    prompts = _prompts(6, 24, seed=3) + _prompts(2, 600, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    try:
+        stack.start()
+
+        async def run() -> tuple[list[tuple[list[int], int]], object, list[int]]:
+            address = stack.address("router")
+            # decoding streams first, then long prompts that join while they decode
+            first = asyncio.Event()
+            early = [asyncio.create_task(_generate(address, p, params, first)) for p in prompts[:6]]
+            await asyncio.wait_for(first.wait(), 60)
+            late = [asyncio.create_task(_generate(address, p, params)) for p in prompts[6:]]
+            stats = await _agent_stats(stack)
+            results = await asyncio.gather(*early, *late)
+            # the same long prompt again: its blocks come from the prefix cache
+            again, _ = await _generate(address, prompts[7], params)
+            return list(results), stats, again
+
+        results, stats_during, again = asyncio.run(run())
+        engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256, pack_weights=False)
+        expected = engine.generate(prompts, params)
+        for (tokens, _), want in zip(results, expected, strict=True):
+            assert tokens == want.token_ids
+        assert again == expected[7].token_ids
+        assert stats_during.partition.aggregated  # type: ignore[attr-defined]
+        assert "aggregated mode" in stack.logs("prefill_svc")
+        stats = asyncio.run(_wait_all_blocks_free(stack))
+        assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
+        assert stats.num_prefix_hit_tokens >= 512  # the repeated 600-token prompt
+    finally:
+        stack.stop()
+
+
+def test_cancel_while_the_prompt_is_in_chunks(smollm2_dir: Path, tmp_path: Path) -> None:
+    stack = Stack(smollm2_dir, tmp_path, num_blocks=NUM_BLOCKS,
+                  extra_env={"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": f"aggc-{uuid.uuid4().hex[:6]}"})
+    try:
+        stack.start()
+
+        async def run() -> tuple[object, object]:
+            task = asyncio.create_task(_generate(stack.address("router"), _prompts(1, 1800, seed=5)[0],
+                                                 SamplingParams(temperature=0.0, max_tokens=4)))
+            await asyncio.sleep(1.0)
+            during = await _agent_stats(stack)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return during, await _wait_all_blocks_free(stack)
+
+        during, after = asyncio.run(run())
+        assert during.num_requests == 1  # type: ignore[attr-defined]
+        assert after.num_free_blocks == NUM_BLOCKS and after.num_requests == 0  # type: ignore[attr-defined]
+    finally:
+        stack.stop()
