@@ -1,0 +1,127 @@
+"""Simulated goodput of the partition policies relative to `chunked` (tandem sim).
+
+Llama-3.1-8B on one A100-80G and one H100-SXM, for the Azure code, Azure conversation and
+ShareGPT length models with Poisson arrivals, over request rates from light load to overload
+(picked per device and workload from a first sweep of `chunked`). SLOs as in the papers: TBT
+100 ms at the 99th percentile of each request's gaps; TTFT 250 ms + 250 ms per 1000 prompt
+tokens. Admission is off, as in the papers' goodput sweeps: every request is served, and one
+that misses an SLO counts against goodput. The perf model has no contention guard for GPUs
+(a phase beside the other runs as fast as alone) unless --contention is given.
+
+Each point simulates `rate x --span-s` requests (at least --min-requests, at most
+--max-requests); goodput is SLO-meeting requests per second of the whole run, tail included,
+exactly as `tandem bench` reports it.
+
+Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.png.
+
+Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.0] [--jobs 2] [--out-dir docs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.bench.metrics import SloSpec
+from tandem.bench.report import plot_goodput_vs_rate, write_json
+from tandem.sim.config import build_predictor, cell_config_for, load_shape
+from tandem.sim.run import simulate, workload_requests
+
+MODEL = "Llama-3.1-8B"
+POLICIES = ("chunked", "static", "dynamic", "adaptive")
+SLO = SloSpec(ttft_s=0.25, tbt_s=0.1, ttft_s_per_1k_input=0.25, tbt_quantile=0.99)
+# Request rates (req/s) per device and workload: light load to past chunked's knee.
+RATES: dict[tuple[str, str], tuple[float, ...]] = {
+    ("A100-80G", "azure-code"): (2, 3, 4, 5, 6, 7),
+    ("A100-80G", "azure-conv"): (3, 5, 7, 8, 9, 11),
+    ("A100-80G", "sharegpt"): (10, 25, 40, 55, 70),
+    ("H100-SXM", "azure-code"): (5, 8, 11, 14, 17, 20),
+    ("H100-SXM", "azure-conv"): (6, 12, 18, 22, 26, 30),
+    ("H100-SXM", "sharegpt"): (25, 50, 100, 150, 200),
+}
+
+
+def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
+    hardware, workload, rate, policy, opts = job
+    shape = load_shape(MODEL)
+    predictor, spec = build_predictor(hardware, shape, contention=opts["contention"])
+    cell = cell_config_for(spec, shape)
+    num = int(min(opts["max_requests"], max(opts["min_requests"], math.ceil(rate * opts["span_s"]))))
+    requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
+    start = time.process_time()
+    result = simulate(requests, policy=policy, predictor=predictor, cell_config=cell, slo=SLO, admission=False,
+                      rate_rps=rate)
+    s = result.summary
+    return {
+        "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "num_requests": num,
+        "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
+        "ttft_attainment": s["ttft_attainment"], "tbt_attainment": s["tbt_attainment"],
+        "duration_s": s["duration_s"], "ttft_p99_s": s["ttft_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
+        "cell": result.cells[0], "cpu_s": time.process_time() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--span-s", type=float, default=120.0, help="seconds of arrivals per point")
+    parser.add_argument("--min-requests", type=int, default=600)
+    parser.add_argument("--max-requests", type=int, default=12000)
+    parser.add_argument("--contention", type=float, default=None, help="flat slowdown beside the other phase")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out-dir", default="docs/results")
+    parser.add_argument("--tag", default="", help="suffix of the output names, e.g. -contention1.2")
+    args = parser.parse_args()
+    opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
+            "max_requests": args.max_requests, "seed": args.seed}
+    jobs = [(hw, wl, float(rate), policy, opts) for (hw, wl), rates in RATES.items() for rate in rates
+            for policy in POLICIES]
+    # Longest first so the pool ends together.
+    jobs.sort(key=lambda j: -j[2] * (3 if j[1] == "sharegpt" else 1))
+    start = time.time()
+    with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+        points = pool.map(run_point, jobs, chunksize=1)
+    points.sort(key=lambda p: (p["hardware"], p["workload"], p["rate_rps"], POLICIES.index(p["policy"])))
+
+    out_dir = Path(args.out_dir)
+    ratios: dict[str, dict[str, dict[str, float | None]]] = {}
+    table_lines = []
+    for (hw, wl), rates in RATES.items():
+        key = f"{hw}/{wl}"
+        mine = [p for p in points if p["hardware"] == hw and p["workload"] == wl]
+        base = {p["rate_rps"]: p["goodput_rps"] for p in mine if p["policy"] == "chunked"}
+        ratios[key] = {}
+        for policy in POLICIES[1:]:
+            ratios[key][policy] = {
+                f"{p['rate_rps']:g}": (p["goodput_rps"] / base[p["rate_rps"]] if base[p["rate_rps"]] > 0 else None)
+                for p in mine if p["policy"] == policy
+            }
+        curves = {policy: [(p["rate_rps"], p["goodput_rps"]) for p in mine if p["policy"] == policy]
+                  for policy in POLICIES}
+        plot_goodput_vs_rate(curves, out_dir / f"sim-{hw}-{wl}{args.tag}.png")
+        table_lines.append(f"{key}: rates {' '.join(f'{r:g}' for r in rates)}")
+        table_lines.append("  chunked goodput " + " ".join(f"{base[float(r)]:.2f}" for r in rates))
+        for policy in POLICIES[1:]:
+            table_lines.append(f"  {policy:<8} x chunked " + " ".join(
+                "-" if v is None else f"{v:.2f}" for v in ratios[key][policy].values()))
+    result = {
+        "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / chunked's at the same rate",
+        "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
+        "admission": False, "contention": args.contention, "span_s": args.span_s, "seed": args.seed,
+        "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in RATES.items()},
+        "goodput_ratio_vs_chunked": ratios, "points": points,
+        "host": platform.node(), "wall_s": time.time() - start,
+    }
+    write_json(json.loads(json.dumps(result)), out_dir / f"sim-policies{args.tag}.json")
+    print("\n".join(table_lines))
+    print(f"wall {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
