@@ -4,8 +4,8 @@ Each cell runs the live code: the partition policy (`tandem.policy.policies`) on
 `ClusterSnapshot` built as the agent builds it, the perf model as the predictor *and* as the
 clock (a phase lasts what `predict_*` says on the decided units, times the contention factor
 when the other phase runs beside it), the engine's `BlockAllocator` with its prefix index, and
-the router's admission rule (`tandem.policy.admission.admit`, mirrored from
-router/admission.py). Time only moves through a heap of events; nothing reads a wall clock,
+the router's admission rule (`tandem.policy.admission.admit_one`, as router/admission.py
+calls it). Time only moves through a heap of events; nothing reads a wall clock,
 and every container iterated is ordered, so a run is a pure function of its inputs.
 
 The cell's two phases and their decision points:
@@ -37,7 +37,7 @@ from typing import Any
 from tandem.bench.metrics import RequestRecord, SloSpec
 from tandem.bench.workload import RequestSpec
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.policy.admission import REASON_TOO_LONG, admit
+from tandem.policy.admission import admit_one
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.sim.config import CellConfig
 
@@ -249,12 +249,11 @@ class _Cell:
         """Mirror of router AdmissionController.try_admit: None when admitted, else the reason."""
         request = QueuedRequest(req.request_id, now, req.spec.input_len, deadline_s=req.deadline_s)
         if self.sim.admission:
-            units = self.prefill_units_for_admission()
-            queue = [*self.router_pending.values(), request]
-            result = admit(queue, now, self.predictor, units, self.sim.policy_slo)
-            refused = next((r for r in result.rejected if r.request_id == req.request_id), None)
-            if refused is not None and not (refused.reason == REASON_TOO_LONG and not self.router_pending):
-                return f"admission refused: {refused.reason}"
+            ahead = list(self.router_pending.values())
+            rejection = admit_one(ahead, request, now, self.predictor, self.prefill_units_for_admission(),
+                                  self.sim.policy_slo)
+            if rejection is not None:
+                return f"admission refused: {rejection.reason}"
         self.router_pending[req.request_id] = request
         return None
 
