@@ -201,3 +201,25 @@ def test_cli_sweeps_policies_on_a_cpu_model_dir(tmp_path: Path, capsys: pytest.C
     assert [r["policy"] for r in result["runs"]] == ["chunked", "dynamic"]
     assert "dynamic" in result["goodput_ratio_vs_chunked"]
     assert "goodput relative to chunked" in capsys.readouterr().out
+
+
+def test_a_profile_brings_its_device_and_contention(tmp_path: Path) -> None:
+    from tandem.perf.calibration import CalibrationSample, ContentionGuard
+    from tandem.perf.hardware import CPU_PLACEHOLDER
+    from tandem.perf.model import PerfModel
+    from tandem.perf.profile import PerfProfile, save_profile
+
+    hardware = replace(CPU_PLACEHOLDER, num_units=4, bandwidth_knee_units=2)
+    guard = ContentionGuard([1, 4], {"decode": [[1.5, 1.5], [1.5, 1.5]]})
+    samples = (CalibrationSample("prefill", 128, 4, 0.2, 0.1), CalibrationSample("decode", 8, 4, 0.02, 0.01))
+    path = tmp_path / "profile.json"
+    save_profile(PerfProfile(hardware=hardware, calibration_samples=samples, contention=guard), path)
+    shape = load_shape("Llama-3.1-8B").with_tp(1)
+    predictor, spec = build_predictor("cpu", shape, profile_path=path)
+    assert spec.num_units == 4
+    assert predictor.contention(2, 2) == pytest.approx(1.5)
+    flat, _ = build_predictor("cpu", shape, profile_path=path, contention=1.1)
+    assert flat.contention(2, 2) == pytest.approx(1.1)
+    # The profile's calibration doubles both phases' predictions.
+    base = PerfModel(hardware, shape)
+    assert predictor.predict_decode([100], 4) == pytest.approx(2 * base.predict_decode([100], 4))
