@@ -42,7 +42,11 @@ class Calibration:
 
     Between knots the factor is interpolated, outside it is clamped to the nearest knot; a
     phase with no knot uses 1.0. Execution states that differ only in units share a factor
-    (Bullet §3.2.2: two samples suffice across SM counts once the roofline scales units).
+    (Bullet §3.2.2: two samples suffice across SM counts once the roofline scales units),
+    unless the fit was given samples per unit count: then each count measured has its own
+    curve (key "<phase>@<units>"), used for that count, and the shared one for the rest. On a
+    CPU the roofline's unit scaling is the weakest part (a second core shares caches and the
+    memory controller), so the per-count curves are what make held-out errors small there.
     `update` moves the nearest knot toward a live sample by an EWMA, or adds a knot when the
     sample lies more than `knot_spacing` (in log2 tokens) from every knot.
     """
@@ -65,11 +69,15 @@ class Calibration:
                 self._insert(phase, x, y)
 
     @classmethod
-    def fit(cls, samples: Iterable[CalibrationSample], **kwargs: float) -> Calibration:
-        """Knots at each distinct token count: the geometric mean of its samples' ratios."""
+    def fit(cls, samples: Iterable[CalibrationSample], *, per_units: bool = False, **kwargs: float) -> Calibration:
+        """Knots at each distinct token count: the geometric mean of its samples' ratios; with
+        ``per_units`` also one curve per unit count (see the class docstring)."""
         groups: dict[tuple[str, float], list[float]] = {}
         for s in samples:
-            groups.setdefault((s.phase, round(_token_key(s.num_tokens), 6)), []).append(math.log(s.ratio))
+            x = round(_token_key(s.num_tokens), 6)
+            groups.setdefault((s.phase, x), []).append(math.log(s.ratio))
+            if per_units:
+                groups.setdefault((f"{s.phase}@{s.units}", x), []).append(math.log(s.ratio))
         knots: dict[str, list[tuple[float, float]]] = {}
         for (phase, x), logs in groups.items():
             knots.setdefault(phase, []).append((x, math.exp(sum(logs) / len(logs))))
@@ -85,7 +93,9 @@ class Calibration:
     def knots(self, phase: str) -> list[tuple[float, float]]:
         return list(zip(self._xs.get(phase, []), self._ys.get(phase, [])))
 
-    def factor(self, phase: str, num_tokens: float) -> float:
+    def factor(self, phase: str, num_tokens: float, units: int | None = None) -> float:
+        if units is not None and f"{phase}@{units}" in self._xs:
+            phase = f"{phase}@{units}"
         xs = self._xs.get(phase)
         if not xs:
             return 1.0
@@ -102,6 +112,8 @@ class Calibration:
 
     def update(self, sample: CalibrationSample) -> None:
         phase = sample.phase
+        if f"{phase}@{sample.units}" in self._xs:
+            phase = f"{phase}@{sample.units}"
         x = _token_key(sample.num_tokens)
         xs = self._xs.get(phase, [])
         if xs:

@@ -231,7 +231,7 @@ class PerfModel:
     def _finish(self, roofline_s: float, n: int, phase: str, units: int, other_units: int) -> float:
         if n == 0:
             return 0.0
-        factor = self.calibration.factor(phase, n)
+        factor = self.calibration.factor(phase, n, units)
         if self.contention is not None and other_units > 0:
             factor *= self.contention.lookup(phase, units, other_units)
         return roofline_s * factor
@@ -275,7 +275,7 @@ class PerfModel:
             op_s = dict(zip(TOKEN_OPS, token))
             op_s["attention"] = self._attention(prefill_seqs, decode_context_lens, units)
         total = self._finish(roof, n, phase, units, other_units)
-        calib = self.calibration.factor(phase, n) if n else 1.0
+        calib = self.calibration.factor(phase, n, units) if n else 1.0
         return LatencyBreakdown(
             op_s=op_s,
             roofline_s=roof,

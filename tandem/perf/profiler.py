@@ -338,7 +338,7 @@ def _mape(samples: Sequence[CalibrationSample], calibration: Calibration) -> dic
     keys "<phase>@<units>" (where a shared calibration misfits one unit count)."""
     errors: dict[str, list[float]] = {}
     for s in samples:
-        predicted = s.predicted_s * calibration.factor(s.phase, s.num_tokens)
+        predicted = s.predicted_s * calibration.factor(s.phase, s.num_tokens, s.units)
         error = abs(predicted - s.measured_s) / s.measured_s
         errors.setdefault(s.phase, []).append(error)
         errors.setdefault(f"{s.phase}@{s.units}", []).append(error)
@@ -435,7 +435,7 @@ def profile_cpu(
     fit = [_sample(model, r, grid.decode_context) for r in runs if not r.heldout]
     heldout = [_sample(model, r, grid.decode_context) for r in runs if r.heldout]
 
-    calibration = Calibration.fit(fit)
+    calibration = Calibration.fit(fit, per_units=True)
     heldout_error = _mape(heldout, calibration)
     if heldout:
         progress(

@@ -367,3 +367,19 @@ def test_profile_with_unknown_version_is_refused(tmp_path: Path) -> None:
 def test_time_prediction_reports_microseconds_per_call() -> None:
     # The cost itself is measured by the benchmark, not asserted here.
     assert time_prediction(20) > 0
+
+
+def test_calibration_per_unit_count_overrides_the_shared_curve() -> None:
+    from tandem.perf.calibration import Calibration, CalibrationSample
+
+    samples = [CalibrationSample("decode", 8, 1, 2.0, 1.0), CalibrationSample("decode", 8, 2, 4.0, 1.0)]
+    shared = Calibration.fit(samples)
+    per = Calibration.fit(samples, per_units=True)
+    assert shared.factor("decode", 8, 1) == shared.factor("decode", 8, 2)  # geometric mean, ~2.83
+    assert per.factor("decode", 8, 1) == 2.0 and per.factor("decode", 8, 2) == 4.0
+    assert per.factor("decode", 8, 3) == shared.factor("decode", 8)  # unmeasured count: the shared curve
+    # online updates move the unit count's own curve
+    per.update(CalibrationSample("decode", 8, 2, 2.0, 1.0))
+    assert per.factor("decode", 8, 2) < 4.0 and per.factor("decode", 8, 1) == 2.0
+    # and it survives the profile file's round trip
+    assert Calibration.from_dict(per.to_dict()).factor("decode", 8, 2) == per.factor("decode", 8, 2)
