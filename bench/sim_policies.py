@@ -14,7 +14,8 @@ exactly as `tandem bench` reports it.
 
 Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.png.
 
-Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.0] [--jobs 2] [--out-dir docs/results]
+Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag -x]
+                                    [--jobs 2] [--out-dir docs/results]
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any
     num = int(min(opts["max_requests"], max(opts["min_requests"], math.ceil(rate * opts["span_s"]))))
     requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
     start = time.process_time()
+    policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
     result = simulate(requests, policy=policy, predictor=predictor, cell_config=cell, slo=SLO, admission=False,
-                      rate_rps=rate)
+                      rate_rps=rate, policy_tbt_s=policy_tbt_s)
     s = result.summary
     return {
         "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "num_requests": num,
@@ -73,13 +75,15 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=600)
     parser.add_argument("--max-requests", type=int, default=12000)
     parser.add_argument("--contention", type=float, default=None, help="flat slowdown beside the other phase")
+    parser.add_argument("--policy-tbt-ms", type=float, default=None,
+                        help="TBT the policies aim at (default: the SLO's 100 ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out-dir", default="docs/results")
     parser.add_argument("--tag", default="", help="suffix of the output names, e.g. -contention1.2")
     args = parser.parse_args()
     opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
-            "max_requests": args.max_requests, "seed": args.seed}
+            "max_requests": args.max_requests, "seed": args.seed, "policy_tbt_ms": args.policy_tbt_ms}
     jobs = [(hw, wl, float(rate), policy, opts) for (hw, wl), rates in RATES.items() for rate in rates
             for policy in POLICIES]
     # Longest first so the pool ends together.
@@ -113,7 +117,8 @@ def main() -> None:
     result = {
         "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / chunked's at the same rate",
         "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
-        "admission": False, "contention": args.contention, "span_s": args.span_s, "seed": args.seed,
+        "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
+        "span_s": args.span_s, "seed": args.seed,
         "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in RATES.items()},
         "goodput_ratio_vs_chunked": ratios, "points": points,
         "host": platform.node(), "wall_s": time.time() - start,

@@ -54,6 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--ttft-slo-ms-per-1k-input", type=float, default=250.0, help="TTFT SLO added per 1000 prompt tokens")
     p("--tbt-slo-ms", type=float, default=100.0, help="TBT SLO")
     p("--tbt-quantile", type=float, default=0.99, help="a request meets TBT when this quantile of its gaps does")
+    p("--policy-tbt-ms", type=float, default=None,
+      help="TBT the policies aim at, as the services' --tbt-slo-ms (default: --tbt-slo-ms)")
     p("--no-admission", action="store_true", help="admit every request (no SLO-aware refusal at the router)")
     p("--contention", type=float, default=None,
       help="flat slowdown of a phase while the other runs beside it (default: the profile's guard; GPUs: none)")
@@ -111,7 +113,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for name in policies:
             start = time.perf_counter()
             result = simulate(requests, policy=name, predictor=predictor, cell_config=cell, slo=slo,
-                              num_cells=args.num_cells, admission=not args.no_admission, rate_rps=rate)
+                              num_cells=args.num_cells, admission=not args.no_admission, rate_rps=rate,
+                              policy_tbt_s=args.policy_tbt_ms / 1e3 if args.policy_tbt_ms else None)
             wall_s = time.perf_counter() - start
             print(f"sim: {name} at {rate:g} req/s: {len(requests)} requests, {result.num_events} events, "
                   f"{wall_s:.1f} s", file=sys.stderr)
@@ -137,6 +140,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     result_json = {
         "hardware": spec.name, "model": shape.name, "tp": shape.tp_degree, "workload": args.workload,
         "num_cells": args.num_cells, "admission": not args.no_admission, "contention": args.contention,
+        "policy_tbt_ms": args.policy_tbt_ms,
         "slo": {"ttft_ms": args.ttft_slo_ms, "ttft_ms_per_1k_input": args.ttft_slo_ms_per_1k_input,
                 "tbt_ms": args.tbt_slo_ms, "tbt_quantile": args.tbt_quantile},
         "cell": {"total_units": cell.total_units, "num_blocks": cell.num_blocks, "block_size": cell.block_size,

@@ -63,9 +63,10 @@ def simulate(
     num_cells: int = 1,
     admission: bool = True,
     rate_rps: float | None = None,
+    policy_tbt_s: float | None = None,
 ) -> RunResult:
     sim = Simulator(policy=get_policy(policy), predictor=predictor, cell_config=cell_config, slo=slo,
-                    num_cells=num_cells, admission=admission)
+                    num_cells=num_cells, admission=admission, policy_tbt_s=policy_tbt_s)
     result: SimResult = sim.run(requests)
     summary = summarize(result.records, duration_s=result.duration_s, slo=slo)
     return RunResult(policy, rate_rps, result.records, summary, result.cells, result.num_events)

@@ -597,6 +597,8 @@ class Simulator:
 
     `slo` sets each request's deadline (arrival + its TTFT limit) for admission and the EDF
     policies; the policies' `Slo.ttft_s` is the limit of a request with an empty prompt.
+    `policy_tbt_s` is the TBT the policies aim at (the services' own --tbt-slo-ms), by default
+    the SLO's; a smaller target leaves headroom for what a step's prediction does not see.
     """
 
     def __init__(
@@ -608,6 +610,7 @@ class Simulator:
         slo: SloSpec,
         num_cells: int = 1,
         admission: bool = True,
+        policy_tbt_s: float | None = None,
     ) -> None:
         if num_cells < 1:
             raise ValueError("num_cells must be >= 1")
@@ -615,7 +618,7 @@ class Simulator:
         self.predictor: Predictor = CachedPredictor(predictor)
         self.cell_config = cell_config
         self.slo = slo
-        self.policy_slo = Slo(ttft_s=slo.ttft_s, tbt_s=slo.tbt_s)
+        self.policy_slo = Slo(ttft_s=slo.ttft_s, tbt_s=policy_tbt_s if policy_tbt_s is not None else slo.tbt_s)
         self.admission = admission
         self.cells = [_Cell(i, self) for i in range(num_cells)]
         self._heap: list[tuple[float, int, int, Any, Any]] = []

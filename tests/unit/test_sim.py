@@ -223,3 +223,15 @@ def test_a_profile_brings_its_device_and_contention(tmp_path: Path) -> None:
     # The profile's calibration doubles both phases' predictions.
     base = PerfModel(hardware, shape)
     assert predictor.predict_decode([100], 4) == pytest.approx(2 * base.predict_decode([100], 4))
+
+
+def test_a_tighter_policy_tbt_target_gives_decode_more_units() -> None:
+    requests = workload_requests("azure-conv", rate_rps=5.0, num_requests=80, seed=0)
+    shares = []
+    for target in (None, 0.05):
+        sim = Simulator(policy=get_policy("dynamic"), predictor=PREDICTOR, cell_config=CELL, slo=SLO,
+                        admission=False, policy_tbt_s=target)
+        sim.run(requests)
+        assert sim.policy_slo.tbt_s == (target or SLO.tbt_s)
+        shares.append(sim.cells[0].stats.to_dict()["mean_decode_units"])
+    assert shares[1] > shares[0]
