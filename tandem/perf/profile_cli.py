@@ -43,6 +43,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a small grid (seconds on a tiny model), for tests; less accurate",
     )
     cmd.add_argument(
+        "--pack-weights",
+        action="store_true",
+        help="profile with oneDNN-packed weights, as services started with --pack-weights run "
+             "(default: the shared, unpacked weights prefill_svc and decode_svc use)",
+    )
+    cmd.add_argument(
         "--units",
         default=None,
         help="comma-separated core counts to profile (default: 1, 2, 4, ... and all available cores)",
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             units_grid=units,
             grid=QUICK_GRID if args.quick else DEFAULT_GRID,
             model_name=model_name,
+            pack_weights=args.pack_weights,
             progress=progress,
         )
     except (TandemError, ValueError, RuntimeError, OSError) as exc:

@@ -234,7 +234,8 @@ def cpu_spec(m: CpuMeasurement, num_cores: int, source: str) -> HardwareSpec:
 class _Workload:
     """A runner over a private pool big enough for the grid's largest prefill and decode batch."""
 
-    def __init__(self, model_dir: str | Path, max_prefill_tokens: int, max_decode_batch: int, decode_context: int):
+    def __init__(self, model_dir: str | Path, max_prefill_tokens: int, max_decode_batch: int, decode_context: int,
+                 pack_weights: bool = False):
         config = ModelConfig.from_dir(model_dir)
         longest = max(max_prefill_tokens, decode_context + 1)
         if longest > config.max_position_embeddings:
@@ -244,7 +245,8 @@ class _Workload:
         self.blocks_per_decode_seq = -(-(decode_context + 1) // _BLOCK_SIZE)
         num_blocks = max(-(-max_prefill_tokens // _BLOCK_SIZE), max_decode_batch * self.blocks_per_decode_seq)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, _BLOCK_SIZE))
-        self.runner = ModelRunner.from_dir(model_dir, pool, pack_weights=True)
+        self.pack_weights = pack_weights
+        self.runner = ModelRunner.from_dir(model_dir, pool, pack_weights=pack_weights)
         self.config = config
         self.decode_context = decode_context
         self._gen = torch.Generator().manual_seed(0)
@@ -267,11 +269,11 @@ class _Workload:
         return self.prefill_fn(size) if phase == "prefill" else self.decode_fn(size)
 
 
-def _aggressor_main(conn: Connection, model_dir: str, grid: ProfileGrid) -> None:
+def _aggressor_main(conn: Connection, model_dir: str, grid: ProfileGrid, pack_weights: bool) -> None:
     """Worker process: on ("prefill"|"decode", size, cores) run that phase in a loop on `cores`
     until the next message and answer "ready" once warmed up; "pause" stops the loop and answers
     "paused"; None ends the process."""
-    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context)
+    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, pack_weights)
     while True:
         command = conn.recv()
         if command is None:
@@ -356,6 +358,7 @@ def profile_cpu(
     repeats: int | None = None,
     model_name: str | None = None,
     contention: bool = True,
+    pack_weights: bool = False,
     progress: Progress = lambda line: None,
 ) -> PerfProfile:
     """Measure this CPU with the real engine over `grid` and return its profile.
@@ -400,7 +403,7 @@ def profile_cpu(
     # The CPU engine runs fp32 whatever the checkpoint's dtype.
     shape = ModelShape.from_config(config, name=name, dtype_bytes=4)
     model = PerfModel(hardware, shape)
-    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context)
+    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, pack_weights)
 
     shapes = (
         [("prefill", p, False) for p in grid.prefill_tokens]
@@ -493,7 +496,7 @@ def _measure_contention(
     Cells that do not fit the machine take the phase's worst measured slowdown (conservative)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_aggressor_main, args=(child, str(model_dir), grid), daemon=True)
+    worker = ctx.Process(target=_aggressor_main, args=(child, str(model_dir), grid, work.pack_weights), daemon=True)
     worker.start()
     child.close()
     aggressor_size = {"prefill": max(grid.prefill_tokens), "decode": max(grid.decode_batches)}
