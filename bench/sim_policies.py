@@ -14,7 +14,7 @@ exactly as `tandem bench` reports it.
 
 Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.png.
 
-Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag -x]
+Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag=-x]
                                     [--jobs 2] [--out-dir docs/results]
 """
 
