@@ -1,7 +1,8 @@
 """A discrete-event simulator of Tandem cells in virtual time.
 
 Each cell runs the live code: the partition policy (`tandem.policy.policies`) on a
-`ClusterSnapshot` built as the agent builds it, the perf model as the predictor *and* as the
+`ClusterSnapshot` with every field of the contract filled (the live agent still leaves
+`running_prefill`, `paused_prefill`, `current` and `decode_slack_s` empty), the perf model as the predictor *and* as the
 clock (a phase lasts what `predict_*` says on the decided units, times the contention factor
 when the other phase runs beside it), the engine's `BlockAllocator` with its prefix index, and
 the router's admission rule (`tandem.policy.admission.admit_one`, as router/admission.py
@@ -13,7 +14,10 @@ The cell's two phases and their decision points:
   `prefill_units`; decode runs `decode_lookahead` steps on `decode_units`, side by side. The
   policy is called whenever one of them reaches its boundary (a layer group or k steps done)
   and on an arrival while prefill is idle; the decision applies at once to the idle phase and
-  waits for the busy one's boundary, as the live services apply a partition.
+  waits for the busy one's boundary, as the live services apply a partition. A phase launched
+  while the other still holds units gets at most what is left; a launch's duration (and its
+  contention factor) is fixed when it starts. A batch in flight is shown to the policy as one
+  `RunningPrefill` named after its first request, with its members' tokens summed.
 - aggregated mode: one hybrid batch (every decode request plus the prefill chunks) on all units;
   the next decision is at its end. An aggregated decision waits for a split prefill layer group
   still in flight (decode keeps stepping on the units prefill does not hold).
