@@ -117,24 +117,35 @@ def decode_t(d: int, total: int = 16, ctx: tuple[int, ...] = DECODE) -> float:
 # --------------------------------------------------------------------------- dynamic
 
 
+TARGET_S = SLO.tbt_s * DynamicConfig().tbt_target  # what the best-fit decode step must meet
+
+
 def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
     s = snap(queue=(q("a", 512),))
     d = POLICIES["dynamic"](s, P)
     assert not d.aggregated
     assert d.decode_units + d.prefill_units == 16
-    assert decode_t(d.decode_units) <= SLO.tbt_s
-    assert decode_t(d.decode_units - 1) > SLO.tbt_s  # one unit less would break TBT
-    assert d.decode_units == 3  # 108 ms / 3 * (1 + 0.2 * 13/16) = 41.9 ms; on 2: 63.5 ms
+    assert decode_t(d.decode_units) <= TARGET_S
+    assert decode_t(d.decode_units - 1) > TARGET_S  # one unit less would miss the target
+    assert d.decode_units == 5  # 108 ms / 5 * (1 + 0.2 * 11/16) = 24.6 ms <= 25; on 4: 31.1 ms
     assert d.prefill_batch == ("a",)
+    # aimed at the whole SLO instead, the best fit is smaller
+    whole = DynamicPolicy(DynamicConfig(tbt_target=1.0))(s, P)
+    assert whole.decode_units == 3  # 41.9 ms <= 50; on 2: 63.5 ms
+    with pytest.raises(ValueError):
+        DynamicConfig(tbt_target=0.0)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 4, 8, 16, 32])
 def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
     ctx = (2000,) * num_seqs
     d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=ctx), P)
-    assert decode_t(d.decode_units, ctx=ctx) <= SLO.tbt_s
+    if "overloaded" in d.reason:  # not even 15 of 16 units meet the target: a balanced split
+        assert decode_t(15, ctx=ctx) > TARGET_S and d.decode_units == 8
+        return
+    assert decode_t(d.decode_units, ctx=ctx) <= TARGET_S
     if d.decode_units > 1:
-        assert decode_t(d.decode_units - 1, ctx=ctx) > SLO.tbt_s
+        assert decode_t(d.decode_units - 1, ctx=ctx) > TARGET_S
 
 
 def test_dynamic_contention_guard_costs_units() -> None:
@@ -186,11 +197,16 @@ def test_dynamic_continues_running_prefill_with_remaining_layers() -> None:
     assert d.prefill_batch == ("long",) and d.prefill_layers <= 2 and d.preempt is None
 
 
+# The scenarios below (EDF batches, bursts, preemption) are crafted on the 13/3 split that a
+# decode share sized to the whole TBT SLO gives; the default aims at half of it (see above).
+WHOLE = DynamicConfig(tbt_target=1.0)
+
+
 def test_dynamic_edf_batch_keeps_the_earliest_deadline() -> None:
     # FineServe: grow the batch in EDF order while the anchor's deadline still holds.
     anchor = q("anchor", 1000, deadline_s=NOW + 0.09)
     rest = (q("b", 1000, deadline_s=NOW + 0.5), q("c", 1000, deadline_s=NOW + 0.6), q("d", 1000, deadline_s=NOW + 0.7))
-    d = DynamicPolicy(DynamicConfig(burst=False))(snap(queue=(rest[2], anchor, rest[0], rest[1])), P)
+    d = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(snap(queue=(rest[2], anchor, rest[0], rest[1])), P)
     assert d.prefill_batch[0] == "anchor"
     n = len(d.prefill_batch)
     t = prefill_s(P, [(1000, 0)] * n, d.prefill_units, d.decode_units, True)
@@ -202,8 +218,8 @@ def test_dynamic_edf_batch_keeps_the_earliest_deadline() -> None:
 def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
     # 4096 tokens on 13 units take ~165 ms; the deadline is 60 ms away: at risk.
     s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),))
-    base = DynamicPolicy(DynamicConfig(burst=False))(s, P)
-    burst = DynamicPolicy()(s, P)
+    base = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(s, P)
+    burst = DynamicPolicy(WHOLE)(s, P)
     assert burst.prefill_units == 16 and burst.decode_units == 0
     assert burst.prefill_units > base.prefill_units
     assert "burst" in burst.reason
@@ -215,13 +231,13 @@ def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
 
 def test_no_burst_without_slack() -> None:
     s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),), slack_s=decode_t(3) + 1e-6)
-    d = DynamicPolicy()(s, P)
+    d = DynamicPolicy(WHOLE)(s, P)
     assert d.decode_units == 3 and d.prefill_units == 13
 
 
 def test_no_burst_when_deadlines_are_safe() -> None:
     s = snap(queue=(q("calm", 4096, deadline_s=NOW + 5),))
-    d = DynamicPolicy()(s, P)
+    d = DynamicPolicy(WHOLE)(s, P)
     assert d.decode_units == 3 and "burst" not in d.reason
 
 
@@ -229,7 +245,7 @@ def test_burst_counts_requests_waiting_behind_the_batch() -> None:
     # The running prefill is safe, but the queue behind it is not.
     r = rp("safe", 2048, deadline_s=NOW + 5)
     s = snap(running=r, queue=(q("late", 4096, deadline_s=NOW + 0.2),))
-    d = DynamicPolicy(DynamicConfig(preemption=False))(s, P)
+    d = DynamicPolicy(DynamicConfig(preemption=False, tbt_target=1.0))(s, P)
     assert d.prefill_batch == ("safe",) and d.prefill_units == 16 and d.decode_units == 0
 
 
@@ -247,7 +263,7 @@ def test_short_request_preempts_long_prefill_that_still_meets_ttft() -> None:
     t_short, t_left = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + t_left + t_short + 0.01, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)  # misses if it waits
-    d = DynamicPolicy(DynamicConfig(burst=False))(snap(running=long, queue=(short,)), P)
+    d = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(snap(running=long, queue=(short,)), P)
     assert d.preempt == "long"
     assert d.prefill_batch == ("short",)
     assert d.prefill_layers >= 1
@@ -257,7 +273,7 @@ def test_no_preemption_when_the_long_prefill_would_miss_its_ttft() -> None:
     t_short, t_left = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + t_left + t_short / 2, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)
-    for config in (DynamicConfig(), DynamicConfig(burst=False)):
+    for config in (WHOLE, DynamicConfig(burst=False, tbt_target=1.0)):
         d = DynamicPolicy(config)(snap(running=long, queue=(short,)), P)
         assert d.preempt is None
         assert d.prefill_batch == ("long",)
@@ -267,7 +283,7 @@ def test_no_preemption_when_the_short_request_is_fine_waiting() -> None:
     t_short, t_left = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_left + t_short + 0.01)
-    d = DynamicPolicy()(snap(running=long, queue=(short,)), P)
+    d = DynamicPolicy(WHOLE)(snap(running=long, queue=(short,)), P)
     assert d.preempt is None
 
 
@@ -276,21 +292,21 @@ def test_no_recursive_preemption() -> None:
     # "mid" itself preempted someone: even a request that would qualify may not preempt it.
     mid = rp("mid", 20_000, deadline_s=NOW + 10, preempted_id="first")
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)
-    d = DynamicPolicy()(snap(running=mid, queue=(short,)), P)
+    d = DynamicPolicy(WHOLE)(snap(running=mid, queue=(short,)), P)
     assert d.preempt is None and d.prefill_batch == ("mid",)
     # Same with a paused prefill waiting: only one level of preemption at a time.
     plain = rp("mid", 20_000, deadline_s=NOW + 10)
     paused = rp("first", 30_000, deadline_s=NOW + 20, layers_done=5)
-    d = DynamicPolicy()(snap(running=plain, paused=paused, queue=(short,)), P)
+    d = DynamicPolicy(WHOLE)(snap(running=plain, paused=paused, queue=(short,)), P)
     assert d.preempt is None and d.prefill_batch == ("mid",)
     # And the control: the same state without those marks does preempt.
-    d = DynamicPolicy()(snap(running=plain, queue=(short,)), P)
+    d = DynamicPolicy(WHOLE)(snap(running=plain, queue=(short,)), P)
     assert d.preempt == "mid"
 
 
 def test_paused_prefill_resumes_before_new_work() -> None:
     paused = rp("long", 20_000, deadline_s=NOW + 10, layers_done=5)
-    d = DynamicPolicy()(snap(paused=paused, queue=(q("x", 100, deadline_s=NOW + 5),)), P)
+    d = DynamicPolicy(WHOLE)(snap(paused=paused, queue=(q("x", 100, deadline_s=NOW + 5),)), P)
     assert d.prefill_batch == ("long",) and d.preempt is None
     assert d.prefill_layers <= 27
 
@@ -299,7 +315,7 @@ def test_preemption_can_be_switched_off() -> None:
     t_short, _ = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)
-    d = DynamicPolicy(DynamicConfig(preemption=False))(snap(running=long, queue=(short,)), P)
+    d = DynamicPolicy(DynamicConfig(preemption=False, tbt_target=1.0))(snap(running=long, queue=(short,)), P)
     assert d.preempt is None
 
 
