@@ -30,9 +30,9 @@ class PerfPredictor:
     ) -> float:
         return self.model.predict_hybrid(prefill_seqs, decode_context_lens, units)
 
-    def contention(self, my_units: int, other_units: int) -> float:
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         guard = self.model.contention
-        return guard.lookup("decode", my_units, other_units) if guard is not None and other_units else 1.0
+        return guard.lookup(phase, my_units, other_units) if guard is not None and other_units else 1.0
 
 
 def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str | Path | None = None) -> PerfPredictor:

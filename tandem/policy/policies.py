@@ -60,7 +60,7 @@ def prefill_s(
         return 0.0
     t = predictor.predict_prefill(seqs, prefill_units)
     if decode_running and decode_units > 0:
-        t *= predictor.contention(prefill_units, decode_units)
+        t *= predictor.contention(prefill_units, decode_units, "prefill")
     return t
 
 

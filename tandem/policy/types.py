@@ -38,8 +38,9 @@ class Predictor(Protocol):
         """One aggregated (chunked-prefill) batch holding prefill chunks and decode tokens."""
         ...
 
-    def contention(self, my_units: int, other_units: int) -> float:
-        """Slowdown (>= 1.0) of a phase on `my_units` while the other phase runs on `other_units`."""
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
+        """Slowdown (>= 1.0) of `phase` ("prefill" or "decode") on `my_units` while the other
+        phase runs on `other_units`."""
         ...
 
 

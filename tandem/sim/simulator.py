@@ -68,7 +68,7 @@ class CachedPredictor:
         self._prefill: dict[tuple[tuple[tuple[int, int], ...], int], float] = {}
         self._decode: dict[tuple[tuple[int, ...], int], float] = {}
         self._hybrid: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...], int], float] = {}
-        self._contention: dict[tuple[int, int], float] = {}
+        self._contention: dict[tuple[int, int, str], float] = {}
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         key = (tuple(seqs), units)
@@ -99,11 +99,11 @@ class CachedPredictor:
             t = self._hybrid[key] = self.inner.predict_hybrid(prefill_seqs, decode_context_lens, units)
         return t
 
-    def contention(self, my_units: int, other_units: int) -> float:
-        key = (my_units, other_units)
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
+        key = (my_units, other_units, phase)
         c = self._contention.get(key)
         if c is None:
-            c = self._contention[key] = self.inner.contention(my_units, other_units)
+            c = self._contention[key] = self.inner.contention(my_units, other_units, phase)
         return c
 
 
@@ -416,7 +416,7 @@ class _Cell:
         layers = min(layers, self.cfg.num_layers - job.layers_done)
         t = self.sim.predict_prefill(job.seqs(), units) * layers / self.cfg.num_layers
         if self.decode_units_busy:
-            t *= self.predictor.contention(units, self.decode_units_busy)
+            t *= self.predictor.contention(units, self.decode_units_busy, "prefill")
         t += self.cfg.prefill_overhead_s
         self.prefill_launch = (job, layers)
         self.prefill_units_busy = units

@@ -34,7 +34,7 @@ class TokenPredictor:
     ) -> float:
         return self.predict_prefill(prefill_seqs, units)
 
-    def contention(self, my_units: int, other_units: int) -> float:
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         return 1.0
 
 

@@ -383,3 +383,18 @@ def test_calibration_per_unit_count_overrides_the_shared_curve() -> None:
     assert per.factor("decode", 8, 2) < 4.0 and per.factor("decode", 8, 1) == 2.0
     # and it survives the profile file's round trip
     assert Calibration.from_dict(per.to_dict()).factor("decode", 8, 2) == per.factor("decode", 8, 2)
+
+
+def test_predictor_contention_reads_the_phase_grid() -> None:
+    """Prefill's slowdown comes from prefill's row of the guard, decode's from decode's."""
+    from tandem.perf.calibration import ContentionGuard
+    from tandem.perf.hardware import A100_80G
+    from tandem.perf.model import PerfModel
+    from tandem.perf.model_shape import LLAMA_3_1_8B
+    from tandem.perf.predictor import PerfPredictor
+
+    guard = ContentionGuard([1, 2], {"prefill": [[1.1, 1.1], [1.1, 1.1]], "decode": [[1.5, 1.5], [1.5, 1.5]]})
+    p = PerfPredictor(PerfModel(A100_80G, LLAMA_3_1_8B, contention=guard))
+    assert p.contention(1, 1, "prefill") == 1.1
+    assert p.contention(1, 1, "decode") == p.contention(1, 1) == 1.5
+    assert p.contention(1, 0, "prefill") == 1.0  # nothing beside it

@@ -65,7 +65,7 @@ class LinearPredictor:
     ) -> float:
         return (self._prefill_us(prefill_seqs) + self._decode_us(decode_context_lens)) / units / 1e6
 
-    def contention(self, my_units: int, other_units: int) -> float:
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         if other_units <= 0:
             return 1.0
         return 1.0 + self.contention_gamma * other_units / (my_units + other_units)
