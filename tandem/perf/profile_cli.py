@@ -122,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
         f"op overhead {hw.op_overhead_s * 1e6:.1f} us"
     )
     calibration = profile.calibration()
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "hybrid"):
         knots = ", ".join(f"{2 ** x:.0f} tok: {y:.2f}" for x, y in calibration.knots(phase))
         print(f"calibration {phase}: {knots}")
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "hybrid"):
         err = profile.heldout_error.get(phase, math.nan)
         per_units = ", ".join(
             f"{u} core(s) {profile.heldout_error[f'{phase}@{u}'] * 100:.1f}%"

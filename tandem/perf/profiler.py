@@ -61,6 +61,11 @@ class ProfileGrid:
     decode_batches: tuple[int, ...] = (1, 4, 16)
     heldout_decode_batches: tuple[int, ...] = (2, 8)
     decode_context: int = 256
+    # Aggregated (hybrid) steps: a prompt chunk of each size beside `hybrid_decode_batch`
+    # decoding requests, as `chunked` and `adaptive` run them.
+    hybrid_tokens: tuple[int, ...] = (64, 256)
+    heldout_hybrid_tokens: tuple[int, ...] = (128,)
+    hybrid_decode_batch: int = 8
     repeats: int = 3
     # Micro-measurement sizes: matmul n x n x n, and the summed tensor's element count.
     matmul_size: int = 1024
@@ -89,11 +94,12 @@ class ProfileGrid:
 
     @property
     def max_prefill_tokens(self) -> int:
-        return max((*self.prefill_tokens, *self.heldout_prefill_tokens))
+        return max((*self.prefill_tokens, *self.heldout_prefill_tokens, *self.hybrid_tokens,
+                    *self.heldout_hybrid_tokens))
 
     @property
     def max_decode_batch(self) -> int:
-        return max((*self.decode_batches, *self.heldout_decode_batches))
+        return max((*self.decode_batches, *self.heldout_decode_batches, self.hybrid_decode_batch))
 
 
 # Minutes on a 2-core machine with SmolLM2-135M; ~10 s of measuring on a tiny model.
@@ -104,6 +110,9 @@ QUICK_GRID = ProfileGrid(
     decode_batches=(1, 8),
     heldout_decode_batches=(4,),
     decode_context=32,
+    hybrid_tokens=(32,),
+    heldout_hybrid_tokens=(16,),
+    hybrid_decode_batch=4,
     repeats=3,
     matmul_size=384,
     bandwidth_elements=4 * 1024 * 1024,
@@ -243,7 +252,9 @@ class _Workload:
                 f"profile shapes need {longest} positions; the model allows {config.max_position_embeddings}"
             )
         self.blocks_per_decode_seq = -(-(decode_context + 1) // _BLOCK_SIZE)
-        num_blocks = max(-(-max_prefill_tokens // _BLOCK_SIZE), max_decode_batch * self.blocks_per_decode_seq)
+        # Decode sequences use the first blocks, a prompt the ones after them (hybrid steps hold both).
+        self.decode_blocks = max_decode_batch * self.blocks_per_decode_seq
+        num_blocks = self.decode_blocks + -(-max_prefill_tokens // _BLOCK_SIZE)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, _BLOCK_SIZE))
         self.pack_weights = pack_weights
         self.runner = ModelRunner.from_dir(model_dir, pool, pack_weights=pack_weights)
@@ -265,7 +276,17 @@ class _Workload:
         tables = [list(range(i * k, (i + 1) * k)) for i in range(batch_size)]
         return lambda: self.runner.decode(tokens, seq_lens, tables)
 
-    def fn(self, phase: str, size: int) -> Callable[[], object]:
+    def hybrid_fn(self, num_tokens: int, decode_batch: int) -> Callable[[], object]:
+        k = self.blocks_per_decode_seq
+        first = self.decode_blocks
+        batch = [SeqInput(self._tokens(1), self.decode_context, list(range(i * k, (i + 1) * k)))
+                 for i in range(decode_batch)]
+        batch.append(SeqInput(self._tokens(num_tokens), 0, list(range(first, first + -(-num_tokens // _BLOCK_SIZE)))))
+        return lambda: self.runner.forward(batch)
+
+    def fn(self, phase: str, size: int, hybrid_decode_batch: int = 0) -> Callable[[], object]:
+        if phase == "hybrid":
+            return self.hybrid_fn(size, hybrid_decode_batch)
         return self.prefill_fn(size) if phase == "prefill" else self.decode_fn(size)
 
 
@@ -304,15 +325,19 @@ class _Run:
     heldout: bool
     measured_s: float
 
-    def describe(self, decode_context: int) -> str:
+    def describe(self, decode_context: int, hybrid_decode_batch: int = 0) -> str:
         if self.phase == "prefill":
             return f"prefill {self.size} tokens"
+        if self.phase == "hybrid":
+            return f"hybrid {self.size}-token chunk + {hybrid_decode_batch} decodes @ ctx {decode_context}"
         return f"decode batch {self.size} @ ctx {decode_context}"
 
 
-def _sample(model: PerfModel, run: _Run, decode_context: int) -> CalibrationSample:
+def _sample(model: PerfModel, run: _Run, decode_context: int, hybrid_decode_batch: int = 0) -> CalibrationSample:
     if run.phase == "prefill":
         return model.sample([(run.size, 0)], (), run.units, run.measured_s)
+    if run.phase == "hybrid":
+        return model.sample([(run.size, 0)], [decode_context] * hybrid_decode_batch, run.units, run.measured_s)
     return model.sample((), [decode_context] * run.size, run.units, run.measured_s)
 
 
@@ -410,23 +435,27 @@ def profile_cpu(
         + [("prefill", p, True) for p in grid.heldout_prefill_tokens]
         + [("decode", b, False) for b in grid.decode_batches]
         + [("decode", b, True) for b in grid.heldout_decode_batches]
+        + [("hybrid", h, False) for h in grid.hybrid_tokens]
+        + [("hybrid", h, True) for h in grid.heldout_hybrid_tokens]
     )
     runs: list[_Run] = []
     for u in units:
         with pinned(cores[:u]):
             for phase, size, is_heldout in shapes:
-                run = _Run(phase, size, u, is_heldout, _median_time(work.fn(phase, size), grid.repeats, budget_s=grid.shape_budget_s))
+                fn = work.fn(phase, size, grid.hybrid_decode_batch)
+                run = _Run(phase, size, u, is_heldout, _median_time(fn, grid.repeats, budget_s=grid.shape_budget_s))
                 runs.append(run)
-                sample = _sample(model, run, grid.decode_context)
+                sample = _sample(model, run, grid.decode_context, grid.hybrid_decode_batch)
                 progress(
-                    f"{'held-out ' if is_heldout else ''}{run.describe(grid.decode_context)} on {u} core(s): "
+                    f"{'held-out ' if is_heldout else ''}"
+                    f"{run.describe(grid.decode_context, grid.hybrid_decode_batch)} on {u} core(s): "
                     f"{run.measured_s * 1e3:.2f} ms (roofline {sample.predicted_s * 1e3:.2f} ms, ratio {sample.ratio:.2f})"
                 )
 
     # A small model on a CPU is dominated by the fixed cost of each operator (Python, dispatch,
     # threading), which a tiny micro-benchmark underestimates: fit it from the engine's own
     # one-core runs, so that the calibration factors only absorb what the roofline misses.
-    op_overhead = _fit_op_overhead(hardware, shape, [r for r in runs if not r.heldout and r.units == units[0]],
+    op_overhead = _fit_op_overhead(hardware, shape, [r for r in runs if not r.heldout and r.units == units[0] and r.phase != "hybrid"],
                                    grid.decode_context)
     if op_overhead > hardware.op_overhead_s:
         progress(f"op overhead fitted from the engine's runs: {op_overhead * 1e6:.1f} us "
@@ -435,8 +464,8 @@ def profile_cpu(
                      f"micro-benchmark gave {hardware.op_overhead_s:.3g} s")
         hardware = dataclasses.replace(hardware, op_overhead_s=op_overhead)
         model = PerfModel(hardware, shape)
-    fit = [_sample(model, r, grid.decode_context) for r in runs if not r.heldout]
-    heldout = [_sample(model, r, grid.decode_context) for r in runs if r.heldout]
+    fit = [_sample(model, r, grid.decode_context, grid.hybrid_decode_batch) for r in runs if not r.heldout]
+    heldout = [_sample(model, r, grid.decode_context, grid.hybrid_decode_batch) for r in runs if r.heldout]
 
     calibration = Calibration.fit(fit, per_units=True)
     heldout_error = _mape(heldout, calibration)
