@@ -173,13 +173,9 @@ class PrefillWorker:
             msg = self._handoff_msg(pending, req)
             msg.needs_prefill = True
             msg.ClearField("prefill_done_unix_ns")
-            try:
-                # The reply comes with the first token: as long as the prompt's turn takes.
-                answer = await self._decode_stub().Handoff(msg, timeout=AGGREGATED_TIMEOUT_S)
-            except (grpc.aio.AioRpcError, LookupError) as exc:
-                await self._release(rid)
-                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+            # The reply comes with the first token: as long as the prompt's turn takes.
+            answer = await self._handoff(pending, msg, AGGREGATED_TIMEOUT_S)
+            if answer is None:
                 return
             if not answer.accepted:
                 await self._release(rid)
@@ -317,11 +313,12 @@ class PrefillWorker:
             await self.member.agent.Publish(
                 agent_pb2.PublishRequest(request_id=rid, token_ids=req.prompt_token_ids), timeout=RPC_TIMEOUT_S
             )
-            answer = await self._decode_stub().Handoff(self._handoff_msg(pending, req), timeout=RPC_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, LookupError) as exc:
+        except grpc.aio.AioRpcError as exc:
             await self._release(rid)
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"publishing the prompt's blocks failed: {exc.details()}")
+            return
+        answer = await self._handoff(pending, self._handoff_msg(pending, req), RPC_TIMEOUT_S)
+        if answer is None:
             return
         if not answer.accepted:
             await self._release(rid)
@@ -332,6 +329,19 @@ class PrefillWorker:
             await self._decode_stub().Cancel(prefill_pb2.CancelRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
             return
         _succeed(pending, reply)
+
+    async def _handoff(self, pending: _Pending, msg: decode_pb2.HandoffRequest,
+                       timeout_s: float) -> decode_pb2.HandoffReply | None:
+        """Decode's answer, or None when the call failed (the request's blocks are then
+        released and its Submit failed with UNAVAILABLE)."""
+        try:
+            reply: decode_pb2.HandoffReply = await self._decode_stub().Handoff(msg, timeout=timeout_s)
+            return reply
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            await self._release(msg.request_id)
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+            return None
 
     def _handoff_msg(self, pending: _Pending, req: Request) -> decode_pb2.HandoffRequest:
         return decode_pb2.HandoffRequest(

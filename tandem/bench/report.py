@@ -28,6 +28,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def _ecdf(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     xs = np.sort(np.asarray(values, dtype=float))
     return xs, np.arange(1, len(xs) + 1) / len(xs)
@@ -53,12 +62,7 @@ def plot_cdfs(results_by_label: dict[str, list[RequestRecord]], path: str | Path
         ax.grid(alpha=0.3)
         ax.set_title(name)
     axes[0].legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_goodput_vs_rate(points: dict[str, list[tuple[float, float]]], path: str | Path) -> Path:
@@ -78,12 +82,7 @@ def plot_goodput_vs_rate(points: dict[str, list[tuple[float, float]]], path: str
     ax.set_ylabel("goodput (req/s)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def _ms(stats: dict[str, float | None], key: str) -> str:
