@@ -258,13 +258,13 @@ class DecodeWorker:
                 await self._finish(active, "error")
         return [a for a, grown in zip(batch, ok, strict=True) if grown]
 
-    async def _step(self, batch: list[_Active], chunks: list[tuple[_Active, int]] = []) -> None:  # noqa: B006
+    async def _step(self, batch: list[_Active], chunks: list[tuple[_Active, int]]) -> None:
         requests = [a.req for a in batch]
         runner, member = self.runner, self.member
         chunk_reqs = [(a.req, n) for a, n in chunks]
-        firsts: list = []  # type: ignore[type-arg]
+        firsts: list[StepOutput | None] = []  # one per chunk: the first token when its prompt is done
 
-        def work() -> list:  # type: ignore[type-arg]
+        def work() -> list[StepOutput]:
             member.apply_partition()
             if not chunk_reqs:
                 return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)

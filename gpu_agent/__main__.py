@@ -27,9 +27,9 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     setup_tracing("gpu_agent")
     started = time.perf_counter()
     model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
+    cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.policy == "chunked":
         # Aggregated from the start, so no request is prefilled apart before the first decision.
-        cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
         initial = common_pb2.Partition(epoch=1, decode_units=cores, decode_lookahead=1, policy="chunked",
                                        aggregated=True)
     else:
@@ -39,7 +39,6 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     policy = None
     if config.policy != "static":
         # The static policy is the split from the flags; the others re-split on live load.
-        cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
         model_config = ModelConfig.from_dir(model_dir)
         policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000))
