@@ -54,52 +54,102 @@ class AttentionBackend(ABC):
         -> [num_tokens, num_heads, head_dim]; writes k/v into the pool first."""
 
 
+# Decode rows are attended in groups of similar context length, each padded to its longest
+# member: a group may hold at most this much padding over its real tokens, and a batch is cut
+# into at most _MAX_DECODE_GROUPS groups (ops per layer grow with the group count, padded work
+# with the spread of lengths; a few groups bound both).
+_MAX_PADDING_RATIO = 1.25
+_MAX_DECODE_GROUPS = 4
+
+
+@dataclass
+class _DecodeGroup:
+    """Decode rows (q_len == 1) attended in one padded SDPA call."""
+
+    rows: torch.Tensor | None  # [n] int64 token rows of the batch; None: rows 0..n-1 in order
+    num_rows: int
+    flat_blocks: torch.Tensor  # [n * max_blocks] int64, each row's table padded with a valid id
+    num_blocks: int  # max_blocks
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool; None: a lone row, sliced
+    kv_len: int  # a lone row's context length (its keys are sliced to it)
+
+
 @dataclass
 class _TorchPlan:
     slots: torch.Tensor  # [num_tokens] int64
-    # decode rows (q_len == 1), attended in one padded batch
-    decode_rows: torch.Tensor | None  # [num_decode] int64 token rows
-    decode_table: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with a valid id
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
-    # multi-token rows, attended one sequence at a time
-    prefill: list[tuple[int, int, int, torch.Tensor | None]]  # (q_start, q_len, num_cached, blocks)
-    decode_only: bool = False  # every row is a decode row, in order: no row gather/scatter needed
+    decode: list[_DecodeGroup]
+    # multi-token rows, attended one sequence at a time: (q_start, q_len, num_cached, blocks, mask)
+    prefill: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
+    only_rows_in_order: bool = False  # one decode group holding every row in order: no scatter
+
+
+def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
+    """Indices of ``lengths`` cut into padded-attention groups: longest first, a group grows
+    while its padded size (members x its longest member, in blocks) stays within
+    ``_MAX_PADDING_RATIO`` of its members' real tokens; the last allowed group takes the rest.
+    Each group lists its members in ascending index order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    padded = real = 0
+    for i in order:
+        blocks = -(-lengths[i] // block_size)
+        if groups and (len(groups) == _MAX_DECODE_GROUPS
+                       or (len(groups[-1]) + 1) * padded <= _MAX_PADDING_RATIO * (real + lengths[i])):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            padded, real = blocks * block_size, lengths[i]
+    return [sorted(g) for g in groups]  # members in batch order: one group of all needs no scatter
 
 
 class TorchPagedAttention(AttentionBackend):
-    """The reference backend: plain torch over the paged pool (CPU or CUDA)."""
+    """The reference backend: plain torch over the paged pool (CPU or CUDA).
+
+    Decode rows are gathered from the pool by block (``index_select``) in a few groups of similar
+    length, so a batch of mixed contexts is not padded to its longest one; prompt rows attend
+    one sequence at a time, causally (over the new K/V alone when nothing is cached).
+    """
 
     name = "torch"
 
     def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> _TorchPlan:
         block_size = pool.spec.block_size
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill: list[tuple[int, int, int, torch.Tensor | None]] = []
+        decode: list[SeqSpan] = []
+        prefill: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for span in spans:
             slots.extend(slot_ids(span.block_ids, span.num_cached, span.kv_len, block_size))
             num_blocks = -(-span.kv_len // block_size)
             if span.q_len == 1:
-                decode_rows.append(span.q_start)
-                decode_tables.append(list(span.block_ids[:num_blocks]))
-                decode_lens.append(span.kv_len)
+                decode.append(span)
+            elif span.num_cached:
+                blocks = torch.tensor(span.block_ids[:num_blocks], dtype=torch.int64)
+                # query i sits at absolute position num_cached + i and sees keys 0..num_cached + i
+                mask = torch.ones(span.q_len, span.kv_len, dtype=torch.bool).tril(diagonal=span.num_cached)
+                prefill.append((span.q_start, span.q_len, span.num_cached, blocks, mask))
             else:
-                blocks = (
-                    torch.tensor(span.block_ids[:num_blocks], dtype=torch.int64) if span.num_cached else None
-                )
-                prefill.append((span.q_start, span.q_len, span.num_cached, blocks))
-        rows = table = mask = None
-        if decode_rows:
-            max_blocks = max(len(t) for t in decode_tables)
-            pad = decode_tables[0][0]
-            table = torch.tensor([t + [pad] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64)
+                prefill.append((span.q_start, span.q_len, 0, None, None))
+        groups = [self._decode_group([decode[i] for i in members], block_size)
+                  for members in group_by_length([s.kv_len for s in decode], block_size)]
+        in_order = (not prefill and len(groups) == 1
+                    and [s.q_start for s in decode] == list(range(len(decode))))
+        if in_order:
+            groups[0].rows = None
+        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), groups, prefill, in_order)
+
+    @staticmethod
+    def _decode_group(spans: list[SeqSpan], block_size: int) -> _DecodeGroup:
+        tables = [list(s.block_ids[: -(-s.kv_len // block_size)]) for s in spans]
+        max_blocks = max(len(t) for t in tables)
+        flat = [b for t in tables for b in t + [t[0]] * (max_blocks - len(t))]
+        mask = None
+        if len(spans) > 1:
             positions = torch.arange(max_blocks * block_size)
-            mask = (positions[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
-            rows = torch.tensor(decode_rows, dtype=torch.int64)
-        decode_only = not prefill and decode_rows == list(range(len(decode_rows)))
-        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), rows, table, mask, prefill, decode_only)
+            lens = torch.tensor([s.kv_len for s in spans])
+            mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        rows = torch.tensor([s.q_start for s in spans], dtype=torch.int64)
+        return _DecodeGroup(rows, len(spans), torch.tensor(flat, dtype=torch.int64), max_blocks, mask, spans[0].kv_len)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
@@ -109,21 +159,14 @@ class TorchPagedAttention(AttentionBackend):
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [num_blocks, bs, kvh, d]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         scale = 1.0 / math.sqrt(head_dim)
+        if plan.only_rows_in_order:
+            return self._attend_decode(plan.decode[0], q, k_cache, v_cache, scale).squeeze(2)
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            assert plan.decode_table is not None and plan.decode_mask is not None
-            num_decode = plan.decode_rows.numel()
-            # [num_decode, max_blocks * bs, kvh, d] -> [num_decode, kvh, S, d]
-            keys = k_cache[plan.decode_table].view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_cache[plan.decode_table].view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
-            queries = (q if plan.decode_only else q[plan.decode_rows]).unsqueeze(2)  # [num_decode, H, 1, d]
-            attn = F.scaled_dot_product_attention(
-                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-            )
-            if plan.decode_only:
-                return attn.squeeze(2)
-            out[plan.decode_rows] = attn.squeeze(2)
-        for q_start, q_len, num_cached, blocks in plan.prefill:
+        for group in plan.decode:
+            queries = q.index_select(0, group.rows) if group.rows is not None else q
+            attn = self._attend_decode(group, queries, k_cache, v_cache, scale).squeeze(2)
+            out.index_copy_(0, group.rows, attn) if group.rows is not None else out.copy_(attn)
+        for q_start, q_len, num_cached, blocks, mask in plan.prefill:
             q_end = q_start + q_len
             queries = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
             if blocks is None:
@@ -133,15 +176,30 @@ class TorchPagedAttention(AttentionBackend):
                 attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kv_len = num_cached + q_len
-                keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).unsqueeze(0)
-                values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).unsqueeze(0)
-                # query i sits at absolute position num_cached + i and sees keys 0..num_cached + i
-                mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=num_cached)
+                keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
+                values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
                 attn = F.scaled_dot_product_attention(
-                    queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+                    queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                    attn_mask=mask, scale=scale, enable_gqa=True,
                 )
             out[q_start:q_end] = attn.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _attend_decode(
+        group: _DecodeGroup, queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """queries [n, H, d] -> [n, H, 1, d] over each row's context, gathered block by block."""
+        n, (_, block_size, num_kv_heads, head_dim) = group.num_rows, k_cache.shape
+        # [n * max_blocks, bs, kvh, d] -> [n, kvh, S, d]
+        keys = k_cache.index_select(0, group.flat_blocks).view(n, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, group.flat_blocks).view(n, -1, num_kv_heads, head_dim)
+        if group.mask is None:  # a lone row: drop the last block's unwritten tail instead of masking
+            keys, values = keys[:, : group.kv_len], values[:, : group.kv_len]
+        return F.scaled_dot_product_attention(
+            queries.unsqueeze(2), keys.transpose(1, 2).to(queries.dtype), values.transpose(1, 2).to(queries.dtype),
+            attn_mask=group.mask, scale=scale, enable_gqa=True,
+        )
 
 
 def make_backend(name: str, num_qo_heads: int) -> AttentionBackend:

@@ -21,6 +21,7 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
+from tandem.engine.quant import WeightFormat, best_format
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, make_generator
 from tandem.engine.step import Request, StepOutput, forward_and_sample
@@ -67,16 +68,17 @@ class LLMEngine:
         kv_cache_bytes: int = 1 << 30,
         block_size: int = 16,
         num_blocks: int | None = None,
-        pack_weights: bool = True,
+        weight_format: WeightFormat | None = None,
         **kwargs: int,
     ) -> LLMEngine:
-        """An engine with a private KV pool; ``pack_weights`` pre-packs linear weights for
-        this CPU (faster decode, a private copy of the weights)."""
+        """An engine with a private KV pool; ``weight_format`` is how its linear layers run
+        (default: the fastest accurate format here, ``quant.best_format()``)."""
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, kv_cache_bytes, block_size, dtype)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, dtype))
-        runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype, pack_weights=pack_weights)
+        runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype,
+                                      weight_format=best_format() if weight_format is None else weight_format)
         return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, **kwargs)
 
     # ------------------------------------------------------------------ requests

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.config import ModelConfig, RopeScaling
 from tandem.engine.kv_pool import KVPool
+from tandem.engine.quant import Linear, WeightFormat
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -46,7 +47,11 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryCache:
-    """cos/sin tables for every position up to the context length, computed once."""
+    """cos/sin tables for every position up to the context length, computed once.
+
+    ``sin_signed`` folds rotate-half's sign into the table (``-sin`` on the first half), so
+    rope is ``x * cos + roll(x, d/2) * sin_signed``: three ops instead of a slice-negate-concat.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -54,59 +59,26 @@ class RotaryCache:
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, d]
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+        half = config.head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # [num_tokens, d] each
+        """(cos, sin_signed) rows of ``positions``, [num_tokens, 1, d] each (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, d]; cos/sin_signed [num_tokens, 1, d] from ``RotaryCache.lookup``.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, d]; cos/sin [num_tokens, d]."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
-
-
-# Decode-sized batch the packed layout is tuned for; it stays correct (and faster than the
-# plain layout in our measurements) from 1 to hundreds of rows.
-_PACK_BATCH_HINT = 8
-
-
-def can_pack_weights(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pre-pack fp32 linear weights on this CPU build."""
-    return (
-        dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-class Linear:
-    """``y = x @ W^T + b``, with W optionally pre-packed into oneDNN's blocked layout.
-
-    Why: decode on a CPU is memory-bound at small batch and MKL's plain sgemm streams an
-    [N, K] weight at well under the memory bandwidth when M is ~1-32; the packed layout
-    (what torch.compile's CPU freezing uses) reads it about 1.5-3x faster. A packed weight is
-    a private copy of this process, so it is opt-in: shared-memory weights stay unpacked.
+    Equals Hugging Face's ``x * cos + rotate_half(x) * sin`` exactly: rotate_half(x) is
+    roll(x, d/2) with the first half negated, and the negation sits in ``sin_signed``.
     """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        self.weight = weight  # [out_features, in_features]
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) if pack else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return out
-        return F.linear(x, self.weight, self.bias)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op
     # Normalise in fp32 and scale in the weight dtype, as Hugging Face does.
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
@@ -120,20 +92,25 @@ class LlamaModel:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         attention: AttentionBackend,
-        pack_weights: bool = False,
+        weight_format: WeightFormat = WeightFormat.FP32,
     ) -> None:
-        """``pack_weights`` pre-packs linear weights for this CPU (a private copy; see ``Linear``);
-        it is ignored where oneDNN cannot pack the dtype."""
+        """``weight_format`` is how the linear layers run (see ``tandem.engine.quant``); a
+        derived format is a private copy built here from ``weights``, which stay untouched."""
         self.config = config
         self.weights = weights
         self.attention = attention
         self.dtype = weights["embed_tokens"].dtype
-        self.pack_weights = pack_weights and can_pack_weights(self.dtype)
         self.rotary = RotaryCache(config, self.dtype)
         lm_head = weights["embed_tokens"] if config.tie_word_embeddings else weights["lm_head"]
-        self.lm_head = Linear(lm_head, None, self.pack_weights)
+        self.lm_head = Linear(lm_head, None, weight_format)
+        self.weight_format = self.lm_head.format
         # Per-layer weights, looked up once rather than by string on every call.
-        self._layers = [_LayerWeights(weights, i, self.pack_weights) for i in range(config.num_layers)]
+        self._layers = [_LayerWeights(weights, i, weight_format) for i in range(config.num_layers)]
+
+    @property
+    def derived_weight_bytes(self) -> int:
+        """Bytes of this process's private derived (packed / quantized) weights."""
+        return self.lm_head.derived_bytes + sum(layer.derived_bytes for layer in self._layers)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weights["embed_tokens"])  # [num_tokens, hidden]
@@ -142,28 +119,29 @@ class LlamaModel:
         self,
         index: int,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim], sign-folded (RotaryCache.sin_signed)
         attn_meta: object,
         pool: KVPool,
     ) -> torch.Tensor:
         c = self.config
         w = self._layers[index]
         num_tokens = hidden.shape[0]
-        x = rms_norm(hidden, w.input_norm, c.rms_norm_eps)
-        q, k, v = w.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(num_tokens, c.num_heads, c.head_dim)
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = rms_norm(q, w.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        qkv = w.qkv_proj(rms_norm(hidden, w.input_norm, c.rms_norm_eps))  # [T, q_size + 2 * kv_size]
+        v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        if w.q_norm is None or w.k_norm is None:
+            # q and k heads side by side take one rope: [T, num_heads + num_kv_heads, d]
+            qk = apply_rope(qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        else:
+            q = rms_norm(qkv[:, : c.q_size].view(num_tokens, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)
+            k = rms_norm(qkv[:, c.q_size : c.q_size + c.kv_size].view(num_tokens, c.num_kv_heads, c.head_dim),
+                         w.k_norm, c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = self.attention.forward(index, q, k, v, attn_meta, pool)  # [num_tokens, H, d]
         hidden = hidden + w.o_proj(attn.reshape(num_tokens, c.q_size))
-        x = rms_norm(hidden, w.post_attn_norm, c.rms_norm_eps)
-        gate, up = w.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = w.gate_up_proj(rms_norm(hidden, w.post_attn_norm, c.rms_norm_eps))  # [T, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
         return hidden + w.down_proj(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,12 +151,16 @@ class LlamaModel:
 
 
 class _LayerWeights:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, pack: bool) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], i: int, fmt: WeightFormat) -> None:
         self.input_norm = w[f"{i}.input_norm"]
-        self.qkv_proj = Linear(w[f"{i}.qkv_proj"], w.get(f"{i}.qkv_bias"), pack)
+        self.qkv_proj = Linear(w[f"{i}.qkv_proj"], w.get(f"{i}.qkv_bias"), fmt)
         self.q_norm = w.get(f"{i}.q_norm")
         self.k_norm = w.get(f"{i}.k_norm")
-        self.o_proj = Linear(w[f"{i}.o_proj"], None, pack)
+        self.o_proj = Linear(w[f"{i}.o_proj"], None, fmt)
         self.post_attn_norm = w[f"{i}.post_attn_norm"]
-        self.gate_up_proj = Linear(w[f"{i}.gate_up_proj"], None, pack)
-        self.down_proj = Linear(w[f"{i}.down_proj"], None, pack)
+        self.gate_up_proj = Linear(w[f"{i}.gate_up_proj"], None, fmt)
+        self.down_proj = Linear(w[f"{i}.down_proj"], None, fmt)
+
+    @property
+    def derived_bytes(self) -> int:
+        return sum(lin.derived_bytes for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj))

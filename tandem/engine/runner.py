@@ -22,6 +22,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model import LlamaModel
+from tandem.engine.quant import WeightFormat
 from tandem.engine.weights import load_checkpoint
 
 
@@ -45,8 +46,8 @@ class ForwardState:
     """A forward pass in progress; ``next_layer`` is the first layer not yet run."""
 
     hidden: torch.Tensor  # [num_tokens, hidden]
-    cos: torch.Tensor  # [num_tokens, head_dim]
-    sin: torch.Tensor  # [num_tokens, head_dim]
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor  # [num_tokens, 1, head_dim], sign-folded for rope
     attn_meta: Any
     logit_rows: torch.Tensor  # [num_seqs_with_logits] int64, last row of each such sequence
     next_layer: int = 0
@@ -72,12 +73,12 @@ class ModelRunner:
         pool: KVPool,
         dtype: torch.dtype = torch.float32,
         attention: str = "torch",
-        pack_weights: bool = False,
+        weight_format: WeightFormat = WeightFormat.FP32,
     ) -> ModelRunner:
         config = ModelConfig.from_dir(model_dir)
         weights = load_checkpoint(model_dir, config, dtype)
         backend = make_backend(attention, config.num_heads)
-        return cls(LlamaModel(config, weights, backend, pack_weights=pack_weights), pool)
+        return cls(LlamaModel(config, weights, backend, weight_format), pool)
 
     @property
     def num_layers(self) -> int:

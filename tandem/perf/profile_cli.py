@@ -43,10 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a small grid (seconds on a tiny model), for tests; less accurate",
     )
     cmd.add_argument(
-        "--pack-weights",
-        action="store_true",
-        help="profile with oneDNN-packed weights, as services started with --pack-weights run "
-             "(default: the shared, unpacked weights prefill_svc and decode_svc use)",
+        "--quantization",
+        default="auto",
+        help="weight format to profile, as the cell's --quantization runs it: auto (the services' "
+             "default), int8, fp32-packed or fp32",
     )
     cmd.add_argument(
         "--units",
@@ -67,6 +67,7 @@ def default_profile_path(model_name: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.errors import TandemError
     from tandem.engine.model_cache import resolve_model
+    from tandem.engine.quant import WeightFormat
     from tandem.perf.profile import save_profile
     from tandem.perf.profiler import (
         DEFAULT_GRID,
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             units_grid=units,
             grid=QUICK_GRID if args.quick else DEFAULT_GRID,
             model_name=model_name,
-            pack_weights=args.pack_weights,
+            weight_format=WeightFormat.parse(args.quantization),
             progress=progress,
         )
     except (TandemError, ValueError, RuntimeError, OSError) as exc:

@@ -35,6 +35,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner, SeqInput
 from tandem.perf.calibration import Calibration, CalibrationSample, ContentionGuard
 from tandem.perf.hardware import HardwareSpec
@@ -244,7 +245,7 @@ class _Workload:
     """A runner over a private pool big enough for the grid's largest prefill and decode batch."""
 
     def __init__(self, model_dir: str | Path, max_prefill_tokens: int, max_decode_batch: int, decode_context: int,
-                 pack_weights: bool = False):
+                 weight_format: WeightFormat = WeightFormat.FP32):
         config = ModelConfig.from_dir(model_dir)
         longest = max(max_prefill_tokens, decode_context + 1)
         if longest > config.max_position_embeddings:
@@ -256,8 +257,8 @@ class _Workload:
         self.decode_blocks = max_decode_batch * self.blocks_per_decode_seq
         num_blocks = self.decode_blocks + -(-max_prefill_tokens // _BLOCK_SIZE)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, _BLOCK_SIZE))
-        self.pack_weights = pack_weights
-        self.runner = ModelRunner.from_dir(model_dir, pool, pack_weights=pack_weights)
+        self.weight_format = weight_format
+        self.runner = ModelRunner.from_dir(model_dir, pool, weight_format=weight_format)
         self.config = config
         self.decode_context = decode_context
         self._gen = torch.Generator().manual_seed(0)
@@ -290,11 +291,11 @@ class _Workload:
         return self.prefill_fn(size) if phase == "prefill" else self.decode_fn(size)
 
 
-def _aggressor_main(conn: Connection, model_dir: str, grid: ProfileGrid, pack_weights: bool) -> None:
+def _aggressor_main(conn: Connection, model_dir: str, grid: ProfileGrid, weight_format: WeightFormat) -> None:
     """Worker process: on ("prefill"|"decode", size, cores) run that phase in a loop on `cores`
     until the next message and answer "ready" once warmed up; "pause" stops the loop and answers
     "paused"; None ends the process."""
-    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, pack_weights)
+    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, weight_format)
     while True:
         command = conn.recv()
         if command is None:
@@ -383,7 +384,7 @@ def profile_cpu(
     repeats: int | None = None,
     model_name: str | None = None,
     contention: bool = True,
-    pack_weights: bool = False,
+    weight_format: WeightFormat = WeightFormat.FP32,
     progress: Progress = lambda line: None,
 ) -> PerfProfile:
     """Measure this CPU with the real engine over `grid` and return its profile.
@@ -428,7 +429,7 @@ def profile_cpu(
     # The CPU engine runs fp32 whatever the checkpoint's dtype.
     shape = ModelShape.from_config(config, name=name, dtype_bytes=4)
     model = PerfModel(hardware, shape)
-    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, pack_weights)
+    work = _Workload(model_dir, grid.max_prefill_tokens, grid.max_decode_batch, grid.decode_context, weight_format)
 
     shapes = (
         [("prefill", p, False) for p in grid.prefill_tokens]
@@ -525,7 +526,7 @@ def _measure_contention(
     Cells that do not fit the machine take the phase's worst measured slowdown (conservative)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_aggressor_main, args=(child, str(model_dir), grid, work.pack_weights), daemon=True)
+    worker = ctx.Process(target=_aggressor_main, args=(child, str(model_dir), grid, work.weight_format), daemon=True)
     worker.start()
     child.close()
     aggressor_size = {"prefill": max(grid.prefill_tokens), "decode": max(grid.decode_batches)}

@@ -14,6 +14,7 @@ import torch
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner, SeqInput
 from tests.tiny_models import TINY_FAMILIES, write_tiny_model
 
@@ -21,24 +22,26 @@ ATOL = 2e-4
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module", params=[(f, packed) for f in sorted(TINY_FAMILIES) for packed in (False, True)],
-                ids=lambda p: f"{p[0]}-{'packed' if p[1] else 'plain'}")
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, bool]:
-    """A tiny checkpoint, its transformers reference, and whether our weights are pre-packed."""
+@pytest.fixture(scope="module",
+                params=[(f, fmt) for f in sorted(TINY_FAMILIES) for fmt in (WeightFormat.FP32, WeightFormat.FP32_PACKED)],
+                ids=lambda p: f"{p[0]}-{p[1].value}")
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, WeightFormat]:
+    """A tiny checkpoint, its transformers reference, and the fp32 weight format our runner uses
+    (the reduced formats have their own tolerances: tests/integration/test_quant.py)."""
     import transformers
 
-    family, packed = request.param
+    family, fmt = request.param
     model_dir = write_tiny_model(tmp_path_factory.mktemp(family), family)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, hf, packed
+    return model_dir, hf, fmt
 
 
-def _runner(tiny: tuple[Path, object, bool], num_blocks: int = 64) -> tuple[ModelRunner, BlockAllocator]:
-    model_dir, _, packed = tiny
+def _runner(tiny: tuple[Path, object, WeightFormat], num_blocks: int = 64) -> tuple[ModelRunner, BlockAllocator]:
+    model_dir, _, fmt = tiny
     config = ModelConfig.from_dir(model_dir)
     pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, BLOCK_SIZE))
-    runner = ModelRunner.from_dir(model_dir, pool, pack_weights=packed)
-    assert runner.model.pack_weights == packed
+    runner = ModelRunner.from_dir(model_dir, pool, weight_format=fmt)
+    assert runner.model.weight_format == fmt
     return runner, BlockAllocator(num_blocks, BLOCK_SIZE)
 
 
@@ -52,7 +55,7 @@ def _prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
-def test_whole_and_layer_group_prefill(tiny: tuple[Path, object, bool]) -> None:
+def test_whole_and_layer_group_prefill(tiny: tuple[Path, object, WeightFormat]) -> None:
     _, hf, _ = tiny
     runner, alloc = _runner(tiny)
     ids = _prompt(1, 37)
@@ -67,7 +70,7 @@ def test_whole_and_layer_group_prefill(tiny: tuple[Path, object, bool]) -> None:
     torch.testing.assert_close(runner.finish(state)[0], ref[-1], atol=ATOL, rtol=0)
 
 
-def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object, bool]) -> None:
+def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object, WeightFormat]) -> None:
     _, hf, _ = tiny
     runner, alloc = _runner(tiny)
     ids = _prompt(2, 30)
@@ -79,7 +82,7 @@ def test_chunked_prefill_matches_every_chunk_end(tiny: tuple[Path, object, bool]
         torch.testing.assert_close(logits[0], ref[start + len(chunk) - 1], atol=ATOL, rtol=0)
 
 
-def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object, bool]) -> None:
+def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object, WeightFormat]) -> None:
     _, hf, _ = tiny
     runner, alloc = _runner(tiny)
     first = _prompt(3, 21)
@@ -94,7 +97,7 @@ def test_prefix_reuse_computes_only_new_tokens(tiny: tuple[Path, object, bool]) 
     torch.testing.assert_close(logits[0], _reference(hf, second)[-1], atol=ATOL, rtol=0)
 
 
-def test_step_by_step_decode(tiny: tuple[Path, object, bool]) -> None:
+def test_step_by_step_decode(tiny: tuple[Path, object, WeightFormat]) -> None:
     _, hf, _ = tiny
     runner, alloc = _runner(tiny)
     ids = _prompt(5, 26)
@@ -107,7 +110,7 @@ def test_step_by_step_decode(tiny: tuple[Path, object, bool]) -> None:
         torch.testing.assert_close(logits[0], ref[pos], atol=ATOL, rtol=0)
 
 
-def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object, bool]) -> None:
+def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object, WeightFormat]) -> None:
     """One forward with a fresh prompt, a middle chunk and two decode tokens of other lengths."""
     _, hf, _ = tiny
     runner, alloc = _runner(tiny)
@@ -130,7 +133,33 @@ def test_hybrid_batch_of_prefills_chunks_and_decodes(tiny: tuple[Path, object, b
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object, bool]) -> None:
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_batch_of_mixed_lengths_in_any_order(tiny: tuple[Path, object, WeightFormat], seed: int) -> None:
+    """A decode batch of random contexts (so several length groups) in a random order, plus a
+    prompt row on some seeds: each row's logits equal the reference for its own sequence."""
+    _, hf, _ = tiny
+    runner, alloc = _runner(tiny, num_blocks=256)
+    g = torch.Generator().manual_seed(seed)
+    low, high = (2, 60) if seed < 2 else (40, 47)  # spread out (several groups) or close (one group)
+    lengths = torch.randint(low, high, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+    batch, expected = [], []
+    for i, n in enumerate(lengths):
+        ids = _prompt(100 * seed + i, n)
+        blocks = alloc.allocate(ids).block_ids
+        runner.forward([SeqInput(ids[:-1], 0, blocks)])
+        batch.append(SeqInput(ids[-1:], n - 1, blocks))
+        expected.append(_reference(hf, ids)[-1])
+    if seed % 3 == 1:
+        fresh = _prompt(1000 + seed, 7)
+        batch.append(SeqInput(fresh, 0, alloc.allocate(fresh).block_ids))
+        expected.append(_reference(hf, fresh)[-1])
+    order = torch.randperm(len(batch), generator=g).tolist()
+    logits = runner.forward([batch[i] for i in order])
+    for row, i in enumerate(order):
+        torch.testing.assert_close(logits[row], expected[i], atol=ATOL, rtol=0)
+
+
+def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object, WeightFormat]) -> None:
     runner, alloc = _runner(tiny)
     ids = _prompt(10, 12)
     blocks = alloc.allocate(ids).block_ids

@@ -16,6 +16,7 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.llm import LLMEngine
+from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner, SeqInput
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
@@ -46,7 +47,8 @@ def tokenizer(smollm2_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def runner(smollm2_dir: Path) -> ModelRunner:
     config = ModelConfig.from_dir(smollm2_dir)
-    return ModelRunner.from_dir(smollm2_dir, KVPool.create(KVPoolSpec.for_model(config, 96, 16)), pack_weights=True)
+    return ModelRunner.from_dir(smollm2_dir, KVPool.create(KVPoolSpec.for_model(config, 96, 16)), 
+                                weight_format=WeightFormat.FP32_PACKED)
 
 
 def test_all_paths_match_reference_logits(runner: ModelRunner, hf_model: Any, tokenizer: Tokenizer) -> None:
@@ -91,7 +93,7 @@ def test_all_paths_match_reference_logits(runner: ModelRunner, hf_model: Any, to
 
 def test_greedy_generation_equals_transformers(smollm2_dir: Path, hf_model: Any, tokenizer: Tokenizer) -> None:
     """32 greedy tokens for each of three chats, all three batched together in our engine."""
-    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=64)
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=64, weight_format=WeightFormat.FP32_PACKED)
     prompts = [tokenizer.encode_chat(chat) for chat in CHATS]
     # min_tokens masks EOS as transformers' min_new_tokens does, so both run 32 tokens.
     params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)

@@ -1,0 +1,148 @@
+"""Weight formats on this CPU: accuracy against fp32 on real text, and decode / prefill speed.
+
+Accuracy: perplexity of each format on windows of real English text (the Python documentation
+that ships with CPython as ``pydoc_data.topics``: no download), and top-1 agreement, the share
+of positions where the format's most likely next token is fp32's. Each window is one prefill,
+so per-tensor dynamic activation scales see a real prompt's spread (the first token's large
+activations included).
+
+Speed: one decode step at batch 1 / 8 / 16 / 32 (contexts of 128 tokens) and one prefill of
+128 / 512 tokens, median of --repeats, formats interleaved so drift hits all alike.
+
+Usage: python bench/quant.py [--model DIR] [--windows 8] [--window-len 256] [--repeats 5]
+       [--threads N] [--out bench/results/quant.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.quant import WeightFormat  # noqa: E402
+from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
+from tandem.engine.tokenizer import Tokenizer  # noqa: E402
+
+FORMATS = (WeightFormat.FP32, WeightFormat.FP32_PACKED, WeightFormat.BF16, WeightFormat.FP16, WeightFormat.INT8)
+BLOCK = 16
+
+
+def text_windows(tokenizer: Tokenizer, num: int, length: int) -> list[list[int]]:
+    """``num`` windows of ``length`` tokens of real English text, spread over the corpus."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer.encode(text)
+    stride = max(length, (len(ids) - length) // max(1, num))
+    return [ids[i : i + length] for i in range(0, stride * num, stride) if i + length <= len(ids)][:num]
+
+
+def window_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one prompt: [len(ids), vocab]."""
+    blocks = list(range(-(-len(ids) // BLOCK)))
+    state = runner.begin([SeqInput(ids, 0, blocks)])
+    state.logit_rows = torch.arange(len(ids))
+    runner.run_layers(state)
+    return runner.finish(state)
+
+
+def accuracy(runners: dict[WeightFormat, ModelRunner], windows: list[list[int]]) -> dict[str, Any]:
+    nll = {f: 0.0 for f in runners}
+    agree = {f: 0 for f in runners}
+    count = 0
+    for ids in windows:
+        target = torch.tensor(ids[1:])
+        ref_top1 = None
+        for fmt, runner in runners.items():
+            logits = window_logits(runner, ids)[:-1]
+            nll[fmt] += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            top1 = logits.argmax(-1)
+            if ref_top1 is None:
+                ref_top1 = top1
+            agree[fmt] += int((top1 == ref_top1).sum())
+        count += len(ids) - 1
+    return {f.value: {"perplexity": round(math.exp(nll[f] / count), 4),
+                      "top1_agreement_with_fp32": round(agree[f] / count, 4)} for f in runners} | {"tokens": count}
+
+
+def decode_step_ms(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
+    blocks_per = -(-(context + 1) // BLOCK)
+    g = torch.Generator().manual_seed(batch)
+    seqs = [SeqInput(torch.randint(100, 40000, (1,), generator=g).tolist(), context,
+                     list(range(i * blocks_per, (i + 1) * blocks_per))) for i in range(batch)]
+    runner.forward(seqs)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(seqs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def prefill_ms(runner: ModelRunner, length: int, repeats: int) -> float:
+    ids = torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    seq = [SeqInput(ids, 0, list(range(-(-length // BLOCK))))]
+    runner.forward(seq)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(seq)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--window-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    from tandem.engine.config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    pool = KVPool.create(KVPoolSpec.for_model(config, 32 * 9 + 64, BLOCK))
+    runners = {f: ModelRunner.from_dir(model_dir, pool, weight_format=f) for f in FORMATS}
+    result: dict[str, Any] = {"model": str(model_dir), "machine": platform.processor() or platform.machine(),
+                              "threads": torch.get_num_threads(),
+                              "derived_weight_mib": {f.value: round(r.model.derived_weight_bytes / 2**20, 1)
+                                                     for f, r in runners.items()}}
+    windows = text_windows(Tokenizer.from_dir(model_dir), args.windows, args.window_len)
+    with torch.inference_mode():
+        result["accuracy"] = accuracy(runners, windows)
+        print(json.dumps(result["accuracy"], indent=1))
+        if not args.skip_speed:
+            speed: dict[str, dict[str, float]] = {f.value: {} for f in FORMATS}
+            for batch in (1, 8, 16, 32):
+                for f in FORMATS:
+                    speed[f.value][f"decode_b{batch}_ms"] = round(decode_step_ms(runners[f], batch, 128, args.repeats), 2)
+            for length in (128, 512):
+                for f in FORMATS:
+                    speed[f.value][f"prefill_{length}_ms"] = round(prefill_ms(runners[f], length, args.repeats), 1)
+            result["speed"] = speed
+            print(json.dumps(speed, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

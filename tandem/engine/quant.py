@@ -1,0 +1,168 @@
+"""Weight formats of the linear layers: how a process turns the shared weights into the matmul
+it runs.
+
+The shared copy in ``/dev/shm`` is always the checkpoint's weights in the model dtype; a format
+other than ``fp32`` is a *private* copy that each compute process derives from it at start, since
+packed and quantized weights are opaque tensors (oneDNN's blocked layout, fbgemm's packed
+matrices) that cannot live in a shared-memory file. ``derived_bytes`` says what that costs.
+
+Which format is fastest and which keeps the model's accuracy is measured, not assumed
+(``bench/quant.py``; results in ``docs/results/quant-cpu.json``): on this project's CPU, bf16
+weights through oneDNN (native on AVX512-BF16) halve the bytes of fp32 at the same perplexity;
+fbgemm's fp16 weights do the same on any AVX2 CPU; fbgemm's int8 with dynamic per-tensor
+activations is the fastest but, since one outlier token sets the scale of every row of a batch,
+it loses accuracy on real prompts, so it is never picked by ``auto``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+# Decode-sized batch the oneDNN packed layout is tuned for; it stays correct (and faster than the
+# plain layout in our measurements) from 1 to hundreds of rows.
+_PACK_BATCH_HINT = 8
+
+
+class WeightFormat(str, Enum):
+    """How a process runs the linear layers (a closed set; ``auto`` picks one per CPU)."""
+
+    FP32 = "fp32"  # the shared weights as they are: F.linear, no private copy
+    FP32_PACKED = "fp32-packed"  # oneDNN's blocked fp32 layout: same numerics, faster at small batch
+    BF16 = "bf16"  # oneDNN-packed bf16 weights, activations rounded to bf16, fp32 out (AVX512-BF16/AMX)
+    FP16 = "fp16"  # fbgemm fp16 weights, fp32 activations and accumulation (any AVX2 + F16C CPU)
+    INT8 = "int8"  # fbgemm int8, per-output-channel weight scales, dynamic per-tensor activations
+
+    @classmethod
+    def parse(cls, name: str) -> WeightFormat:
+        """A format from its name; ``auto`` is the fastest accurate format this CPU runs."""
+        if name == "auto":
+            return best_format()
+        try:
+            return cls(name)
+        except ValueError:
+            choices = ", ".join(["auto", *(f.value for f in cls)])
+            raise ValueError(f"unknown weight format {name!r}; choose one of {choices}") from None
+
+
+def can_pack_fp32(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pre-pack fp32 linear weights on this CPU build."""
+    return (
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def can_run_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX); elsewhere
+    it emulates them, slower than fp32."""
+    return can_pack_fp32(torch.float32) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def can_run_fp16() -> bool:
+    """Whether this torch build has fbgemm's fp16-weight linear (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic_fp16")
+
+
+def can_run_int8() -> bool:
+    """Whether this torch build has fbgemm's dynamic int8 linear (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def best_format() -> WeightFormat:
+    """The fastest format that keeps fp32's accuracy here: bf16 where the CPU has native bf16,
+    else fbgemm fp16, else oneDNN-packed fp32, else plain fp32."""
+    if can_run_bf16():
+        return WeightFormat.BF16
+    if can_run_fp16():
+        return WeightFormat.FP16
+    if can_pack_fp32(torch.float32):
+        return WeightFormat.FP32_PACKED
+    return WeightFormat.FP32
+
+
+def effective_format(fmt: WeightFormat, dtype: torch.dtype) -> WeightFormat:
+    """The format actually run for weights of ``dtype``: the derived formats need fp32 source
+    weights and a CPU build that has their kernels; otherwise the nearest one that runs."""
+    if dtype != torch.float32:
+        return WeightFormat.FP32
+    runnable = {
+        WeightFormat.FP32: True,
+        WeightFormat.FP32_PACKED: can_pack_fp32(dtype),
+        WeightFormat.BF16: can_run_bf16(),
+        WeightFormat.FP16: can_run_fp16(),
+        WeightFormat.INT8: can_run_int8(),
+    }
+    if runnable[fmt]:
+        return fmt
+    return WeightFormat.FP32_PACKED if runnable[WeightFormat.FP32_PACKED] else WeightFormat.FP32
+
+
+def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output row: ``weight ≈ q * scale[:, None]``.
+
+    Returns ``(q [out, in] int8, scale [out] fp32)``; an all-zero row gets scale 1.
+    """
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0  # [out]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    return q, scale
+
+
+class Linear:
+    """``y = x @ W^T + b`` in one of the weight formats; x and y are fp32 in every format.
+
+    ``weight`` [out_features, in_features] is the shared source; a derived format keeps a
+    private copy (``derived_bytes``) and never writes the source.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat) -> None:
+        self.weight = weight  # [out_features, in_features]
+        self.bias = bias
+        self.format = effective_format(fmt, weight.dtype)
+        self.derived_bytes = 0
+        self._packed: object = None
+        self._bias16: torch.Tensor | None = None
+        if self.format == WeightFormat.FP32_PACKED:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+            self.derived_bytes = weight.numel() * 4
+        elif self.format == WeightFormat.BF16:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), _PACK_BATCH_HINT)
+            self._bias16 = None if bias is None else bias.to(torch.bfloat16)
+            self.derived_bytes = weight.numel() * 2
+        elif self.format == WeightFormat.FP16:
+            self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+            self.derived_bytes = weight.numel() * 2
+        elif self.format == WeightFormat.INT8:
+            q, scale = quantize_per_channel_int8(weight)
+            with warnings.catch_warnings():
+                # quantized tensors are deprecated as a user-facing type; fbgemm's packing still
+                # takes one, and nothing else of it outlives this constructor.
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch._make_per_channel_quantized_tensor(
+                    q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+                )
+                self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+            self.derived_bytes = q.numel() + scale.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
+        if self.format == WeightFormat.BF16:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")
+            return out.float()
+        if self.format == WeightFormat.FP32_PACKED:
+            out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return out
+        if self.format == WeightFormat.FP16:
+            out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+            return out
+        if self.format == WeightFormat.INT8:
+            # reduce_range: 7-bit activations, so fbgemm's u8*s8 pair sums cannot saturate int16
+            out = torch.ops.quantized.linear_dynamic(x.contiguous(), self._packed, True)
+            return out
+        return F.linear(x, self.weight, self.bias)
