@@ -9,6 +9,7 @@ import grpc
 
 from decode_svc.config import DecodeConfig, parse_args
 from decode_svc.server import DecodeServicer, DecodeWorker
+from tandem.engine.quant import WeightFormat
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
@@ -22,7 +23,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     setup_tracing("decode_svc")
     address = f"{config.host}:{config.port}"
     member = CellMember(agent_pb2.ROLE_DECODE, config.service_id, address, config.agent_address,
-                        pack_weights=config.pack_weights)
+                        weight_format=WeightFormat.parse(config.quantization) if config.quantization else None)
     runner = await member.join()
     redis = open_redis(config.redis_url)
     records = RequestStore(redis) if redis is not None else None
@@ -39,8 +40,9 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     load_task = asyncio.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
     try:
         async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
-            log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s",
-                     config.service_id, address, os.getpid(), member.cell_id, member.units)
+            log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
+                     config.service_id, address, os.getpid(), member.cell_id, member.units,
+                     runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)
             await stop.wait()
     finally:
         await server.stop(grace=1.0)

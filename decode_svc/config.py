@@ -7,6 +7,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from tandem.engine.quant import WeightFormat
 from tandem.service.flags import add_flag
 
 
@@ -18,7 +19,7 @@ class DecodeConfig:
     service_id: str
     redis_url: str
     max_batch_requests: int
-    pack_weights: bool
+    quantization: str  # "": the format the cell's agent names
     resume: bool
 
     def __post_init__(self) -> None:
@@ -26,6 +27,8 @@ class DecodeConfig:
             raise ValueError(f"--max-batch-requests must be positive, got {self.max_batch_requests}")
         if self.resume and not self.redis_url:
             raise ValueError("--resume needs --redis-url (request records live in Redis)")
+        if self.quantization:
+            WeightFormat.parse(self.quantization)
 
 
 def _bool(text: str) -> bool:
@@ -44,11 +47,11 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     add_flag(parser, "--service-id", f"decode-{uuid.uuid4().hex[:8]}", "unique id of this process")
     add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
     add_flag(parser, "--max-batch-requests", 256, "requests decoded together", type=int)
-    add_flag(parser, "--pack-weights", False, "pre-pack weights for this CPU (a private copy; faster decode)",
-             type=_bool)
+    add_flag(parser, "--quantization", "", "run the linear layers in this format instead of the cell's "
+             "(int8, fp32-packed, fp32; see gpu_agent --quantization)")
     add_flag(parser, "--resume", True, "resume the cell's decoding requests from Redis at start", type=_bool)
     a = parser.parse_args(argv)
     return DecodeConfig(
         agent_address=a.agent_address, host=a.host, port=a.port, service_id=a.service_id, redis_url=a.redis_url,
-        max_batch_requests=a.max_batch_requests, pack_weights=a.pack_weights, resume=a.resume and bool(a.redis_url),
+        max_batch_requests=a.max_batch_requests, quantization=a.quantization, resume=a.resume and bool(a.redis_url),
     )

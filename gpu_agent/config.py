@@ -26,12 +26,15 @@ class AgentConfig:
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
     profile: str = ""
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        from tandem.engine.quant import WeightFormat
         from tandem.policy.policies import POLICIES
 
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+        WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -60,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="gpu_agent", description="Owner of one device: weights, KV pool, partition")
     add_flag(parser, "--model", "default", "model directory or 'default'")
     add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
+    add_flag(parser, "--quantization", "auto",
+             "how prefill and decode run the linear layers: auto (the fastest accurate format here), "
+             "int8, fp32-packed or fp32")
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
     add_flag(parser, "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int)
     add_flag(parser, "--block-size", 16, "tokens per KV block", type=int)
@@ -79,4 +85,5 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
         prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
         policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, profile=a.profile,
+        quantization=a.quantization,
     )

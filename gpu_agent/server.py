@@ -21,6 +21,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
 from tandem.engine.model_cache import resolve_model
+from tandem.engine.quant import WeightFormat, effective_format
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -62,6 +63,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         self.ledger = ledger
         self.partition = partition
         self.services: dict[str, agent_pb2.RegisterRequest] = {}
+        # Resolved once ("auto" -> a concrete format), so every service of the cell runs the same.
+        self.weight_format = effective_format(WeightFormat.parse(config.quantization), parse_dtype(config.dtype))
 
     async def Register(self, request: agent_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> agent_pb2.RegisterReply:  # noqa: N802
         self.services[request.service_id] = request
@@ -79,6 +82,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             ),
             partition=self.partition.current,
             dtype=self.config.dtype,
+            weight_format=self.weight_format.value,
         )
 
     async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802

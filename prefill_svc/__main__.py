@@ -34,8 +34,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
         watch_task = tasks.create_task(discovery.watch(), name="discovery")
         load_task = tasks.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
         async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
-            log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s",
-                     config.service_id, address, os.getpid(), member.cell_id, member.units)
+            log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
+                     config.service_id, address, os.getpid(), member.cell_id, member.units,
+                     runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)
             await stop.wait()
         await server.stop(grace=1.0)
         loop_task.cancel()

@@ -23,6 +23,7 @@ from tandem.engine.attention import make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
+from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
@@ -50,12 +51,12 @@ def apply_cpu_partition(cores: list[int]) -> None:
 
 
 class CellMember:
-    def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str, pack_weights: bool = False):
+    def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str, weight_format: WeightFormat | None = None):
         self.role = role
         self.service_id = service_id
         self.address = address
         self.agent_address = agent_address
-        self.pack_weights = pack_weights
+        self.weight_format = weight_format  # None: the one the agent names for the cell
         self.channel = grpc.aio.insecure_channel(agent_address, interceptors=service_client_interceptors())
         self.agent = agent_pb2_grpc.GpuAgentStub(self.channel)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{service_id}")
@@ -102,7 +103,8 @@ class CellMember:
                           parse_dtype(info.dtype))
         pool = KVPool.attach(spec, info.shm_name)
         self._stores = [store] + ([pool.store] if pool.store is not None else [])
-        model = LlamaModel(config, weights, make_backend("torch", config.num_heads), pack_weights=self.pack_weights)
+        fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
+        model = LlamaModel(config, weights, make_backend("torch", config.num_heads), fmt)
         return ModelRunner(model, pool)
 
     async def _follow_partition(self) -> None:

@@ -86,7 +86,8 @@ def test_16_concurrent_greedy_streams_equal_the_engine(stack: Stack, smollm2_dir
         return await asyncio.gather(*(_generate(stack.address("router"), p, params) for p in prompts))
 
     results = asyncio.run(run())
-    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256, pack_weights=False)
+    # the weight format the stack runs (auto)
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256)
     expected = engine.generate(prompts, params)
     for (tokens, reason), want in zip(results, expected, strict=True):
         assert tokens == want.token_ids
@@ -140,7 +141,8 @@ def test_decode_killed_mid_stream_resumes_without_loss_or_repeat(stack: Stack, s
 
     results = asyncio.run(run())
     assert "resumed 4 decoding requests" in stack.logs("decode_svc")
-    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256, pack_weights=False)
+    # the weight format the stack runs (auto)
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256)
     expected = engine.generate(prompts, params)
     for (tokens, reason), want in zip(results, expected, strict=True):
         assert tokens == want.token_ids  # nothing lost, nothing repeated

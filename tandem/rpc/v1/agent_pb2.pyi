@@ -47,20 +47,22 @@ class KVPoolInfo(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype")
+    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     model_dir: str
     weights_shm_name: str
     kv_pool: KVPoolInfo
     partition: _common_pb2.Partition
     dtype: str
-    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_extra_tokens")
