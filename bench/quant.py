@@ -104,6 +104,30 @@ def prefill_ms(runner: ModelRunner, length: int, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
+def read_bandwidth_gb_s(repeats: int, mib: int = 512) -> float:
+    """Memory read bandwidth with torch's threads: the best of ``repeats`` sums over a buffer far
+    larger than the caches (the roofline's bandwidth term)."""
+    buf = torch.ones(mib << 18)  # mib MiB of fp32
+    best = math.inf
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_step(runner: ModelRunner) -> int:
+    """Bytes of linear weights one decode step reads in this format (the embedding row reads
+    are negligible): fp32 4, fp16/bf16 2, int8 ~1 per parameter."""
+    model = runner.model
+    per_param = {WeightFormat.FP32: 4.0, WeightFormat.FP32_PACKED: 4.0, WeightFormat.BF16: 2.0,
+                 WeightFormat.FP16: 2.0, WeightFormat.INT8: 1.0}[model.weight_format]
+    params = model.lm_head.weight.numel() + sum(
+        lin.weight.numel() for layer in model._layers
+        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    return int(params * per_param)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -139,7 +163,15 @@ def main() -> None:
                 for f in FORMATS:
                     speed[f.value][f"prefill_{length}_ms"] = round(prefill_ms(runners[f], length, args.repeats), 1)
             result["speed"] = speed
+            bandwidth = read_bandwidth_gb_s(args.repeats)
+            result["roofline"] = {"read_bandwidth_gb_s": round(bandwidth, 1)} | {
+                f.value: {"weight_mb_per_step": round(weight_bytes_per_step(runners[f]) / 1e6, 1),
+                          "min_decode_step_ms": round(weight_bytes_per_step(runners[f]) / bandwidth / 1e6, 2),
+                          "decode_b1_share_of_roofline": round(
+                              weight_bytes_per_step(runners[f]) / bandwidth / 1e6 / speed[f.value]["decode_b1_ms"], 2)}
+                for f in FORMATS}
             print(json.dumps(speed, indent=1))
+            print(json.dumps(result["roofline"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import grpc
@@ -37,6 +38,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     server.add_insecure_port(address)
     await server.start()
     loop_task = asyncio.create_task(worker.run(), name="decode-loop")
+    loop_task.add_done_callback(_exit_if_failed)
     load_task = asyncio.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
     try:
         async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
@@ -51,6 +53,17 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
         await member.close()
         if redis is not None:
             await redis.aclose()
+
+
+def _exit_if_failed(task: asyncio.Task[None]) -> None:
+    """The decode loop never ends by itself: if it raised, this process can no longer serve,
+    so it exits non-zero (its requests resume elsewhere from Redis) instead of staying up,
+    registered and silent."""
+    if task.cancelled() or task.exception() is None:
+        return
+    logging.getLogger("tandem.decode").critical("decode loop failed; exiting", exc_info=task.exception())
+    logging.shutdown()
+    os._exit(70)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,6 +81,7 @@ class DecodeWorker:
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
         self._wake = asyncio.Event()
+        self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
 
     # ------------------------------------------------------------------ API
     async def handoff(self, msg: decode_pb2.HandoffRequest) -> decode_pb2.HandoffReply:
@@ -285,24 +286,48 @@ class DecodeWorker:
             if active.span is not None:
                 active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
         done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
-        if self.records is not None:
-            await self.records.append_outputs([
-                OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
-                             generator_state(a.req.generator), a.req.block_ids)
-                for a, out in [*zip(batch, outputs, strict=True), *done]
-            ])
-        self._send(batch)
-        for active, out in zip(batch, outputs, strict=True):
-            if out.finish_reason is not None:
-                await self._finish(active, out.finish_reason, send=False)
-        for active, out in done:
-            await self._first_token(active, out)
+        records = [
+            OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
+                         generator_state(a.req.generator), list(a.req.block_ids))
+            for a, out in [*zip(batch, outputs, strict=True), *done]
+        ]
+        finished = [(a, out.finish_reason) for a, out in zip(batch, outputs, strict=True) if out.finish_reason]
+        for active, _ in finished:  # out of the next step at once; released once recorded
+            self.running.remove(active)
+        for active, _ in done:  # its prompt is computed: no more chunks; it decodes once published
+            self.prefilling.remove(active)
+        # The step's tokens are recorded and streamed while the next step computes: its inputs
+        # are already known, and a token still reaches its router only after it is recorded.
+        messages = self._updates(batch)
+        self._publishing = asyncio.create_task(
+            self._publish(self._publishing, records, messages, finished, done), name=f"publish-{self.num_steps}")
+
+    async def _publish(self, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
+                       messages: dict[str, decode_pb2.TokenBatch], finished: list[tuple[_Active, str]],
+                       done: list[tuple[_Active, StepOutput]]) -> None:
+        """Record one step in Redis, then stream it, then retire what it finished; steps publish
+        in order (each waits for the one before)."""
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
+        try:
+            if self.records is not None:
+                await self.records.append_outputs(records)
+            for router_id, message in messages.items():
+                self._put(router_id, message)
+            for active, reason in finished:
+                await self._finish(active, reason, send=False)
+            for active, out in done:
+                await self._first_token(active, out)
+        except Exception:
+            log.exception("publishing step %d failed", messages and next(iter(messages.values())).step)
+            raise
 
     async def _first_token(self, active: _Active, out: StepOutput) -> None:
         """A prompt computed in chunks has its first token: answer the Handoff with it and
         make the prompt's blocks reusable, then decode it (unless that token ends it)."""
         req = active.req
-        self.prefilling.remove(active)
+        if active in self.prefilling:
+            self.prefilling.remove(active)
         reply = decode_pb2.HandoffReply(
             accepted=True, first_token=token_to_proto(out.token_id, out.logprob, out.top_logprobs),
             finish_reason=finish_to_proto(out.finish_reason), prefill_ns=time.perf_counter_ns() - active.handed_ns,
@@ -318,6 +343,7 @@ class DecodeWorker:
             except grpc.aio.AioRpcError as exc:  # only the prefix cache misses out
                 log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
             self.running.append(active)
+            self._wake.set()  # the loop may have gone idle while this was being published
         if active.first_token is not None and not active.first_token.done():
             active.first_token.set_result(reply)
 
@@ -337,19 +363,25 @@ class DecodeWorker:
         active.num_sent = len(req.output_token_ids)
         return update
 
-    def _send(self, batch: list[_Active], finish: dict[str, str] | None = None) -> None:
+    def _updates(self, batch: list[_Active], finish: dict[str, str] | None = None) -> dict[str, decode_pb2.TokenBatch]:
+        """One TokenBatch per router with each request's tokens not yet sent (marked sent)."""
         per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
         for active in batch:
             reason = (finish or {}).get(active.req.request_id) or active.req.finish_reason
             per_router.setdefault(active.router_id, []).append(self._update(active, reason))
-        for router_id, updates in per_router.items():
-            queue = self.router_queue(router_id)
-            message = decode_pb2.TokenBatch(updates=updates, step=self.num_steps, step_ns=self.last_step_ns)
-            try:
-                queue.put_nowait(message)
-            except asyncio.QueueFull:
-                log.error("router %s is not reading its stream; dropping a step for %d requests",
-                          router_id, len(updates))
+        return {router_id: decode_pb2.TokenBatch(updates=updates, step=self.num_steps, step_ns=self.last_step_ns)
+                for router_id, updates in per_router.items()}
+
+    def _put(self, router_id: str, message: decode_pb2.TokenBatch) -> None:
+        try:
+            self.router_queue(router_id).put_nowait(message)
+        except asyncio.QueueFull:
+            log.error("router %s is not reading its stream; dropping a step for %d requests",
+                      router_id, len(message.updates))
+
+    def _send(self, batch: list[_Active], finish: dict[str, str] | None = None) -> None:
+        for router_id, message in self._updates(batch, finish).items():
+            self._put(router_id, message)
 
     async def _finish(self, active: _Active, reason: str, send: bool = True) -> None:
         req = active.req
@@ -363,6 +395,9 @@ class DecodeWorker:
         self.by_id.pop(req.request_id, None)
         self._prefill_done_unix_ns.pop(req.request_id, None)
         if send:
+            pending = self._publishing  # the last step's tokens go out before this end
+            if pending is not None and not pending.done() and pending is not asyncio.current_task():
+                await asyncio.gather(pending, return_exceptions=True)
             self._send([active], {req.request_id: reason})
         if active.span is not None:
             active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))

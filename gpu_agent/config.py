@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
     add_flag(parser, "--quantization", "auto",
              "how prefill and decode run the linear layers: auto (the fastest accurate format here), "
-             "int8, fp32-packed or fp32")
+             "fp16, bf16, fp32-packed, fp32 or int8 (lossy)")
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
     add_flag(parser, "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int)
     add_flag(parser, "--block-size", 16, "tokens per KV block", type=int)

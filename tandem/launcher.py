@@ -62,6 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
+    add_flag(parser, "--quantization", "auto", "weight format prefill and decode run: auto (the fastest "
+             "accurate one for this CPU), fp16, bf16, fp32-packed, fp32 or int8 (lossy)")
     parser.set_defaults(func=run)
     return parser
 
@@ -103,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         cores += ["--decode-cores", args.decode_cores]
     children = [
         Child("gpu_agent", ["gpu_agent", "--model", str(model_dir), "--port", agent_addr.rsplit(":", 1)[1],
-                            "--kv-cache-gb", str(args.kv_cache_gb), *cores], agent_addr, restartable=False),
+                            "--kv-cache-gb", str(args.kv_cache_gb),
+                            "--quantization", args.quantization, *cores], agent_addr, restartable=False),
         Child("decode_svc", ["decode_svc", "--agent-address", agent_addr, "--port", decode_addr.rsplit(":", 1)[1]],
               decode_addr, restartable=True),
         Child("prefill_svc", ["prefill_svc", "--agent-address", agent_addr, "--decode-address", decode_addr,

@@ -156,15 +156,14 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         plan: _TorchPlan = meta
         pool.write(layer, plan.slots, k, v)
-        k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)  # [num_blocks, bs, kvh, d]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         scale = 1.0 / math.sqrt(head_dim)
         if plan.only_rows_in_order:
-            return self._attend_decode(plan.decode[0], q, k_cache, v_cache, scale).squeeze(2)
+            return self._attend_decode(plan.decode[0], q, pool, layer, scale).squeeze(2)
         out = torch.empty_like(q)
         for group in plan.decode:
             queries = q.index_select(0, group.rows) if group.rows is not None else q
-            attn = self._attend_decode(group, queries, k_cache, v_cache, scale).squeeze(2)
+            attn = self._attend_decode(group, queries, pool, layer, scale).squeeze(2)
             out.index_copy_(0, group.rows, attn) if group.rows is not None else out.copy_(attn)
         for q_start, q_len, num_cached, blocks, mask in plan.prefill:
             q_end = q_start + q_len
@@ -176,29 +175,26 @@ class TorchPagedAttention(AttentionBackend):
                 attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kv_len = num_cached + q_len
-                keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
-                values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
-                attn = F.scaled_dot_product_attention(
-                    queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                    attn_mask=mask, scale=scale, enable_gqa=True,
-                )
+                # [2, n_blocks, bs, kvh, d] -> [2, 1, kvh, kv_len, d]
+                kv = pool.gather(layer, blocks).view(2, -1, num_kv_heads, head_dim)[:, :kv_len]
+                kv = kv.transpose(1, 2).unsqueeze(1).to(q.dtype)
+                attn = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
             out[q_start:q_end] = attn.squeeze(0).transpose(0, 1)
         return out
 
     @staticmethod
-    def _attend_decode(
-        group: _DecodeGroup, queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def _attend_decode(group: _DecodeGroup, queries: torch.Tensor, pool: KVPool, layer: int, scale: float) -> torch.Tensor:
         """queries [n, H, d] -> [n, H, 1, d] over each row's context, gathered block by block."""
-        n, (_, block_size, num_kv_heads, head_dim) = group.num_rows, k_cache.shape
-        # [n * max_blocks, bs, kvh, d] -> [n, kvh, S, d]
-        keys = k_cache.index_select(0, group.flat_blocks).view(n, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, group.flat_blocks).view(n, -1, num_kv_heads, head_dim)
+        n, num_kv_heads, head_dim = group.num_rows, pool.spec.num_kv_heads, pool.spec.head_dim
+        # [2, n * max_blocks, bs, kvh, d] -> [2, n, S, kvh, d]
+        kv = pool.gather(layer, group.flat_blocks).view(2, n, -1, num_kv_heads, head_dim)
         if group.mask is None:  # a lone row: drop the last block's unwritten tail instead of masking
-            keys, values = keys[:, : group.kv_len], values[:, : group.kv_len]
+            kv = kv[:, :, : group.kv_len]
+        kv = kv.transpose(2, 3)  # [2, n, kvh, S, d]
+        if kv.dtype != queries.dtype:
+            kv = kv.to(queries.dtype)
         return F.scaled_dot_product_attention(
-            queries.unsqueeze(2), keys.transpose(1, 2).to(queries.dtype), values.transpose(1, 2).to(queries.dtype),
-            attn_mask=group.mask, scale=scale, enable_gqa=True,
+            queries.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
         )
 
 

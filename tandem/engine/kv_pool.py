@@ -61,9 +61,10 @@ class KVPool:
         self.spec = spec
         self.tensor = tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.store = store
-        # Per-layer flat views used to scatter new K/V by slot: [num_blocks * block_size, kvh, d]
-        self._k_flat = [tensor[layer, 0].view(-1, spec.num_kv_heads, spec.head_dim) for layer in range(spec.num_layers)]
-        self._v_flat = [tensor[layer, 1].view(-1, spec.num_kv_heads, spec.head_dim) for layer in range(spec.num_layers)]
+        # Per-layer views, made once: K and V of a layer side by side, by block and by slot, so one
+        # op writes or gathers both.
+        self._kv = [tensor[layer] for layer in range(spec.num_layers)]  # [2, num_blocks, bs, kvh, d]
+        self._kv_flat = [t.view(2, -1, spec.num_kv_heads, spec.head_dim) for t in self._kv]  # [2, slots, kvh, d]
 
     @classmethod
     def create(cls, spec: KVPoolSpec, device: str | torch.device = "cpu") -> KVPool:
@@ -87,8 +88,11 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens: ``slots`` [num_tokens] int64, k/v [num_tokens, kvh, d]."""
-        self._k_flat[layer].index_copy_(0, slots, k.to(self.spec.dtype))
-        self._v_flat[layer].index_copy_(0, slots, v.to(self.spec.dtype))
+        self._kv_flat[layer].index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of the given blocks, copied out: [2, len(block_ids), block_size, kvh, d]."""
+        return self._kv[layer].index_select(1, block_ids)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ packed and quantized weights are opaque tensors (oneDNN's blocked layout, fbgemm
 matrices) that cannot live in a shared-memory file. ``derived_bytes`` says what that costs.
 
 Which format is fastest and which keeps the model's accuracy is measured, not assumed
-(``bench/quant.py``; results in ``docs/results/quant-cpu.json``): on this project's CPU, bf16
-weights through oneDNN (native on AVX512-BF16) halve the bytes of fp32 at the same perplexity;
-fbgemm's fp16 weights do the same on any AVX2 CPU; fbgemm's int8 with dynamic per-tensor
-activations is the fastest but, since one outlier token sets the scale of every row of a batch,
-it loses accuracy on real prompts, so it is never picked by ``auto``.
+(``bench/quant.py``; results in ``docs/results/quant-cpu.json``): fbgemm's fp16 weights (fp32
+activations and accumulation, any AVX2 CPU) halve the bytes of fp32 at fp32's perplexity, and
+are ``auto``'s pick; bf16 weights through oneDNN (native on AVX512-BF16) are as fast but round
+activations too; fbgemm's int8 with dynamic per-tensor activations is the fastest but, since one
+outlier token sets the scale of every row of a batch, it loses accuracy on real prompts
+(perplexity x2.6 on SmolLM2), so it is never picked by ``auto``.
 """
 
 from __future__ import annotations
@@ -74,10 +75,13 @@ def can_run_int8() -> bool:
 
 
 def best_format() -> WeightFormat:
-    """The fastest format that keeps fp32's accuracy here: bf16 where the CPU has native bf16,
-    else fbgemm fp16, else oneDNN-packed fp32, else plain fp32."""
-    if can_run_bf16():
-        return WeightFormat.BF16
+    """The fastest format that keeps fp32's accuracy here: fbgemm fp16, else oneDNN-packed fp32,
+    else plain fp32.
+
+    bf16 runs about as fast where the CPU has native bf16, but it rounds every activation to
+    bf16, which turns the last-bit differences between kernels (batch shape, thread count) into
+    bf16-sized ones: greedy outputs then depend on how requests were batched. fp16 weights with
+    fp32 activations keep fp32's behaviour and agree with it more closely (bench/quant.py)."""
     if can_run_fp16():
         return WeightFormat.FP16
     if can_pack_fp32(torch.float32):

@@ -20,7 +20,7 @@ import torch
 from tandem.engine.attention import SeqSpan, make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.kv_pool import KVPool
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.quant import WeightFormat
 from tandem.engine.weights import load_checkpoint
@@ -163,3 +163,21 @@ class ModelRunner:
                 for tok, seq_len, blocks in zip(token_ids, seq_lens, block_tables, strict=True)
             ]
         )
+
+
+def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence[int] = (1, 8)) -> None:
+    """Run a prompt and a few decode steps on a private scratch pool, so that the first real
+    request does not pay for the kernels' one-time set-up (oneDNN primitives, allocator
+    growth: seconds on a small CPU). The shared pool is never written."""
+    cfg = model.config
+    block_size = 16
+    prompt_tokens = min(prompt_tokens, cfg.max_position_embeddings - 1)
+    blocks_per_seq = -(-(prompt_tokens + 1) // block_size)
+    num_seqs = max(decode_batches, default=1)
+    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_per_seq * num_seqs, block_size, model.dtype))
+    runner = ModelRunner(model, pool)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+    ids = [1 + i % (cfg.vocab_size - 1) for i in range(prompt_tokens)]
+    runner.forward([SeqInput(ids, 0, tables[0])])
+    for batch in decode_batches:
+        runner.forward([SeqInput((1,), prompt_tokens, tables[i]) for i in range(batch)])

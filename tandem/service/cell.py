@@ -24,7 +24,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.quant import WeightFormat
-from tandem.engine.runner import ModelRunner
+from tandem.engine.runner import ModelRunner, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
 from tandem.rpc.tracing import service_client_interceptors
@@ -105,6 +105,7 @@ class CellMember:
         self._stores = [store] + ([pool.store] if pool.store is not None else [])
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
         model = LlamaModel(config, weights, make_backend("torch", config.num_heads), fmt)
+        warm_up(model)  # before the service says it is ready, not on its first request
         return ModelRunner(model, pool)
 
     async def _follow_partition(self) -> None:

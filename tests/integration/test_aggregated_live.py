@@ -50,7 +50,10 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
         for (tokens, _), want in zip(results, expected, strict=True):
             assert tokens == want.token_ids
         assert again == expected[7].token_ids
-        assert stats_during.partition.aggregated  # type: ignore[attr-defined]
+        partition = stats_during.partition  # type: ignore[attr-defined]
+        # chunked is always aggregated; adaptive leaves it while the long prompts' hybrid steps
+        # are predicted to break the TBT SLO (how long that lasts depends on the engine's speed)
+        assert partition.aggregated or (policy == "adaptive" and "breaks TBT" in partition.policy), partition
         assert "aggregated mode" in stack.logs("prefill_svc")
         stats = asyncio.run(_wait_all_blocks_free(stack))
         assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
