@@ -1,34 +1,66 @@
 """The router's SLO-aware admission: FineServe's rule over this router's own prefill queue.
 
 Each request's deadline is arrival + TTFT SLO. Its TTFT is predicted from every request this
-router has sent to prefill that has no first token yet, served earliest deadline first, on the
-prefill units of the partition in force (read from the agent's entry on the Redis load board),
-with the perf model. A request whose deadline cannot be met is refused at once with a retry hint
-(HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata)
-rather than queued behind work it would delay. The rule itself is the pure
-``tandem.policy.admission.admit_one``; this module only keeps the queue and the partition.
+router has sent to prefill that has no first token yet, grouped into batches the way prefill_svc
+groups its queue (its token budget and request cap, in arrival order) behind the batch already
+running, each batch one batched prefill on the prefill units of the partition in force (read
+from the agent's entry on the Redis load board), with the perf model. A request predicted to
+miss its deadline by more than a margin is refused at once with a retry hint (HTTP 429 with
+``Retry-After``, gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata) rather than
+queued behind work it would delay. The rule itself is the pure
+``tandem.policy.admission.admit_one``; this module keeps the queue, the partition, where the
+running batch started, and the online calibration.
+
+Online calibration: every first token's reply carries ``prefill_ns``, the time of the prefill
+batch it was in, the same number for every request of that batch, and ``handoff_ns``. Replies
+with the same ``prefill_ns`` are gathered into one measured batch (closed when a reply of the
+next batch comes, or when nothing of this router's is left in prefill), and its measured time
+(prefill plus the slowest handoff: prefill_svc starts its next batch only after them) over the
+perf model's prediction for those prompts feeds ``PrefillCalibration``, whose factor scales
+every prediction. So the default stack, with no profile, follows the measured prefill speed,
+and keeps following it when the engine or the machine changes. The prediction is made as
+admission made it, from whole prompts on the units it assumed when it admitted them, so the
+factor also corrects those assumptions and absorbs the workload's usual share of prefix-cache
+hits. The first batch this router measures only warms up (a fresh prefill_svc pays one-time
+costs in it: first touches of the shared weights, kernel set-up); until a batch has been
+folded in the model is uncalibrated and the margin is wider (``cold_margin``).
 
 One exception to the rule (in ``admit_one``): a request too long to meet the TTFT SLO even on its
 own is admitted when nothing is queued ahead of it, since serving it late then delays nobody.
+
+What it counts (``stats``, and a log line every ``SUMMARY_INTERVAL_S`` when it changed):
+admitted requests that met or missed the TTFT SLO (measured here, from admission to the first
+token), and refusals judged false or confirmed. A refused request has no TTFT, so it is judged
+by the request admitted just before it: had it been admitted, its first token would have come
+about when that one's did, plus what it adds to its batch; if that is within its deadline, the
+refusal was false.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.policy.admission import admit_one
+from tandem.policy.admission import PrefillBatching, PrefillCalibration, admit_one, group_batches, predict_ttft
 from tandem.policy.types import Predictor, QueuedRequest, Slo
 from tandem.state.schema import LoadReport
 
 log = logging.getLogger("tandem.router.admission")
 
 ReadAgentLoad = Callable[[], Awaitable[LoadReport | None]]
+
+DEFAULT_MARGIN = 0.25  # refuse only a predicted TTFT over 1.25 x the SLO
+DEFAULT_COLD_MARGIN = 1.0  # ... over 2 x the SLO until a batch has been measured
+WARMUP_BATCHES = 1  # measured batches not folded into the calibration
+SUMMARY_INTERVAL_S = 30.0
+_CLOSED_BATCHES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -49,22 +81,91 @@ class Refusal:
         return str(max(1, math.ceil(self.retry_after_s)))
 
 
+@dataclass(frozen=True)
+class AdmissionStats:
+    """What admission did, and how it turned out (see the module docstring).
+
+    ``num_met + num_missed`` are the admitted requests that got a first token;
+    ``num_false_refusals + num_confirmed_refusals`` the refusals that could be judged (those
+    whose request ahead failed or was cancelled cannot be).
+    """
+
+    num_admitted: int
+    num_refused: int
+    num_met: int
+    num_missed: int
+    num_false_refusals: int
+    num_confirmed_refusals: int
+    calibration_factor: float
+    num_calibration_batches: int
+
+    def summary(self) -> str:
+        return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
+                f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
+                f"{self.num_confirmed_refusals} confirmed); prefill calibration x{self.calibration_factor:.2f} "
+                f"from {self.num_calibration_batches} measured batches")
+
+
+@dataclass
+class _MeasuredBatch:
+    """The replies of one prefill batch (one ``prefill_ns``) gathered so far."""
+
+    prefill_ns: int
+    units: int = 0  # those admission assumed for the batch's first request
+    seqs: list[tuple[int, int]] = field(default_factory=list)
+    max_handoff_ns: int = 0
+    usable: bool = True  # False once a reply of it came from decode's hybrid steps
+
+
+@dataclass(frozen=True)
+class _Shadow:
+    """A refused request, judged when the request admitted just before it gets its first token."""
+
+    deadline_s: float
+    marginal_s: float
+
+
 class AdmissionController:
     """Keeps the requests this router sent to prefill until their first token, and decides.
 
-    ``try_admit`` either records the request (until ``done``) and returns None, or returns a
-    Refusal and records nothing. Not thread-safe; call it from the event loop. With
-    ``enabled=False`` every request is admitted and only the bookkeeping is done.
+    ``try_admit`` either records the request (until ``first_token`` or ``done``) and returns
+    None, or returns a Refusal and records nothing. ``first_token`` takes the timings of the
+    prefill reply (they calibrate the model and tell where the running batch started);
+    ``done`` drops a request that failed or was cancelled. Not thread-safe; call it from the
+    event loop. With ``enabled=False`` every request is admitted and only the bookkeeping
+    (calibration and counts included) is done.
     """
 
-    def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None) -> None:
+    def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None,
+                 batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
+                 cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None) -> None:
+        if not 0 <= margin <= cold_margin:
+            raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
-        self._pending: dict[str, QueuedRequest] = {}
+        self.batching = batching or PrefillBatching()
+        self.margin = margin
+        self.cold_margin = cold_margin
+        self.calibration = calibration or PrefillCalibration()
+        self._pending: dict[str, QueuedRequest] = {}  # arrival order
+        self._units: dict[str, int] = {}  # the prefill units each pending request was admitted on
+        self._num_measured = 0
         self._default_units = default_units or len(os.sched_getaffinity(0))
         self._agent: LoadReport | None = None
+        # When the prefill batch now running started (None: none of ours is running), and the
+        # requests whose batch has ended but whose reply has not come yet (handoffs).
+        self._running_since_s: float | None = None
+        self._prefilled: set[str] = set()
+        self._measuring: _MeasuredBatch | None = None
+        self._closed_batches: deque[int] = deque(maxlen=_CLOSED_BATCHES_KEPT)
+        self._shadows: dict[str, list[_Shadow]] = {}
+        self.num_admitted = 0
         self.num_refused = 0
+        self.num_met = 0
+        self.num_missed = 0
+        self.num_false_refusals = 0
+        self.num_confirmed_refusals = 0
 
     @property
     def num_pending(self) -> int:
@@ -85,29 +186,158 @@ class AdmissionController:
             return len(agent.prefill_units)
         return max(1, total - 1) if agent.decode_units else total
 
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            num_admitted=self.num_admitted, num_refused=self.num_refused, num_met=self.num_met,
+            num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,
+            num_confirmed_refusals=self.num_confirmed_refusals, calibration_factor=self.calibration.factor,
+            num_calibration_batches=self.calibration.num_samples,
+        )
+
+    def _queued(self) -> list[QueuedRequest]:
+        """Ours still to be prefilled (or being prefilled), in arrival order."""
+        return [r for rid, r in self._pending.items() if rid not in self._prefilled]
+
     def try_admit(self, request_id: str, prompt_tokens: int, now_s: float | None = None) -> Refusal | None:
         now_s = time.monotonic() if now_s is None else now_s
         request = QueuedRequest(request_id, now_s, max(prompt_tokens, 1))
+        ahead = self._queued()
+        units = self.prefill_units()
         if self.enabled:
-            units = self.prefill_units()
-            ahead = list(self._pending.values())
-            rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo)
+            margin = self.margin if self.calibration.calibrated else self.cold_margin
+            rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
+                                  running_since_s=self._running_since_s, scale=self.calibration.factor,
+                                  margin=margin)
             if rejection is not None:
                 self.num_refused += 1
-                predicted_s = sum(self.predictor.predict_prefill([r.seq], units) for r in (*ahead, request))
-                return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted_s)
+                predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
+                                         running_since_s=self._running_since_s, scale=self.calibration.factor)
+                if ahead:
+                    self._shadows.setdefault(ahead[-1].request_id, []).append(
+                        _Shadow(request.deadline(self.slo), predicted.marginal_s))
+                return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s)
+        if not ahead:
+            self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         self._pending[request_id] = request
+        self._units[request_id] = units
+        self.num_admitted += 1
         return None
 
+    def first_token(self, request_id: str, *, prefill_ns: int, handoff_ns: int, finished: bool,
+                    now_s: float | None = None) -> None:
+        """Prefill replied with ``request_id``'s first token: the batch it was in has ended.
+
+        ``prefill_ns`` and ``handoff_ns`` are the reply's; ``finished`` says the first token
+        ended the request (then there was no handoff). A reply from decode's hybrid steps
+        (aggregated mode: no handoff after the first token, yet not finished) is no prefill
+        batch: it neither calibrates nor moves the running batch.
+        """
+        now_s = time.monotonic() if now_s is None else now_s
+        request = self._pending.get(request_id)
+        if request is None:
+            return
+        from_prefill = handoff_ns > 0 or finished
+        measuring = self._measuring
+        new_batch = measuring is None or measuring.prefill_ns != prefill_ns
+        if from_prefill and new_batch and prefill_ns not in self._closed_batches:
+            self._batch_ended(prefill_ns)
+        del self._pending[request_id]
+        units = self._units.pop(request_id)
+        self._prefilled.discard(request_id)
+        self._judge(request, now_s)
+        measuring = self._measuring
+        if measuring is not None and measuring.prefill_ns == prefill_ns:
+            measuring.units = measuring.units or units
+            measuring.seqs.append(request.seq)
+            measuring.max_handoff_ns = max(measuring.max_handoff_ns, handoff_ns)
+            measuring.usable = measuring.usable and from_prefill
+        if from_prefill or not self._queued():
+            # prefill_svc starts its next batch once every reply of the last one is out: the
+            # latest reply is the best guess of when the batch now running started.
+            self._running_since_s = now_s if self._queued() else None
+        if not self._pending:
+            self._close_measurement()  # every request of ours in that batch has replied
+
+    def _batch_ended(self, prefill_ns: int) -> None:
+        """A reply of a batch not seen before: the batch taken as running has ended (all of it:
+        its other replies are handoffs away), and this batch's replies are gathered from now."""
+        self._close_measurement()
+        running_since_s = self._running_since_s
+        if running_since_s is not None:
+            started = [r for r in self._queued() if r.arrival_s <= running_since_s]
+            if started:
+                self._prefilled.update(r.request_id for r in group_batches(started, self.batching)[0])
+        self._measuring = _MeasuredBatch(prefill_ns)
+
+    def _judge(self, request: QueuedRequest, now_s: float) -> None:
+        """Count ``request``'s first token, at ``now_s``, as met or missed, and judge the
+        refusals that waited on it."""
+        if now_s - request.arrival_s <= self.slo.ttft_s:
+            self.num_met += 1
+        else:
+            self.num_missed += 1
+        for shadow in self._shadows.pop(request.request_id, ()):
+            if now_s + shadow.marginal_s <= shadow.deadline_s:
+                self.num_false_refusals += 1
+            else:
+                self.num_confirmed_refusals += 1
+
     def done(self, request_id: str) -> None:
-        """The request has its first token, failed or was cancelled: it no longer queues."""
-        self._pending.pop(request_id, None)
+        """The request failed or was cancelled (or already has its first token): it no longer
+        queues; a refusal judged by it stays unjudged."""
+        if self._pending.pop(request_id, None) is None:
+            return
+        self._units.pop(request_id, None)
+        self._prefilled.discard(request_id)
+        self._shadows.pop(request_id, None)
+        if not self._queued():
+            self._running_since_s = None
+        if not self._pending:
+            self._close_measurement()
+
+    def _close_measurement(self) -> None:
+        measuring, self._measuring = self._measuring, None
+        if measuring is None:
+            return
+        self._closed_batches.append(measuring.prefill_ns)
+        if not measuring.usable or not measuring.seqs or measuring.prefill_ns <= 0:
+            return
+        measured_s = (measuring.prefill_ns + measuring.max_handoff_ns) / 1e9
+        try:
+            predicted_s = self.predictor.predict_prefill(measuring.seqs, measuring.units)
+        except ValueError as exc:  # units the model does not know: skip it, never fail the request
+            log.debug("admission: cannot predict a measured batch: %s", exc)
+            return
+        self._num_measured += 1
+        warmup = self._num_measured <= WARMUP_BATCHES
+        first = not warmup and not self.calibration.calibrated
+        if not warmup:
+            self.calibration = self.calibration.observe(measured_s, predicted_s)
+        (log.info if first else log.debug)(
+            "admission %s: prefill batch of %d requests, %d tokens on %d units: measured %.0f ms (handoffs %.0f ms), "
+            "model %.0f ms; calibration x%.2f from %d batches", "warm-up, not used" if warmup else "calibrated",
+            len(measuring.seqs), sum(n for n, _ in measuring.seqs), measuring.units, measured_s * 1000,
+            measuring.max_handoff_ns / 1e6, predicted_s * 1000, self.calibration.factor,
+            self.calibration.num_samples)
 
     async def follow(self, read_agent_load: ReadAgentLoad, interval_s: float = 0.25) -> None:
-        """Keep the partition current from the load board until cancelled."""
-        while True:
-            try:
-                self.set_agent_load(await read_agent_load())
-            except Exception as exc:  # Redis away: keep the last partition known
-                log.debug("reading the agent's load failed: %s", exc)
-            await asyncio.sleep(interval_s)
+        """Keep the partition current from the load board until cancelled; log what admission
+        did every ``SUMMARY_INTERVAL_S`` when it changed, and once more when cancelled."""
+        logged = self.stats()
+        next_summary_s = time.monotonic() + SUMMARY_INTERVAL_S
+        try:
+            while True:
+                try:
+                    self.set_agent_load(await read_agent_load())
+                except Exception as exc:  # Redis away: keep the last partition known
+                    log.debug("reading the agent's load failed: %s", exc)
+                if time.monotonic() >= next_summary_s:
+                    next_summary_s = time.monotonic() + SUMMARY_INTERVAL_S
+                    if self.stats() != logged:
+                        logged = self.stats()
+                        log.info("admission: %s", logged.summary())
+                await asyncio.sleep(interval_s)
+        finally:
+            with contextlib.suppress(Exception):
+                if self.stats() != logged:
+                    log.info("admission: %s", self.stats().summary())

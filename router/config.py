@@ -45,6 +45,9 @@ class RouterConfig:
     tbt_slo_ms: float = DEFAULT_TBT_SLO_MS  # reported with the SLO; the agent's policy enforces it
     admission: bool = True  # refuse early what cannot meet its TTFT deadline (False: admit all)
     profile: str = ""  # perf profile from `tandem profile`; "" uses the CPU placeholder model
+    # prefill_svc's batch limits, with which admission predicts how it batches its queue
+    max_batch_tokens: int = 4096
+    max_batch_requests: int = 16
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "config.json").is_file():
@@ -66,7 +69,7 @@ class RouterConfig:
         if not self.router_id or any(c.isspace() for c in self.router_id):
             raise ValueError(f"--router-id must be non-empty without spaces, got {self.router_id!r}")
         for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s",
-                     "ttft_slo_ms", "tbt_slo_ms"):
+                     "ttft_slo_ms", "tbt_slo_ms", "max_batch_tokens", "max_batch_requests"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -111,6 +114,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     add_flag(parser, "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
+    # The same flags (and TANDEM_* twins) as prefill_svc's, so that one variable sets both.
+    add_flag(parser, "--max-batch-tokens", 4096, "prefill_svc's prompt tokens per batch (admission predicts "
+             "its batches)", type=int)
+    add_flag(parser, "--max-batch-requests", 16, "prefill_svc's requests per batch (admission predicts its "
+             "batches)", type=int)
     args = parser.parse_args(argv)
     return RouterConfig(
         model_dir=resolve_model(args.model),
@@ -129,4 +137,6 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         tbt_slo_ms=args.tbt_slo_ms,
         admission=args.admission == "on",
         profile=args.profile,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_requests=args.max_batch_requests,
     )

@@ -382,6 +382,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             try:
                 reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+                if admission is not None:
+                    admission.first_token(prepared.request_id, prefill_ns=reply.prefill_ns,
+                                          handoff_ns=reply.handoff_ns, finished=reply.finish_reason != _UNSPECIFIED)
             finally:
                 if admission is not None:
                     admission.done(prepared.request_id)
@@ -692,12 +695,14 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
 def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> AdmissionController:
     from router.admission import AdmissionController
     from tandem.perf.predictor import cpu_predictor
+    from tandem.policy.admission import PrefillBatching
     from tandem.policy.types import Slo
 
     num_units = len(os.sched_getaffinity(0))
     predictor = cpu_predictor(model_config, num_units, config.profile or None)
     slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000)
-    return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units)
+    batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
+    return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching)
 
 
 def _follow_agent_load(running: RunningRouter) -> None:

@@ -5,12 +5,20 @@ served earliest deadline first; a request's predicted TTFT is the prefill of eve
 admitted ahead of it plus its own. A request that cannot meet its deadline is refused at
 once with a retry hint instead of being queued, because queueing it would push every
 later-deadline request further back for a token that is late anyway.
+
+The router's incremental form (`admit_one`) predicts the queue the way prefill_svc serves it:
+in batches (`PrefillBatching`: a token budget and a request cap, taken in arrival order), each
+predicted as one batched prefill, behind the batch already running (`predict_ttft`). One
+batched prefill of N short prompts costs far less than N prefills of one. The perf model's
+predictions are scaled by a factor the router fits online from measured batches
+(`PrefillCalibration`), so that admission follows the real prefill speed without a profile.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tandem.policy.types import Predictor, QueuedRequest, Slo
@@ -107,6 +115,109 @@ def admit(
     )
 
 
+@dataclass(frozen=True)
+class PrefillBatching:
+    """How prefill_svc groups its queue into batches: from the front, in arrival order, while
+    the batch holds fewer than `max_batch_requests` requests and adding the next prompt keeps
+    it within `max_batch_tokens` prompt tokens (a batch always takes at least one request).
+    The defaults are prefill_svc's (`--max-batch-tokens`, `--max-batch-requests`)."""
+
+    max_batch_tokens: int = 4096
+    max_batch_requests: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_batch_requests < 1:
+            raise ValueError("max_batch_tokens and max_batch_requests must be >= 1")
+
+
+# One request per batch: the queue predicted as a sum of single prefills (the rule before
+# batching was modelled; the simulator's admission still uses it).
+UNBATCHED = PrefillBatching(max_batch_tokens=1, max_batch_requests=1)
+
+
+def group_batches(queue: Sequence[QueuedRequest], batching: PrefillBatching) -> list[tuple[QueuedRequest, ...]]:
+    """`queue`, in the order given, cut into the batches prefill_svc would take from it."""
+    batches: list[tuple[QueuedRequest, ...]] = []
+    batch: list[QueuedRequest] = []
+    num_tokens = 0
+    for r in queue:
+        if batch and (len(batch) >= batching.max_batch_requests
+                      or num_tokens + r.prompt_tokens > batching.max_batch_tokens):
+            batches.append(tuple(batch))
+            batch, num_tokens = [], 0
+        batch.append(r)
+        num_tokens += r.prompt_tokens  # prefill's budget counts whole prompts, cached or not
+    if batch:
+        batches.append(tuple(batch))
+    return batches
+
+
+class TtftPrediction(NamedTuple):
+    """When a queued request's first token is predicted, all in seconds.
+
+    `wait_s`: from now until its batch starts (the rest of the running batch and every batch
+    between); `batch_s`: its own batch's prefill; `ttft_s`: arrival to the end of its batch;
+    `marginal_s`: what it adds to its batch (the whole batch when it is alone in it);
+    `num_batches_ahead`: batches that end before its own starts, the running one included.
+    """
+
+    ttft_s: float
+    wait_s: float
+    batch_s: float
+    marginal_s: float
+    num_batches_ahead: int
+
+
+def predict_ttft(
+    ahead: Sequence[QueuedRequest],
+    request: QueuedRequest,
+    now_s: float,
+    predictor: Predictor,
+    units: int,
+    batching: PrefillBatching,
+    *,
+    running_since_s: float | None = None,
+    scale: float = 1.0,
+) -> TtftPrediction:
+    """Predict `request`'s first token behind `ahead` (the requests sent to prefill that have
+    no first token yet), served as prefill_svc serves its queue (see `PrefillBatching`).
+
+    `running_since_s` is when the prefill batch now running started (None: prefill is idle,
+    or it is not known); it holds the first batch of those of `ahead` that arrived by then,
+    and only what is left of its predicted time is waited for. The other requests, with
+    `request` last, form the batches after it. Every batch is one batched prefill
+    (`predictor.predict_prefill` over its sequences), times `scale` (the online calibration).
+    """
+    if units < 1:
+        raise ValueError("admission needs at least one prefill unit")
+
+    def batch_time(batch: Sequence[QueuedRequest]) -> float:
+        return scale * predictor.predict_prefill([r.seq for r in batch], units) if batch else 0.0
+
+    queued = sorted(ahead, key=lambda r: r.arrival_s)  # stable: equal arrivals keep their order
+    t = now_s
+    num_batches_ahead = 0
+    if running_since_s is not None:
+        started = [r for r in queued if r.arrival_s <= running_since_s]  # a prefix of `queued`
+        if started:
+            running = group_batches(started, batching)[0]
+            t += max(0.0, batch_time(running) - (now_s - running_since_s))
+            num_batches_ahead = 1
+            queued = queued[len(running):]
+    batches = group_batches([*queued, request], batching)
+    for batch in batches[:-1]:
+        t += batch_time(batch)
+    own = batches[-1]
+    batch_s = batch_time(own)
+    return TtftPrediction(
+        ttft_s=t + batch_s - request.arrival_s,
+        wait_s=t - now_s,
+        batch_s=batch_s,
+        marginal_s=batch_s - batch_time(own[:-1]),
+        num_batches_ahead=num_batches_ahead + len(batches) - 1,
+    )
+
+
 def admit_one(
     ahead: Sequence[QueuedRequest],
     request: QueuedRequest,
@@ -114,28 +225,93 @@ def admit_one(
     predictor: Predictor,
     units: int,
     slo: Slo,
+    *,
+    batching: PrefillBatching = UNBATCHED,
+    running_since_s: float | None = None,
+    scale: float = 1.0,
+    margin: float = 0.0,
 ) -> Rejection | None:
     """Admit or refuse one arriving ``request`` behind ``ahead``, the admitted requests that
     have no first token yet (all of them count: they were admitted earlier and are served
     before it, late or not). None admits it; a Rejection carries the reason and retry hint.
 
     This is the router's incremental form of ``admit``: with one SLO per model, earliest
-    deadline first is arrival order, so the newcomer is served after everything ahead. One
-    work-conserving exception: a request too long to meet the SLO even alone is admitted
-    when nothing is ahead of it, since serving it late then delays nobody.
+    deadline first is arrival order, so the newcomer is served after everything ahead. Its
+    first token is predicted by ``predict_ttft`` (batches as ``batching`` groups them, behind
+    the batch running since ``running_since_s``, predictions times ``scale``). It is refused
+    only when predicted to miss its deadline by more than ``margin`` x the TTFT SLO: a
+    prediction is an estimate, and a refusal of a request that would have made it costs more
+    than a slightly late first token. One work-conserving exception: a request too long to
+    meet the SLO even alone is admitted when nothing is ahead of it, since serving it late
+    then delays nobody.
     """
-    if units < 1:
-        raise ValueError("admission needs at least one prefill unit")
-    own_s = predictor.predict_prefill([request.seq], units)
-    backlog_s = sum(predictor.predict_prefill([r.seq], units) for r in ahead)
-    deadline = request.deadline(slo)
-    if now_s + backlog_s + own_s <= deadline:
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    p = predict_ttft(ahead, request, now_s, predictor, units, batching, running_since_s=running_since_s, scale=scale)
+    late_s = now_s + p.wait_s + p.batch_s - request.deadline(slo) - margin * slo.ttft_s
+    if late_s <= 0:
         return None
-    if own_s > slo.ttft_s:
+    alone_s = scale * predictor.predict_prefill([request.seq], units)
+    if alone_s > slo.ttft_s * (1 + margin):
         if not ahead:
             return None
         # It can fit only once the backlog has drained.
-        return Rejection(request.request_id, REASON_TOO_LONG, backlog_s)
-    if now_s >= deadline:
+        return Rejection(request.request_id, REASON_TOO_LONG, p.wait_s)
+    if now_s >= request.deadline(slo):
         return Rejection(request.request_id, REASON_PAST_DEADLINE, 0.0)
-    return Rejection(request.request_id, REASON_QUEUE, max(0.0, backlog_s + own_s - slo.ttft_s))
+    # Resubmitted after `late_s`, behind a backlog that has drained as long, it fits.
+    return Rejection(request.request_id, REASON_QUEUE, late_s)
+
+
+@dataclass(frozen=True)
+class PrefillCalibration:
+    """The router's online correction of the perf model's prefill predictions: `factor` is
+    measured / predicted of live prefill batches, smoothed, and every prediction admission
+    makes is multiplied by it (Bullet's measured/predicted scaling, refitted continuously).
+
+    `observe` is pure: one measured batch in, a new calibration out. It averages in log space
+    (a batch twice as slow and one twice as fast cancel out) and leans towards admitting: a
+    batch faster than the factor says moves it with weight 1/n over the first samples (so the
+    first measurements replace the uncalibrated 1.0 at once) and `weight` after; a slower one
+    always with `weight`, and by at most `max_step_up` times per batch, so that one slow batch
+    (a cold start, a stall of the machine) cannot make admission refuse what it should take.
+    Each ratio and the factor are clamped to [`min_factor`, `max_factor`].
+    """
+
+    factor: float = 1.0
+    num_samples: int = 0
+    weight: float = 0.25
+    max_step_up: float = 1.5
+    min_factor: float = 0.05
+    max_factor: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {self.weight}")
+        if not self.max_step_up > 1:
+            raise ValueError(f"max_step_up must be > 1, got {self.max_step_up}")
+        if not 0 < self.min_factor <= self.factor <= self.max_factor:
+            raise ValueError(f"need 0 < min_factor <= factor <= max_factor, got {self.min_factor}, "
+                             f"{self.factor}, {self.max_factor}")
+        if self.num_samples < 0:
+            raise ValueError("num_samples must be >= 0")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether any measured batch has been folded in (else `factor` is the model's 1.0)."""
+        return self.num_samples > 0
+
+    def observe(self, measured_s: float, predicted_s: float) -> PrefillCalibration:
+        """Fold in one batch that took `measured_s` where the uncalibrated model (scale 1.0)
+        predicted `predicted_s`; a non-positive or infinite time is ignored (returns self)."""
+        if not (measured_s > 0 and predicted_s > 0 and math.isfinite(measured_s) and math.isfinite(predicted_s)):
+            return self
+        ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted_s))
+        if ratio <= self.factor:
+            w = max(self.weight, 1.0 / (self.num_samples + 1))
+            factor = math.exp((1 - w) * math.log(self.factor) + w * math.log(ratio))
+        else:
+            factor = math.exp((1 - self.weight) * math.log(self.factor) + self.weight * math.log(ratio))
+            factor = min(factor, self.factor * self.max_step_up)
+        factor = min(self.max_factor, max(self.min_factor, factor))
+        return replace(self, factor=factor, num_samples=self.num_samples + 1)

@@ -1,7 +1,9 @@
 """SLO-aware admission: EDF order, cumulative predicted TTFT, early rejection with a retry
-hint that really works, rejected work not delaying others, disabled mode, purity.
+hint that really works, rejected work not delaying others, disabled mode, purity; the queue
+predicted in prefill_svc's batches behind the running one; the online calibration.
 
-`TokenPredictor` is a closed-form test input (prefill time = tokens x cost / units).
+`TokenPredictor` is a closed-form test input (prefill time = tokens x cost / units);
+`BatchPredictor` adds a fixed cost per batch, so batching pays.
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from unittest import mock
 
 import pytest
 
-from tandem.policy.admission import REASON_PAST_DEADLINE, REASON_QUEUE, REASON_TOO_LONG, admit, admit_one
+from tandem.policy.admission import (
+    REASON_PAST_DEADLINE,
+    REASON_QUEUE,
+    REASON_TOO_LONG,
+    UNBATCHED,
+    PrefillBatching,
+    PrefillCalibration,
+    admit,
+    admit_one,
+    group_batches,
+    predict_ttft,
+)
 from tandem.policy.types import QueuedRequest, Slo
 
 
@@ -187,3 +200,151 @@ def test_admit_one_serves_a_lone_long_prompt_but_not_behind_a_queue() -> None:
     assert refused.retry_after_s == pytest.approx(0.1)  # once the queue ahead has drained
     with pytest.raises(ValueError):
         admit_one([], long, NOW, P, 0, SLO)
+
+
+# --- batched prediction: the queue as prefill_svc batches it ----------------------------------
+
+@dataclass(frozen=True)
+class BatchPredictor(TokenPredictor):
+    """A fixed 100 ms per batch plus 0.1 ms per token (on one unit): batching pays the fixed
+    part once, as a real prefill pays the weights' pass once per batch."""
+
+    batch_s: float = 0.1
+
+    def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
+        return (self.batch_s + sum(n for n, _ in seqs) * self.token_s) / units if seqs else 0.0
+
+
+B = BatchPredictor()
+PREFILL = PrefillBatching(max_batch_tokens=4096, max_batch_requests=16)
+
+
+def test_group_batches_follows_prefill_svc() -> None:
+    queue = [q("a", 3000, NOW), q("b", 1000, NOW), q("c", 200, NOW), q("d", 5000, NOW), q("e", 10, NOW)]
+    batches = group_batches(queue, PREFILL)
+    # a+b fill the 4096-token budget to 4000; c would pass it; d is over it alone, but a batch
+    # always takes one request; the request cap cuts too.
+    assert [[r.request_id for r in b] for b in batches] == [["a", "b"], ["c"], ["d"], ["e"]]
+    capped = group_batches([q(f"r{i}", 10, NOW) for i in range(5)], PrefillBatching(4096, 2))
+    assert [len(b) for b in capped] == [2, 2, 1]
+    # cached tokens still count against the budget, as prefill_svc counts whole prompts
+    assert len(group_batches([q("x", 100, NOW, cached=3000), q("y", 100, NOW, cached=3000)], PREFILL)) == 2
+    assert [len(b) for b in group_batches(queue, UNBATCHED)] == [1, 1, 1, 1, 1]
+
+
+def test_sixteen_short_prompts_are_predicted_as_one_batch() -> None:
+    ahead = [q(f"r{i}", 35, NOW - 0.01 + i * 1e-4) for i in range(15)]
+    request = q("new", 35, NOW)
+    p = predict_ttft(ahead, request, NOW, B, 1, PREFILL)
+    one_batch = B.predict_prefill([(560, 0)], 1)  # one prefill of 16 x 35 tokens: 0.156 s
+    sum_of_singles = 16 * B.predict_prefill([(35, 0)], 1)  # 1.656 s
+    assert p.num_batches_ahead == 0 and p.wait_s == 0.0
+    assert p.batch_s == pytest.approx(one_batch)
+    assert p.ttft_s == pytest.approx(one_batch)
+    assert p.ttft_s < sum_of_singles / 8
+    assert p.marginal_s == pytest.approx(35 * B.token_s)  # joining the batch adds only its tokens
+    # So under a 1 s SLO it is admitted; the old rule (a sum of single prefills) refused it.
+    assert admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL) is None
+    refused = admit_one(ahead, request, NOW, B, 1, SLO)
+    assert refused is not None and refused.reason == REASON_QUEUE
+
+
+def test_the_running_batch_is_waited_for_only_for_what_is_left_of_it() -> None:
+    started_s = NOW - 0.05
+    running = [q("a", 500, started_s - 0.01), q("b", 500, started_s)]  # in the batch that started
+    queued = [q("c", 500, NOW - 0.02)]  # arrived after it started: next batch
+    request = q("new", 500, NOW)
+    p = predict_ttft([*queued, *running], request, NOW, B, 1, PREFILL, running_since_s=started_s)
+    left_s = B.predict_prefill([(500, 0)] * 2, 1) - 0.05
+    assert p.num_batches_ahead == 1
+    assert p.wait_s == pytest.approx(left_s)
+    assert p.batch_s == pytest.approx(B.predict_prefill([(500, 0)] * 2, 1))  # c and new together
+    assert p.ttft_s == pytest.approx(left_s + p.batch_s)
+    # A running batch past its prediction is taken to end now, never in the past.
+    late = predict_ttft(running, request, NOW + 5, B, 1, PREFILL, running_since_s=started_s)
+    assert late.wait_s == 0.0 and late.num_batches_ahead == 1
+    # Prefill's budget bounds the running batch too: what did not fit waits for the next one.
+    big = [q("x", 3000, started_s - 0.01), q("y", 3000, started_s - 0.005)]
+    p = predict_ttft(big, request, NOW, B, 1, PREFILL, running_since_s=started_s)
+    assert p.num_batches_ahead == 1  # x running; y, with new (3500 tokens), next
+    assert p.wait_s == pytest.approx(B.predict_prefill([(3000, 0)], 1) - 0.05)
+    assert p.batch_s == pytest.approx(B.predict_prefill([(3000, 0), (500, 0)], 1))
+
+
+def test_scale_and_margin() -> None:
+    ahead = [q(f"r{i}", 2200, NOW) for i in range(2)]  # a batch each (budget): with new, 3 x 0.32 s
+    request = q("new", 2200, NOW)
+    assert admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL) is None
+    # The calibration says prefill is 1.2x slower than the model: 1.152 s > 1.0 s.
+    refused = admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL, scale=1.2)
+    assert refused is not None and refused.retry_after_s == pytest.approx(0.96 * 1.2 - 1.0)
+    # Refused only when predicted to miss by more than the margin (a fraction of the SLO).
+    assert admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL, scale=1.2, margin=0.2) is None
+    refused = admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL, scale=1.5, margin=0.2)
+    assert refused is not None and refused.retry_after_s == pytest.approx(0.96 * 1.5 - 1.2)
+    # A lone request on an idle cell is always admitted, however slow the model says it is.
+    assert admit_one([], q("lone", 9000, NOW), NOW, B, 1, SLO, batching=PREFILL, scale=20.0) is None
+    with pytest.raises(ValueError):
+        admit_one([], request, NOW, B, 1, SLO, margin=-0.1)
+
+
+def test_predict_ttft_is_clock_free() -> None:
+    ahead = [q(f"r{i}", 100 * (i + 1), NOW - 0.1 * i) for i in range(20)]
+
+    def boom(*_: object) -> float:
+        raise AssertionError("admission read the clock")
+
+    with mock.patch.multiple(time, time=boom, monotonic=boom, perf_counter=boom, time_ns=boom, monotonic_ns=boom):
+        first = predict_ttft(ahead, q("x", 50, NOW), NOW, B, 2, PREFILL, running_since_s=NOW - 0.5)
+        again = predict_ttft(list(reversed(ahead)), q("x", 50, NOW), NOW, B, 2, PREFILL, running_since_s=NOW - 0.5)
+    assert first == again  # ahead is taken in arrival order, whatever order it comes in
+
+
+# --- online calibration ------------------------------------------------------------------------
+
+def test_calibration_starts_uncalibrated_and_takes_a_faster_batch_at_once() -> None:
+    c = PrefillCalibration()
+    assert c.factor == 1.0 and not c.calibrated
+    c = c.observe(measured_s=0.5, predicted_s=1.0)
+    assert c.factor == pytest.approx(0.5) and c.calibrated and c.num_samples == 1
+    c = c.observe(measured_s=0.125, predicted_s=1.0)  # weight 1/2: geometric mean of 0.5 and 0.125
+    assert c.factor == pytest.approx(0.25)
+
+
+def test_calibration_leans_towards_admitting() -> None:
+    """A slower batch moves the factor up slowly and by at most `max_step_up`: one stall (or
+    prefill's cold first batch) cannot make admission refuse what it should take."""
+    c = PrefillCalibration().observe(measured_s=30.0, predicted_s=1.0)
+    assert c.factor == pytest.approx(1.5)
+    c = PrefillCalibration(factor=0.5, num_samples=5).observe(measured_s=0.8, predicted_s=1.0)
+    assert c.factor == pytest.approx(0.5 ** 0.75 * 0.8 ** 0.25)
+
+
+def test_calibration_converges_to_the_measured_speed_and_follows_a_change() -> None:
+    c = PrefillCalibration()
+    for _ in range(30):
+        c = c.observe(measured_s=0.3, predicted_s=1.0)
+    assert c.factor == pytest.approx(0.3, rel=1e-6)
+    # The engine gets 3x faster: the factor follows within a few batches.
+    for _ in range(12):
+        c = c.observe(measured_s=0.1, predicted_s=1.0)
+    assert c.factor == pytest.approx(0.1, rel=0.05)
+    # The machine gets 4x slower: the factor follows too, more slowly.
+    for _ in range(30):
+        c = c.observe(measured_s=0.4, predicted_s=1.0)
+    assert c.factor == pytest.approx(0.4, rel=0.01)
+
+
+def test_calibration_is_clamped_and_ignores_bad_timings() -> None:
+    c = PrefillCalibration(min_factor=0.1, max_factor=10.0)
+    assert c.observe(0.0, 1.0) is c and c.observe(1.0, 0.0) is c and c.observe(float("inf"), 1.0) is c
+    assert c.observe(1e-6, 1.0).factor == pytest.approx(0.1)
+    for _ in range(100):
+        c = c.observe(1000.0, 1.0)
+    assert c.factor == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        PrefillCalibration(factor=0.0)
+    with pytest.raises(ValueError):
+        PrefillCalibration(weight=0.0)
+    with pytest.raises(ValueError):
+        PrefillCalibration(max_step_up=1.0)

@@ -1,12 +1,15 @@
 """The router's admission bookkeeping: its own prefill queue, the partition from the agent's
-load report, refusal messages and hints, and the switch that turns admission off."""
+load report, refusal messages and hints, the switch that turns admission off, the batches and
+online calibration learnt from prefill's replies, and the counts of misses and false refusals."""
 
 from __future__ import annotations
+
+import pytest
 
 from router.admission import AdmissionController
 from tandem.policy.types import Slo
 from tandem.state.schema import LoadReport
-from tests.unit.test_admission import TokenPredictor
+from tests.unit.test_admission import BatchPredictor, TokenPredictor
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.1)
 
@@ -30,8 +33,9 @@ def test_units_follow_the_partition_in_force() -> None:
 
 
 def test_queue_grows_until_refusal_and_shrinks_on_done() -> None:
-    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1)
-    # 3000 tokens = 0.3 s each on one unit: three fit in 1 s, the fourth does not
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+    # 3000 tokens = 0.3 s each on one unit, each a batch of its own (two exceed prefill's
+    # 4096-token budget): three fit in 1 s, the fourth does not
     for i in range(3):
         assert c.try_admit(f"r{i}", 3000, now_s=10.0) is None
     refusal = c.try_admit("r3", 3000, now_s=10.0)
@@ -48,3 +52,94 @@ def test_disabled_admits_everything_but_keeps_count() -> None:
     for i in range(20):
         assert c.try_admit(f"r{i}", 9000, now_s=0.0) is None
     assert c.num_pending == 20 and c.num_refused == 0
+
+
+def test_a_burst_of_short_prompts_is_predicted_as_prefill_batches_it() -> None:
+    """16 short prompts at once: the first runs alone (prefill was idle), the other 15 form one
+    batch behind it. With a fixed cost per batch, the old sum of singles refused most of them."""
+    c = AdmissionController(BatchPredictor(), SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+    for i in range(16):
+        assert c.try_admit(f"r{i}", 35, now_s=10.0 + i * 1e-3) is None, f"r{i} refused"
+    assert c.num_pending == 16 and c.num_refused == 0
+
+
+def _batch_reply(c: AdmissionController, ids: list[str], prefill_ns: int, now_s: float, handoff_ns: int = 1_000_000) -> None:
+    for rid in ids:
+        c.first_token(rid, prefill_ns=prefill_ns, handoff_ns=handoff_ns, finished=False, now_s=now_s)
+
+
+def test_replies_of_one_batch_calibrate_the_model_once_per_batch() -> None:
+    p = BatchPredictor()
+    c = AdmissionController(p, SLO, enabled=True, default_units=1)
+    for i in range(6):
+        c.try_admit(f"r{i}", 100, now_s=0.0)
+    # r0 ran alone (prefill was idle when it came): the warm-up batch, measured but not used.
+    _batch_reply(c, ["r0"], prefill_ns=400_000_000, now_s=0.4)
+    _batch_reply(c, ["r1", "r2"], prefill_ns=66_000_000, now_s=0.47)
+    assert not c.calibration.calibrated  # r1's batch stays open until the next batch's reply
+    _batch_reply(c, ["r3"], prefill_ns=66_000_000, now_s=0.475)  # a late reply of the same batch
+    _batch_reply(c, ["r4"], prefill_ns=77_000_000, now_s=0.56)
+    first = 0.067 / p.predict_prefill([(100, 0)] * 3, 1)  # 67 ms (with the 1 ms handoff) for 3
+    assert first < 1
+    assert c.calibration.num_samples == 1 and c.calibration.factor == pytest.approx(first)
+    _batch_reply(c, ["r5"], prefill_ns=77_000_000, now_s=0.565)  # the last of ours: batch closed
+    second = 0.078 / p.predict_prefill([(100, 0)] * 2, 1)
+    assert c.calibration.num_samples == 2 and second > first  # slower: it moves up by a quarter
+    assert c.calibration.factor == pytest.approx(first ** 0.75 * second ** 0.25)
+    assert c.num_pending == 0 and c.stats().num_met == 6
+
+
+def test_aggregated_replies_do_not_calibrate() -> None:
+    c = AdmissionController(BatchPredictor(), SLO, enabled=True, default_units=1)
+    c.try_admit("warm", 100, now_s=0.0)
+    c.first_token("warm", prefill_ns=50_000_000, handoff_ns=1_000_000, finished=False, now_s=0.05)
+    for i in range(3):
+        c.try_admit(f"r{i}", 100, now_s=1.0)
+    # Aggregated mode: decode computed the prompts in its steps; no handoff followed the first token.
+    for i, rid in enumerate(("r0", "r1", "r2")):
+        c.first_token(rid, prefill_ns=(i + 1) * 7_000_000, handoff_ns=0, finished=False, now_s=1.5)
+    assert not c.calibration.calibrated and c.num_pending == 0
+    # A first token that ends the request has no handoff, and is a prefill batch all the same.
+    c.try_admit("x", 100, now_s=2.0)
+    c.first_token("x", prefill_ns=52_000_000, handoff_ns=0, finished=True, now_s=2.05)
+    assert c.calibration.num_samples == 1
+
+
+def test_a_finished_batch_no_longer_counts_while_its_replies_trickle_in() -> None:
+    p = BatchPredictor(batch_s=0.3)
+    c = AdmissionController(p, SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+    assert c.try_admit("a", 100, now_s=0.0) is None  # runs alone from 0.0 (0.31 s)
+    for i in range(3):
+        assert c.try_admit(f"b{i}", 100, now_s=0.01) is None  # the next batch (0.33 s)
+    _batch_reply(c, ["a"], prefill_ns=310_000_000, now_s=0.32)
+    _batch_reply(c, ["b0"], prefill_ns=330_000_000, now_s=0.66)  # b0..b2's batch has ended
+    assert c.num_pending == 2  # b1, b2 wait for their handoffs
+    # A newcomer of 0.9 s is behind nothing: it fits. Were b1, b2 still taken as a running
+    # batch (0.32 s), it would be refused.
+    assert c.try_admit("long", 6000, now_s=0.66) is None
+
+
+def test_counts_admitted_misses_and_judges_refusals() -> None:
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+    for i in range(3):
+        assert c.try_admit(f"r{i}", 3000, now_s=10.0) is None
+    assert c.try_admit("x", 3000, now_s=10.0) is not None  # predicted 1.2 s, judged by r2
+    assert c.try_admit("y", 3000, now_s=10.0) is not None
+    _batch_reply(c, ["r0"], 300_000_000, now_s=10.3)
+    _batch_reply(c, ["r1"], 300_000_001, now_s=10.6)
+    # r2 came at 10.65: x would have come 0.3 s later, at 10.95, before its deadline of 11.0.
+    _batch_reply(c, ["r2"], 300_000_002, now_s=10.65)
+    stats = c.stats()
+    assert (stats.num_admitted, stats.num_refused) == (3, 2)
+    assert (stats.num_met, stats.num_missed) == (3, 0)
+    assert (stats.num_false_refusals, stats.num_confirmed_refusals) == (2, 0)
+    assert c.try_admit("z", 100, now_s=20.0) is None
+    _batch_reply(c, ["z"], 5_000_000_000, now_s=21.5)  # 1.5 s: admitted, and late
+    stats = c.stats()
+    assert stats.num_missed == 1
+    assert "1 missed" in stats.summary() and "2 judged false" in stats.summary()
+    # A refusal judged by a request that then fails stays unjudged.
+    c.try_admit("w0", 9000, now_s=30.0)
+    assert c.try_admit("w1", 9000, now_s=30.0) is not None
+    c.done("w0")
+    assert c.stats().num_false_refusals + c.stats().num_confirmed_refusals == 2
