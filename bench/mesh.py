@@ -89,8 +89,9 @@ async def mesh_throughput(address: str, prompts: list[list[int]], params: Sampli
             "outputs": outputs}
 
 
-def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams, pack: bool) -> dict[str, Any]:
-    engine = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 30, pack_weights=pack)
+def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """The engine in this process, in the weight format the stack runs (auto)."""
+    engine = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 30)
     engine.generate([prompts[0][:16]], params)  # warm up
     start = time.perf_counter()
     results = engine.generate(prompts, params)
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--policy", default="dynamic", help="the cell's partition policy")
     parser.add_argument("--out", default="bench/results/mesh.json")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
@@ -121,9 +123,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     report: dict[str, Any] = {"benchmark": "mesh", "model": model_dir.name, "streams": args.streams,
-                              "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens}
+                              "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens, "policy": args.policy}
     with tempfile.TemporaryDirectory() as logs:
-        stack = Stack(model_dir, Path(logs), num_blocks=2048)
+        stack = Stack(model_dir, Path(logs), num_blocks=2048, extra_env={"TANDEM_POLICY": args.policy, **({"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]} if "OMP_WAIT_POLICY" in os.environ else {})})
         try:
             stack.start()
             report["agent_allocate_round_trip"] = asyncio.run(
@@ -134,7 +136,7 @@ def main() -> None:
             print("handoff:", report["handoff"], flush=True)
         finally:
             stack.stop()
-    engine = engine_throughput(model_dir, prompts, params, pack=False)
+    engine = engine_throughput(model_dir, prompts, params)
     same = sum(a == b for a, b in zip(mesh.pop("outputs"), engine.pop("outputs"), strict=True))
     report["mesh"] = mesh
     report["engine_one_process"] = engine
@@ -146,7 +148,7 @@ def main() -> None:
     decode_cores = sorted(os.sched_getaffinity(0))[len(os.sched_getaffinity(0)) // 2:] or [0]
     os.sched_setaffinity(0, decode_cores)
     torch.set_num_threads(len(decode_cores))
-    same_cores = engine_throughput(model_dir, prompts, params, pack=False)
+    same_cores = engine_throughput(model_dir, prompts, params)
     same_cores.pop("outputs")
     report["engine_on_decode_cores"] = {"cores": decode_cores, **same_cores}
     report["mesh_over_engine_on_decode_cores"] = round(mesh["tokens_per_s"] / same_cores["tokens_per_s"], 3)
