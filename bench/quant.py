@@ -78,30 +78,28 @@ def accuracy(runners: dict[WeightFormat, ModelRunner], windows: list[list[int]])
                       "top1_agreement_with_fp32": round(agree[f] / count, 4)} for f in runners} | {"tokens": count}
 
 
+def forward_ms(runner: ModelRunner, batch: list[SeqInput], repeats: int) -> float:
+    """Median wall time of one forward over ``batch`` (after one untimed run), in ms."""
+    runner.forward(batch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
 def decode_step_ms(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
     blocks_per = -(-(context + 1) // BLOCK)
     g = torch.Generator().manual_seed(batch)
     seqs = [SeqInput(torch.randint(100, 40000, (1,), generator=g).tolist(), context,
                      list(range(i * blocks_per, (i + 1) * blocks_per))) for i in range(batch)]
-    runner.forward(seqs)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.forward(seqs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return forward_ms(runner, seqs, repeats)
 
 
 def prefill_ms(runner: ModelRunner, length: int, repeats: int) -> float:
     ids = torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    seq = [SeqInput(ids, 0, list(range(-(-length // BLOCK))))]
-    runner.forward(seq)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.forward(seq)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return forward_ms(runner, [SeqInput(ids, 0, list(range(-(-length // BLOCK))))], repeats)
 
 
 def read_bandwidth_gb_s(repeats: int, mib: int = 512) -> float:
