@@ -159,6 +159,18 @@ def test_decode_batch_of_mixed_lengths_in_any_order(tiny: tuple[Path, object, We
         torch.testing.assert_close(logits[row], expected[i], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("table", [[3, 4, 5, 6, 7], [9, 2, 14, 0, 6]], ids=["run", "scattered"])
+def test_lone_decode_row_over_consecutive_or_scattered_blocks(
+    tiny: tuple[Path, object, WeightFormat], table: list[int]
+) -> None:
+    _, hf, _ = tiny
+    runner, _ = _runner(tiny)
+    ids = _prompt(21, 19)
+    runner.forward([SeqInput(ids[:-1], 0, table)])
+    logits = runner.forward([SeqInput(ids[-1:], 18, table)])
+    torch.testing.assert_close(logits[0], _reference(hf, ids)[-1], atol=ATOL, rtol=0)
+
+
 def test_chunk_without_logits_is_skipped_in_output(tiny: tuple[Path, object, WeightFormat]) -> None:
     runner, alloc = _runner(tiny)
     ids = _prompt(10, 12)
