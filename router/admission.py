@@ -150,6 +150,7 @@ class AdmissionController:
         self.calibration = calibration or PrefillCalibration()
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
         self._units: dict[str, int] = {}  # the prefill units each pending request was admitted on
+        self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
         self._num_measured = 0
         self._default_units = default_units or len(os.sched_getaffinity(0))
         self._agent: LoadReport | None = None
@@ -218,6 +219,12 @@ class AdmissionController:
                 return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s)
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
+        # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts
+        # inside its steps, no prefill batch can be timed, and the request's own TTFT against
+        # this prediction is what calibrates the model.
+        self._predicted_ttft_s[request_id] = predict_ttft(
+            ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s
+        ).ttft_s
         self._pending[request_id] = request
         self._units[request_id] = units
         self.num_admitted += 1
@@ -230,7 +237,8 @@ class AdmissionController:
         ``prefill_ns`` and ``handoff_ns`` are the reply's; ``finished`` says the first token
         ended the request (then there was no handoff). A reply from decode's hybrid steps
         (aggregated mode: no handoff after the first token, yet not finished) is no prefill
-        batch: it neither calibrates nor moves the running batch.
+        batch and does not move the running batch; it calibrates the model with its own TTFT
+        against the TTFT predicted when it was admitted.
         """
         now_s = time.monotonic() if now_s is None else now_s
         request = self._pending.get(request_id)
@@ -242,6 +250,9 @@ class AdmissionController:
         if from_prefill and new_batch and prefill_ns not in self._closed_batches:
             self._batch_ended(prefill_ns)
         del self._pending[request_id]
+        predicted_ttft_s = self._predicted_ttft_s.pop(request_id, 0.0)
+        if not from_prefill:
+            self.calibration = self.calibration.observe(now_s - request.arrival_s, predicted_ttft_s)
         units = self._units.pop(request_id)
         self._prefilled.discard(request_id)
         self._judge(request, now_s)
@@ -288,6 +299,7 @@ class AdmissionController:
         if self._pending.pop(request_id, None) is None:
             return
         self._units.pop(request_id, None)
+        self._predicted_ttft_s.pop(request_id, None)
         self._prefilled.discard(request_id)
         self._shadows.pop(request_id, None)
         if not self._queued():

@@ -89,20 +89,26 @@ def test_replies_of_one_batch_calibrate_the_model_once_per_batch() -> None:
     assert c.num_pending == 0 and c.stats().num_met == 6
 
 
-def test_aggregated_replies_do_not_calibrate() -> None:
-    c = AdmissionController(BatchPredictor(), SLO, enabled=True, default_units=1)
+def test_aggregated_replies_calibrate_from_their_ttft() -> None:
+    """Aggregated mode times no prefill batch: each first token's TTFT against the TTFT predicted
+    at admission calibrates instead, so a model far too slow for the engine stops refusing."""
+    p = BatchPredictor()
+    c = AdmissionController(p, SLO, enabled=True, default_units=1)
     c.try_admit("warm", 100, now_s=0.0)
     c.first_token("warm", prefill_ns=50_000_000, handoff_ns=1_000_000, finished=False, now_s=0.05)
+    assert not c.calibration.calibrated  # the first measured batch is the warm-up
     for i in range(3):
         c.try_admit(f"r{i}", 100, now_s=1.0)
+    predicted = [p.predict_prefill([(100, 0)] * 3, 1)] * 3  # one batch of three, prefill idle
     # Aggregated mode: decode computed the prompts in its steps; no handoff followed the first token.
     for i, rid in enumerate(("r0", "r1", "r2")):
-        c.first_token(rid, prefill_ns=(i + 1) * 7_000_000, handoff_ns=0, finished=False, now_s=1.5)
-    assert not c.calibration.calibrated and c.num_pending == 0
+        c.first_token(rid, prefill_ns=(i + 1) * 7_000_000, handoff_ns=0, finished=False, now_s=1.0 + 0.01 * (i + 1))
+    assert c.calibration.num_samples == 3 and c.num_pending == 0
+    assert c.calibration.factor < 0.03 / predicted[0] * 1.01  # moved to the measured (faster) ratios
     # A first token that ends the request has no handoff, and is a prefill batch all the same.
     c.try_admit("x", 100, now_s=2.0)
     c.first_token("x", prefill_ns=52_000_000, handoff_ns=0, finished=True, now_s=2.05)
-    assert c.calibration.num_samples == 1
+    assert c.calibration.num_samples == 4  # a prefill batch of one, measured as such
 
 
 def test_a_finished_batch_no_longer_counts_while_its_replies_trickle_in() -> None:
