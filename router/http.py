@@ -189,6 +189,26 @@ class ParsedRequest:
     requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
 
 
+def _reject_lone_surrogates(value: Any, where: str) -> None:
+    """JSON's ``\\ud800`` escapes decode to strings that are not Unicode text (a lone UTF-16
+    surrogate); the tokenizer and every later step would fail on them, so they are refused here,
+    naming the field. Iterative: a deeply nested body cannot exhaust the stack."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HTTPError(400, f"{path} contains a lone UTF-16 surrogate; send valid Unicode text") from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, f"{path} key"))
+                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else path))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+
+
 def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -> ParsedRequest:
     """Validate an OpenAI request body; raises HTTPError(400) naming the bad parameter.
 
@@ -552,9 +572,11 @@ class Gateway:
                                 code="request_too_large")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as exc:
             raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
+        _reject_lone_surrogates(body, "body")
+        return body
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"

@@ -246,6 +246,18 @@ def test_errors_have_the_openai_shape(tiny: Stack) -> None:
         error = _assert_error(http.post(chat, json={"model": "gpt-17", "messages": HELLO}), 404, "gpt-17")
         assert error["code"] == "model_not_found"
         _assert_error(http.get(f"{base}/v1/nothing"), 404)
+        # lone UTF-16 surrogates (valid JSON escapes, not Unicode text) anywhere: 400, never 5xx
+        surrogate = "\\ud800"
+        for raw, field in (
+            ('{"model": "default", "messages": [{"role": "user", "content": "hi %s"}]}', "content"),
+            ('{"model": "default", "messages": [{"role": "user", "content": "hi"}], "stop": ["%s"]}', "stop"),
+            ('{"model": "d%sfault", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ):
+            _assert_error(http.post(chat, content=(raw % surrogate).encode(),
+                                    headers={"content-type": "application/json"}), 400, "surrogate", field)
+        _assert_error(http.post(f"{base}/v1/completions", content=('{"model": "default", "prompt": "a%sb"}'
+                                                                   % surrogate).encode(),
+                                headers={"content-type": "application/json"}), 400, "surrogate", "prompt")
     client = _client(tiny)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=HELLO)  # type: ignore[arg-type]
