@@ -34,6 +34,8 @@ from tandem.engine.errors import InvalidRequestError
 # and the softmax turns into NaN, and the distribution is a point mass anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_NUM_LOGPROBS = 20
+# More would only cost memory and time per step; no tokenizer needs this many stop tokens.
+MAX_STOP_TOKEN_IDS = 256
 MIN_SEED = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 MAX_SEED = 2**64 - 1
 
@@ -95,9 +97,12 @@ class SamplingParams:
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list)):
             raise InvalidRequestError(
                 f"stop_token_ids must be a list of token ids >= 0, got {stop!r}")
-        if not all(_is_int(t) and t >= 0 for t in stop):
+        if len(stop) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
-                f"stop_token_ids must be a list of token ids >= 0, got {list(stop)!r}")
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop)}")
+        bad = [t for t in stop if not (_is_int(t) and t >= 0)]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids >= 0, got {bad[0]!r} in it")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
     def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:

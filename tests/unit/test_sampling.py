@@ -364,7 +364,7 @@ def test_logprobs_from_bf16_logits() -> None:
         ("max_tokens", 0), ("max_tokens", 1.0), ("max_tokens", None),
         ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 2.0),
         ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)), ("stop_token_ids", "12"),
-        ("stop_token_ids", 5), ("stop_token_ids", (True,)),
+        ("stop_token_ids", 5), ("stop_token_ids", (True,)), ("stop_token_ids", tuple(range(100_000))),
         ("ignore_eos", 1), ("ignore_eos", "yes"),
         ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", False),
     ],
