@@ -103,14 +103,21 @@ class SharedTensorStore:
             offset += -(-entry.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         total = max(offset, _ALIGN_BYTES)
         SHM_DIR.mkdir(parents=True, exist_ok=True)
-        with open(data_path, "wb") as f:
-            f.truncate(total)  # sparse: pages cost memory only once touched
+        # Owner-only (0600): the weights, and the KV cache that holds users' prompts, are no
+        # other local user's to read; the cell's services run as the agent's user.
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # also when the file existed (exist_ok)
+            os.ftruncate(fd, total)  # sparse: pages cost memory only once touched
+        finally:
+            os.close(fd)
         data = torch.from_file(str(data_path), shared=True, size=total, dtype=torch.uint8)
         store = cls(name, entries, data, owner=True)
         for key, value in (initial or {}).items():
             store.tensors[key].copy_(value)
         # The manifest appears last: an attacher that finds it finds a complete store.
         tmp = manifest_path.with_suffix(".tmp")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         tmp.write_text(
             json.dumps(
                 {

@@ -88,3 +88,20 @@ def test_create_twice_is_refused() -> None:
         assert store.tensors["x"].tolist() == [1.0, 5.0, 1.0]
     finally:
         store.unlink()
+
+
+def test_store_files_are_readable_by_their_owner_only() -> None:
+    """Weights and the KV pool (which holds users' prompts) are no other local user's to read."""
+    import stat
+
+    from tandem.engine.shm import SHM_DIR
+
+    name = f"test-mode-{uuid.uuid4().hex[:8]}"
+    store = SharedTensorStore.from_tensors(name, {"x": torch.ones(3)})
+    try:
+        files = sorted(SHM_DIR.glob(f"tandem-{name}*"))
+        assert len(files) >= 2  # the data and its manifest
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        store.unlink()
