@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from router.auth import bearer_matches
 from router.metrics import RouterMetrics
 from router.server import MAX_STOP_STRINGS, RequestRejected, RouterServicer, StreamTimings
 from tandem.engine.sampling import MAX_NUM_LOGPROBS
@@ -529,12 +529,18 @@ class Gateway:
 
     async def ready(self, request: Request) -> Response:
         reply = await self._servicer.health()
+        # The detail names internal addresses: only a caller with the key (if one is set) sees it.
+        detail = reply.detail if self._authorized(request) else "(details need the API key)"
         if not reply.ready:
-            return HTTPError(503, f"not ready: {reply.detail}", type="service_unavailable",
+            return HTTPError(503, f"not ready: {detail}", type="service_unavailable",
                              code="not_ready").response()
-        return JSONResponse({"status": "ready", "detail": reply.detail})
+        return JSONResponse({"status": "ready", "detail": detail})
 
     async def metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)  # Prometheus sends it with `authorization: {credentials: KEY}`
+        except HTTPError as exc:
+            return exc.response()
         report: LoadReport | None = None
         if self._read_agent_load is not None:
             try:
@@ -549,12 +555,11 @@ class Gateway:
 
     # generation --------------------------------------------------------------------------------------
 
+    def _authorized(self, request: Request) -> bool:
+        return not self._api_key or bearer_matches(request.headers.get("authorization"), self._api_key)
+
     def _authorize(self, request: Request) -> None:
-        if not self._api_key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+        if not self._authorized(request):
             raise HTTPError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                             type="authentication_error", code="invalid_api_key")
 

@@ -668,7 +668,12 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     admission = await asyncio.to_thread(_admission_controller, config, model_config)
     channels = ChannelPool(service_client_interceptors())
     servicer = RouterServicer(config, tokenizer, model_config, channels, admission)
-    server = grpc.aio.server(interceptors=service_server_interceptors())
+    interceptors = list(service_server_interceptors())
+    if config.api_key:
+        from router.auth import ApiKeyInterceptor
+
+        interceptors.append(ApiKeyInterceptor(config.api_key))
+    server = grpc.aio.server(interceptors=interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     close_source: Callable[[], Awaitable[None]] | None = None

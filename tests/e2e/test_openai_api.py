@@ -265,6 +265,21 @@ def test_errors_have_the_openai_shape(tiny: Stack) -> None:
         client.completions.create(model="default", prompt="hello " * (CONTEXT + 10))
 
 
+def _assert_grpc_needs_the_key(address: str) -> None:
+    """The public gRPC API follows the HTTP gateway's key: Generate and ListModels without it (or
+    with a wrong one) end UNAUTHENTICATED; Health stays open for probes."""
+    from tandem.client import ClientError, TandemClient
+
+    for key in (None, "wrong"):
+        with TandemClient(address, timeout_s=30, max_retries=0, api_key=key) as client:
+            assert client.health() is not None
+            for call in (lambda: client.generate("Hi", max_tokens=2), client.models):
+                with pytest.raises(ClientError, match="API key"):
+                    call()
+    with TandemClient(address, timeout_s=30, max_retries=0, api_key=API_KEY) as client:
+        assert client.generate("Hi", max_tokens=2).text is not None
+
+
 def test_api_key_admission_and_not_ready(smol: Stack) -> None:
     base = smol.http_address()
     chat = f"{base}/v1/chat/completions"
@@ -282,11 +297,17 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         assert refused.headers["retry-after"].isdigit()
         with pytest.raises(openai.RateLimitError):
             _client(smol, API_KEY).completions.create(model="default", prompt="hello " * 1500, max_tokens=2)
+        # /metrics needs the key; /ready answers anyone but names internal addresses only to it
+        _assert_error(http.get(f"{base}/metrics"), 401)
+        assert "tandem:" in http.get(f"{base}/metrics", headers=auth).text
+        assert "127.0.0.1" not in http.get(f"{base}/ready").text
+        assert "127.0.0.1" in http.get(f"{base}/ready", headers=auth).text
+        _assert_grpc_needs_the_key(smol.address("router"))
         assert http.get(f"{base}/ready").status_code == 200
         # without prefill and decode the router is not ready and generation is unavailable
         smol.kill("prefill_svc")
         smol.kill("decode_svc")
-        _assert_error(http.get(f"{base}/ready"), 503, "prefill")
+        _assert_error(http.get(f"{base}/ready", headers=auth), 503, "prefill")
         _assert_error(http.post(chat, json=body, headers=auth), 503)
         assert http.get(f"{base}/health").status_code == 200
 
