@@ -250,7 +250,9 @@ class DecodeWorker:
             except grpc.aio.AioRpcError as exc:
                 active.error = f"KV cache exhausted while decoding: {exc.details()}"
                 return False
-            req.block_ids.extend(reply.new_block_ids)
+            # The ledger's whole list, not ours plus the new ones: after a restart our record may
+            # predate an extension the previous process made before it died.
+            req.block_ids = list(reply.block_ids) if reply.block_ids else req.block_ids + list(reply.new_block_ids)
             return True
 
         ok = await asyncio.gather(*(grow(a) for a in batch))

@@ -106,7 +106,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return agent_pb2.ExtendReply(new_block_ids=new, server_ns=time.perf_counter_ns() - start)
+        return agent_pb2.ExtendReply(new_block_ids=new, block_ids=self.ledger.blocks_of(request.request_id) or [],
+                                     server_ns=time.perf_counter_ns() - start)
 
     async def Publish(self, request: agent_pb2.PublishRequest, context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:  # noqa: N802
         try:

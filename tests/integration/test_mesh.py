@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,3 +182,24 @@ def test_registry_and_load_board_show_the_cell(stack: Stack) -> None:
         # the dynamic policy may lend an idle phase's cores to the other, never beyond the machine
         assert set(report.prefill_units) | set(report.decode_units) <= {0, 1}
         assert report.prefill_units or report.decode_units
+
+
+def test_extend_answers_every_block_the_ledger_holds(stack: Stack) -> None:
+    """A decode that resumed from a record older than its predecessor's last extension asks to
+    extend to tokens already covered: no new blocks, but the reply names all of them."""
+    async def run() -> tuple[list[int], agent_pb2.ExtendReply, agent_pb2.ExtendReply]:
+        async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
+            agent = agent_pb2_grpc.GpuAgentStub(channel)
+            rid = f"ext-{uuid.uuid4().hex[:6]}"
+            allocated = await agent.Allocate(agent_pb2.AllocateRequest(request_id=rid, token_ids=list(range(3, 40))),
+                                             timeout=5)
+            try:
+                first = await agent.Extend(agent_pb2.ExtendRequest(request_id=rid, num_tokens=100), timeout=5)
+                again = await agent.Extend(agent_pb2.ExtendRequest(request_id=rid, num_tokens=81), timeout=5)
+            finally:
+                await agent.Release(agent_pb2.ReleaseRequest(request_id=rid), timeout=5)
+            return list(allocated.block_ids), first, again
+
+    allocated, first, again = asyncio.run(run())
+    assert list(first.block_ids) == allocated + list(first.new_block_ids) and len(first.block_ids) == 7
+    assert list(again.new_block_ids) == [] and list(again.block_ids) == list(first.block_ids)

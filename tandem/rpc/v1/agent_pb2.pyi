@@ -93,12 +93,14 @@ class ExtendRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendReply(_message.Message):
-    __slots__ = ("new_block_ids", "server_ns")
+    __slots__ = ("new_block_ids", "server_ns", "block_ids")
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_NS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     server_ns: int
-    def __init__(self, new_block_ids: _Optional[_Iterable[int]] = ..., server_ns: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, new_block_ids: _Optional[_Iterable[int]] = ..., server_ns: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("request_id", "token_ids")
