@@ -252,7 +252,7 @@ class DecodeWorker:
                 return False
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
-            req.block_ids = list(reply.block_ids) if reply.block_ids else req.block_ids + list(reply.new_block_ids)
+            req.block_ids = list(reply.block_ids)
             return True
 
         ok = await asyncio.gather(*(grow(a) for a in batch))
@@ -302,9 +302,10 @@ class DecodeWorker:
         # are already known, and a token still reaches its router only after it is recorded.
         messages = self._updates(batch)
         self._publishing = asyncio.create_task(
-            self._publish(self._publishing, records, messages, finished, done), name=f"publish-{self.num_steps}")
+            self._publish(self.num_steps, self._publishing, records, messages, finished, done),
+            name=f"publish-{self.num_steps}")
 
-    async def _publish(self, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
+    async def _publish(self, step: int, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
                        messages: dict[str, decode_pb2.TokenBatch], finished: list[tuple[_Active, str]],
                        done: list[tuple[_Active, StepOutput]]) -> None:
         """Record one step in Redis, then stream it, then retire what it finished; steps publish
@@ -321,15 +322,13 @@ class DecodeWorker:
             for active, out in done:
                 await self._first_token(active, out)
         except Exception:
-            log.exception("publishing step %d failed", messages and next(iter(messages.values())).step)
+            log.exception("publishing step %d failed", step)
             raise
 
     async def _first_token(self, active: _Active, out: StepOutput) -> None:
         """A prompt computed in chunks has its first token: answer the Handoff with it and
         make the prompt's blocks reusable, then decode it (unless that token ends it)."""
-        req = active.req
-        if active in self.prefilling:
-            self.prefilling.remove(active)
+        req = active.req  # already out of self.prefilling: _step took it out when its prompt was done
         reply = decode_pb2.HandoffReply(
             accepted=True, first_token=token_to_proto(out.token_id, out.logprob, out.top_logprobs),
             finish_reason=finish_to_proto(out.finish_reason), prefill_ns=time.perf_counter_ns() - active.handed_ns,

@@ -66,10 +66,9 @@ _MAX_DECODE_GROUPS = 4
 class _DecodeGroup:
     """Decode rows (q_len == 1) attended in one padded SDPA call."""
 
-    rows: torch.Tensor | None  # [n] int64 token rows of the batch; None: rows 0..n-1 in order
+    rows: torch.Tensor  # [n] int64 token rows of the batch
     num_rows: int
     flat_blocks: torch.Tensor  # [n * max_blocks] int64, each row's table padded with a valid id
-    num_blocks: int  # max_blocks
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool; None: a lone row, sliced
     kv_len: int  # a lone row's context length (its keys are sliced to it)
 
@@ -134,8 +133,6 @@ class TorchPagedAttention(AttentionBackend):
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
         in_order = (not prefill and len(groups) == 1
                     and [s.q_start for s in decode] == list(range(len(decode))))
-        if in_order:
-            groups[0].rows = None
         return _TorchPlan(torch.tensor(slots, dtype=torch.int64), groups, prefill, in_order)
 
     @staticmethod
@@ -149,7 +146,7 @@ class TorchPagedAttention(AttentionBackend):
             lens = torch.tensor([s.kv_len for s in spans])
             mask = (positions[None, :] < lens[:, None])[:, None, None, :]
         rows = torch.tensor([s.q_start for s in spans], dtype=torch.int64)
-        return _DecodeGroup(rows, len(spans), torch.tensor(flat, dtype=torch.int64), max_blocks, mask, spans[0].kv_len)
+        return _DecodeGroup(rows, len(spans), torch.tensor(flat, dtype=torch.int64), mask, spans[0].kv_len)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
@@ -162,9 +159,8 @@ class TorchPagedAttention(AttentionBackend):
             return self._attend_decode(plan.decode[0], q, pool, layer, scale).squeeze(2)
         out = torch.empty_like(q)
         for group in plan.decode:
-            queries = q.index_select(0, group.rows) if group.rows is not None else q
-            attn = self._attend_decode(group, queries, pool, layer, scale).squeeze(2)
-            out.index_copy_(0, group.rows, attn) if group.rows is not None else out.copy_(attn)
+            attn = self._attend_decode(group, q.index_select(0, group.rows), pool, layer, scale).squeeze(2)
+            out.index_copy_(0, group.rows, attn)
         for q_start, q_len, num_cached, blocks, mask in plan.prefill:
             q_end = q_start + q_len
             queries = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]

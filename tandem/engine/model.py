@@ -78,7 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # the weight folded into the norm's call
     # Normalise in fp32 and scale in the weight dtype, as Hugging Face does.
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
