@@ -7,7 +7,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from tandem.engine.quant import WeightFormat
+from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import add_flag
 
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
     add_flag(parser, "--max-batch-requests", 256, "requests decoded together", type=int)
     add_flag(parser, "--quantization", "", "run the linear layers in this format instead of the cell's "
-             "(fp16, bf16, fp32-packed, fp32, int8; see gpu_agent --quantization)")
+             f"({FORMAT_NAMES}; see gpu_agent --quantization)")
     add_flag(parser, "--resume", True, "resume the cell's decoding requests from Redis at start", type=_bool)
     a = parser.parse_args(argv)
     return DecodeConfig(

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import add_flag, parse_cores
 
 
@@ -29,7 +30,6 @@ class AgentConfig:
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
-        from tandem.engine.quant import WeightFormat
         from tandem.policy.policies import POLICIES
 
         if self.policy not in POLICIES:
@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--model", "default", "model directory or 'default'")
     add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
     add_flag(parser, "--quantization", "auto",
-             "how prefill and decode run the linear layers: auto (the fastest accurate format here), "
-             "fp16, bf16, fp32-packed, fp32 or int8 (lossy)")
+             f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the fastest format "
+             "that keeps fp32's accuracy here; int8 is lossy)")
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
     add_flag(parser, "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int)
     add_flag(parser, "--block-size", 16, "tokens per KV block", type=int)

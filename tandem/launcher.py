@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.service.flags import add_flag
 from tandem.service.runtime import free_port
 
@@ -62,8 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
-    add_flag(parser, "--quantization", "auto", "weight format prefill and decode run: auto (the fastest "
-             "accurate one for this CPU), fp16, bf16, fp32-packed, fp32 or int8 (lossy)")
+    add_flag(parser, "--quantization", "auto", f"weight format prefill and decode run ({FORMAT_NAMES}; "
+             "auto: the fastest accurate one for this CPU; int8 is lossy)")
     parser.set_defaults(func=run)
     return parser
 

@@ -18,35 +18,15 @@ outlier token sets the scale of every row of a batch, it loses accuracy on real 
 from __future__ import annotations
 
 import warnings
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.weight_format import WeightFormat
+
 # Decode-sized batch the oneDNN packed layout is tuned for; it stays correct (and faster than the
 # plain layout in our measurements) from 1 to hundreds of rows.
 _PACK_BATCH_HINT = 8
-
-
-class WeightFormat(str, Enum):
-    """How a process runs the linear layers (a closed set; ``auto`` picks one per CPU)."""
-
-    FP32 = "fp32"  # the shared weights as they are: F.linear, no private copy
-    FP32_PACKED = "fp32-packed"  # oneDNN's blocked fp32 layout: same numerics, faster at small batch
-    BF16 = "bf16"  # oneDNN-packed bf16 weights, activations rounded to bf16, fp32 out (AVX512-BF16/AMX)
-    FP16 = "fp16"  # fbgemm fp16 weights, fp32 activations and accumulation (any AVX2 + F16C CPU)
-    INT8 = "int8"  # fbgemm int8, per-output-channel weight scales, dynamic per-tensor activations
-
-    @classmethod
-    def parse(cls, name: str) -> WeightFormat:
-        """A format from its name; ``auto`` is the fastest accurate format this CPU runs."""
-        if name == "auto":
-            return best_format()
-        try:
-            return cls(name)
-        except ValueError:
-            choices = ", ".join(["auto", *(f.value for f in cls)])
-            raise ValueError(f"unknown weight format {name!r}; choose one of {choices}") from None
 
 
 def can_pack_fp32(dtype: torch.dtype) -> bool:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.weight_format import FORMAT_NAMES
+
 EXIT_OK = 0
 EXIT_ERROR = 2
 
@@ -45,8 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmd.add_argument(
         "--quantization",
         default="auto",
-        help="weight format to profile, as the cell's --quantization runs it: auto (the services' "
-             "default), int8, fp32-packed or fp32",
+        help=f"weight format to profile, as the cell's --quantization runs it ({FORMAT_NAMES}; "
+             "default auto, as the services)",
     )
     cmd.add_argument(
         "--units",
@@ -67,7 +69,7 @@ def default_profile_path(model_name: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.errors import TandemError
     from tandem.engine.model_cache import resolve_model
-    from tandem.engine.quant import WeightFormat
+    from tandem.engine.weight_format import WeightFormat
     from tandem.perf.profile import save_profile
     from tandem.perf.profiler import (
         DEFAULT_GRID,
