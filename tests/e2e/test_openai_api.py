@@ -46,24 +46,16 @@ def tiny(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model_dir = write_tiny_chat_model(root / "model", smollm2_dir)
     (root / "logs").mkdir()
     # A cell of its own: the cell id names the shared-memory weights and KV pool.
-    stack = Stack(model_dir, root / "logs", num_blocks=TINY_BLOCKS,
-                  extra_env={"TANDEM_CELL_ID": f"oa-tiny-{uuid.uuid4().hex[:6]}"})
-    try:
-        stack.start()
+    with Stack(model_dir, root / "logs", num_blocks=TINY_BLOCKS,
+               extra_env={"TANDEM_CELL_ID": f"oa-tiny-{uuid.uuid4().hex[:6]}"}) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(smollm2_dir, tmp_path_factory.mktemp("openai-smol-logs"), num_blocks=SMOL_BLOCKS,
-                  extra_env={"TANDEM_API_KEY": API_KEY, "TANDEM_CELL_ID": f"oa-smol-{uuid.uuid4().hex[:6]}"})
-    try:
-        stack.start()
+    with Stack(smollm2_dir, tmp_path_factory.mktemp("openai-smol-logs"), num_blocks=SMOL_BLOCKS,
+               extra_env={"TANDEM_API_KEY": API_KEY, "TANDEM_CELL_ID": f"oa-smol-{uuid.uuid4().hex[:6]}"}) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def _client(stack: Stack, api_key: str = "unused") -> openai.OpenAI:

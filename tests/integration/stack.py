@@ -67,6 +67,17 @@ class Stack:
         self.start_process("router")
         return self
 
+    def __enter__(self) -> Stack:
+        """``with Stack(...) as stack``: started, and stopped on leaving, or if starting fails."""
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def _args(self, name: str) -> list[str]:
         agent = ["--agent-address", self.address("gpu_agent")]
         port = str(self.ports[name])

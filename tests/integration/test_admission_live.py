@@ -34,13 +34,9 @@ STORY = "tell me a short story about a cat who lives in a lighthouse by the sea 
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(smollm2_dir, tmp_path_factory.mktemp("admission-logs"), num_blocks=512, admission="on",
-              extra_env={"TANDEM_TTFT_SLO_MS": str(TTFT_SLO_MS), "TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"})
-    try:
-        s.start()
+    with Stack(smollm2_dir, tmp_path_factory.mktemp("admission-logs"), num_blocks=512, admission="on",
+               extra_env={"TANDEM_TTFT_SLO_MS": str(TTFT_SLO_MS), "TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_http_burst_is_partly_refused_with_retry_after_and_blocks_come_back(stack: Stack) -> None:
@@ -106,13 +102,9 @@ DEFAULT_TTFT_SLO_S = 2.0
 @pytest.fixture(scope="module")
 def default_stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The default stack: admission on, the default 2 s TTFT SLO, no profile."""
-    s = Stack(smollm2_dir, tmp_path_factory.mktemp("admission-default-logs"), num_blocks=512, admission="on",
-              extra_env={"TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"})
-    try:
-        s.start()
+    with Stack(smollm2_dir, tmp_path_factory.mktemp("admission-default-logs"), num_blocks=512, admission="on",
+               extra_env={"TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 async def _chat_burst(base: str, round_: int) -> list[tuple[int, float, str]]:

@@ -18,13 +18,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(smollm2_dir, tmp_path_factory.mktemp("bench-logs"), num_blocks=512,
-              extra_env={"TANDEM_CELL_ID": f"bench-{uuid.uuid4().hex[:6]}"})
-    try:
-        s.start()
+    with Stack(smollm2_dir, tmp_path_factory.mktemp("bench-logs"), num_blocks=512,
+               extra_env={"TANDEM_CELL_ID": f"bench-{uuid.uuid4().hex[:6]}"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

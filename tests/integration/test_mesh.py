@@ -27,12 +27,8 @@ NUM_BLOCKS = 1024
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("mesh-logs")
-    s = Stack(smollm2_dir, logs, num_blocks=NUM_BLOCKS)
-    try:
-        s.start()
+    with Stack(smollm2_dir, logs, num_blocks=NUM_BLOCKS) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
