@@ -41,7 +41,7 @@ from tandem.state.schema import (
 
 
 class RequestExistsError(StateError):
-    """``create`` was called with a request id that already has a record."""
+    """``create`` was called with the id of a request that is still active."""
 
 
 class OutputUpdate(NamedTuple):
@@ -60,9 +60,11 @@ class OutputUpdate(NamedTuple):
 
 # KEYS: the record's hash, its outputs string, its cell's active set.
 # ARGV: request id, TTL in ms ("0": active, no TTL), packed outputs, then field/value pairs.
+# A finished (done/failed) record is replaced: a finished request's id is free for a new one.
 _CREATE_LUA: Final = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('DEL', KEYS[2])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state and state ~= 'done' and state ~= 'failed' then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 if #ARGV[3] > 0 then redis.call('SET', KEYS[2], ARGV[3]) end
 if ARGV[2] == '0' then
@@ -166,7 +168,8 @@ class RequestStore:
     async def create(self, record: RequestRecord) -> None:
         """Store a new record (``updated_unix_ns`` stamped now) and index it if active.
 
-        Raises :class:`RequestExistsError` if ``record.request_id`` already has a record.
+        A finished record of the same id is replaced (a client may reuse a finished request's
+        id); raises :class:`RequestExistsError` if the id's request is still active.
         """
         fields = request_to_fields(record)
         fields["updated_unix_ns"] = str(time.time_ns()).encode()

@@ -339,6 +339,14 @@ def test_request_record_round_trip(redis_client: aredis.Redis) -> None:
         with pytest.raises(RequestExistsError):
             await store.create(replace(original, state="prefill"))
         assert (await store.get("req-1")) == got
+        # Once finished, the id is free: a new request with it replaces the record whole.
+        for finished in ("done", "failed"):
+            assert await store.set_state("req-1", finished)
+            again = replace(original, output_token_ids=[7], state="decode")
+            await store.create(again)
+            now = await store.get("req-1")
+            assert now is not None and now.output_token_ids == [7] and now.state == "decode"
+            assert [r.request_id for r in await store.list_active(original.cell_id)].count("req-1") == 1
 
         await store.create(record("req-2"))  # defaults: no outputs, no decode service
         bare = await store.get("req-2")
