@@ -61,7 +61,7 @@ async def agent_round_trips(address: str, num: int) -> dict[str, float]:
         for i in range(num):
             ids = torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist()
             start = time.perf_counter_ns()
-            await agent.Allocate(agent_pb2.AllocateRequest(request_id=f"bench-{i}", token_ids=ids, num_extra_tokens=1),
+            await agent.Allocate(agent_pb2.AllocateRequest(request_id=f"bench-{i}", token_ids=ids, num_extra_tokens=1, owner="bench"),
                                  timeout=5)
             samples.append(time.perf_counter_ns() - start)
             await agent.Release(agent_pb2.ReleaseRequest(request_id=f"bench-{i}"), timeout=5)

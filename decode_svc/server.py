@@ -17,6 +17,7 @@ decodes from the next step on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
+from redis.exceptions import RedisError
 
 from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
@@ -35,14 +37,21 @@ from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_pr
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
-from tandem.state.request_store import OutputUpdate, RequestStore
-from tandem.state.schema import LoadReport, RequestRecord
+from tandem.state.request_store import OutputUpdate, RequestExistsError, RequestStore
+from tandem.state.schema import LoadReport, RequestRecord, RequestState
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
+# A router whose token stream stays away this long is gone: its requests are cancelled.
+ROUTER_GRACE_S = 5.0
+# A preempted request that cannot get its blocks back for this long (nothing else in decode
+# frees any) fails with a clear error instead of waiting forever.
+READMIT_TIMEOUT_S = 30.0
+# Redis errors a decode step survives: the step streams anyway and is recorded later.
+_RECORD_ERRORS = (RedisError, OSError)
 
 
 @dataclass
@@ -58,6 +67,7 @@ class _Active:
     first_token: asyncio.Future[decode_pb2.HandoffReply] | None = None
     handed_ns: int = 0
     arrival_unix_ns: int = 0
+    preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
 
 
 class DecodeWorker:
@@ -82,6 +92,24 @@ class DecodeWorker:
         self._prefill_done_unix_ns: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
+        # Requests without blocks (preempted when the pool was full, or resumed after the agent
+        # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
+        self.preempted: deque[_Active] = deque()
+        self.num_preemptions = 0
+        # Redis outages: requests whose record must be rewritten whole, and finished requests
+        # whose final state Redis has not taken yet.
+        self._unrecorded: set[str] = set()
+        self._unwritten_states: dict[str, RequestState] = {}
+        self.num_record_failures = 0
+        # Routers with an open token stream, and timers that cancel a lost router's requests.
+        self._router_streams: dict[str, int] = {}
+        self._router_lost: dict[str, asyncio.TimerHandle] = {}
+        self._gone_routers: set[str] = set()  # their requests were cancelled; nothing is queued for them
+        self.num_orphans_cancelled = 0
+
+    @property
+    def service_id(self) -> str:
+        return self.config.service_id
 
     # ------------------------------------------------------------------ API
     async def handoff(self, msg: decode_pb2.HandoffRequest) -> decode_pb2.HandoffReply:
@@ -97,14 +125,24 @@ class DecodeWorker:
         req.output_token_ids = list(msg.output_token_ids)
         req.block_ids = list(msg.block_ids)
         req.num_computed_tokens = msg.num_computed_tokens
+        # The blocks become this service's before it says yes: from here on a prefill that dies
+        # (or a late release of its) cannot free them.
+        try:
+            claim = await self.member.agent.Claim(
+                agent_pb2.ClaimRequest(owner=self.service_id, request_ids=[req.request_id]), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return decode_pb2.HandoffReply(accepted=False, message=f"gpu_agent: {exc.details()}")
+        if claim.missing:
+            return decode_pb2.HandoffReply(accepted=False, message="the request's KV blocks are no longer held")
         if self.records is not None:
-            await self.records.create(RequestRecord(
-                request_id=req.request_id, cell_id=self.member.cell_id, router_id=msg.router_id, state="decode",
-                prompt_token_ids=req.prompt_token_ids, arrival_unix_ns=msg.arrival_unix_ns,
-                output_token_ids=req.output_token_ids, block_ids=req.block_ids,
-                num_computed_tokens=req.num_computed_tokens, sampling=params.to_dict(),
-                generator_state=bytes(msg.generator_state), decode_service_id=self.config.service_id,
-            ))
+            try:
+                await self.records.create(self._record(req, msg.router_id, msg.arrival_unix_ns))
+            except RequestExistsError:
+                await self._release(req)
+                return decode_pb2.HandoffReply(accepted=False, message=f"request {req.request_id} is already active")
+            except _RECORD_ERRORS as exc:
+                self._record_failed(f"recording handoff of {req.request_id}", exc)
+                self._unrecorded.add(req.request_id)
         # Started inside the Handoff server span, so it joins the request's trace.
         span = tracer("tandem.decode").start_span("decode", attributes={"tandem.request_id": req.request_id})
         if msg.needs_prefill:
@@ -138,6 +176,22 @@ class DecodeWorker:
         self.pending.append(active)
         self._wake.set()
 
+    def _record(self, req: Request, router_id: str, arrival_unix_ns: int) -> RequestRecord:
+        """The request's whole record as of now (call between steps: it copies the request)."""
+        return RequestRecord(
+            request_id=req.request_id, cell_id=self.member.cell_id, router_id=router_id, state="decode",
+            prompt_token_ids=list(req.prompt_token_ids), arrival_unix_ns=arrival_unix_ns,
+            output_token_ids=list(req.output_token_ids), block_ids=list(req.block_ids),
+            num_computed_tokens=req.num_computed_tokens, sampling=req.params.to_dict(),
+            generator_state=generator_state(req.generator), decode_service_id=self.service_id,
+        )
+
+    def _record_failed(self, what: str, exc: BaseException) -> None:
+        self.num_record_failures += 1
+        # Once per outage at warning level, not once per step.
+        level = logging.WARNING if self.num_record_failures == 1 or not self._unrecorded else logging.DEBUG
+        log.log(level, "%s in Redis failed (%s); serving on, recording later", what, exc)
+
     def load_report(self) -> LoadReport:
         p = self.member.partition
         return LoadReport(
@@ -169,22 +223,74 @@ class DecodeWorker:
         if self.records is None:
             return 0
         records = await self.records.list_active(self.member.cell_id, state="decode")
+        # Take the requests' blocks over from the dead predecessor; the ledger's block lists are
+        # the truth (the record may predate an extension). Requests the agent no longer holds
+        # blocks for (it reclaimed them, or the predecessor had preempted them) recompute.
+        claim = await self.member.agent.Claim(
+            agent_pb2.ClaimRequest(owner=self.service_id, request_ids=[r.request_id for r in records]),
+            timeout=RPC_TIMEOUT_S)
+        held = {b.request_id: list(b.block_ids) for b in claim.blocks}
         for rec in records:
             if not rec.output_token_ids:
                 # Handed over uncomputed (aggregated mode) and lost before its first token:
-                # prefill_svc saw the handoff fail, failed the request and freed its blocks.
+                # prefill_svc saw the handoff fail and failed the request; its blocks are ours.
+                await self._release_id(rec.request_id)
                 await self.records.set_state(rec.request_id, "failed")
                 continue
             params = SamplingParams.from_dict(rec.sampling)
             req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
             req.output_token_ids = list(rec.output_token_ids)
-            req.block_ids = list(rec.block_ids)
-            req.num_computed_tokens = rec.num_computed_tokens
-            await self.records.set_state(rec.request_id, "decode", decode_service_id=self.config.service_id)
+            req.block_ids = held.get(rec.request_id, [])
+            req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
+            await self.records.set_state(rec.request_id, "decode", decode_service_id=self.service_id)
             # num_sent=0: the router may have missed tokens recorded just before the crash;
             # it drops the ones it already has.
-            self._admit(_Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids)))
+            active = _Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids))
+            if req.block_ids:
+                self._admit(active)
+            else:
+                self.by_id[req.request_id] = active
+                active.preempted_ns = time.perf_counter_ns()
+                self.preempted.append(active)
+            self._expect_router(rec.router_id)
+        self._wake.set()
         return len(records)
+
+    # ------------------------------------------------------------------ routers
+    def router_opened(self, router_id: str) -> None:
+        self._router_streams[router_id] = self._router_streams.get(router_id, 0) + 1
+        self._gone_routers.discard(router_id)
+        timer = self._router_lost.pop(router_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def router_closed(self, router_id: str) -> None:
+        self._router_streams[router_id] -= 1
+        if self._router_streams[router_id] <= 0:
+            del self._router_streams[router_id]
+            self._expect_router(router_id)
+
+    def _expect_router(self, router_id: str) -> None:
+        """Unless ``router_id`` opens its stream within ROUTER_GRACE_S, cancel its requests."""
+        if router_id in self._router_streams or router_id in self._router_lost:
+            return
+        self._router_lost[router_id] = asyncio.get_running_loop().call_later(
+            ROUTER_GRACE_S, self._router_gone, router_id)
+
+    def _router_gone(self, router_id: str) -> None:
+        self._router_lost.pop(router_id, None)
+        if router_id in self._router_streams:
+            return
+        orphans = [a for a in self.by_id.values() if a.router_id == router_id and not a.cancelled]
+        for active in orphans:
+            active.cancelled = True
+        self.routers.pop(router_id, None)  # nobody reads its queue
+        self._gone_routers.add(router_id)
+        if orphans:
+            self.num_orphans_cancelled += len(orphans)
+            log.warning("router %s has been away %.0f s: cancelled its %d requests", router_id, ROUTER_GRACE_S,
+                        len(orphans))
+            self._wake.set()
 
     # ------------------------------------------------------------------ loop
     def _report_load(self) -> None:
@@ -201,7 +307,7 @@ class DecodeWorker:
     async def run(self) -> None:
         was_busy = False
         while True:
-            busy = bool(self.pending or self.running or self.prefilling)
+            busy = bool(self.pending or self.running or self.prefilling or self.preempted)
             if busy != was_busy or (busy and self.num_steps % 8 == 0):
                 self._report_load()  # on every change of state, and every few steps
                 was_busy = busy
@@ -212,10 +318,16 @@ class DecodeWorker:
             self.running.extend(self.pending)
             self.pending.clear()
             await self._drop_cancelled()
+            await self._readmit()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
             chunks = self._plan_chunks()
             if batch or chunks:
                 await self._step(batch, chunks)
+            elif self.preempted:
+                # Only requests waiting for blocks: others (prefill's) hold them for now.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
 
     def _plan_chunks(self) -> list[tuple[_Active, int]]:
         """Prompt chunks for this step: first come first served within the token budget the
@@ -233,22 +345,27 @@ class DecodeWorker:
         return chunks
 
     async def _drop_cancelled(self) -> None:
-        for active in [a for a in self.running + self.prefilling if a.cancelled]:
+        for active in [a for a in [*self.running, *self.prefilling, *self.preempted] if a.cancelled]:
             # A prompt still in chunks has sent nothing: its Handoff reply says it was cancelled.
             await self._finish(active, "abort", send=active not in self.prefilling)
 
     async def _grow_blocks(self, batch: list[_Active]) -> list[_Active]:
-        async def grow(active: _Active) -> bool:
+        """Blocks for every request's next token. When the pool is full, the youngest running
+        request is preempted (its blocks freed, its K/V recomputed when it is readmitted) until
+        the growth fits — the request itself if it is the youngest."""
+        async def grow(active: _Active) -> bool | None:
             req = active.req
             need = len(req.all_token_ids)
             if len(req.block_ids) * self.block_size >= need:
                 return True
             try:
                 reply = await self.member.agent.Extend(
-                    agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=need), timeout=RPC_TIMEOUT_S
-                )
+                    agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=need, owner=self.service_id),
+                    timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                active.error = f"KV cache exhausted while decoding: {exc.details()}"
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    return None  # pool full: preempt and retry
+                active.error = f"growing the request's KV blocks failed: {exc.details()}"
                 return False
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
@@ -257,9 +374,62 @@ class DecodeWorker:
 
         ok = await asyncio.gather(*(grow(a) for a in batch))
         for active, grown in zip(batch, ok, strict=True):
-            if not grown:
+            while grown is None and active in self.running:
+                victim = self.running[-1]  # the youngest: it has the least to recompute
+                await self._preempt(victim)
+                if victim is not active:
+                    grown = await grow(active)
+            if grown is False:
                 await self._finish(active, "error")
-        return [a for a, grown in zip(batch, ok, strict=True) if grown]
+        return [a for a in batch if a in self.running]
+
+    async def _preempt(self, active: _Active) -> None:
+        """Free a running request's blocks (publishing its K/V to the prefix index, so its
+        readmission may find much of it still there) and queue it for readmission."""
+        req = active.req
+        self.running.remove(active)
+        await self._release(req)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        active.preempted_ns = time.perf_counter_ns()
+        self.preempted.append(active)
+        self.num_preemptions += 1
+        log.info("KV pool full: preempted %s (%d tokens), %d waiting for blocks", req.request_id,
+                 len(req.all_token_ids), len(self.preempted))
+        if active.span is not None:
+            active.span.add_event("preempted", {"tandem.context_tokens": len(req.all_token_ids)})
+
+    async def _readmit(self) -> None:
+        """Give preempted requests blocks again, oldest first, while the pool has room; each
+        recomputes what the prefix index no longer holds in its next step."""
+        pool_tokens = self.runner.pool.spec.num_blocks * self.block_size
+        while self.preempted:
+            active = self.preempted[0]
+            req = active.req
+            tokens = req.all_token_ids
+            if len(tokens) + 1 > pool_tokens:
+                self.preempted.popleft()
+                active.error = f"the request needs {len(tokens) + 1} tokens of KV cache; the pool holds {pool_tokens}"
+                await self._finish(active, "error")
+                continue
+            try:
+                reply = await self.member.agent.Allocate(
+                    agent_pb2.AllocateRequest(request_id=req.request_id, token_ids=tokens, num_extra_tokens=1,
+                                              owner=self.service_id), timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                waited_s = (time.perf_counter_ns() - active.preempted_ns) / 1e9
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or waited_s < READMIT_TIMEOUT_S):
+                    return  # blocks come back as running requests finish
+                self.preempted.popleft()
+                active.error = f"KV cache exhausted: no blocks for {waited_s:.0f} s ({exc.details()})"
+                await self._finish(active, "error")
+                continue
+            self.preempted.popleft()
+            req.block_ids = list(reply.block_ids)
+            # At least the last token is computed again: its logits give the next token.
+            req.num_computed_tokens = min(reply.num_cached_tokens, len(tokens) - 1)
+            active.preempted_ns = 0
+            self.running.append(active)
 
     async def _step(self, batch: list[_Active], chunks: list[tuple[_Active, int]]) -> None:
         requests = [a.req for a in batch]
@@ -288,11 +458,15 @@ class DecodeWorker:
             if active.span is not None:
                 active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
         done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
+        stepped = [*zip(batch, outputs, strict=True), *done]
+        # Requests Redis lacks (it was away) are recorded whole, the others get this step's token.
         records = [
             OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
                          generator_state(a.req.generator), list(a.req.block_ids))
-            for a, out in [*zip(batch, outputs, strict=True), *done]
+            for a, out in stepped if a.req.request_id not in self._unrecorded
         ]
+        rewrites = [self._record(a.req, a.router_id, a.arrival_unix_ns)
+                    for a, _ in stepped if a.req.request_id in self._unrecorded]
         finished = [(a, out.finish_reason) for a, out in zip(batch, outputs, strict=True) if out.finish_reason]
         for active, _ in finished:  # out of the next step at once; released once recorded
             self.running.remove(active)
@@ -302,19 +476,21 @@ class DecodeWorker:
         # are already known, and a token still reaches its router only after it is recorded.
         messages = self._updates(batch)
         self._publishing = asyncio.create_task(
-            self._publish(self.num_steps, self._publishing, records, messages, finished, done),
+            self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done),
             name=f"publish-{self.num_steps}")
 
     async def _publish(self, step: int, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
-                       messages: dict[str, decode_pb2.TokenBatch], finished: list[tuple[_Active, str]],
-                       done: list[tuple[_Active, StepOutput]]) -> None:
+                       rewrites: list[RequestRecord], messages: dict[str, decode_pb2.TokenBatch],
+                       finished: list[tuple[_Active, str]], done: list[tuple[_Active, StepOutput]]) -> None:
         """Record one step in Redis, then stream it, then retire what it finished; steps publish
-        in order (each waits for the one before)."""
+        in order (each waits for the one before). With Redis away the step streams unrecorded
+        and its requests are recorded whole once Redis answers again (a decode crash meanwhile
+        resumes them from their last record: the router drops the tokens it already has)."""
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
         try:
             if self.records is not None:
-                await self.records.append_outputs(records)
+                await self._record_step(step, records, rewrites)
             for router_id, message in messages.items():
                 self._put(router_id, message)
             for active, reason in finished:
@@ -324,6 +500,23 @@ class DecodeWorker:
         except Exception:
             log.exception("publishing step %d failed", step)
             raise
+
+    async def _record_step(self, step: int, records: list[OutputUpdate], rewrites: list[RequestRecord]) -> None:
+        assert self.records is not None
+        try:
+            for record in rewrites:
+                await self.records.create(record, replace=True)
+                self._unrecorded.discard(record.request_id)
+            # Records that vanished (Redis restarted empty) are rewritten whole next step.
+            skipped = await self.records.append_outputs(records)
+            self._unrecorded.update(rid for rid in skipped if rid in self.by_id)
+            for rid, state in list(self._unwritten_states.items()):
+                await self.records.set_state(rid, state)
+                del self._unwritten_states[rid]
+        except _RECORD_ERRORS as exc:
+            self._record_failed(f"recording step {step}", exc)
+            self._unrecorded.update(u.request_id for u in records if u.request_id in self.by_id)
+            self._unrecorded.update(r.request_id for r in rewrites if r.request_id in self.by_id)
 
     async def _first_token(self, active: _Active, out: StepOutput) -> None:
         """A prompt computed in chunks has its first token: answer the Handoff with it and
@@ -339,8 +532,8 @@ class DecodeWorker:
         else:
             try:
                 await self.member.agent.Publish(
-                    agent_pb2.PublishRequest(request_id=req.request_id, token_ids=req.prompt_token_ids),
-                    timeout=RPC_TIMEOUT_S)
+                    agent_pb2.PublishRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
+                                             owner=self.service_id), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # only the prefix cache misses out
                 log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
             self.running.append(active)
@@ -374,6 +567,8 @@ class DecodeWorker:
                 for router_id, updates in per_router.items()}
 
     def _put(self, router_id: str, message: decode_pb2.TokenBatch) -> None:
+        if router_id in self._gone_routers:
+            return
         try:
             self.router_queue(router_id).put_nowait(message)
         except asyncio.QueueFull:
@@ -388,6 +583,8 @@ class DecodeWorker:
         req = active.req
         if active in self.running:
             self.running.remove(active)
+        if active in self.preempted:
+            self.preempted.remove(active)
         if active in self.prefilling:
             self.prefilling.remove(active)
             if active.first_token is not None and not active.first_token.done():
@@ -404,16 +601,28 @@ class DecodeWorker:
             active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))
             active.span.set_attribute("tandem.finish_reason", reason)
             active.span.end()
+        if req.block_ids:
+            await self._release(req)
+        self._unrecorded.discard(req.request_id)
+        if self.records is not None:
+            state: RequestState = "failed" if reason == "error" else "done"
+            try:
+                await self.records.set_state(req.request_id, state)
+            except _RECORD_ERRORS as exc:
+                self._record_failed(f"finishing {req.request_id}", exc)
+                self._unwritten_states[req.request_id] = state  # written with a later step
+
+    async def _release(self, req: Request) -> None:
+        """Give the request's blocks back, publishing the K/V written so far."""
+        await self._release_id(req.request_id, req.all_token_ids[: req.num_computed_tokens])
+
+    async def _release_id(self, request_id: str, token_ids: list[int] | None = None) -> None:
         try:
             await self.member.agent.Release(
-                agent_pb2.ReleaseRequest(request_id=req.request_id,
-                                         token_ids=req.all_token_ids[: req.num_computed_tokens]),
-                timeout=RPC_TIMEOUT_S,
-            )
+                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or [], owner=self.service_id),
+                timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.error("could not release blocks of %s: %s", req.request_id, exc.details())
-        if self.records is not None:
-            await self.records.set_state(req.request_id, "failed" if reason == "error" else "done")
+            log.error("could not release blocks of %s: %s", request_id, exc.details())
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -430,7 +639,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         w = self.worker
         samples = sorted(w.handoff_latency_ns)
         stats = decode_pb2.DecodeStats(num_running=len(w.running), num_steps=w.num_steps, last_step_ns=w.last_step_ns,
-                                       num_handoffs=len(samples))
+                                       num_handoffs=len(samples), num_preemptions=w.num_preemptions,
+                                       num_preempted=len(w.preempted), num_orphans_cancelled=w.num_orphans_cancelled,
+                                       num_record_failures=w.num_record_failures)
         if samples:
             stats.handoff_p50_ns = samples[len(samples) // 2]
             stats.handoff_p99_ns = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
@@ -439,8 +650,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Stream(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
         queue = self.worker.router_queue(request.router_id)
-        # An empty batch first tells the router the stream is live.
-        yield decode_pb2.TokenBatch(step=self.worker.num_steps)
-        while True:
-            yield await queue.get()
+        self.worker.router_opened(request.router_id)
+        try:
+            # An empty batch first tells the router the stream is live.
+            yield decode_pb2.TokenBatch(step=self.worker.num_steps)
+            while True:
+                yield await queue.get()
+        finally:
+            # A router that stays away loses its requests (see DecodeWorker._router_gone).
+            self.worker.router_closed(request.router_id)
 

@@ -15,6 +15,7 @@ import grpc
 
 from gpu_agent.blocks import BlockLedger
 from gpu_agent.config import AgentConfig
+from gpu_agent.leases import Leases
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
@@ -63,6 +64,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         self.ledger = ledger
         self.partition = partition
         self.services: dict[str, agent_pb2.RegisterRequest] = {}
+        self.leases = Leases(ledger, lambda sid: sid in self.services and
+                             self.services[sid].role == agent_pb2.ROLE_DECODE)
         # Resolved once ("auto" -> a concrete format), so every service of the cell runs the same.
         self.weight_format = effective_format(WeightFormat.parse(config.quantization), parse_dtype(config.dtype))
 
@@ -88,7 +91,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
     async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802
         start = time.perf_counter_ns()
         try:
-            alloc = self.ledger.allocate(request.request_id, list(request.token_ids), request.num_extra_tokens)
+            alloc = self.ledger.allocate(request.request_id, list(request.token_ids), request.num_extra_tokens,
+                                         owner=request.owner)
         except OutOfBlocksError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
@@ -101,7 +105,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
     async def Extend(self, request: agent_pb2.ExtendRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ExtendReply:  # noqa: N802
         start = time.perf_counter_ns()
         try:
-            new = self.ledger.extend(request.request_id, request.num_tokens)
+            new = self.ledger.extend(request.request_id, request.num_tokens, request.owner or None)
         except OutOfBlocksError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
@@ -111,20 +115,34 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
 
     async def Publish(self, request: agent_pb2.PublishRequest, context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:  # noqa: N802
         try:
-            num = self.ledger.publish(request.request_id, list(request.token_ids))
+            num = self.ledger.publish(request.request_id, list(request.token_ids), request.owner or None)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return agent_pb2.PublishReply(num_published=num)
 
     async def Release(self, request: agent_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ReleaseReply:  # noqa: N802
-        return agent_pb2.ReleaseReply(num_released=self.ledger.release(request.request_id, list(request.token_ids)))
+        return agent_pb2.ReleaseReply(num_released=self.ledger.release(request.request_id, list(request.token_ids),
+                                                                       request.owner or None))
+
+    async def Claim(self, request: agent_pb2.ClaimRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ClaimReply:  # noqa: N802
+        try:
+            missing, blocks = self.ledger.claim(request.owner, list(request.request_ids))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return agent_pb2.ClaimReply(missing=missing, blocks=[
+            agent_pb2.BlockList(request_id=rid, block_ids=ids) for rid, ids in blocks.items()])
 
     async def WatchPartition(self, request: agent_pb2.WatchPartitionRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
-        current = self.partition.current
-        yield current
-        while True:
-            current = await self.partition.wait_newer(current.epoch)
+        # The stream is the service's lease (see gpu_agent/leases.py).
+        self.leases.opened(request.service_id)
+        try:
+            current = self.partition.current
             yield current
+            while True:
+                current = await self.partition.wait_newer(current.epoch)
+                yield current
+        finally:
+            self.leases.closed(request.service_id)
 
     async def ReportLoad(self, request: agent_pb2.PhaseLoad, context: grpc.aio.ServicerContext) -> agent_pb2.ReportLoadReply:  # noqa: N802
         if self.policy is not None:
@@ -137,7 +155,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         return agent_pb2.AgentStats(
             num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks, num_requests=self.ledger.num_requests,
             num_prefix_query_tokens=alloc.num_prefix_queries_tokens, num_prefix_hit_tokens=alloc.num_prefix_hit_tokens,
-            partition=self.partition.current,
+            partition=self.partition.current, num_reclaimed_requests=self.leases.num_reclaimed_requests,
+            num_reclaimed_blocks=self.leases.num_reclaimed_blocks,
         )
 
 

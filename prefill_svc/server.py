@@ -214,7 +214,8 @@ class PrefillWorker:
         otel_context.attach(pending.trace_context)
         try:
             reply = await self.member.agent.Allocate(
-                agent_pb2.AllocateRequest(request_id=msg.request_id, token_ids=msg.token_ids, num_extra_tokens=1),
+                agent_pb2.AllocateRequest(request_id=msg.request_id, token_ids=msg.token_ids, num_extra_tokens=1,
+                                          owner=self.config.service_id),
                 timeout=RPC_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as exc:
@@ -311,7 +312,8 @@ class PrefillWorker:
         handoff_start = time.perf_counter_ns()
         try:
             await self.member.agent.Publish(
-                agent_pb2.PublishRequest(request_id=rid, token_ids=req.prompt_token_ids), timeout=RPC_TIMEOUT_S
+                agent_pb2.PublishRequest(request_id=rid, token_ids=req.prompt_token_ids, owner=self.config.service_id),
+                timeout=RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
             await self._release(rid)
@@ -363,7 +365,8 @@ class PrefillWorker:
     async def _release(self, request_id: str, token_ids: list[int] | None = None) -> None:
         try:
             await self.member.agent.Release(
-                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or []), timeout=RPC_TIMEOUT_S
+                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or [], owner=self.config.service_id),
+                timeout=RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
             log.error("could not release blocks of %s: %s", request_id, exc.details())

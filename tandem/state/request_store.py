@@ -59,13 +59,14 @@ class OutputUpdate(NamedTuple):
 
 
 # KEYS: the record's hash, its outputs string, its cell's active set.
-# ARGV: request id, TTL in ms ("0": active, no TTL), packed outputs, then field/value pairs.
-# A finished (done/failed) record is replaced: a finished request's id is free for a new one.
+# ARGV: request id, TTL in ms ("0": active, no TTL), packed outputs, "replace" or "create",
+# then field/value pairs. A finished (done/failed) record is always replaced: a finished
+# request's id is free for a new one; an active one only in "replace" mode.
 _CREATE_LUA: Final = """
 local state = redis.call('HGET', KEYS[1], 'state')
-if state and state ~= 'done' and state ~= 'failed' then return 0 end
+if ARGV[4] ~= 'replace' and state and state ~= 'done' and state ~= 'failed' then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 if #ARGV[3] > 0 then redis.call('SET', KEYS[2], ARGV[3]) end
 if ARGV[2] == '0' then
   redis.call('SADD', KEYS[3], ARGV[1])
@@ -165,16 +166,18 @@ class RequestStore:
         self._delete = client.register_script(_DELETE_LUA)
         self._list_active = client.register_script(_LIST_ACTIVE_LUA)
 
-    async def create(self, record: RequestRecord) -> None:
+    async def create(self, record: RequestRecord, *, replace: bool = False) -> None:
         """Store a new record (``updated_unix_ns`` stamped now) and index it if active.
 
         A finished record of the same id is replaced (a client may reuse a finished request's
-        id); raises :class:`RequestExistsError` if the id's request is still active.
+        id); raises :class:`RequestExistsError` if the id's request is still active, unless
+        ``replace`` (a service rewriting its own request whole, e.g. after Redis lost it).
         """
         fields = request_to_fields(record)
         fields["updated_unix_ns"] = str(time.time_ns()).encode()
         ttl = 0 if record.is_active else self._finished_ttl_ms
-        args: list[bytes | str | int] = [record.request_id, ttl, pack_u32(record.output_token_ids)]
+        args: list[bytes | str | int] = [record.request_id, ttl, pack_u32(record.output_token_ids),
+                                         "replace" if replace else "create"]
         for name, value in fields.items():
             args += [name, value]
         keys = [self._keys.request(record.request_id), self._keys.outputs(record.request_id),

@@ -187,7 +187,7 @@ def test_extend_answers_every_block_the_ledger_holds(stack: Stack) -> None:
         async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
             agent = agent_pb2_grpc.GpuAgentStub(channel)
             rid = f"ext-{uuid.uuid4().hex[:6]}"
-            allocated = await agent.Allocate(agent_pb2.AllocateRequest(request_id=rid, token_ids=list(range(3, 40))),
+            allocated = await agent.Allocate(agent_pb2.AllocateRequest(request_id=rid, token_ids=list(range(3, 40)), owner="test"),
                                              timeout=5)
             try:
                 first = await agent.Extend(agent_pb2.ExtendRequest(request_id=rid, num_tokens=100), timeout=5)

@@ -347,6 +347,10 @@ def test_request_record_round_trip(redis_client: aredis.Redis) -> None:
             now = await store.get("req-1")
             assert now is not None and now.output_token_ids == [7] and now.state == "decode"
             assert [r.request_id for r in await store.list_active(original.cell_id)].count("req-1") == 1
+        # A service rewriting its own active request whole (Redis lost it, or a write failed).
+        await store.create(replace(original, output_token_ids=[7, 8, 9]), replace=True)
+        now = await store.get("req-1")
+        assert now is not None and now.output_token_ids == [7, 8, 9] and now.state == original.state
 
         await store.create(record("req-2"))  # defaults: no outputs, no decode service
         bare = await store.get("req-2")

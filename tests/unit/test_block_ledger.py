@@ -1,17 +1,23 @@
-"""The agent's per-request ledger over the allocator: blocks come back together, exactly once."""
+"""The agent's per-request ledger over the allocator: blocks come back together, exactly once,
+and only the request's current owner (or a reclaim of a dead owner) gives them back."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from gpu_agent.blocks import BlockLedger
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_agent.blocks import BlockLedger, NotOwnerError
+from gpu_agent.leases import Leases
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 
 
 def test_allocate_extend_release_by_request_id() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
-    a = ledger.allocate("a", list(range(7)), num_extra_tokens=1)  # 8 tokens -> 2 blocks
+    a = ledger.allocate("a", list(range(7)), num_extra_tokens=1, owner="p")  # 8 tokens -> 2 blocks
     assert a.block_ids == (0, 1)
     assert ledger.extend("a", 9) == [2]
     assert ledger.blocks_of("a") == [0, 1, 2]
@@ -22,29 +28,130 @@ def test_allocate_extend_release_by_request_id() -> None:
 
 def test_extra_tokens_may_need_a_block_of_their_own() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
-    assert ledger.allocate("a", list(range(8)), num_extra_tokens=1).block_ids == (0, 1, 2)
+    assert ledger.allocate("a", list(range(8)), num_extra_tokens=1, owner="p").block_ids == (0, 1, 2)
 
 
 def test_refused_allocation_leaves_nothing_behind() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=2, block_size=4))
     with pytest.raises(OutOfBlocksError):
-        ledger.allocate("a", list(range(8)), num_extra_tokens=1)  # prompt fits, the extra token not
+        ledger.allocate("a", list(range(8)), num_extra_tokens=1, owner="p")  # prompt fits, the extra token not
     assert ledger.allocator.num_free_blocks == 2 and ledger.num_requests == 0
 
 
 def test_release_publishes_written_tokens_for_reuse() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
     prompt = list(range(10))
-    ledger.allocate("a", prompt)
+    ledger.allocate("a", prompt, owner="p")
     ledger.release("a", prompt)
-    b = ledger.allocate("b", prompt + [42])
+    b = ledger.allocate("b", prompt + [42], owner="p")
     assert b.num_cached_tokens == 8
 
 
 def test_unknown_and_duplicate_requests_are_errors() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
-    ledger.allocate("a", [1, 2])
+    ledger.allocate("a", [1, 2], owner="p")
     with pytest.raises(InvalidRequestError, match="already holds"):
-        ledger.allocate("a", [1, 2])
+        ledger.allocate("a", [1, 2], owner="p")
     with pytest.raises(InvalidRequestError, match="holds no blocks"):
         ledger.extend("zzz", 5)
+
+
+def test_only_the_owner_releases_extends_or_publishes() -> None:
+    ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
+    ledger.allocate("a", list(range(5)), owner="prefill-1")
+    assert ledger.claim("decode-1", ["a", "gone"]) == (["gone"], {"a": [0, 1]})
+    assert ledger.release("a", owner="prefill-1") == 0  # a late release of the former holder
+    with pytest.raises(NotOwnerError):
+        ledger.extend("a", 12, owner="prefill-1")
+    with pytest.raises(NotOwnerError):
+        ledger.publish("a", list(range(4)), owner="prefill-1")
+    assert ledger.extend("a", 12, owner="decode-1") == [2]
+    assert ledger.reclaim("prefill-1") == (0, 0)
+    assert ledger.reclaim("decode-1") == (1, 3)
+    assert ledger.allocator.num_free_blocks == 8 and ledger.release("a") == 0
+    with pytest.raises(InvalidRequestError, match="owner"):
+        ledger.allocate("b", [1], owner="")
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["allocate", "extend", "claim", "release", "reclaim"]),
+                          st.integers(0, 5), st.integers(0, 2), st.integers(1, 30)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS)
+def test_random_ownership_histories_never_lose_or_double_free_a_block(ops: list[tuple[str, int, int, int]]) -> None:
+    """Blocks held + blocks free = the pool after any history of allocations, claims, releases
+    (by owners and by others) and reclaims; each request's blocks return exactly once."""
+    ledger = BlockLedger(BlockAllocator(num_blocks=24, block_size=4))
+    owners = ["prefill", "decode-old", "decode-new"]
+    held: dict[str, str] = {}  # the model: request -> owner
+    for op, r, o, n in ops:
+        rid, owner = f"r{r}", owners[o]
+        if op == "allocate":
+            try:
+                ledger.allocate(rid, list(range(n)), owner=owner)
+                assert rid not in held
+                held[rid] = owner
+            except OutOfBlocksError:
+                pass
+            except InvalidRequestError:
+                assert rid in held
+        elif op == "extend" and rid in held:
+            try:
+                ledger.extend(rid, n + 4 * len(ledger.blocks_of(rid) or []), owner=owner)
+                assert held[rid] == owner
+            except NotOwnerError:
+                assert held[rid] != owner
+            except OutOfBlocksError:
+                pass
+        elif op == "claim":
+            missing, _ = ledger.claim(owner, [rid])
+            assert (missing == [rid]) == (rid not in held)
+            if rid in held:
+                held[rid] = owner
+        elif op == "release":
+            released = ledger.release(rid, owner=owner)
+            if held.get(rid) == owner:
+                assert released > 0
+                del held[rid]
+            else:
+                assert released == 0
+        elif op == "reclaim":
+            mine = sorted(k for k, v in held.items() if v == owner)
+            assert sorted(ledger.owned_by(owner)) == mine
+            assert ledger.reclaim(owner)[0] == len(mine)
+            for k in mine:
+                del held[k]
+        in_use = [b for k in held for b in ledger.blocks_of(k) or []]
+        assert len(in_use) == len(set(in_use))
+        assert ledger.allocator.num_free_blocks + len(in_use) == 24
+        assert {k: ledger.owner_of(k) for k in held} == held
+    for owner in owners:
+        ledger.reclaim(owner)
+    assert ledger.allocator.num_free_blocks == 24 and ledger.num_requests == 0
+
+
+def test_a_lease_that_ends_reclaims_after_its_grace_unless_the_service_comes_back() -> None:
+    async def body() -> None:
+        ledger = BlockLedger(BlockAllocator(num_blocks=16, block_size=4))
+        leases = Leases(ledger, lambda sid: sid.startswith("decode"), grace_s=0.05, decode_grace_s=0.2)
+        for sid in ("prefill-1", "decode-1", "decode-2"):
+            leases.opened(sid)
+            ledger.allocate(f"{sid}-req", list(range(6)), owner=sid)
+        leases.closed("prefill-1")
+        leases.closed("decode-1")
+        leases.closed("decode-2")
+        leases.opened("decode-2")  # a reconnect within the grace: nothing happens
+        await asyncio.sleep(0.1)
+        assert ledger.owned_by("prefill-1") == [] and leases.num_reclaimed_requests == 1
+        assert ledger.owned_by("decode-1") == ["decode-1-req"]  # its successor has time to claim
+        ledger.claim("decode-2", ["decode-1-req"])
+        await asyncio.sleep(0.2)
+        assert leases.num_reclaimed_requests == 1  # claimed: not the dead one's any more
+        assert sorted(ledger.owned_by("decode-2")) == ["decode-1-req", "decode-2-req"]
+        leases.closed("decode-2")
+        await asyncio.sleep(0.3)
+        assert ledger.num_requests == 0 and ledger.allocator.num_free_blocks == 16
+        assert leases.num_reclaimed_requests == 3 and leases.num_reclaimed_blocks == 6
+
+    asyncio.run(body())

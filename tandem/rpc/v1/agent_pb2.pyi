@@ -65,14 +65,16 @@ class RegisterReply(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_extra_tokens")
+    __slots__ = ("request_id", "token_ids", "num_extra_tokens", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXTRA_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_extra_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_extra_tokens: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_extra_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "server_ns")
@@ -85,12 +87,14 @@ class AllocateReply(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., server_ns: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens")
+    __slots__ = ("request_id", "num_tokens", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ExtendReply(_message.Message):
     __slots__ = ("new_block_ids", "server_ns", "block_ids")
@@ -103,12 +107,14 @@ class ExtendReply(_message.Message):
     def __init__(self, new_block_ids: _Optional[_Iterable[int]] = ..., server_ns: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids")
+    __slots__ = ("request_id", "token_ids", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ("num_published",)
@@ -117,18 +123,44 @@ class PublishReply(_message.Message):
     def __init__(self, num_published: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids")
+    __slots__ = ("request_id", "token_ids", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("num_released",)
     NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
     num_released: int
     def __init__(self, num_released: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("owner", "request_ids")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, owner: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClaimReply(_message.Message):
+    __slots__ = ("missing", "blocks")
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockList]
+    def __init__(self, missing: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[BlockList, _Mapping]]] = ...) -> None: ...
+
+class BlockList(_message.Message):
+    __slots__ = ("request_id", "block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchPartitionRequest(_message.Message):
     __slots__ = ("service_id",)
@@ -141,20 +173,24 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "num_prefix_query_tokens", "num_prefix_hit_tokens", "partition")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "num_prefix_query_tokens", "num_prefix_hit_tokens", "partition", "num_reclaimed_requests", "num_reclaimed_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECLAIMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECLAIMED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_requests: int
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
     partition: _common_pb2.Partition
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ...) -> None: ...
+    num_reclaimed_requests: int
+    num_reclaimed_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., num_reclaimed_requests: _Optional[int] = ..., num_reclaimed_blocks: _Optional[int] = ...) -> None: ...
 
 class QueuedPrefill(_message.Message):
     __slots__ = ("request_id", "arrival_unix_ns", "prompt_tokens", "cached_tokens")

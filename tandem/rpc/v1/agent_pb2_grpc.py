@@ -61,6 +61,11 @@ class GpuAgentStub:
                 request_serializer=tandem_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_agent__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/tandem.v1.GpuAgent/Claim',
+                request_serializer=tandem_dot_v1_dot_agent__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_agent__pb2.ClaimReply.FromString,
+                _registered_method=True)
         self.WatchPartition = channel.unary_stream(
                 '/tandem.v1.GpuAgent/WatchPartition',
                 request_serializer=tandem_dot_v1_dot_agent__pb2.WatchPartitionRequest.SerializeToString,
@@ -116,6 +121,14 @@ class GpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Take over requests' blocks: decode_svc claims a request when it accepts its handoff, and a
+        restarted decode_svc the requests it resumes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchPartition(self, request, context):
         """The current partition, then every change to it.
         """
@@ -164,6 +177,11 @@ def add_GpuAgentServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=tandem_dot_v1_dot_agent__pb2.ReleaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_agent__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=tandem_dot_v1_dot_agent__pb2.ClaimRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_agent__pb2.ClaimReply.SerializeToString,
             ),
             'WatchPartition': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchPartition,
@@ -316,6 +334,33 @@ class GpuAgent:
             '/tandem.v1.GpuAgent/Release',
             tandem_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
             tandem_dot_v1_dot_agent__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GpuAgent/Claim',
+            tandem_dot_v1_dot_agent__pb2.ClaimRequest.SerializeToString,
+            tandem_dot_v1_dot_agent__pb2.ClaimReply.FromString,
             options,
             channel_credentials,
             insecure,

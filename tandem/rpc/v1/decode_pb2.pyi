@@ -88,7 +88,7 @@ class DecodeStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("num_running", "num_steps", "last_step_ns", "num_handoffs", "handoff_p50_ns", "handoff_p99_ns", "handoff_mean_ns")
+    __slots__ = ("num_running", "num_steps", "last_step_ns", "num_handoffs", "handoff_p50_ns", "handoff_p99_ns", "handoff_mean_ns", "num_preemptions", "num_preempted", "num_orphans_cancelled", "num_record_failures")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,10 @@ class DecodeStats(_message.Message):
     HANDOFF_P50_NS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_P99_NS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MEAN_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ORPHANS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_steps: int
     last_step_ns: int
@@ -103,4 +107,8 @@ class DecodeStats(_message.Message):
     handoff_p50_ns: int
     handoff_p99_ns: int
     handoff_mean_ns: int
-    def __init__(self, num_running: _Optional[int] = ..., num_steps: _Optional[int] = ..., last_step_ns: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., handoff_p50_ns: _Optional[int] = ..., handoff_p99_ns: _Optional[int] = ..., handoff_mean_ns: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    num_preempted: int
+    num_orphans_cancelled: int
+    num_record_failures: int
+    def __init__(self, num_running: _Optional[int] = ..., num_steps: _Optional[int] = ..., last_step_ns: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., handoff_p50_ns: _Optional[int] = ..., handoff_p99_ns: _Optional[int] = ..., handoff_mean_ns: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_orphans_cancelled: _Optional[int] = ..., num_record_failures: _Optional[int] = ...) -> None: ...
