@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
 import grpc
@@ -15,7 +14,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
-from tandem.service.runtime import service_main, setup_logging
+from tandem.service.runtime import VitalTasks, service_main, setup_logging
 from tandem.state.request_store import RequestStore
 
 
@@ -37,9 +36,12 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
     server.add_insecure_port(address)
     await server.start()
-    loop_task = asyncio.create_task(worker.run(), name="decode-loop")
-    loop_task.add_done_callback(_exit_if_failed)
-    load_task = asyncio.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
+    # The decode loop never ends by itself: if it raises, this process can no longer serve, so
+    # it leaves the registry and exits non-zero (its requests resume from Redis in its successor)
+    # instead of staying up, registered and silent.
+    tasks = VitalTasks(stop, log)
+    tasks.start(worker.run(), "decode loop")
+    tasks.start(report_load(config.redis_url, worker.load_report), "load report")
     try:
         async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
@@ -48,22 +50,11 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
             await stop.wait()
     finally:
         await server.stop(grace=1.0)
-        loop_task.cancel()
-        load_task.cancel()
+        await tasks.cancel()
         await member.close()
         if redis is not None:
             await redis.aclose()
-
-
-def _exit_if_failed(task: asyncio.Task[None]) -> None:
-    """The decode loop never ends by itself: if it raised, this process can no longer serve,
-    so it exits non-zero (its requests resume elsewhere from Redis) instead of staying up,
-    registered and silent."""
-    if task.cancelled() or task.exception() is None:
-        return
-    logging.getLogger("tandem.decode").critical("decode loop failed; exiting", exc_info=task.exception())
-    logging.shutdown()
-    os._exit(70)
+        tasks.exit_if_failed()
 
 
 def main(argv: list[str] | None = None) -> None:

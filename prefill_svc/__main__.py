@@ -13,7 +13,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import Discovery, announce, report_load
-from tandem.service.runtime import service_main, setup_logging
+from tandem.service.runtime import VitalTasks, service_main, setup_logging
 
 
 async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
@@ -29,20 +29,24 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
     server.add_insecure_port(address)
     await server.start()
-    async with asyncio.TaskGroup() as tasks:
-        loop_task = tasks.create_task(worker.run(), name="prefill-loop")
-        watch_task = tasks.create_task(discovery.watch(), name="discovery")
-        load_task = tasks.create_task(report_load(config.redis_url, worker.load_report), name="load-report")
+    # A failed batch loop (or discovery) leaves the registry and exits non-zero, rather than
+    # staying registered while nothing is prefilled.
+    tasks = VitalTasks(stop, log)
+    tasks.start(worker.run(), "prefill loop")
+    tasks.start(discovery.watch(), "discovery")
+    tasks.start(report_load(config.redis_url, worker.load_report), "load report")
+    try:
         async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,
                      runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)
             await stop.wait()
+    finally:
         await server.stop(grace=1.0)
-        loop_task.cancel()
-        watch_task.cancel()
-        load_task.cancel()
-    await member.close()
+        await tasks.cancel()
+        await member.close()
+        await discovery.close()
+        tasks.exit_if_failed()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,12 +8,16 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 C = TypeVar("C")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
+
+# Exit status of a service whose background loop failed (EX_SOFTWARE); its supervisor restarts it.
+EXIT_LOOP_FAILED = 70
 
 
 def setup_logging(name: str) -> logging.Logger:
@@ -58,3 +62,53 @@ def service_main(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_service(lambda stop: serve(config, stop))
+
+
+class VitalTasks:
+    """Background loops a service cannot serve without: the first that raises stops the process.
+
+    The failure sets ``stop``, so the service shuts down as on SIGTERM — it leaves the registry
+    (routers and prefill stop picking it) and stops its gRPC server — and then
+    :meth:`exit_if_failed`, called last in the service's shutdown, exits with
+    :data:`EXIT_LOOP_FAILED`. If that shutdown has not finished within ``grace_s`` (a loop or
+    thread stuck), the process exits anyway. A loop that returns normally is not a failure.
+    """
+
+    def __init__(self, stop: asyncio.Event, log: logging.Logger, grace_s: float = 10.0) -> None:
+        self._stop = stop
+        self._log = log
+        self._grace_s = grace_s
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.failed: str | None = None  # the name of the first loop that raised
+
+    def start(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None or self.failed is not None:
+            return
+        self.failed = task.get_name()
+        self._log.critical("%s failed; stopping and exiting %d", self.failed, EXIT_LOOP_FAILED,
+                           exc_info=task.exception())
+        self._stop.set()
+        # A thread, not the event loop: the loop may be what is stuck.
+        timer = threading.Timer(self._grace_s, self._exit)
+        timer.daemon = True
+        timer.start()
+
+    async def cancel(self) -> None:
+        """Cancel every loop and wait for them to end."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def exit_if_failed(self) -> None:
+        if self.failed is not None:
+            self._exit()
+
+    def _exit(self) -> None:
+        logging.shutdown()
+        os._exit(EXIT_LOOP_FAILED)
