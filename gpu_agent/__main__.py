@@ -1,8 +1,16 @@
-"""``python -m gpu_agent``: the owner of one device (a cell)."""
+"""``python -m gpu_agent``: the owner of one device (a cell).
+
+Its shared-memory stores are named ``<cell_id>-<instance_id>-*`` and guarded by an owner lock
+(:mod:`tandem.engine.shm_files`): this incarnation removes them when it stops, and a successor,
+or the launcher, removes them if it died. A new incarnation has a new KV pool, so the requests
+its cell was serving cannot go on: it fails their records before any service can join it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import time
 
@@ -12,21 +20,45 @@ from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.policy_loop import PolicyLoop
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, policy_ticks
 from tandem.engine.config import ModelConfig
+from tandem.engine.shm_files import OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
 from tandem.policy.policies import get_policy
 from tandem.policy.types import Slo
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
-from tandem.service.registry import announce, report_load
+from tandem.service.registry import announce, open_redis, report_load
+from tandem.service.runtime import VitalTasks, service_main, setup_logging
+from tandem.state.request_store import RequestStore
 from tandem.state.schema import LoadReport
-from tandem.service.runtime import service_main, setup_logging
+
+# How long the agent tries to fail its predecessor's requests before serving without doing so.
+FAIL_STALE_TIMEOUT_S = 10.0
 
 
 async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     log = setup_logging("tandem.gpu_agent")
     setup_tracing("gpu_agent")
+    # Lock first, then sweep: a sweeper (ours or another stack's) never mistakes this
+    # incarnation's files, created only under the lock, for a dead owner's.
+    owner = OwnerLock.acquire(config.shm_prefix)
+    # A policy loop that raises would freeze the partition while the cell looks healthy.
+    tasks = VitalTasks(stop, log)
+    try:
+        for prefix, files in sweep_dead_owners(f"{config.cell_id}-").items():
+            log.warning("removed %d shared-memory files of a dead agent (%s)", len(files), prefix)
+        await _serve(config, stop, log, tasks)
+    finally:
+        removed = owner.release()
+        log.info("gpu_agent %s stopped; removed %d shared-memory files", config.cell_id, len(removed))
+        tasks.exit_if_failed()
+
+
+async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, tasks: VitalTasks) -> None:
     started = time.perf_counter()
-    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
+    # build_state names the stores after config.cell_id; give it this incarnation's prefix.
+    named = dataclasses.replace(config, cell_id=config.shm_prefix)
+    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, named)
+    await fail_stale_requests(config, log)
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.policy == "chunked":
         # Aggregated from the start, so no request is prefilled apart before the first decision.
@@ -60,8 +92,8 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
             updated_unix_ns=time.time_ns(),
         )
 
-    load_task = asyncio.create_task(report_load(config.redis_url, load_report), name="load-report")
-    tick_task = asyncio.create_task(policy_ticks(policy, partition), name="policy-ticks")
+    tasks.start(report_load(config.redis_url, load_report), "load report")
+    tasks.start(policy_ticks(policy, partition), "policy loop")
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
@@ -71,13 +103,30 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
             )
             await stop.wait()
     finally:
-        load_task.cancel()
-        tick_task.cancel()
         await server.stop(grace=1.0)
-        weights.unlink()
-        if pool.store is not None:
-            pool.store.unlink()
-        log.info("gpu_agent %s stopped", config.cell_id)
+        await tasks.cancel()
+
+
+async def fail_stale_requests(config: AgentConfig, log: logging.Logger) -> None:
+    """Fail the cell's active requests: their blocks were in a predecessor's KV pool, which is
+    gone, so no service of this incarnation may resume them. Runs before the gRPC server starts,
+    hence before any decode service can join and list them."""
+    redis = open_redis(config.redis_url)
+    if redis is None:
+        return
+    try:
+        async with asyncio.timeout(FAIL_STALE_TIMEOUT_S):
+            records = RequestStore(redis)
+            stale = await records.list_active(config.cell_id)
+            for record in stale:
+                await records.set_state(record.request_id, "failed")
+        if stale:
+            log.warning("failed %d requests of cell %s left by a previous agent (%s)", len(stale), config.cell_id,
+                        ", ".join(r.request_id for r in stale[:8]) + (" ..." if len(stale) > 8 else ""))
+    except Exception as exc:  # Redis away: serve anyway rather than not at all
+        log.warning("could not fail the requests of a previous agent: %s", exc)
+    finally:
+        await redis.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import add_flag, parse_cores
+
+
+def new_instance_id() -> str:
+    return secrets.token_hex(4)
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,14 @@ class AgentConfig:
     tbt_slo_ms: float = 200.0
     profile: str = ""
     quantization: str = "auto"
+    # This incarnation of the agent: its shared-memory names carry it, so that a successor, or
+    # another stack with the same cell id, never opens or removes this one's files.
+    instance_id: str = field(default_factory=new_instance_id)
+
+    @property
+    def shm_prefix(self) -> str:
+        """The prefix of every shared-memory store this incarnation creates."""
+        return f"{self.cell_id}-{self.instance_id}"
 
     def __post_init__(self) -> None:
         from tandem.policy.policies import POLICIES
@@ -47,6 +60,8 @@ class AgentConfig:
             raise ValueError("both --prefill-cores and --decode-cores need at least one core")
         if not self.cell_id.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"--cell-id must be letters, digits, '-' or '_', got {self.cell_id!r}")
+        if not self.instance_id.isalnum() or not self.instance_id.isascii() or len(self.instance_id) > 32:
+            raise ValueError(f"--instance-id must be 1 to 32 ASCII letters or digits, got {self.instance_id!r}")
 
 
 def default_split() -> tuple[str, str]:
@@ -72,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--host", "127.0.0.1", "address to listen on")
     add_flag(parser, "--port", 50060, "gRPC port", type=int)
     add_flag(parser, "--cell-id", "cell0", "id of this cell (one device)")
+    add_flag(parser, "--instance-id", "",
+             "token unique to this incarnation, in its shared-memory names (default: a random one; "
+             "`tandem up` passes its own so that it can remove the files if the agent dies)")
     add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
     add_flag(parser, "--prefill-cores", prefill_default, "cores given to prefill, e.g. 0 or 0-3")
     add_flag(parser, "--decode-cores", decode_default, "cores given to decode")
@@ -85,5 +103,5 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
         prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
         policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, profile=a.profile,
-        quantization=a.quantization,
+        quantization=a.quantization, instance_id=a.instance_id or new_instance_id(),
     )

@@ -3,14 +3,15 @@
 On CPU the gpu_agent puts the weights and the KV pool into files under ``/dev/shm`` and the
 prefill and decode processes map the same pages (``torch.from_file(shared=True)`` is a
 MAP_SHARED mapping), so a K/V write by one process is visible to the other without a copy.
-A store is one data file plus a JSON manifest naming each tensor's offset, dtype and shape.
+A store is one data file plus a JSON manifest naming each tensor's offset, dtype and shape;
+where the files live, and how a dead owner's are told apart and removed, is
+:mod:`tandem.engine.shm_files` (torch-free, for the launcher).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,9 @@ from pathlib import Path
 import torch
 
 from tandem.engine.errors import TandemError
+from tandem.engine.shm_files import SHM_DIR, InvalidNameError, store_paths
 
-SHM_DIR = Path(os.environ.get("TANDEM_SHM_DIR", "/dev/shm"))
 _ALIGN_BYTES = 64  # cache-line (and AVX-512) alignment of every tensor's first byte
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -59,9 +59,10 @@ class TensorEntry:
 
 
 def _paths(name: str) -> tuple[Path, Path]:
-    if not _NAME_RE.match(name):
-        raise SharedMemoryError(f"invalid shared-memory name {name!r} (letters, digits, '._-' only)")
-    return SHM_DIR / f"tandem-{name}.bin", SHM_DIR / f"tandem-{name}.json"
+    try:
+        return store_paths(name)
+    except InvalidNameError as exc:
+        raise SharedMemoryError(str(exc)) from None
 
 
 class SharedTensorStore:
