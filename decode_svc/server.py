@@ -31,11 +31,11 @@ from redis.exceptions import RedisError
 from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, generator_state, restore_generator
+from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
 from tandem.engine.step import Request, StepOutput, forward_and_sample, hybrid_step
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
-from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
 from tandem.state.request_store import OutputUpdate, RequestExistsError, RequestStore
 from tandem.state.schema import LoadReport, RequestRecord, RequestState
@@ -105,6 +105,7 @@ class DecodeWorker:
         self._router_streams: dict[str, int] = {}
         self._router_lost: dict[str, asyncio.TimerHandle] = {}
         self._gone_routers: set[str] = set()  # their requests were cancelled; nothing is queued for them
+        self._tasks: set[asyncio.Task[None]] = set()
         self.num_orphans_cancelled = 0
 
     @property
@@ -246,13 +247,21 @@ class DecodeWorker:
             # num_sent=0: the router may have missed tokens recorded just before the crash;
             # it drops the ones it already has.
             active = _Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids))
+            self._expect_router(rec.router_id)
+            # Its last token had ended it, but the end never reached the router: send it again.
+            reason = check_stop(req.output_token_ids[-1], len(req.output_token_ids), params, self.eos_token_ids)
+            if reason is None and len(req.all_token_ids) >= self.runner.config.max_position_embeddings:
+                reason = "length"
+            if reason is not None:
+                self.by_id[req.request_id] = active
+                await self._finish(active, reason)
+                continue
             if req.block_ids:
                 self._admit(active)
             else:
                 self.by_id[req.request_id] = active
                 active.preempted_ns = time.perf_counter_ns()
                 self.preempted.append(active)
-            self._expect_router(rec.router_id)
         self._wake.set()
         return len(records)
 
@@ -313,7 +322,12 @@ class DecodeWorker:
                 was_busy = busy
             if not busy:
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._unwritten_states:
+                    await self._wake.wait()
+                    continue
+                with contextlib.suppress(TimeoutError):  # retry the states Redis missed meanwhile
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                await self._record_step(self.num_steps, [], [])
                 continue
             self.running.extend(self.pending)
             self.pending.clear()
@@ -494,7 +508,7 @@ class DecodeWorker:
             for router_id, message in messages.items():
                 self._put(router_id, message)
             for active, reason in finished:
-                await self._finish(active, reason, send=False)
+                await self._finish(active, reason, send=False, end_streamed=True)
             for active, out in done:
                 await self._first_token(active, out)
         except Exception:
@@ -574,12 +588,17 @@ class DecodeWorker:
         except asyncio.QueueFull:
             log.error("router %s is not reading its stream; dropping a step for %d requests",
                       router_id, len(message.updates))
+            task = asyncio.get_running_loop().create_task(self.delivered(message))  # ends nobody will read
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _send(self, batch: list[_Active], finish: dict[str, str] | None = None) -> None:
         for router_id, message in self._updates(batch, finish).items():
             self._put(router_id, message)
 
-    async def _finish(self, active: _Active, reason: str, send: bool = True) -> None:
+    async def _finish(self, active: _Active, reason: str, send: bool = True, end_streamed: bool = False) -> None:
+        """Retire a request: send its end (``send``; ``end_streamed``: a step's message already
+        carries it), give its blocks back, and end its record once the end is delivered."""
         req = active.req
         if active in self.running:
             self.running.remove(active)
@@ -604,13 +623,27 @@ class DecodeWorker:
         if req.block_ids:
             await self._release(req)
         self._unrecorded.discard(req.request_id)
-        if self.records is not None:
-            state: RequestState = "failed" if reason == "error" else "done"
-            try:
-                await self.records.set_state(req.request_id, state)
-            except _RECORD_ERRORS as exc:
-                self._record_failed(f"finishing {req.request_id}", exc)
-                self._unwritten_states[req.request_id] = state  # written with a later step
+        if not (send or end_streamed) or active.router_id in self._gone_routers:
+            await self._record_end(req.request_id, reason)  # no end goes through the stream
+        # Otherwise the record ends when the router's stream takes the final update (delivered):
+        # a decode that dies before that resumes the request and sends its end again.
+
+    async def _record_end(self, request_id: str, reason: str) -> None:
+        if self.records is None:
+            return
+        state: RequestState = "failed" if reason == "error" else "done"
+        try:
+            await self.records.set_state(request_id, state)
+        except _RECORD_ERRORS as exc:
+            self._record_failed(f"finishing {request_id}", exc)
+            self._unwritten_states[request_id] = state  # written with a later step
+
+    async def delivered(self, message: decode_pb2.TokenBatch) -> None:
+        """A router's stream took ``message``: the requests it ends are done in Redis too."""
+        for update in message.updates:
+            if update.finish_reason:
+                await self._record_end(update.request_id,
+                                       "error" if update.finish_reason == common_pb2.FINISH_REASON_ERROR else "done")
 
     async def _release(self, req: Request) -> None:
         """Give the request's blocks back, publishing the K/V written so far."""
@@ -655,7 +688,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # An empty batch first tells the router the stream is live.
             yield decode_pb2.TokenBatch(step=self.worker.num_steps)
             while True:
-                yield await queue.get()
+                message = await queue.get()
+                yield message
+                await self.worker.delivered(message)
         finally:
             # A router that stays away loses its requests (see DecodeWorker._router_gone).
             self.worker.router_closed(request.router_id)

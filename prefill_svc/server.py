@@ -24,6 +24,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
+from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -33,6 +34,8 @@ from tandem.state.schema import LoadReport
 # Aggregated mode: decode answers the handoff with the first token, after the prompt's chunks
 # have had their turn in its steps, so the call lasts as long as a whole prefill with its queue.
 AGGREGATED_TIMEOUT_S = 600.0
+# How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
+HANDOFF_TIMEOUT_S = 30.0
 
 log = logging.getLogger("tandem.prefill")
 
@@ -337,7 +340,10 @@ class PrefillWorker:
         """Decode's answer, or None when the call failed (the request's blocks are then
         released and its Submit failed with UNAVAILABLE)."""
         try:
-            reply: decode_pb2.HandoffReply = await self._decode_stub().Handoff(msg, timeout=timeout_s)
+            # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)
+            # gets this request when it is back, within the timeout.
+            reply: decode_pb2.HandoffReply = await self._decode_stub().Handoff(
+                msg, timeout=max(timeout_s, HANDOFF_TIMEOUT_S), wait_for_ready=True)
             return reply
         except (grpc.aio.AioRpcError, LookupError) as exc:
             await self._release(msg.request_id)
@@ -358,7 +364,8 @@ class PrefillWorker:
         address = self.decode_address()
         channel = self._decode_channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=service_client_interceptors())
+            channel = grpc.aio.insecure_channel(address, interceptors=service_client_interceptors(),
+                                                options=RECONNECT_OPTIONS)
             self._decode_channels[address] = channel
         return decode_pb2_grpc.DecodeStub(channel)
 

@@ -66,6 +66,8 @@ MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_LENGTH = 256
 # How long Health waits for an upstream channel to connect.
 HEALTH_PROBE_TIMEOUT_S = 1.0
+# How long a request waits for an unreachable prefill_svc to come back before it fails.
+UPSTREAM_CONNECT_WAIT_S = 10.0
 
 _STOP = common_pb2.FINISH_REASON_STOP
 _LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -484,8 +486,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _submit(self, address: str, prepared: PreparedRequest, arrival_unix_ns: int,
                       deadline_s: float) -> prefill_pb2.PrefillReply:
+        channel = self._channels.get(address)
+        if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            # A prefill_svc that is restarting is back within seconds: wait for it a little
+            # rather than fail the request at once.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.channel_ready(), UPSTREAM_CONNECT_WAIT_S)
         timeout_s = deadline_s - asyncio.get_running_loop().time()
-        stub = prefill_pb2_grpc.PrefillStub(self._channels.get(address))
+        stub = prefill_pb2_grpc.PrefillStub(channel)
         message = prefill_pb2.PrefillRequest(
             request_id=prepared.request_id, token_ids=prepared.prompt_ids,
             sampling=sampling_to_proto(prepared.params), router_id=self._config.router_id,

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("tandem.router.streams")
@@ -39,7 +40,8 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors or None)
+            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors or None,
+                                                options=RECONNECT_OPTIONS)
             self._channels[address] = channel
         return channel
 

@@ -16,8 +16,8 @@ import torch
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.rpc.convert import sampling_to_proto
-from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from tests.integration.mesh_client import agent_stats, generate, wait_all_blocks_free
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -36,39 +36,6 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, 40000, (n, length), generator=g).tolist()
 
 
-async def _generate(address: str, ids: list[int], params: SamplingParams,
-                    on_token: asyncio.Event | None = None) -> tuple[list[int], int]:
-    """All tokens of one streamed generation, and its finish reason."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        router = router_pb2_grpc.RouterStub(channel)
-        tokens: list[int] = []
-        reason = 0
-        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), sampling=sampling_to_proto(params))
-        async for response in router.Generate(request, timeout=300):
-            tokens.extend(t.token_id for t in response.tokens)
-            if response.finish_reason:
-                reason = response.finish_reason
-            if on_token is not None and tokens:
-                on_token.set()
-        return tokens, reason
-
-
-async def _agent_stats(stack: Stack) -> agent_pb2.AgentStats:
-    async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
-        return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=5)
-
-
-async def _wait_all_blocks_free(stack: Stack, timeout_s: float = 20.0) -> agent_pb2.AgentStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = await _agent_stats(stack)
-        if stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0:
-            return stats
-        if time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.1)
-
-
 def _pid(stack: Stack, name: str) -> int:
     match = re.search(r"ready at \S+ \(pid (\d+)\)", stack.logs(name))
     assert match, stack.logs(name)[-2000:]
@@ -80,7 +47,7 @@ def test_16_concurrent_greedy_streams_equal_the_engine(stack: Stack, smollm2_dir
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def run() -> list[tuple[list[int], int]]:
-        return await asyncio.gather(*(_generate(stack.address("router"), p, params) for p in prompts))
+        return await asyncio.gather(*(generate(stack.address("router"), p, params) for p in prompts))
 
     results = asyncio.run(run())
     # the weight format the stack runs (auto)
@@ -91,7 +58,7 @@ def test_16_concurrent_greedy_streams_equal_the_engine(stack: Stack, smollm2_dir
         assert reason == common_pb2.FINISH_REASON_LENGTH
     # prefill and decode really are two processes, neither of them this one
     assert _pid(stack, "prefill_svc") != _pid(stack, "decode_svc")
-    stats = asyncio.run(_wait_all_blocks_free(stack))
+    stats = asyncio.run(wait_all_blocks_free(stack))
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
 
 
@@ -101,22 +68,22 @@ def test_cancel_mid_decode_and_mid_prefill_returns_every_block(stack: Stack) -> 
         # mid-decode: cancel once tokens are flowing
         first = asyncio.Event()
         long_decode = asyncio.create_task(
-            _generate(address, _prompts(1, 20, seed=1)[0], SamplingParams(temperature=0.0, max_tokens=1500,
+            generate(address, _prompts(1, 20, seed=1)[0], SamplingParams(temperature=0.0, max_tokens=1500,
                                                                           ignore_eos=True), first))
         await asyncio.wait_for(first.wait(), 60)
         await asyncio.sleep(0.3)
         long_decode.cancel()
         # mid-prefill: a long prompt, cancelled well before its prefill can finish
         long_prefill = asyncio.create_task(
-            _generate(address, _prompts(1, 1800, seed=2)[0], SamplingParams(temperature=0.0, max_tokens=4)))
+            generate(address, _prompts(1, 1800, seed=2)[0], SamplingParams(temperature=0.0, max_tokens=4)))
         await asyncio.sleep(0.5)
-        stats_during = await _agent_stats(stack)
+        stats_during = await agent_stats(stack)
         long_prefill.cancel()
         for task in (long_decode, long_prefill):
             with pytest.raises(asyncio.CancelledError):
                 await task
         assert stats_during.num_requests >= 1  # the long prompt held blocks while prefilling
-        return await _wait_all_blocks_free(stack)
+        return await wait_all_blocks_free(stack)
 
     stats = asyncio.run(run())
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
@@ -128,7 +95,7 @@ def test_decode_killed_mid_stream_resumes_without_loss_or_repeat(stack: Stack, s
 
     async def run() -> list[tuple[list[int], int]]:
         started = asyncio.Event()
-        tasks = [asyncio.create_task(_generate(stack.address("router"), p, params, started)) for p in prompts]
+        tasks = [asyncio.create_task(generate(stack.address("router"), p, params, started)) for p in prompts]
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(1.0)
         stack.kill("decode_svc")
@@ -144,7 +111,7 @@ def test_decode_killed_mid_stream_resumes_without_loss_or_repeat(stack: Stack, s
     for (tokens, reason), want in zip(results, expected, strict=True):
         assert tokens == want.token_ids  # nothing lost, nothing repeated
         assert reason == common_pb2.FINISH_REASON_LENGTH
-    stats = asyncio.run(_wait_all_blocks_free(stack))
+    stats = asyncio.run(wait_all_blocks_free(stack))
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
 
 
