@@ -36,6 +36,10 @@ from tandem.state.schema import LoadReport
 AGGREGATED_TIMEOUT_S = 600.0
 # How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
 HANDOFF_TIMEOUT_S = 30.0
+# A prompt that finds the KV pool full waits this long for blocks (decode frees them as its
+# requests finish, and preempts to make room for its own) before it fails.
+POOL_WAIT_S = 30.0
+POOL_RETRY_S = 0.05
 
 log = logging.getLogger("tandem.prefill")
 
@@ -55,6 +59,7 @@ class _Pending:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     enqueued_unix_ns: int = field(default_factory=time.time_ns)
     cancelled: bool = False
+    waiting_for_blocks: bool = False  # the pool was full at its last allocation attempt
     # The Submit call's trace context: the batch loop's spans for this request join its trace.
     trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
 
@@ -145,6 +150,11 @@ class PrefillWorker:
                 batch = self._take_batch()
                 try:
                     await self._process(batch)
+                    waiting = [p for p in batch if p.waiting_for_blocks and not p.future.done()]
+                    if waiting:  # the pool is full: back to the head of the queue, in order
+                        for pending in reversed(waiting):
+                            self.queue.appendleft(pending)
+                        await asyncio.sleep(POOL_RETRY_S)
                 except Exception as exc:  # a bug must fail the batch, not the service
                     log.exception("prefill batch failed")
                     for pending in batch:
@@ -171,6 +181,9 @@ class PrefillWorker:
         rid = pending.msg.request_id
         try:
             req = await self._allocate(pending)
+            while req is None and pending.waiting_for_blocks:
+                await asyncio.sleep(POOL_RETRY_S)
+                req = await self._allocate(pending)
             if req is None:
                 return
             msg = self._handoff_msg(pending, req)
@@ -223,8 +236,17 @@ class PrefillWorker:
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            pending.waiting_for_blocks = False
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                _fail(pending, code, f"KV cache is full: {exc.details()}")
+                spec = self.runner.pool.spec
+                waited_s = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
+                if len(msg.token_ids) + 1 > spec.num_blocks * spec.block_size:
+                    _fail(pending, code, f"the prompt needs {len(msg.token_ids) + 1} tokens of KV cache; the pool "
+                                         f"holds {spec.num_blocks * spec.block_size}")
+                elif waited_s < POOL_WAIT_S and not pending.cancelled:
+                    pending.waiting_for_blocks = True  # requeued; blocks come back as requests finish
+                else:
+                    _fail(pending, code, f"KV cache is full (waited {waited_s:.0f} s): {exc.details()}")
             else:
                 _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
             return None
