@@ -46,14 +46,26 @@ class Predictor(Protocol):
 
 @dataclass(frozen=True)
 class Slo:
-    """Per-model latency targets: time to first token and time between tokens."""
+    """Per-model latency targets: time to first token and time between tokens.
+
+    The TTFT target grows with the prompt: ``ttft_s`` plus ``ttft_per_1k_s`` for every 1000
+    prompt tokens (as the papers and ``tandem bench --ttft-slo-ms-per-1k-input`` state it), so
+    a long prompt is not held to a short one's deadline, and earliest-deadline-first may serve
+    a short prompt that arrived later before a long one.
+    """
 
     ttft_s: float
     tbt_s: float
+    ttft_per_1k_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tbt_s > 0):
-            raise ValueError(f"SLOs must be positive, got ttft_s={self.ttft_s} tbt_s={self.tbt_s}")
+        if not (self.ttft_s > 0 and self.tbt_s > 0) or self.ttft_per_1k_s < 0:
+            raise ValueError(f"SLOs must be positive, got ttft_s={self.ttft_s} tbt_s={self.tbt_s} "
+                             f"ttft_per_1k_s={self.ttft_per_1k_s}")
+
+    def ttft_for(self, prompt_tokens: int) -> float:
+        """The TTFT target of a prompt of ``prompt_tokens`` tokens."""
+        return self.ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,9 @@ class QueuedRequest:
         return (self.new_tokens, self.cached_tokens)
 
     def deadline(self, slo: Slo) -> float:
-        """When the first token must be out: the explicit deadline or arrival + TTFT SLO."""
-        return self.deadline_s if self.deadline_s is not None else self.arrival_s + slo.ttft_s
+        """When the first token must be out: the explicit deadline or arrival + the TTFT SLO
+        for this prompt's length."""
+        return self.deadline_s if self.deadline_s is not None else self.arrival_s + slo.ttft_for(self.prompt_tokens)
 
 
 @dataclass(frozen=True)
