@@ -14,7 +14,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
-from tandem.service.runtime import VitalTasks, service_main, setup_logging
+from tandem.service.runtime import VitalTasks, service_main, setup_logging, watch_agent
 from tandem.state.request_store import RequestStore
 
 
@@ -42,6 +42,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     tasks = VitalTasks(stop, log)
     tasks.start(worker.run(), "decode loop")
     tasks.start(report_load(config.redis_url, worker.load_report), "load report")
+    if runner.pool.store is not None:
+        tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
         async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",

@@ -13,7 +13,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import Discovery, announce, report_load
-from tandem.service.runtime import VitalTasks, service_main, setup_logging
+from tandem.service.runtime import VitalTasks, service_main, setup_logging, watch_agent
 
 
 async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
@@ -35,6 +35,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     tasks.start(worker.run(), "prefill loop")
     tasks.start(discovery.watch(), "discovery")
     tasks.start(report_load(config.redis_url, worker.load_report), "load report")
+    if runner.pool.store is not None:
+        tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
         async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",

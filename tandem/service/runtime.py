@@ -64,6 +64,32 @@ def service_main(
     run_service(lambda stop: serve(config, stop))
 
 
+class AgentGoneError(RuntimeError):
+    """The cell's gpu_agent that this process joined is gone (its shared memory was removed)."""
+
+
+async def watch_agent(store_name: str, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Raise :class:`AgentGoneError` once the agent's store ``store_name`` is removed.
+
+    An agent removes its stores when it stops, and its successor or the launcher removes them
+    when it dies; a service still mapping them computes on a pool no agent owns any more, so it
+    must exit and join the new agent (its supervisor restarts it). Ends quietly once ``stop`` is
+    set: during a shutdown the agent may well go first.
+    """
+    from tandem.engine.shm_files import store_paths
+
+    manifest = store_paths(store_name)[1]
+    while not stop.is_set():
+        if not manifest.exists():
+            if stop.is_set():
+                return
+            raise AgentGoneError(f"the gpu_agent's shared memory {manifest} was removed: its agent is gone")
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except TimeoutError:
+            pass
+
+
 class VitalTasks:
     """Background loops a service cannot serve without: the first that raises stops the process.
 
