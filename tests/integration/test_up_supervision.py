@@ -1,0 +1,215 @@
+"""`tandem up` supervises its stack (issue 11, item 6): a gpu_agent SIGKILLed at a random moment
+under mixed-length streams restarts the cell whole (every client gets its whole output or a clear
+error, in bounded time; the cell serves again; no file of the dead agent is left), two stacks
+with the same cell id sharing /dev/shm never touch each other's files, and a process that keeps
+dying is restarted with backoff until the stack gives up with a clear message and exit code.
+
+Seeds are printed, so a failure can be replayed (TANDEM_FAULT_SEED).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.engine.shm_files import SHM_DIR
+from tandem.launcher import EXIT_GAVE_UP
+from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.service.runtime import free_port
+from tests.integration.stack import ROOT, write_tiny_chat_model
+from tests.tiny_models import write_tiny_model
+
+CELL_ID = f"sup-{uuid.uuid4().hex[:6]}"  # both stacks use it: their files must still not collide
+STALL_TIMEOUT_S = 5.0  # the router's wait for a decode update: a lost request's error comes this fast
+CLIENT_BOUND_S = 45.0  # no client waits longer than this for its output or its error
+
+
+@dataclass
+class Up:
+    """One `tandem up` process and its combined log."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    grpc_port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout_s: float, start: int = 0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = re.search(pattern, self.log()[start:])
+            if found:
+                return found
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.log()[-4000:]}"
+            assert time.monotonic() < deadline, f"never logged {pattern!r}: {self.log()[-4000:]}"
+            time.sleep(0.1)
+
+    def pid(self, name: str) -> int:
+        """The newest pid the launcher reported for ``name``."""
+        return int(re.findall(rf"tandem up: {name} ready at \S+ \(pid (\d+)\)", self.log())[-1])
+
+    def shm_prefix(self) -> str:
+        """The running agent's shared-memory prefix, as the launcher printed it last."""
+        return re.findall(r"gpu_agent's shared memory: \S+/tandem-(\S+)-\*", self.log())[-1]
+
+    def files(self, prefix: str) -> list[Path]:
+        return sorted(SHM_DIR.glob(f"tandem-{prefix}[-.]*"))
+
+    def generate(self, text: str, max_tokens: int) -> list[int]:
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            request = router_pb2.GenerateRequest(text=text, sampling=common_pb2.SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CLIENT_BOUND_S))
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        return [t for r in responses for t in r.tokens]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
+    grpc_port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # each stack its own Redis
+    env.update(PYTHONPATH=str(ROOT), TANDEM_STALL_TIMEOUT_S=str(STALL_TIMEOUT_S))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(grpc_port),
+             "--port", str(free_port()), "--cell-id", CELL_ID, "--kv-cache-gb", "0.05", "--admission", "off",
+             "--restart-backoff-s", "0.2", *flags],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    return Up(proc, log_path, grpc_port)
+
+
+@pytest.fixture(scope="module")
+def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = write_tiny_chat_model(tmp_path_factory.mktemp("sup-model"), smollm2_dir)
+    # Wide and deep enough that a decode step takes milliseconds: a kill lands mid-stream.
+    write_tiny_model(out, "llama", seed=1, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                     max_position_embeddings=2048, rope_scaling=None, hidden_size=256, intermediate_size=768,
+                     num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stacks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, Up]]:
+    """Two stacks at once, same cell id, same /dev/shm, different ports. B gives up early."""
+    logs = tmp_path_factory.mktemp("sup-logs")
+    a = start_up(model_dir, logs / "a.log")
+    b = start_up(model_dir, logs / "b.log", "--max-restarts", "2", "--restart-window-s", "120")
+    try:
+        for up in (a, b):
+            up.wait_log("tandem up: serving", 180)
+        yield a, b
+    finally:
+        for up in (a, b):
+            if up.proc.poll() is None:
+                up.proc.kill()
+                up.proc.wait()
+
+
+def _seed() -> int:
+    seed = int(os.environ.get("TANDEM_FAULT_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
+    print(f"fault seed {seed} (TANDEM_FAULT_SEED={seed} replays it)")
+    return seed
+
+
+def test_agent_sigkill_restarts_the_cell_and_spares_the_other_stack(stacks: tuple[Up, Up]) -> None:
+    a, b = stacks
+    rng = random.Random(_seed())
+    a_prefix, b_prefix = a.shm_prefix(), b.shm_prefix()
+    assert a_prefix != b_prefix and a_prefix.startswith(f"{CELL_ID}-") and b_prefix.startswith(f"{CELL_ID}-")
+    a_files, b_files = a.files(a_prefix), b.files(b_prefix)
+    assert len(a_files) == len(b_files) == 5  # weights and KV pool (data + manifest each), the owner lock
+
+    jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 40)), rng.randint(16, 800)) for _ in range(5)]
+    outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(jobs)
+    elapsed_s = [0.0] * len(jobs)
+
+    def client(i: int) -> None:
+        start = time.monotonic()
+        try:
+            outcomes[i] = a.generate(*jobs[i])
+        except grpc.RpcError as exc:
+            outcomes[i] = exc
+        elapsed_s[i] = time.monotonic() - start
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.2, 1.5))
+    log_offset = len(a.log())
+    os.kill(a.pid("gpu_agent"), signal.SIGKILL)
+    for t in threads:
+        t.join(CLIENT_BOUND_S + 5)
+        assert not t.is_alive(), "a client hung"
+
+    print("outcomes:", [f"{len(o)} tokens" if isinstance(o, list) else f"{o.code().name}: {o.details()[:60]}"
+                        for o in outcomes if o is not None], [f"{t:.1f}s" for t in elapsed_s])
+    for (text, max_tokens), outcome, took_s in zip(jobs, outcomes, elapsed_s):
+        assert took_s < CLIENT_BOUND_S
+        if isinstance(outcome, grpc.RpcError):  # a clear error: a status that says why, not a timeout
+            assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
+            assert outcome.details()
+        else:
+            assert outcome is not None and len(outcome) == max_tokens  # whole, nothing repeated
+
+    a.wait_log(rf"cell {CELL_ID} is back", 120, log_offset)
+    assert a.proc.poll() is None
+    assert f"removed 4 shared-memory files of the dead gpu_agent ({a_prefix})" in a.log()
+    assert not a.files(a_prefix), "the dead agent's files are left"
+    new_prefix = a.shm_prefix()
+    assert new_prefix != a_prefix and len(a.files(new_prefix)) == 5
+    # The cell serves again; an output completed before the kill is the greedy one it computes now.
+    assert len(a.generate("Hello", 4)) == 4
+    done = [(job, out) for job, out in zip(jobs, outcomes) if isinstance(out, list)]
+    for (text, max_tokens), out in done[:2]:
+        assert a.generate(text, max_tokens) == out
+    assert b.files(b_prefix) == b_files  # the other stack's files are untouched ...
+    assert len(b.generate("Hello", 4)) == 4  # ... and it serves
+
+    assert a.stop() == 0
+    assert not a.files(new_prefix)
+    assert b.files(b_prefix) == b_files  # a clean stop of A spares B too
+    assert len(b.generate("Hello again", 4)) == 4
+
+
+def test_a_process_that_keeps_dying_is_restarted_with_backoff_then_the_stack_gives_up(
+        stacks: tuple[Up, Up]) -> None:
+    _, b = stacks
+    prefix = b.shm_prefix()
+    for restart in (1, 2):
+        offset = len(b.log())
+        os.kill(b.pid("prefill_svc"), signal.SIGKILL)
+        # --restart-backoff-s 0.2, doubled for the second restart within the window
+        b.wait_log(rf"prefill_svc exited with code -9; restarting prefill_svc in {0.2 * 2 ** (restart - 1):.1f} s "
+                   rf"\(restart #{restart}\)", 30, offset)
+        b.wait_log(r"tandem up: prefill_svc ready at", 120, offset)
+        assert len(b.generate("Still there?", 4)) == 4
+    os.kill(b.pid("prefill_svc"), signal.SIGKILL)
+    assert b.proc.wait(timeout=60) == EXIT_GAVE_UP
+    log = b.log()
+    assert "prefill_svc exited with code -9, and prefill_svc was already restarted 2 times within 120 s " \
+           "(--max-restarts 2); giving up: stopping the stack" in log
+    assert f"tandem up: stopped (exit code {EXIT_GAVE_UP})" in log
+    assert not b.files(prefix)
