@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
-from tandem.service.flags import add_flag
+from tandem.service.flags import add_flag, parse_bool
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,6 @@ class DecodeConfig:
             WeightFormat.parse(self.quantization)
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean, got {text!r}")
-
-
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     parser = argparse.ArgumentParser(prog="decode_svc", description="Decode service of a Tandem cell")
     add_flag(parser, "--agent-address", "127.0.0.1:50060", "gpu_agent of this cell")
@@ -49,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     add_flag(parser, "--max-batch-requests", 256, "requests decoded together", type=int)
     add_flag(parser, "--quantization", "", "run the linear layers in this format instead of the cell's "
              f"({FORMAT_NAMES}; see gpu_agent --quantization)")
-    add_flag(parser, "--resume", True, "resume the cell's decoding requests from Redis at start", type=_bool)
+    add_flag(parser, "--resume", True, "resume the cell's decoding requests from Redis at start", type=parse_bool)
     a = parser.parse_args(argv)
     return DecodeConfig(
         agent_address=a.agent_address, host=a.host, port=a.port, service_id=a.service_id, redis_url=a.redis_url,

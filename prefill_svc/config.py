@@ -7,7 +7,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from tandem.service.flags import add_flag
+from tandem.service.flags import add_flag, parse_bool
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,13 @@ class PrefillConfig:
     max_batch_tokens: int
     max_batch_requests: int
     layer_group_size: int
+    ttft_slo_ms: float = 2000.0
+    ttft_slo_ms_per_1k: float = 0.0
+    drop_late: bool = False
 
     def __post_init__(self) -> None:
+        if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
+            raise ValueError("--ttft-slo-ms must be positive and --ttft-slo-ms-per-1k not negative")
         if self.max_batch_tokens <= 0 or self.max_batch_requests <= 0:
             raise ValueError("--max-batch-tokens and --max-batch-requests must be positive")
         if self.layer_group_size <= 0:
@@ -42,9 +47,18 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     add_flag(parser, "--max-batch-tokens", 4096, "new prompt tokens per prefill batch", type=int)
     add_flag(parser, "--max-batch-requests", 16, "requests per prefill batch", type=int)
     add_flag(parser, "--layer-group-size", 6, "layers run between partition/preemption checks", type=int)
+    add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO: a prompt's deadline is arrival + this ...",
+             type=float)
+    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "... + this per 1000 prompt tokens", type=float)
+    # On by default where the stack admits by SLO (tandem up passes TANDEM_ADMISSION to every process).
+    add_flag(parser, "--drop-late", os.environ.get("TANDEM_ADMISSION", "off") == "on",
+             "drop a queued prompt that cannot make its deadline even alone and at once (clear error, retry hint)",
+             type=parse_bool)
     a = parser.parse_args(argv)
     return PrefillConfig(
         agent_address=a.agent_address, decode_address=a.decode_address, host=a.host, port=a.port,
         service_id=a.service_id, redis_url=a.redis_url, max_batch_tokens=a.max_batch_tokens,
-        max_batch_requests=a.max_batch_requests, layer_group_size=a.layer_group_size,
+        max_batch_requests=a.max_batch_requests, layer_group_size=a.layer_group_size, ttft_slo_ms=a.ttft_slo_ms,
+        ttft_slo_ms_per_1k=a.ttft_slo_ms_per_1k, drop_late=a.drop_late,
     )
+

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,6 +24,9 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
+from tandem.policy.admission import PrefillBatching
+from tandem.policy.local import edf_key, plan_prefill
+from tandem.policy.types import QueuedRequest, Slo
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
@@ -40,6 +43,10 @@ HANDOFF_TIMEOUT_S = 30.0
 # requests finish, and preempts to make room for its own) before it fails.
 POOL_WAIT_S = 30.0
 POOL_RETRY_S = 0.05
+# Early drop (--drop-late) needs a measured prefill rate, and spares a prompt predicted late by
+# less than this fraction of the TTFT SLO: the rate is an estimate.
+MIN_TIMED_BATCHES = 3
+DROP_MARGIN = 0.25
 
 log = logging.getLogger("tandem.prefill")
 
@@ -60,6 +67,7 @@ class _Pending:
     enqueued_unix_ns: int = field(default_factory=time.time_ns)
     cancelled: bool = False
     waiting_for_blocks: bool = False  # the pool was full at its last allocation attempt
+    slot: QueuedRequest | None = None  # its place in the local scheduler's EDF queue
     # The Submit call's trace context: the batch loop's spans for this request join its trace.
     trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
 
@@ -80,6 +88,10 @@ class PrefillWorker:
         self._wake = asyncio.Event()
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self.tokens_per_s = 1000.0  # prefill rate, smoothed over recent batches
+        self.num_batches_timed = 0  # the rate predicts deadlines only once a few batches are timed
+        self.slo = Slo(config.ttft_slo_ms / 1000, 1.0, config.ttft_slo_ms_per_1k / 1000)
+        self.batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
+        self.num_dropped = 0
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
         self._tasks: set[asyncio.Task[None]] = set()
         self._aggregated = False
@@ -87,7 +99,14 @@ class PrefillWorker:
     # ------------------------------------------------------------------ API
     async def submit(self, msg: prefill_pb2.PrefillRequest, params: SamplingParams) -> prefill_pb2.PrefillReply:
         pending = _Pending(msg, params, asyncio.get_running_loop().create_future())
-        self.queue.append(pending)
+        arrival_s = (msg.arrival_unix_ns or pending.enqueued_unix_ns) / 1e9
+        pending.slot = QueuedRequest(msg.request_id, arrival_s, len(msg.token_ids))
+        # Earliest deadline first (deadlines grow with the prompt), arrival order among equals.
+        key = edf_key(pending.slot, self.slo)
+        index = len(self.queue)
+        while index > 0 and edf_key(self._slot(self.queue[index - 1]), self.slo) > key:
+            index -= 1
+        self.queue.insert(index, pending)
         self._report_load()
         self._wake.set()
         return await pending.future
@@ -210,17 +229,40 @@ class PrefillWorker:
         finally:
             self.forwarded.pop(rid, None)
 
+    @staticmethod
+    def _slot(pending: _Pending) -> QueuedRequest:
+        assert pending.slot is not None
+        return pending.slot
+
+    def _predict_batch(self, batch: Sequence[QueuedRequest]) -> float:
+        """A batch's prefill time at the measured rate; 0 until a few batches are timed (then
+        nothing is dropped or held back on a guess)."""
+        if self.num_batches_timed < MIN_TIMED_BATCHES:
+            return 0.0
+        return sum(r.prompt_tokens for r in batch) / self.tokens_per_s
+
     def _take_batch(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        num_tokens = 0
-        while self.queue and len(batch) < self.config.max_batch_requests:
-            size = len(self.queue[0].msg.token_ids)
-            if batch and num_tokens + size > self.config.max_batch_tokens:
-                break
-            pending = self.queue.popleft()
-            batch.append(pending)
+        """The local scheduler's next batch (tandem/policy/local.py): the EDF front that keeps
+        the earliest deadline; prompts that cannot make theirs even alone fail now (drop_late)."""
+        by_id = {p.msg.request_id: p for p in self.queue}
+        plan = plan_prefill([self._slot(p) for p in self.queue], time.time(), self.slo, self._predict_batch,
+                            self.batching, drop_late=self.config.drop_late,
+                            drop_margin_s=DROP_MARGIN * self.slo.ttft_s)
+        for slot in plan.drop:
+            pending = by_id[slot.request_id]
+            self.queue.remove(pending)
+            self.num_dropped += 1
+            late_s = time.time() + self._predict_batch([slot]) - slot.deadline(self.slo)
+            log.info("dropped %s (%d prompt tokens): predicted %.2f s past its TTFT deadline even alone",
+                     slot.request_id, slot.prompt_tokens, late_s)
+            _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"dropped before prefill: its first token would miss its TTFT deadline "
+                  f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) by "
+                  f"{late_s:.2f} s even if computed alone now; retry after {max(late_s, 0.1):.1f} s")
+        batch = [by_id[slot.request_id] for slot in plan.batch]
+        for pending in batch:
+            self.queue.remove(pending)
             self.running[pending.msg.request_id] = pending
-            num_tokens += size
         return batch
 
     async def _allocate(self, pending: _Pending) -> Request | None:
@@ -291,7 +333,9 @@ class PrefillWorker:
             span.end()
         prefill_ns = time.perf_counter_ns() - started_ns
         num_new = sum(len(r.prompt_token_ids) - r.num_cached_prompt_tokens for r in requests)
-        self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * num_new / max(prefill_ns / 1e9, 1e-6)
+        rate = num_new / max(prefill_ns / 1e9, 1e-6)
+        self.tokens_per_s = rate if self.num_batches_timed == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
+        self.num_batches_timed += 1
         await asyncio.gather(*(
             self._finish_one(p, r, out.finish_reason, started_ns - p.enqueued_ns, prefill_ns)
             for (p, r), out in zip(live, outputs, strict=True)

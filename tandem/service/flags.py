@@ -31,6 +31,15 @@ def add_flag(
     parser.add_argument(flag, default=value, type=type, help=f"{help} [env {env}; default {default!r}]", **kwargs)
 
 
+def parse_bool(text: str) -> bool:
+    """A flag's or environment variable's boolean: 1/true/yes/on or 0/false/no/off."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
 def parse_cores(text: str) -> tuple[int, ...]:
     """``"0,2-3"`` → ``(0, 2, 3)``; an empty string is no cores."""
     cores: list[int] = []

@@ -1,0 +1,57 @@
+"""prefill_svc's local scheduler (FineServe's, section 5): which queued prompts to prefill next.
+
+Three rules over the queue, every time a batch starts:
+1. Earliest deadline first: the queue is kept in deadline order (ties by arrival), so a short
+   prompt with an early length-scaled deadline goes ahead of a long one that arrived first.
+2. Early drop: a request that cannot make its deadline even if run alone and at once is dropped
+   now (the client gets a clear error and can retry), rather than computed late while it
+   delays everyone behind it. ``drop_margin_s`` keeps the benefit of the doubt: a prediction is
+   an estimate. Dropping is off unless asked for (``drop_late``).
+3. The largest batch that keeps the earliest deadline: from the front of the EDF queue, while
+   the batch stays within prefill's limits (``PrefillBatching``) and its predicted time still
+   ends before the deadline of the batch's first request. When even that one is late, the batch
+   is only bounded by the limits (nothing is gained by making it smaller).
+Pure: no clock, no I/O; ``predict`` gives a batch's prefill time in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from tandem.policy.admission import PrefillBatching
+from tandem.policy.types import QueuedRequest, Slo
+
+PredictBatch = Callable[[Sequence[QueuedRequest]], float]
+
+
+class PrefillPlan(NamedTuple):
+    batch: tuple[QueuedRequest, ...]  # to run now, in EDF order
+    drop: tuple[QueuedRequest, ...]  # cannot make their deadlines even alone and at once
+
+
+def edf_key(request: QueuedRequest, slo: Slo) -> tuple[float, float, str]:
+    return (request.deadline(slo), request.arrival_s, request.request_id)
+
+
+def plan_prefill(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict: PredictBatch,
+                 batching: PrefillBatching, *, drop_late: bool = False, drop_margin_s: float = 0.0) -> PrefillPlan:
+    edf = sorted(queue, key=lambda r: edf_key(r, slo))
+    drop: list[QueuedRequest] = []
+    if drop_late:
+        drop = [r for r in edf if now_s + predict([r]) > r.deadline(slo) + drop_margin_s]
+        edf = [r for r in edf if r not in drop]
+    if not edf:
+        return PrefillPlan((), tuple(drop))
+    first = edf[0]
+    keep_deadline = now_s + predict([first]) <= first.deadline(slo)
+    batch = [first]
+    num_tokens = first.prompt_tokens
+    for r in edf[1:]:
+        if len(batch) >= batching.max_batch_requests or num_tokens + r.prompt_tokens > batching.max_batch_tokens:
+            break
+        if keep_deadline and now_s + predict([*batch, r]) > first.deadline(slo):
+            break
+        batch.append(r)
+        num_tokens += r.prompt_tokens
+    return PrefillPlan(tuple(batch), tuple(drop))
