@@ -122,8 +122,13 @@ def stacks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             up.wait_log("tandem up: serving", 180)
         yield a, b
     finally:
-        for up in (a, b):
+        for up in (a, b):  # SIGTERM: a SIGKILLed launcher would leave its children running
             if up.proc.poll() is None:
+                up.proc.send_signal(signal.SIGTERM)
+        for up in (a, b):
+            try:
+                up.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
                 up.proc.kill()
                 up.proc.wait()
 
