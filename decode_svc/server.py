@@ -87,6 +87,7 @@ class DecodeWorker:
         self.routers: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
         self.num_steps = 0
         self.last_step_ns = 0
+        self.last_step_end_unix_ns = 0
         # prefill done -> first step that includes the request (wall clock: two processes)
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
@@ -310,7 +311,7 @@ class DecodeWorker:
                                             prompt_tokens=len(a.req.prompt_token_ids),
                         cached_tokens=min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
                     for a in self.prefilling],
-            last_step_ns=self.last_step_ns,
+            last_step_ns=self.last_step_ns, last_step_end_unix_ns=self.last_step_end_unix_ns,
         ))
 
     async def run(self) -> None:
@@ -467,6 +468,7 @@ class DecodeWorker:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
         outputs = await member.run(work)
         self.last_step_ns = time.perf_counter_ns() - start
+        self.last_step_end_unix_ns = time.time_ns()
         self.num_steps += 1
         for active in batch:
             if active.span is not None:

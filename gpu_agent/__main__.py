@@ -9,7 +9,6 @@ its cell was serving cannot go on: it fails their records before any service can
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -55,9 +54,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
 
 async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, tasks: VitalTasks) -> None:
     started = time.perf_counter()
-    # build_state names the stores after config.cell_id; give it this incarnation's prefix.
-    named = dataclasses.replace(config, cell_id=config.shm_prefix)
-    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, named)
+    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
     await fail_stale_requests(config, log)
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.policy == "chunked":
@@ -73,7 +70,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         # The static policy is the split from the flags; the others re-split on live load.
         model_config = ModelConfig.from_dir(model_dir)
         policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
-                            cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000))
+                            cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
+                                                                      config.ttft_slo_ms_per_1k / 1000))
     servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition, policy)
     server = grpc.aio.server(interceptors=service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)

@@ -31,6 +31,7 @@ class AgentConfig:
     policy: str = "dynamic"
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
+    ttft_slo_ms_per_1k: float = 0.0  # the TTFT SLO grows by this per 1000 prompt tokens
     profile: str = ""
     quantization: str = "auto"
     # This incarnation of the agent: its shared-memory names carry it, so that a successor, or
@@ -48,8 +49,8 @@ class AgentConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
         WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
-        if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
-            raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive")
+        if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
+            raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive, --ttft-slo-ms-per-1k not negative")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.num_blocks < 0:
@@ -96,12 +97,14 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
     add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float)
     add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float)
+    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float)
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
     a = parser.parse_args(argv)
     return AgentConfig(
         model=a.model, dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
         host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
         prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
-        policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, profile=a.profile,
+        policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, ttft_slo_ms_per_1k=a.ttft_slo_ms_per_1k,
+        profile=a.profile,
         quantization=a.quantization, instance_id=a.instance_id or new_instance_id(),
     )

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, Slo
+from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.rpc.v1 import agent_pb2
 
 log = logging.getLogger("tandem.gpu_agent.policy")
@@ -35,6 +35,8 @@ class Applied(NamedTuple):
     prefill_token_budget: int
     prefill_layers: int
     decode_lookahead: int
+    preempt: str = ""  # the running prefill batch to pause (named by its first request)
+    prefill_first: tuple[str, ...] = ()  # what runs before it resumes
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -64,38 +66,65 @@ class PolicyLoop:
         self.loads: dict[int, agent_pb2.PhaseLoad] = {}
         self.last: Applied | None = None
         self.num_decisions = 0
+        self.num_preemptions = 0
 
     def report(self, load: agent_pb2.PhaseLoad) -> None:
         self.loads[load.role] = load
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
+        """The whole snapshot the policies were written for, from the services' last reports:
+        prefill's queue, its running batch and the one paused under it, decode's contexts and
+        its slack (the TBT SLO less the time since its last step ended and that step's length:
+        what the next token may still wait)."""
         prefill = self.loads.get(agent_pb2.ROLE_PREFILL)
         decode = self.loads.get(agent_pb2.ROLE_DECODE)
         # Prompts still to compute: prefill's queue, and decode's chunks in aggregated mode.
         waiting = [*(prefill.queued if prefill is not None else ()), *(decode.queued if decode is not None else ())]
-        queued = tuple(
-            QueuedRequest(q.request_id, q.arrival_unix_ns / 1e9, max(q.prompt_tokens, 1),
-                          min(q.cached_tokens, max(q.prompt_tokens, 1) - 1))
-            for q in waiting
-        )
+        queued = tuple(_queued(q) for q in waiting)
         contexts = tuple(decode.decode_context_lens) if decode is not None else ()
+        slack = None
+        if decode is not None and decode.last_step_end_unix_ns and contexts:
+            slack = self.slo.tbt_s - max(0.0, now_s - decode.last_step_end_unix_ns / 1e9) - decode.last_step_ns / 1e9
+        running = paused = None
+        if prefill is not None and prefill.HasField("running"):
+            running = self._in_flight(prefill.running)
+        if prefill is not None and prefill.HasField("paused"):
+            paused = self._in_flight(prefill.paused)
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
-                               running_prefill=None, decode_context_lens=contexts, current=None, slo=self.slo)
+                               running_prefill=running, decode_context_lens=contexts, current=None, slo=self.slo,
+                               decode_slack_s=slack, paused_prefill=paused)
+
+    def _in_flight(self, batch: agent_pb2.PrefillBatchInFlight) -> RunningPrefill | None:
+        """A prefill batch as one RunningPrefill: named by its first (earliest-deadline)
+        request, its tokens summed, its deadline the earliest of its requests'."""
+        requests = [_queued(q) for q in batch.requests]
+        if not requests:
+            return None
+        return RunningPrefill(
+            request_id=requests[0].request_id, new_tokens=sum(r.new_tokens for r in requests),
+            cached_tokens=sum(r.cached_tokens for r in requests),
+            layers_done=min(batch.layers_done, self.num_layers - 1), num_layers=self.num_layers,
+            deadline_s=min(r.deadline(self.slo) for r in requests), started_s=batch.started_unix_ns / 1e9,
+            preempted_id=batch.preempted_id or None)
 
     def decide(self) -> tuple[Applied, str] | None:
         """Run the policy once; the new assignment and its reason when it changes, else None."""
         snapshot = self.snapshot(time.time())
-        prefill_busy = bool(snapshot.queued)
+        prefill_busy = snapshot.has_prefill_work
         decode_busy = bool(snapshot.decode_context_lens)
         if not prefill_busy and not decode_busy:
             return None  # nothing to run: keep the split in force
         decision = self.policy(snapshot, self.predictor)
         self.num_decisions += 1
         prefill_cores, decode_cores = split_cores(self.cores, decision, prefill_busy, decode_busy)
+        preempt = "" if decision.aggregated else (decision.preempt or "")
         applied = Applied(prefill_cores, decode_cores, decision.aggregated,
                           sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                           decision.prefill_layers if not decision.aggregated else 0,
-                          decision.decode_lookahead)
+                          decision.decode_lookahead, preempt, decision.prefill_batch if preempt else ())
+        if preempt:
+            self.num_preemptions += 1
+            log.info("preemption: %s pauses for %s (%s)", preempt, ", ".join(decision.prefill_batch), decision.reason)
         if applied == self.last:
             return None
         if self.last is None or applied[:3] != self.last[:3]:
@@ -103,3 +132,8 @@ class PolicyLoop:
                      ", aggregated" if decision.aggregated else "", decision.reason)
         self.last = applied
         return applied, f"{self.policy_name}: {decision.reason}"
+
+
+def _queued(q: agent_pb2.QueuedPrefill) -> QueuedRequest:
+    prompt = max(q.prompt_tokens, 1)
+    return QueuedRequest(q.request_id, q.arrival_unix_ns / 1e9, prompt, min(q.cached_tokens, prompt - 1))

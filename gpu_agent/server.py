@@ -38,12 +38,14 @@ class PartitionBoard:
         self._changed = asyncio.Condition()
 
     async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1, *,
-                  aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0) -> None:
+                  aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0,
+                  preempt: str = "", prefill_first: tuple[str, ...] = ()) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
                 decode_lookahead=lookahead, policy=policy, aggregated=aggregated,
                 prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
+                preempt=preempt, prefill_first=prefill_first,
             )
             self._changed.notify_all()
 
@@ -168,7 +170,8 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
         applied, reason = change
         await partition.set(applied.prefill_cores, applied.decode_cores, reason, applied.decode_lookahead,
                             aggregated=applied.aggregated, prefill_token_budget=applied.prefill_token_budget,
-                            prefill_layers=applied.prefill_layers)
+                            prefill_layers=applied.prefill_layers, preempt=applied.preempt,
+                            prefill_first=applied.prefill_first)
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:
@@ -184,11 +187,11 @@ def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, B
     model_config = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(config.dtype)
     weights = load_checkpoint(model_dir, model_config, dtype)
-    store = share_weights(weights, f"{config.cell_id}-weights", exist_ok=True)
+    store = share_weights(weights, f"{config.shm_prefix}-weights", exist_ok=True)
     del weights
     num_blocks = config.num_blocks or num_blocks_for_budget(
         model_config, int(config.kv_cache_gb * (1 << 30)), config.block_size, dtype
     )
     spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, dtype)
-    pool = KVPool.create_shared(spec, f"{config.cell_id}-kv", exist_ok=True)
+    pool = KVPool.create_shared(spec, f"{config.shm_prefix}-kv", exist_ok=True)
     return model_dir, store, pool, BlockLedger(BlockAllocator(num_blocks, config.block_size))

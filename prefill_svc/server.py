@@ -72,6 +72,17 @@ class _Pending:
     trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
 
 
+@dataclass
+class _InFlight:
+    """A batch being prefilled layer group by layer group (what the agent's snapshot shows)."""
+
+    batch: list[_Pending]
+    started_unix_ns: int = field(default_factory=time.time_ns)
+    layers_done: int = 0
+    preempted_id: str = ""  # set on a preemptor: the batch it paused (it cannot be paused itself)
+    paused_ns: int = 0  # time spent paused for a preemptor, left out of the measured rate
+
+
 class PrefillWorker:
     """Owns the queue and the batch loop; all state is touched only on the event loop."""
 
@@ -92,6 +103,10 @@ class PrefillWorker:
         self.slo = Slo(config.ttft_slo_ms / 1000, 1.0, config.ttft_slo_ms_per_1k / 1000)
         self.batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
         self.num_dropped = 0
+        # The batch computing now, and under it the one it preempted (MuxWise: one level).
+        self._in_flight: list[_InFlight] = []
+        self._preempt_epoch = 0  # the last partition whose preemption was carried out
+        self.num_preemptions = 0
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
         self._tasks: set[asyncio.Task[None]] = set()
         self._aggregated = False
@@ -112,14 +127,28 @@ class PrefillWorker:
         return await pending.future
 
     def _report_load(self) -> None:
-        """Tell the agent's scheduler what is queued or running (it may re-split the cores)."""
-        waiting = [*self.running.values(), *self.queue]
-        self.member.report_load(agent_pb2.PhaseLoad(
-            service_id=self.config.service_id, role=agent_pb2.ROLE_PREFILL,
-            queued=[agent_pb2.QueuedPrefill(request_id=p.msg.request_id, arrival_unix_ns=p.msg.arrival_unix_ns or
-                                            p.enqueued_unix_ns, prompt_tokens=len(p.msg.token_ids))
-                    for p in waiting],
-        ))
+        """Tell the agent's scheduler what is queued, running and paused (it may re-split the
+        cores, or name a preemptor)."""
+        in_flight = {p.msg.request_id for f in self._in_flight for p in f.batch}
+        # Requests taken for a batch that has not begun (allocating) count as queued.
+        waiting = [*(p for rid, p in self.running.items() if rid not in in_flight), *self.queue]
+        load = agent_pb2.PhaseLoad(service_id=self.config.service_id, role=agent_pb2.ROLE_PREFILL,
+                                   queued=[_queued_msg(p) for p in waiting])
+        if self._in_flight:
+            load.running.CopyFrom(self._flight_msg(self._in_flight[-1]))
+        if len(self._in_flight) > 1:
+            load.paused.CopyFrom(self._flight_msg(self._in_flight[0]))
+        self.member.report_load(load)
+
+    def _flight_msg(self, flight: _InFlight) -> agent_pb2.PrefillBatchInFlight:
+        ordered = sorted(flight.batch, key=lambda p: edf_key(self._slot(p), self.slo))
+        return agent_pb2.PrefillBatchInFlight(requests=[_queued_msg(p) for p in ordered],
+                                              layers_done=flight.layers_done,
+                                              started_unix_ns=flight.started_unix_ns,
+                                              preempted_id=flight.preempted_id)
+
+    def _first_id(self, flight: _InFlight) -> str:
+        return min(flight.batch, key=lambda p: edf_key(self._slot(p), self.slo)).msg.request_id
 
     def cancel(self, request_id: str) -> bool:
         for pending in self.queue:
@@ -166,23 +195,52 @@ class PrefillWorker:
                 if aggregated:
                     self._forward_queue()
                     break
-                batch = self._take_batch()
-                try:
-                    await self._process(batch)
-                    waiting = [p for p in batch if p.waiting_for_blocks and not p.future.done()]
-                    if waiting:  # the pool is full: back to the head of the queue, in order
-                        for pending in reversed(waiting):
-                            self.queue.appendleft(pending)
-                        await asyncio.sleep(POOL_RETRY_S)
-                except Exception as exc:  # a bug must fail the batch, not the service
-                    log.exception("prefill batch failed")
-                    for pending in batch:
-                        _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-                        await self._release(pending.msg.request_id)
-                finally:
-                    for pending in batch:
-                        self.running.pop(pending.msg.request_id, None)
-                    self._report_load()
+                await self._run_batch(self._take_batch())
+
+    async def _run_batch(self, batch: list[_Pending], preempted_id: str = "") -> None:
+        try:
+            await self._process(batch, preempted_id)
+            waiting = [p for p in batch if p.waiting_for_blocks and not p.future.done()]
+            if waiting:  # the pool is full: back to the head of the queue, in order
+                for pending in reversed(waiting):
+                    self.queue.appendleft(pending)
+                await asyncio.sleep(POOL_RETRY_S)
+        except Exception as exc:  # a bug must fail the batch, not the service
+            log.exception("prefill batch failed")
+            for pending in batch:
+                _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+                await self._release(pending.msg.request_id)
+        finally:
+            for pending in batch:
+                self.running.pop(pending.msg.request_id, None)
+            self._report_load()
+
+    async def _yield_if_preempted(self, flight: _InFlight) -> None:
+        """At a layer-group boundary: if the partition names this batch for preemption
+        (MuxWise), run the named queued requests whole now, then go on with this one."""
+        p = self.member.partition
+        if flight.preempted_id or p.aggregated or not p.preempt or p.epoch <= self._preempt_epoch:
+            return
+        first_id = self._first_id(flight)
+        if p.preempt != first_id:
+            return
+        self._preempt_epoch = p.epoch
+        wanted = set(p.prefill_first)
+        short = [q for q in self.queue if q.msg.request_id in wanted]
+        if not short:
+            return  # they were cancelled or dropped meanwhile
+        for pending in short:
+            self.queue.remove(pending)
+            self.running[pending.msg.request_id] = pending
+        self.num_preemptions += 1
+        log.info("%s paused after %d of %d layers for %s", first_id, flight.layers_done, self.runner.num_layers,
+                 ", ".join(q.msg.request_id for q in short))
+        for pending in flight.batch:
+            trace.get_current_span(pending.trace_context).add_event(
+                "prefill.preempted", {"tandem.layers_done": flight.layers_done})
+        paused_ns = time.perf_counter_ns()
+        await self._run_batch(short, preempted_id=first_id)
+        flight.paused_ns += time.perf_counter_ns() - paused_ns
 
     # ------------------------------------------------------------------ aggregated mode
     def _forward_queue(self) -> None:
@@ -298,12 +356,23 @@ class PrefillWorker:
         req.num_cached_prompt_tokens = reply.num_cached_tokens
         return req
 
-    async def _process(self, batch: list[_Pending]) -> None:
+    async def _process(self, batch: list[_Pending], preempted_id: str = "") -> None:
+        flight = _InFlight(batch, preempted_id=preempted_id)
+        self._in_flight.append(flight)
+        try:
+            await self._compute(flight)
+        finally:
+            self._in_flight.remove(flight)
+
+    async def _compute(self, flight: _InFlight) -> None:
+        batch = flight.batch
         started_ns = time.perf_counter_ns()
         allocated = await asyncio.gather(*(self._allocate(p) for p in batch))
         live = [(p, r) for p, r in zip(batch, allocated, strict=True) if r is not None]
+        flight.batch = [p for p, _ in live]
         if not live:
             return
+        self._report_load()
         requests = [r for _, r in live]
         runner = self.runner
         spans = self._request_spans(live, started_ns)
@@ -326,6 +395,10 @@ class PrefillWorker:
                     attributes={"tandem.partition_epoch": self.member.partition.epoch},
                 )
                 child.end()
+            flight.layers_done = state.next_layer
+            if state.next_layer < runner.num_layers:
+                self._report_load()
+                await self._yield_if_preempted(flight)
         outputs = await self.member.run(
             lambda: sample_step(runner, self.sampler, requests, runner.finish(state), self.eos_token_ids)
         )
@@ -333,7 +406,7 @@ class PrefillWorker:
             span.end()
         prefill_ns = time.perf_counter_ns() - started_ns
         num_new = sum(len(r.prompt_token_ids) - r.num_cached_prompt_tokens for r in requests)
-        rate = num_new / max(prefill_ns / 1e9, 1e-6)
+        rate = num_new / max((prefill_ns - flight.paused_ns) / 1e9, 1e-6)
         self.tokens_per_s = rate if self.num_batches_timed == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
         self.num_batches_timed += 1
         await asyncio.gather(*(
@@ -443,6 +516,11 @@ class PrefillWorker:
             )
         except grpc.aio.AioRpcError as exc:
             log.error("could not release blocks of %s: %s", request_id, exc.details())
+
+
+def _queued_msg(pending: _Pending) -> agent_pb2.QueuedPrefill:
+    return agent_pb2.QueuedPrefill(request_id=pending.msg.request_id, prompt_tokens=len(pending.msg.token_ids),
+                                   arrival_unix_ns=pending.msg.arrival_unix_ns or pending.enqueued_unix_ns)
 
 
 def _succeed(pending: _Pending, reply: prefill_pb2.PrefillReply) -> None:

@@ -212,7 +212,8 @@ class AdmissionController:
             if rejection is not None:
                 self.num_refused += 1
                 predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
-                                         running_since_s=self._running_since_s, scale=self.calibration.factor)
+                                         running_since_s=self._running_since_s, scale=self.calibration.factor,
+                                         slo=self.slo)
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
@@ -223,8 +224,8 @@ class AdmissionController:
         # inside its steps, no prefill batch can be timed, and the request's own TTFT against
         # this prediction is what calibrates the model.
         self._predicted_ttft_s[request_id] = predict_ttft(
-            ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s
-        ).ttft_s
+            ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s,
+            slo=self.slo).ttft_s
         self._pending[request_id] = request
         self._units[request_id] = units
         self.num_admitted += 1

@@ -43,6 +43,7 @@ class RouterConfig:
     api_key: str = ""  # when set, HTTP requests must carry ``Authorization: Bearer <api_key>``
     ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS  # admission: a request's deadline is arrival + this
     tbt_slo_ms: float = DEFAULT_TBT_SLO_MS  # reported with the SLO; the agent's policy enforces it
+    ttft_slo_ms_per_1k: float = 0.0  # the deadline grows by this per 1000 prompt tokens
     admission: bool = True  # refuse early what cannot meet its TTFT deadline (False: admit all)
     profile: str = ""  # perf profile from `tandem profile`; "" uses the CPU placeholder model
     # prefill_svc's batch limits, with which admission predicts how it batches its queue
@@ -111,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     add_flag(parser, "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float)
     add_flag(parser, "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float)
     add_flag(parser, "--tbt-slo-ms", DEFAULT_TBT_SLO_MS, "time-between-tokens SLO of this model", type=float)
+    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float)
     add_flag(parser, "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
@@ -135,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         api_key=args.api_key,
         ttft_slo_ms=args.ttft_slo_ms,
         tbt_slo_ms=args.tbt_slo_ms,
+        ttft_slo_ms_per_1k=args.ttft_slo_ms_per_1k,
         admission=args.admission == "on",
         profile=args.profile,
         max_batch_tokens=args.max_batch_tokens,

@@ -130,6 +130,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
     add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO (admission and policy)", type=float)
     add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO (policy)", type=float)
+    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens "
+             "(deadlines, EDF order, early drop)", type=float)
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
@@ -180,6 +182,7 @@ class Supervisor:
         # router's admission and the agent's policy work from the same numbers.
         env = {"REDIS_URL": redis_url, "TANDEM_CELL_ID": args.cell_id, "TANDEM_POLICY": args.policy,
                "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
+               "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
                "TANDEM_ADMISSION": args.admission, "TANDEM_PROFILE": args.profile}
         cores = []
         if args.prefill_cores:

@@ -178,9 +178,12 @@ def predict_ttft(
     *,
     running_since_s: float | None = None,
     scale: float = 1.0,
+    slo: Slo | None = None,
 ) -> TtftPrediction:
     """Predict `request`'s first token behind `ahead` (the requests sent to prefill that have
-    no first token yet), served as prefill_svc serves its queue (see `PrefillBatching`).
+    no first token yet), served as prefill_svc serves its queue (see `PrefillBatching`): in
+    deadline order under `slo` (its local scheduler is EDF; with a flat TTFT SLO that is arrival
+    order), in arrival order without one.
 
     `running_since_s` is when the prefill batch now running started (None: prefill is idle,
     or it is not known); it holds the first batch of those of `ahead` that arrived by then,
@@ -204,17 +207,21 @@ def predict_ttft(
             t += max(0.0, batch_time(running) - (now_s - running_since_s))
             num_batches_ahead = 1
             queued = queued[len(running):]
-    batches = group_batches([*queued, request], batching)
-    for batch in batches[:-1]:
+    rest = [*queued, request]
+    if slo is not None:
+        rest.sort(key=lambda r: (r.deadline(slo), r.arrival_s))  # stable: the newcomer goes after equals
+    batches = group_batches(rest, batching)
+    mine = next(i for i, b in enumerate(batches) if any(r is request for r in b))
+    for batch in batches[:mine]:
         t += batch_time(batch)
-    own = batches[-1]
+    own = batches[mine]
     batch_s = batch_time(own)
     return TtftPrediction(
         ttft_s=t + batch_s - request.arrival_s,
         wait_s=t - now_s,
         batch_s=batch_s,
-        marginal_s=batch_s - batch_time(own[:-1]),
-        num_batches_ahead=num_batches_ahead + len(batches) - 1,
+        marginal_s=batch_s - batch_time([r for r in own if r is not request]),
+        num_batches_ahead=num_batches_ahead + mine,
     )
 
 
@@ -235,8 +242,9 @@ def admit_one(
     have no first token yet (all of them count: they were admitted earlier and are served
     before it, late or not). None admits it; a Rejection carries the reason and retry hint.
 
-    This is the router's incremental form of ``admit``: with one SLO per model, earliest
-    deadline first is arrival order, so the newcomer is served after everything ahead. Its
+    This is the router's incremental form of ``admit``: the newcomer is served at its place in
+    deadline order (after everything ahead with a flat TTFT SLO; a short prompt may go before
+    long ones when the SLO grows with the prompt). Its
     first token is predicted by ``predict_ttft`` (batches as ``batching`` groups them, behind
     the batch running since ``running_since_s``, predictions times ``scale``). It is refused
     only when predicted to miss its deadline by more than ``margin`` x the TTFT SLO: a
@@ -247,7 +255,8 @@ def admit_one(
     """
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
-    p = predict_ttft(ahead, request, now_s, predictor, units, batching, running_since_s=running_since_s, scale=scale)
+    p = predict_ttft(ahead, request, now_s, predictor, units, batching, running_since_s=running_since_s, scale=scale,
+                     slo=slo)
     late_s = now_s + p.wait_s + p.batch_s - request.deadline(slo) - margin * slo.ttft_s
     if late_s <= 0:
         return None

@@ -348,3 +348,18 @@ def test_calibration_is_clamped_and_ignores_bad_timings() -> None:
         PrefillCalibration(weight=0.0)
     with pytest.raises(ValueError):
         PrefillCalibration(max_step_up=1.0)
+
+
+def test_length_scaled_deadlines_admit_a_short_prompt_ahead_of_long_ones() -> None:
+    """With a TTFT SLO that grows with the prompt, prefill serves deadlines first: a short
+    prompt arriving behind long ones is predicted (and admitted) at the front, where the flat
+    SLO's arrival order would have refused it."""
+    scaled = Slo(ttft_s=0.5, tbt_s=0.05, ttft_per_1k_s=1.0)
+    ahead = [q(f"long{i}", 4000, NOW - 0.01 * (3 - i)) for i in range(3)]  # 0.4 s each, deadlines ~NOW + 4.5
+    short = q("short", 100, NOW)  # deadline NOW + 0.6
+    p = predict_ttft(ahead, short, NOW, P, 1, PREFILL, slo=scaled)
+    assert p.num_batches_ahead == 0 and p.ttft_s == pytest.approx(0.01)
+    assert admit_one(ahead, short, NOW, P, 1, scaled, batching=PREFILL) is None
+    flat = Slo(ttft_s=0.6, tbt_s=0.05)
+    assert predict_ttft(ahead, short, NOW, P, 1, PREFILL, slo=flat).num_batches_ahead == 3
+    assert admit_one(ahead, short, NOW, P, 1, flat, batching=PREFILL) is not None

@@ -205,18 +205,36 @@ class QueuedPrefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PhaseLoad(_message.Message):
-    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns")
+    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns", "running", "paused", "last_step_end_unix_ns")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     DECODE_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     role: Role
     queued: _containers.RepeatedCompositeFieldContainer[QueuedPrefill]
     decode_context_lens: _containers.RepeatedScalarFieldContainer[int]
     last_step_ns: int
-    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ...) -> None: ...
+    running: PrefillBatchInFlight
+    paused: PrefillBatchInFlight
+    last_step_end_unix_ns: int
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ..., running: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., paused: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., last_step_end_unix_ns: _Optional[int] = ...) -> None: ...
+
+class PrefillBatchInFlight(_message.Message):
+    __slots__ = ("requests", "layers_done", "started_unix_ns", "preempted_id")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_ID_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[QueuedPrefill]
+    layers_done: int
+    started_unix_ns: int
+    preempted_id: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., layers_done: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., preempted_id: _Optional[str] = ...) -> None: ...
 
 class ReportLoadReply(_message.Message):
     __slots__ = ("partition",)
