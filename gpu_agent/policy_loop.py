@@ -122,11 +122,11 @@ class PolicyLoop:
                           sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                           decision.prefill_layers if not decision.aggregated else 0,
                           decision.decode_lookahead, preempt, decision.prefill_batch if preempt else ())
+        if applied == self.last:
+            return None
         if preempt:
             self.num_preemptions += 1
             log.info("preemption: %s pauses for %s (%s)", preempt, ", ".join(decision.prefill_batch), decision.reason)
-        if applied == self.last:
-            return None
         if self.last is None or applied[:3] != self.last[:3]:
             log.info("partition: prefill %s, decode %s%s (%s)", prefill_cores, decode_cores,
                      ", aggregated" if decision.aggregated else "", decision.reason)

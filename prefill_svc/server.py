@@ -378,8 +378,10 @@ class PrefillWorker:
         spans = self._request_spans(live, started_ns)
         state = await self.member.run(lambda: runner.begin(step_inputs(requests)))
         while state.next_layer < runner.num_layers:
-            # The policy's layer count when it gives one (re-read at every group boundary).
-            group = self.member.partition.prefill_layers or self.config.layer_group_size
+            # The policy's layer count when it gives a smaller one (re-read at every group
+            # boundary): a boundary is where a new partition or a preemption takes effect.
+            group = min(self.member.partition.prefill_layers or self.config.layer_group_size,
+                        self.config.layer_group_size)
             first = state.next_layer
             stop = min(first + group, runner.num_layers)
 
