@@ -9,6 +9,9 @@ Definitions (all times on one run clock, in seconds):
   default) is within ``tbt_s``. A failed request never meets them.
 - SLO attainment is over *all* requests; goodput is the requests meeting both SLOs per second.
 - Latency statistics and throughputs count completed requests only.
+- Every summary also carries the flat keys ``vllm bench serve`` writes (``completed``,
+  ``request_goodput``, ``output_throughput``, ``mean_ttft_ms``, ``p99_itl_ms``, ...), with its
+  meanings: ITL is every gap between tokens, E2EL the end-to-end latency, all in milliseconds.
 
 Plain Python + numpy.
 """
@@ -149,4 +152,33 @@ def summarize(records: Sequence[RequestRecord], *, duration_s: float, slo: SloSp
         "tbt_attainment": sum(meets_tbt(r, slo) for r in records) / num if num else 0.0,
         "slo_attainment": num_good / num if num else 0.0,
         "goodput_rps": num_good / duration_s,
+        **vllm_keys(done, duration_s, num_good),
     }
+
+
+def vllm_keys(done: Sequence[RequestRecord], duration_s: float, num_good: int) -> dict[str, float | int | None]:
+    """The flat figures ``vllm bench serve`` puts in its JSON, so tools that read those read ours."""
+    out: dict[str, float | int | None] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "total_input_tokens": sum(r.input_len for r in done),
+        "total_output_tokens": sum(r.output_len for r in done),
+        "request_throughput": len(done) / duration_s,
+        "request_goodput": num_good / duration_s,
+        "output_throughput": sum(r.output_len for r in done) / duration_s,
+        "total_token_throughput": sum(r.input_len + r.output_len for r in done) / duration_s,
+    }
+    series = {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [g for r in done for g in r.gaps_s],
+        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+    for name, values in series.items():
+        arr = 1000.0 * np.asarray(values, dtype=float)
+        out[f"mean_{name}_ms"] = float(arr.mean()) if arr.size else None
+        out[f"median_{name}_ms"] = float(np.median(arr)) if arr.size else None
+        out[f"std_{name}_ms"] = float(arr.std()) if arr.size else None
+        for p in PERCENTILES:
+            out[f"p{p}_{name}_ms"] = float(np.percentile(arr, p)) if arr.size else None
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tandem.bench.metrics import RequestRecord, SloSpec, latency_stats, meets_slo, summarize
@@ -76,3 +77,19 @@ def test_summary_of_nothing_good() -> None:
     assert s["ttft_s"]["mean"] is None and s["output_token_throughput"] == 0
     with pytest.raises(ValueError):
         summarize([GOOD], duration_s=0.0, slo=SLO)
+
+
+def test_summary_carries_vllm_bench_serve_keys() -> None:
+    s = summarize([GOOD, SLOW_TBT, FAILED, SLOW_TTFT], duration_s=4.0, slo=SLO)
+    assert (s["duration"], s["completed"]) == (4.0, 3)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (1110, 8)
+    assert s["request_throughput"] == pytest.approx(0.75) and s["request_goodput"] == pytest.approx(0.25)
+    assert s["output_throughput"] == pytest.approx(2.0)
+    assert s["total_token_throughput"] == pytest.approx(1118 / 4)
+    # the same figures as ours, in milliseconds
+    assert s["mean_ttft_ms"] == pytest.approx(400.0) and s["median_ttft_ms"] == pytest.approx(500.0)
+    assert s["p99_itl_ms"] == pytest.approx(680.0) and s["mean_itl_ms"] == pytest.approx(240.0)
+    assert s["mean_e2el_ms"] == pytest.approx(1000 * 2.5 / 3)
+    assert s["std_ttft_ms"] == pytest.approx(1000 * float(np.std([0.5, 0.2, 0.5])))
+    empty = summarize([FAILED], duration_s=2.0, slo=SLO)
+    assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None and empty["p99_itl_ms"] is None
