@@ -2,8 +2,10 @@
 
 Its shared-memory stores are named ``<cell_id>-<instance_id>-*`` and guarded by an owner lock
 (:mod:`tandem.engine.shm_files`): this incarnation removes them when it stops, and a successor,
-or the launcher, removes them if it died. A new incarnation has a new KV pool, so the requests
-its cell was serving cannot go on: it fails their records before any service can join it.
+or the launcher, removes them if it died. A new incarnation has a new, empty KV pool: the
+requests its cell was decoding go on all the same, since the restarted decode_svc resumes them
+from their Redis records and, finding no blocks for them in this agent's ledger, recomputes
+their K/V (prefill's requests fail with the prefill_svc that is restarted with the cell).
 """
 
 from __future__ import annotations
@@ -25,14 +27,9 @@ from tandem.policy.policies import get_policy
 from tandem.policy.types import Slo
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
-from tandem.service.registry import announce, open_redis, report_load
+from tandem.service.registry import announce, report_load
 from tandem.service.runtime import VitalTasks, service_main, setup_logging
-from tandem.state.request_store import RequestStore
 from tandem.state.schema import LoadReport
-
-# How long the agent tries to fail its predecessor's requests before serving without doing so.
-FAIL_STALE_TIMEOUT_S = 10.0
-
 
 async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     log = setup_logging("tandem.gpu_agent")
@@ -55,7 +52,6 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
 async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, tasks: VitalTasks) -> None:
     started = time.perf_counter()
     model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
-    await fail_stale_requests(config, log)
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.policy == "chunked":
         # Aggregated from the start, so no request is prefilled apart before the first decision.
@@ -103,28 +99,6 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     finally:
         await server.stop(grace=1.0)
         await tasks.cancel()
-
-
-async def fail_stale_requests(config: AgentConfig, log: logging.Logger) -> None:
-    """Fail the cell's active requests: their blocks were in a predecessor's KV pool, which is
-    gone, so no service of this incarnation may resume them. Runs before the gRPC server starts,
-    hence before any decode service can join and list them."""
-    redis = open_redis(config.redis_url)
-    if redis is None:
-        return
-    try:
-        async with asyncio.timeout(FAIL_STALE_TIMEOUT_S):
-            records = RequestStore(redis)
-            stale = await records.list_active(config.cell_id)
-            for record in stale:
-                await records.set_state(record.request_id, "failed")
-        if stale:
-            log.warning("failed %d requests of cell %s left by a previous agent (%s)", len(stale), config.cell_id,
-                        ", ".join(r.request_id for r in stale[:8]) + (" ..." if len(stale) > 8 else ""))
-    except Exception as exc:  # Redis away: serve anyway rather than not at all
-        log.warning("could not fail the requests of a previous agent: %s", exc)
-    finally:
-        await redis.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:
