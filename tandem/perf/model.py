@@ -4,8 +4,10 @@ Per-operator roofline (DuetServe §4.1) on the SM-scaling roofline (Bullet §3.2
 - token-level operators (norms, QKV, O, gate-up, activation, down, embedding, lm-head) cost
   F = 2 n d_i d_o and B = (n d_i + d_i d_o + n d_o) b for a linear, from the number of tokens;
 - attention is per request, from its query length q and cached length c:
-  F = 4 h_q q (q + c) d_h + 2 h_q q (q + c), B = 2 h_q q d_h b + 2 h_kv (q + c) d_h b,
-  t = sum_r max(F_r / C, B_r / D);
+  F = (4 d_h + 2) h_q P, B = 2 h_q q d_h b + 2 h_kv (q + c) d_h b, t = sum_r max(F_r / C, B_r / D),
+  where P = q c + q (q + 1) / 2 is the causal count of query-key pairs (DuetServe writes
+  P = q (q + c), which is right for a chunk after a long prefix but doubles a whole prompt's);
+  prefill attention runs at `attn_efficiency` of the GEMMs' rate (Bullet §2.2.2);
 - tensor parallelism adds two ring all-reduces of the hidden state per layer;
 - compute C = per-unit FLOP/s x units; bandwidth D = peak x min(1, units / knee);
 - on a GPU GEMMs and prefill attention run in waves of thread blocks on `units` SMs and pay
@@ -29,6 +31,22 @@ from tandem.perf.calibration import Calibration, CalibrationSample, ContentionGu
 from tandem.perf.hardware import HardwareSpec
 from tandem.perf.model_shape import ModelShape
 from tandem.perf.roofline import ring_allreduce_time, wave_idle_ratio
+
+def causal_pairs(q: int, c: int, tile: int = 1) -> int:
+    """Query-key pairs a causal attention kernel computes for q new tokens after c cached ones.
+
+    Query i (0-based) attends c + i + 1 keys. A kernel working in query tiles of `tile` rows
+    (FlashAttention's Bq) computes every key a tile's last row needs for the whole tile, so
+    tile t of T = ceil(q / tile) covers c + (t + 1) tile keys: tile (T c + tile T (T + 1) / 2).
+    With tile 1 this is the exact q c + q (q + 1) / 2. The sum over the chunks of a prompt
+    equals the prompt's own count (up to tile rounding): chunking moves no attention work,
+    it re-reads the prefix's K/V once per chunk.
+    """
+    if tile <= 1:
+        return q * c + q * (q + 1) // 2
+    num_tiles = -(-q // tile)
+    return tile * (num_tiles * c + tile * num_tiles * (num_tiles + 1) // 2)
+
 
 TOKEN_OPS = ("embed", "norms", "qkv", "o_proj", "gate_up", "act", "down", "allreduce", "lm_head")
 _CACHE_LIMIT = 8192
@@ -77,7 +95,7 @@ class PerfModel:
         self._m = s.intermediate_per_rank
         self._vocab = s.vocab_per_rank
         # Attention per-request coefficients (DuetServe §4.1), all layers folded in:
-        #   F_r = attn_f * q (q + c),  B_r = attn_bq * q + attn_bkv * (q + c).
+        #   F_r = attn_f * causal_pairs(q, c),  B_r = attn_bq * q + attn_bkv * (q + c).
         self._attn_f = (4 * self._dh + 2) * self._hq * self._layers
         self._attn_bq = 2 * self._hq * self._dh * b * self._layers
         self._attn_bkv = 2 * self._hkv * self._dh * b * self._layers
@@ -177,9 +195,11 @@ class PerfModel:
     ) -> float:
         """sum_r max(F_r / C, B_r / D) over prefill and decode requests, all layers (DuetServe).
 
-        On a GPU the prefill kernel runs ceil(q / Bq) x h_q blocks per request in waves, so its
-        compute term is that of the padded queries stretched by Bullet's wave idle:
-        F(q_pad, c) / (C (1 - idle)). Decode attention is memory-bound and not quantized.
+        F_r counts the query-key pairs a causal kernel computes (`causal_pairs`), not
+        DuetServe's q (q + c), which charges a whole prompt twice its attention. On a GPU the
+        prefill kernel runs ceil(q / Bq) x h_q blocks per request in waves, so its compute term
+        is stretched by Bullet's wave idle, F / (C (1 - idle)), and divided by the hardware's
+        `attn_efficiency`. Decode attention is memory-bound and not quantized.
         """
         hw = self.hardware
         num_decode = len(decode_context_lens)
@@ -192,15 +212,14 @@ class PerfModel:
         if prefill_seqs:
             bq = hw.attn_block_q
             if hw.num_sms is None:
-                stretch, pad = 1.0, 1
+                stretch, tile = 1.0, 1
             else:
                 blocks = sum(-(-q // bq) for q, _ in prefill_seqs) * self._hq
                 idle = wave_idle_ratio(blocks, units, hw.blocks_per_sm)
-                stretch, pad = 1.0 / (1.0 - idle), bq
-            a_fp = a_f * stretch
+                stretch, tile = 1.0 / (1.0 - idle), bq
+            a_fp = a_f * stretch / hw.attn_efficiency
             for q, c in prefill_seqs:
-                q_pad = -(-q // pad) * pad
-                total += max(a_fp * q_pad * (q_pad + c), a_bq * q + a_bkv * (q + c))
+                total += max(a_fp * causal_pairs(q, c, tile), a_bq * q + a_bkv * (q + c))
         if num_decode:
             # q = 1: compute a_f (1 + c) against memory a_bq + a_bkv (1 + c), both linear in c.
             if a_f <= a_bkv:  # memory-bound for every c >= 0

@@ -220,6 +220,9 @@ class _Cell:
         self.decode_units_busy = 0
         self.decode_busy = False
         self.hybrid_busy = False
+        # Units of each phase's last split launch: a launch on other units re-masks SMs.
+        self.last_prefill_units = 0
+        self.last_decode_units = 0
         # Decode batch: context length of request r after G steps is base[r] + G.
         self.decoding: dict[str, SimRequest] = {}
         self.ctx_base: dict[str, int] = {}
@@ -418,6 +421,9 @@ class _Cell:
         if self.decode_units_busy:
             t *= self.predictor.contention(units, self.decode_units_busy, "prefill")
         t += self.cfg.prefill_overhead_s
+        if units != self.last_prefill_units:
+            t += self.cfg.reconfig_s
+            self.last_prefill_units = units
         self.prefill_launch = (job, layers)
         self.prefill_units_busy = units
         self.stats.num_split_launches += 1
@@ -431,16 +437,21 @@ class _Cell:
         if self.prefill_units_busy:
             t *= self.predictor.contention(units, self.prefill_units_busy)
         t += self.cfg.step_overhead_s
+        start = now
+        if units != self.last_decode_units:
+            start += self.cfg.reconfig_s
+            self.last_decode_units = units
         # Look-ahead steps past the last request's last token are not launched.
         k = max(1, min(lookahead, self.max_finish_step - self.num_steps))
         for j in range(1, k + 1):
-            self.step_times.append(now + j * t)
+            self.step_times.append(start + j * t)
+        busy = start - now + k * t
         self.decode_busy = True
         self.decode_units_busy = units
         self.stats.num_decode_steps += k
-        self.stats.decode_busy_s += k * t
-        self.stats.decode_units_time += k * t * units
-        self.sim.push(now + k * t, _DECODE_DONE, self, k)
+        self.stats.decode_busy_s += busy
+        self.stats.decode_units_time += busy * units
+        self.sim.push(now + busy, _DECODE_DONE, self, k)
 
     def _launch_hybrid(self, now: float, decision: Decision) -> None:
         chunks = decision.prefill_chunk_tokens or tuple(self._prompt_left_of(rid) for rid in decision.prefill_batch)
