@@ -363,12 +363,22 @@ class DynamicPolicy:
             decode_units, why = 0, "no decode"
         else:
             best = min_decode_units(predictor, ctx, total, tbt)
+            why = "best fit"
+            if best is None and tbt < snapshot.slo.tbt_s:
+                # The target's headroom is a margin, not the SLO: spend it before giving up.
+                best = min_decode_units(predictor, ctx, total, snapshot.slo.tbt_s)
+                why = "best fit at the SLO"
             if best is None:
-                # Both SLOs cannot hold: Bullet's answer is a balanced split rather than
-                # starving either phase.
-                decode_units, why = total // 2, "overloaded: no split meets TBT, balanced"
-            else:
-                decode_units, why = best, "best fit"
+                # No split keeps decode within TBT: beside prefill, decode pays its own weight
+                # read and the contention guard, and even every unit but one is not enough.
+                # One aggregated step reads the weights once for both phases and pays no
+                # contention, so time-share as chunked does until the batch shrinks. (A
+                # balanced split here, Bullet's answer for true overload, halved decode's
+                # units and the simulator showed the decode batch then growing without bound
+                # on ShareGPT at half chunked's knee.)
+                fallback = ChunkedPolicy()(snapshot, predictor)
+                return replace(fallback, reason=f"dynamic: no split meets TBT; {fallback.reason}")
+            decode_units = best
         prefill_units = total - decode_units
 
         plan = self._plan(snapshot, predictor, prefill_units, decode_units)
