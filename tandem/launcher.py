@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -135,6 +136,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
+    add_flag(parser, "--redis-password", "", "password the private Redis requires (ignored with REDIS_URL: put it "
+             "in the URL)")
+    add_flag(parser, "--redis-data-dir", "", "persist the private Redis there (append-only file), so request "
+             "records survive a Redis restart")
     add_flag(parser, "--quantization", "auto", f"weight format prefill and decode run ({FORMAT_NAMES}; "
              "auto: the fastest accurate one for this CPU; int8 is lossy)")
     add_flag(parser, "--max-restarts", 5, "restarts of one process (the cell, for the agent) within "
@@ -313,8 +318,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"error: {exc}", error=True)
         return 2
     model_dir = resolve_model(args.model)
-    redis_url, redis_server = resolve_redis_url()
-    say(f"redis at {redis_url}{' (private)' if redis_server else ''}")
+    redis_url, redis_server = resolve_redis_url({**os.environ, "TANDEM_REDIS_PASSWORD": args.redis_password,
+                                                 "TANDEM_REDIS_DATA_DIR": args.redis_data_dir})
+    shown = re.sub(r"//[^@/]*@", "//***@", redis_url)  # never print a password
+    say(f"redis at {shown}{' (private)' if redis_server else ''}")
     supervisor = Supervisor(args, str(model_dir), redis_url)
 
     def on_signal(signum: int, frame: object) -> None:
