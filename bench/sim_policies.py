@@ -5,8 +5,9 @@ ShareGPT length models with Poisson arrivals, over request rates from light load
 (picked per device and workload from a first sweep of `chunked`). SLOs as in the papers: TBT
 100 ms at the 99th percentile of each request's gaps; TTFT 250 ms + 250 ms per 1000 prompt
 tokens. Admission is off, as in the papers' goodput sweeps: every request is served, and one
-that misses an SLO counts against goodput. The perf model has no contention guard for GPUs
-(a phase beside the other runs as fast as alone) unless --contention is given.
+that misses an SLO counts against goodput. A phase beside the other pays the hardware preset's
+worst-case contention (MuxWise / Bullet, see tandem/perf/hardware.py) unless --contention
+replaces it.
 
 Each point simulates `rate x --span-s` requests (at least --min-requests, at most
 --max-requests); goodput is SLO-meeting requests per second of the whole run, tail included,
@@ -15,7 +16,11 @@ exactly as `tandem bench` reports it.
 Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.png.
 
 Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag=-x]
-                                    [--jobs 2] [--out-dir docs/results]
+                                    [--seeds 0,1,2] [--policies chunked,dynamic]
+                                    [--workloads azure-code,sharegpt] [--jobs 2] [--out-dir docs/results]
+
+With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
+"capacity" is the ratio of the best goodput over the rates swept (each policy's knee).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import math
 import multiprocessing
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,11 +54,27 @@ RATES: dict[tuple[str, str], tuple[float, ...]] = {
 }
 
 
+# Bullet Table 5: re-masking a stream's SMs costs 4.1 us (mean; 5.9 us p99), paid by a split
+# launch whose units changed. (Its 0.21 ms metadata send/recv is once per request and off the
+# GPU's critical path; the prediction's 10.2 us runs on the CPU beside the GPU.)
+RECONFIG_S = 4.1e-6
+# Two-sided 95 % Student t quantiles by degrees of freedom.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """95 % t-interval of the mean of `values` (at least two)."""
+    n = len(values)
+    mean = statistics.mean(values)
+    half = _T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
+    return mean - half, mean + half
+
+
 def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
     hardware, workload, rate, policy, opts = job
     shape = load_shape(MODEL)
     predictor, spec = build_predictor(hardware, shape, contention=opts["contention"])
-    cell = cell_config_for(spec, shape)
+    cell = cell_config_for(spec, shape, reconfig_s=RECONFIG_S)
     num = int(min(opts["max_requests"], max(opts["min_requests"], math.ceil(rate * opts["span_s"]))))
     requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
     start = time.process_time()
@@ -61,7 +83,8 @@ def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any
                       rate_rps=rate, policy_tbt_s=policy_tbt_s)
     s = result.summary
     return {
-        "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "num_requests": num,
+        "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "seed": opts["seed"],
+        "num_requests": num,
         "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
         "ttft_attainment": s["ttft_attainment"], "tbt_attainment": s["tbt_attainment"],
         "duration_s": s["duration_s"], "ttft_p99_s": s["ttft_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
@@ -77,50 +100,77 @@ def main() -> None:
     parser.add_argument("--contention", type=float, default=None, help="flat slowdown beside the other phase")
     parser.add_argument("--policy-tbt-ms", type=float, default=None,
                         help="TBT the policies aim at (default: the SLO's 100 ms)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated workload seeds; ratios get a 95%% interval")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, chunked first")
+    parser.add_argument("--workloads", default="azure-code,azure-conv,sharegpt")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out-dir", default="docs/results")
     parser.add_argument("--tag", default="", help="suffix of the output names, e.g. -contention1.2")
     args = parser.parse_args()
-    opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
-            "max_requests": args.max_requests, "seed": args.seed, "policy_tbt_ms": args.policy_tbt_ms}
-    jobs = [(hw, wl, float(rate), policy, opts) for (hw, wl), rates in RATES.items() for rate in rates
-            for policy in POLICIES]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    policies = tuple(args.policies.split(","))
+    if policies[0] != "chunked":
+        raise SystemExit("--policies must start with chunked (the baseline)")
+    rates_run = {key: r for key, r in RATES.items() if key[1] in args.workloads.split(",")}
+    base_opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
+                 "max_requests": args.max_requests, "policy_tbt_ms": args.policy_tbt_ms}
+    jobs = [(hw, wl, float(rate), policy, {**base_opts, "seed": seed}) for (hw, wl), rates in rates_run.items()
+            for rate in rates for policy in policies for seed in seeds]
     # Longest first so the pool ends together.
     jobs.sort(key=lambda j: -j[2] * (3 if j[1] == "sharegpt" else 1))
     start = time.time()
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         points = pool.map(run_point, jobs, chunksize=1)
-    points.sort(key=lambda p: (p["hardware"], p["workload"], p["rate_rps"], POLICIES.index(p["policy"])))
+    points.sort(key=lambda p: (p["hardware"], p["workload"], p["rate_rps"], policies.index(p["policy"]), p["seed"]))
 
     out_dir = Path(args.out_dir)
     ratios: dict[str, dict[str, dict[str, float | None]]] = {}
+    intervals: dict[str, dict[str, dict[str, list[float] | None]]] = {}
+    capacity: dict[str, dict[str, Any]] = {}
     table_lines = []
-    for (hw, wl), rates in RATES.items():
+    for (hw, wl), rates in rates_run.items():
         key = f"{hw}/{wl}"
         mine = [p for p in points if p["hardware"] == hw and p["workload"] == wl]
-        base = {p["rate_rps"]: p["goodput_rps"] for p in mine if p["policy"] == "chunked"}
-        ratios[key] = {}
-        for policy in POLICIES[1:]:
-            ratios[key][policy] = {
-                f"{p['rate_rps']:g}": (p["goodput_rps"] / base[p["rate_rps"]] if base[p["rate_rps"]] > 0 else None)
-                for p in mine if p["policy"] == policy
-            }
-        curves = {policy: [(p["rate_rps"], p["goodput_rps"]) for p in mine if p["policy"] == policy]
-                  for policy in POLICIES}
+        good = {(p["policy"], p["rate_rps"], p["seed"]): p["goodput_rps"] for p in mine}
+        mean_good = {(pol, float(r)): statistics.mean(good[pol, float(r), sd] for sd in seeds)
+                     for pol in policies for r in rates}
+        ratios[key], intervals[key] = {}, {}
+        for policy in policies[1:]:
+            ratios[key][policy], intervals[key][policy] = {}, {}
+            for r in rates:
+                per_seed = [good[policy, float(r), sd] / good["chunked", float(r), sd]
+                            for sd in seeds if good["chunked", float(r), sd] > 0]
+                ratios[key][policy][f"{r:g}"] = statistics.mean(per_seed) if per_seed else None
+                intervals[key][policy][f"{r:g}"] = list(mean_interval(per_seed)) if len(per_seed) > 1 else None
+        # Capacity: the best goodput over the rates swept (the knee), per seed.
+        capacity[key] = {}
+        for policy in policies:
+            best = [max(good[policy, float(r), sd] for r in rates) for sd in seeds]
+            base_best = [max(good["chunked", float(r), sd] for r in rates) for sd in seeds]
+            per_seed = [b / c for b, c in zip(best, base_best)]
+            capacity[key][policy] = {"max_goodput_rps": statistics.mean(best), "ratio": statistics.mean(per_seed),
+                                     "ratio_ci95": list(mean_interval(per_seed)) if len(seeds) > 1 else None}
+        curves = {policy: [(float(r), mean_good[policy, float(r)]) for r in rates] for policy in policies}
         plot_goodput_vs_rate(curves, out_dir / f"sim-{hw}-{wl}{args.tag}.png")
         table_lines.append(f"{key}: rates {' '.join(f'{r:g}' for r in rates)}")
-        table_lines.append("  chunked goodput " + " ".join(f"{base[float(r)]:.2f}" for r in rates))
-        for policy in POLICIES[1:]:
-            table_lines.append(f"  {policy:<8} x chunked " + " ".join(
-                "-" if v is None else f"{v:.2f}" for v in ratios[key][policy].values()))
+        table_lines.append("  chunked goodput " + " ".join(f"{mean_good['chunked', float(r)]:.2f}" for r in rates))
+        for policy in policies[1:]:
+            cells = []
+            for r in rates:
+                v, ci = ratios[key][policy][f"{r:g}"], intervals[key][policy][f"{r:g}"]
+                cells.append("-" if v is None else f"{v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+            cap = capacity[key][policy]
+            table_lines.append(f"  {policy:<8} x chunked " + " | ".join(cells)
+                               + f" || capacity {cap['ratio']:.2f}" + (
+                                   f" [{cap['ratio_ci95'][0]:.2f}, {cap['ratio_ci95'][1]:.2f}]" if cap["ratio_ci95"] else ""))
     result = {
         "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / chunked's at the same rate",
         "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
-        "span_s": args.span_s, "seed": args.seed,
-        "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in RATES.items()},
-        "goodput_ratio_vs_chunked": ratios, "points": points,
+        "span_s": args.span_s, "seeds": seeds, "cell_fixed_costs": {"reconfig_s": RECONFIG_S},
+        "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in rates_run.items()},
+        "goodput_ratio_vs_chunked": ratios, "goodput_ratio_ci95": intervals,
+        "capacity_vs_chunked": capacity, "points": points,
         "host": platform.node(), "wall_s": time.time() - start,
     }
     write_json(json.loads(json.dumps(result)), out_dir / f"sim-policies{args.tag}.json")
