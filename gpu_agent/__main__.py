@@ -21,7 +21,7 @@ from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.policy_loop import PolicyLoop
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, policy_ticks
 from tandem.engine.config import ModelConfig
-from tandem.engine.shm_files import OwnerLock, sweep_dead_owners
+from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
 from tandem.policy.policies import get_policy
 from tandem.policy.types import Slo
@@ -91,9 +91,10 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
-                "gpu_agent %s ready at %s (pid %d): %s, %d KV blocks of %d tokens, loaded in %.1fs",
+                "gpu_agent %s ready at %s (pid %d): %s, %d KV blocks of %d tokens, loaded in %.1fs, "
+                "shared memory %s",
                 config.cell_id, address, os.getpid(), model_dir.name, pool.spec.num_blocks, pool.spec.block_size,
-                time.perf_counter() - started,
+                time.perf_counter() - started, SHM_DIR / f"tandem-{config.shm_prefix}-*",
             )
             await stop.wait()
     finally:

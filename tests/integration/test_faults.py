@@ -12,8 +12,10 @@ that the suite stays within a few minutes. Seeds are printed, so a failure can b
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import random
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +62,10 @@ def engine(model_dir: Path) -> LLMEngine:
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with Stack(model_dir, tmp_path_factory.mktemp("fault-logs"), num_blocks=NUM_BLOCKS) as s:
         yield s
+        patterns = re.findall(r"shared memory (\S+-\*)", s.logs("gpu_agent"))
+    # Whatever the faults, the stopped stack leaves no shared-memory file behind.
+    assert patterns
+    assert [p for pattern in patterns for p in glob.glob(pattern)] == []
 
 
 def _workload(rng: random.Random, n: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int],
