@@ -32,7 +32,15 @@ from starlette.routing import Route
 
 from router.auth import bearer_matches
 from router.metrics import RouterMetrics
-from router.server import MAX_STOP_STRINGS, RequestRejected, RouterServicer, StreamTimings
+from router.server import (
+    MAX_MESSAGES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    RequestRejected,
+    RouterServicer,
+    StreamTimings,
+    brief,
+)
 from tandem.engine.sampling import MAX_NUM_LOGPROBS
 from tandem.rpc.v1 import common_pb2, router_pb2
 from tandem.state.schema import LoadReport
@@ -40,7 +48,6 @@ from tandem.state.schema import LoadReport
 log = logging.getLogger("tandem.router.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-MAX_MESSAGES = 1024
 MAX_N = 16
 MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
 MAX_TOP_K = 2**31 - 1  # the proto's int32
@@ -57,6 +64,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# The OpenAI parameter behind each GenerateRequest field a RequestRejected names.
+_PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
+                   "stop": "stop", "model": "model"}
 _FINISH_REASON = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -86,7 +96,8 @@ class HTTPError(Exception):
         if status == 429:
             retry_s = RETRY_AFTER_S if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
             headers = {"Retry-After": str(retry_s)}
-        return cls(status, exc.message, type=type_, code=code, headers=headers)
+        param = _PARAM_OF_FIELD.get(exc.field) if exc.field is not None else None
+        return cls(status, exc.message, type=type_, param=param, code=code, headers=headers)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -102,9 +113,9 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise HTTPError(400, f"{name} must be a number, got {value!r}", param=name)
+        raise HTTPError(400, f"{name} must be a number, got {brief(value)}", param=name)
     if not lo <= value <= hi:
-        raise HTTPError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value!r}", param=name)
+        raise HTTPError(400, f"{name} must be in [{lo:g}, {hi:g}], got {brief(value)}", param=name)
     return float(value)
 
 
@@ -113,9 +124,9 @@ def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise HTTPError(400, f"{name} must be an integer, got {value!r}", param=name)
+        raise HTTPError(400, f"{name} must be an integer, got {brief(value)}", param=name)
     if not lo <= value <= hi:
-        raise HTTPError(400, f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+        raise HTTPError(400, f"{name} must be in [{lo}, {hi}], got {brief(value)}", param=name)
     return value
 
 
@@ -236,7 +247,8 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
     default_max_tokens = context_length if kind == "chat" else 16
     max_tokens = body.get(max_tokens_name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-        raise HTTPError(400, f"{max_tokens_name} must be an integer, got {max_tokens!r}", param=max_tokens_name)
+        raise HTTPError(400, f"{max_tokens_name} must be an integer, got {brief(max_tokens)}",
+                        param=max_tokens_name)
     if max_tokens is not None and max_tokens < 1:
         raise HTTPError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}", param=max_tokens_name)
     if max_tokens is not None and max_tokens > context_length:
@@ -703,7 +715,8 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 def openapi_schema(context_length: int) -> dict[str, Any]:
     """The API's OpenAPI 3.0 description (the parameters this gateway reads)."""
     number = {"type": "number"}
-    stop = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}],
+    stop_string = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
+    stop = {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS}],
             "nullable": True}
     common: dict[str, Any] = {
         "model": {"type": "string"},

@@ -17,8 +17,11 @@ import dataclasses
 import itertools
 import logging
 import os
+import reprlib
+import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
@@ -28,6 +31,7 @@ import grpc.aio
 
 from router.config import RouterConfig
 from router.streams import ChannelPool, DecodeStreams
+from router.wire_errors import MalformedRequestInterceptor
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
@@ -61,9 +65,15 @@ log = logging.getLogger("tandem.router")
 
 # What max_tokens 0 (proto3's "unset") means, as in SamplingParams and OpenAI's completions.
 DEFAULT_MAX_TOKENS = 16
-# Stop strings are matched against every delta; a bound keeps that cheap.
+# Stop strings are matched against every delta; bounds on their number and length keep that cheap.
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_MESSAGES = 1024
 MAX_REQUEST_ID_LENGTH = 256
+# Prompts with more text than this are rendered and tokenized in a worker thread: about 2 ms of
+# tokenizer time, more than the loop should stop for, and less than a thread hop is worth.
+INLINE_TOKENIZE_MAX_CHARS = 4096
+NUM_TOKENIZE_THREADS = 2
 # How long Health waits for an upstream channel to connect.
 HEALTH_PROBE_TIMEOUT_S = 1.0
 # How long a request waits for an unreachable prefill_svc to come back before it fails.
@@ -77,13 +87,15 @@ _UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 class RequestRejected(Exception):
     """Ends a Generate call with a gRPC status; raised by the request path, turned into
-    ``context.abort`` at its top."""
+    ``context.abort`` at its top. ``field`` names the GenerateRequest field at fault, if one is."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s  # admission's hint for RESOURCE_EXHAUSTED
+        self.field = field
 
     @property
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -153,6 +165,34 @@ def _registry_source(config: RouterConfig) -> tuple[UpstreamSource, Callable[[],
 
 # --- request conversion ---------------------------------------------------------------------
 
+_brief = reprlib.Repr()
+_brief.maxstring = _brief.maxother = 60
+_brief.maxlist = _brief.maxdict = 4
+_brief.maxlevel = 2
+MAX_QUOTED_CHARS = 100
+
+
+def brief(value: object) -> str:
+    """``repr(value)`` cut short: error messages quote what the client sent, never all of it."""
+    text = _brief.repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS - 3]}..."
+
+
+def _invalid(field: str, message: str) -> RequestRejected:
+    return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message, field=field)
+
+
+def _checked_request_id(request_id: str) -> str:
+    """``request_id`` when it is a usable id (it travels in logs, spans and Redis keys)."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise _invalid("request_id", f"request_id must be at most {MAX_REQUEST_ID_LENGTH} characters, "
+                                     f"got {len(request_id)}")
+    if not request_id.isprintable():
+        raise _invalid("request_id", f"request_id must be printable text (no control characters), "
+                                     f"got {brief(request_id)}")
+    return request_id
+
+
 def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
     """SamplingParams from the public proto, reading proto3's 0 ("unset") as the default for
     the fields where 0 is out of range: max_tokens (16), top_p (1) and repetition_penalty (1).
@@ -172,7 +212,11 @@ def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
 class PreparedRequest:
     """A validated Generate request, ready for prefill."""
 
-    request_id: str
+    request_id: str  # the client's (or one the router made), on every response
+    # The id upstream (prefill, decode, the agent's ledger, Redis) knows it by: unique to this
+    # call, so that a client's id is free again the moment its request finished here, while
+    # upstream may still be releasing the previous holder of it.
+    upstream_id: str
     prompt_ids: list[int]
     params: SamplingParams  # max_tokens already capped to the room left in the context
     stop: tuple[str, ...]
@@ -298,6 +342,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._prefill_addresses: tuple[str, ...] = ()
         self._next_prefill = itertools.count()
         self._background: set[asyncio.Task[None]] = set()
+        self._in_flight: set[str] = set()  # client request ids with a Generate running here
+        # Long prompts are tokenized here, off the event loop (see _prompt_ids).
+        self._tokenize_pool = ThreadPoolExecutor(NUM_TOKENIZE_THREADS, thread_name_prefix="router-tokenize")
 
     @property
     def streams(self) -> DecodeStreams:
@@ -327,14 +374,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout_s)
         await self._streams.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # Generate ---------------------------------------------------------------------------------
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the request's tokens and text; see the module docstring for the sequence.
 
-        Statuses: INVALID_ARGUMENT (bad prompt or sampling), NOT_FOUND (unknown model),
-        ALREADY_EXISTS (request id in flight), UNAVAILABLE (no or failing upstream, decode
+        Statuses: INVALID_ARGUMENT (bad prompt, sampling, stop strings or request id; bytes that
+        are not a GenerateRequest: see router.wire_errors), NOT_FOUND (unknown model),
+        ALREADY_EXISTS (request id in flight on this router; a finished request's id is free
+        again at once), UNAVAILABLE (no or failing upstream, decode
         stalled), INTERNAL (decode reported an error), DEADLINE_EXCEEDED (request timeout),
         RESOURCE_EXHAUSTED (prefill admission refused).
         """
@@ -360,121 +410,177 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         loop = asyncio.get_running_loop()
         started_ns = time.monotonic_ns()
         arrival_unix_ns = time.time_ns()
-        prepared = self._prepare(request)
-        prefill_address = self._pick_prefill()
-        budget_s = self._config.request_timeout_s
-        if client_timeout_s is not None:
-            budget_s = min(budget_s, client_timeout_s)
-        deadline_s = loop.time() + budget_s
-
+        request_id = _checked_request_id(request.request_id) or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"request_id {brief(request_id)} is already in flight on this router; "
+                                  "a request's id is free again once it has finished", field="request_id")
+        self._in_flight.add(request_id)
         try:
-            queue = self._streams.register(prepared.request_id)
-        except ValueError as exc:
-            raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
-        generation = Generation(prepared.request_id, self._tokenizer, prepared.prompt_ids,
-                                prepared.params, prepared.stop)
-        admission = self.admission
-        if admission is not None:
-            refusal = admission.try_admit(prepared.request_id, len(prepared.prompt_ids))
-            if refusal is not None:
-                self._streams.unregister(prepared.request_id)
-                log.info("request %s refused: %s", prepared.request_id, refusal.reason)
-                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message(admission.slo),
-                                      retry_after_s=refusal.retry_after_s)
-        try:
+            prepared = await self._prepare(request, request_id)
+            prefill_address = self._pick_prefill()
+            budget_s = self._config.request_timeout_s
+            if client_timeout_s is not None:
+                budget_s = min(budget_s, client_timeout_s)
+            deadline_s = loop.time() + budget_s
+            upstream_id = prepared.upstream_id
+            queue = self._streams.register(upstream_id)  # unique: cannot be in use
+            generation = Generation(request_id, self._tokenizer, prepared.prompt_ids, prepared.params, prepared.stop)
+            admission = self.admission
+            if admission is not None:
+                refusal = admission.try_admit(upstream_id, len(prepared.prompt_ids))
+                if refusal is not None:
+                    self._streams.unregister(upstream_id)
+                    log.info("request %s refused: %s", request_id, refusal.reason)
+                    raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message(admission.slo),
+                                          retry_after_s=refusal.retry_after_s)
             try:
-                reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
-                if admission is not None:
-                    admission.first_token(prepared.request_id, prefill_ns=reply.prefill_ns,
-                                          handoff_ns=reply.handoff_ns, finished=reply.finish_reason != _UNSPECIFIED)
-            finally:
-                if admission is not None:
-                    admission.done(prepared.request_id)
-            if timings is not None:
-                timings.queue_s = reply.queue_ns / 1e9
-            generation.num_cached_tokens = reply.num_cached_tokens
-            first_tokens = [reply.first_token] if reply.HasField("first_token") else []
-            if not first_tokens and reply.finish_reason == _UNSPECIFIED:
-                raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
-                                      f"prefill service at {prefill_address} replied without a first token")
-            first = generation.advance(0, first_tokens, reply.finish_reason)
-            assert first is not None  # a token or a finish reason: advance always answers
-            first.ttft_ns = time.monotonic_ns() - started_ns
-            yield first
-            while not generation.finished:
-                update = await self._next_update(queue, deadline_s)
-                if update.finish_reason == _ERROR:
-                    generation.ended_by_upstream = True
-                    raise RequestRejected(grpc.StatusCode.INTERNAL,
-                                          update.error or "decode service failed the request without a message")
                 try:
-                    response = generation.advance(update.first_index, update.tokens, update.finish_reason)
-                except TokenGapError as exc:
-                    raise RequestRejected(grpc.StatusCode.UNAVAILABLE, f"decode stream lost tokens: {exc}") from None
-                if response is not None:
-                    yield response
+                    reply = await self._submit(prefill_address, prepared, arrival_unix_ns, deadline_s)
+                    if admission is not None:
+                        admission.first_token(upstream_id, prefill_ns=reply.prefill_ns, handoff_ns=reply.handoff_ns,
+                                              finished=reply.finish_reason != _UNSPECIFIED)
+                finally:
+                    if admission is not None:
+                        admission.done(upstream_id)
+                if timings is not None:
+                    timings.queue_s = reply.queue_ns / 1e9
+                generation.num_cached_tokens = reply.num_cached_tokens
+                first_tokens = [reply.first_token] if reply.HasField("first_token") else []
+                if not first_tokens and reply.finish_reason == _UNSPECIFIED:
+                    raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
+                                          f"prefill service at {prefill_address} replied without a first token")
+                first = generation.advance(0, first_tokens, reply.finish_reason)
+                assert first is not None  # a token or a finish reason: advance always answers
+                first.ttft_ns = time.monotonic_ns() - started_ns
+                yield first
+                while not generation.finished:
+                    update = await self._next_update(queue, deadline_s)
+                    if update.finish_reason == _ERROR:
+                        generation.ended_by_upstream = True
+                        raise RequestRejected(grpc.StatusCode.INTERNAL,
+                                              update.error or "decode service failed the request without a message")
+                    try:
+                        response = generation.advance(update.first_index, update.tokens, update.finish_reason)
+                    except TokenGapError as exc:
+                        raise RequestRejected(grpc.StatusCode.UNAVAILABLE, f"decode stream lost tokens: {exc}") from None
+                    if response is not None:
+                        yield response
+            finally:
+                self._streams.unregister(upstream_id)
+                if not generation.ended_by_upstream:
+                    # A task of its own, so that the cancellation of the consumer (the client went
+                    # away) cannot stop the cleanup that gives the request's KV blocks back.
+                    self._spawn(self._cancel_upstream(upstream_id, prefill_address))
+                log.debug("request %s (upstream %s): %d prompt tokens, %d generated, finish %s", request_id,
+                          upstream_id, generation.num_prompt_tokens, generation.num_delivered,
+                          generation.finish_reason)
         finally:
-            self._streams.unregister(prepared.request_id)
-            if not generation.ended_by_upstream:
-                # A task of its own, so that the cancellation of the consumer (the client went
-                # away) cannot stop the cleanup that gives the request's KV blocks back.
-                self._spawn(self._cancel_upstream(prepared.request_id, prefill_address))
-            log.debug("request %s: %d prompt tokens, %d generated, finish %s", prepared.request_id,
-                      generation.num_prompt_tokens, generation.num_delivered, generation.finish_reason)
+            self._in_flight.discard(request_id)
 
-    def _prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
+    async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
+        """Validate ``request``, the cheap checks first; tokenize its prompt (see _prompt_ids)."""
         if request.model not in self._model_names:
-            raise RequestRejected(grpc.StatusCode.NOT_FOUND,
-                                  f"model {request.model!r} is not served here; this router serves {self._model_id!r}")
-        if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"request_id must be at most {MAX_REQUEST_ID_LENGTH} characters")
+            raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"model {brief(request.model)} is not served here; "
+                                  f"this router serves {self._model_id!r}", field="model")
         if len(request.stop) > MAX_STOP_STRINGS:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+            raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        for i, stop in enumerate(request.stop):
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise _invalid("stop", f"stop[{i}] has {len(stop)} characters; a stop string may have at most "
+                                       f"{MAX_STOP_STRING_CHARS}")
+        if request.WhichOneof("prompt") == "messages" and len(request.messages.messages) > MAX_MESSAGES:
+            raise _invalid("messages", f"at most {MAX_MESSAGES} messages per request, "
+                                       f"got {len(request.messages.messages)}")
         try:
-            prompt_ids = self._prompt_ids(request)
             params = sampling_from_request(request.sampling)
-            StopStringMatcher(request.stop)  # validates the stop strings
         except InvalidRequestError as exc:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise _invalid("sampling", str(exc)) from None
+        vocab_size = self._model_config.vocab_size
+        unknown = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+        if unknown is not None:
+            raise _invalid("sampling", f"stop_token_ids holds {unknown}, out of range: the vocabulary has "
+                                       f"{vocab_size} ids")
+        try:
+            StopStringMatcher(request.stop)
+        except InvalidRequestError as exc:
+            raise _invalid("stop", str(exc)) from None
+        prompt_ids = await self._prompt_ids(request)
         # The context bounds prompt + output; a shorter max_tokens is fine and finishes with
         # LENGTH when the context is full, as the FinishReason proto documents.
         room = self.context_length - len(prompt_ids)
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-        return PreparedRequest(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt_ids=prompt_ids,
-            params=params,
-            stop=tuple(request.stop),
-        )
+        upstream_id = f"{request_id}~{secrets.token_hex(6)}" if request.request_id else request_id
+        return PreparedRequest(request_id=request_id, upstream_id=upstream_id, prompt_ids=prompt_ids,
+                               params=params, stop=tuple(request.stop))
 
-    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
-        """Raises InvalidRequestError for a missing, empty, unknown-token or over-long prompt."""
+    async def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """The prompt's ids; RequestRejected (INVALID_ARGUMENT, naming the prompt's field) for a
+        missing, empty, unknown-token or over-long prompt.
+
+        Text is refused unread when it has more characters than the most bytes a prompt that
+        fits the context can have (``Tokenizer.max_text_bytes``: every character is at least a
+        byte); text over INLINE_TOKENIZE_MAX_CHARS is rendered and tokenized in a worker
+        thread, where the tokenizer releases the GIL, so the loop keeps serving other streams.
+        """
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            ids = self._tokenizer.encode(request.text)
-        elif kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            ids = self._tokenizer.encode_chat(messages)
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            vocab_size = self._model_config.vocab_size
-            bad = [i for i in ids if i >= vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} ids")
-        else:
-            raise InvalidRequestError("the request has no prompt: set text, token_ids or messages")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty (it has no tokens)")
         context = self.context_length
+        too_long = (f"the model's context length is {context} tokens; "
+                    f"a prompt may have at most {context - 1} tokens, leaving room for one generated token")
+        if kind == "token_ids":
+            ids = request.token_ids.ids
+            if len(ids) >= context:
+                raise _invalid(kind, f"the prompt has {len(ids)} tokens but {too_long}")
+            vocab_size = self._model_config.vocab_size
+            bad = next((i for i in ids if i >= vocab_size), None)
+            if bad is not None:
+                raise _invalid(kind, f"token id {bad} is out of range: the vocabulary has {vocab_size} ids")
+            if not ids:
+                raise _invalid(kind, "the prompt is empty (it has no tokens)")
+            return list(ids)
+        if kind == "text":
+            num_chars = len(request.text)
+        elif kind == "messages":
+            num_chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        else:
+            raise _invalid("prompt", "the request has no prompt: set text, token_ids or messages")
+        max_bytes = self._tokenizer.max_text_bytes(context - 1)
+        if kind == "text" and max_bytes is not None and num_chars > max_bytes:
+            raise _invalid(kind, f"the prompt has {num_chars} characters; {too_long}, and no text over "
+                                 f"{max_bytes} bytes fits in as many with this tokenizer")
+        try:
+            if num_chars <= INLINE_TOKENIZE_MAX_CHARS:
+                ids = self._encode(request, max_bytes, release_gil=False)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, self._encode, request, max_bytes, True)
+        except InvalidRequestError as exc:
+            raise _invalid(kind, str(exc)) from None
+        if not ids:
+            raise _invalid(kind, "the prompt is empty (it has no tokens)")
         if len(ids) >= context:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but the model's context length is {context} tokens; "
-                f"a prompt may have at most {context - 1} tokens, leaving room for one generated token"
-            )
+            raise _invalid(kind, f"the prompt has {len(ids)} tokens but {too_long}")
         return ids
+
+    def _encode(self, request: router_pb2.GenerateRequest, max_bytes: int | None, release_gil: bool) -> list[int]:
+        """Render (chat) and tokenize a text or messages prompt, refusing text over ``max_bytes``
+        unread; raises InvalidRequestError. Runs on the loop or in a worker thread."""
+        tokenizer = self._tokenizer
+        if request.WhichOneof("prompt") == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            text = tokenizer.apply_chat_template(messages)
+            add_special_tokens = False  # the template writes every special token it wants
+        else:
+            text, add_special_tokens = request.text, True
+        num_bytes = len(text.encode("utf-8"))
+        if max_bytes is not None and num_bytes > max_bytes:
+            raise InvalidRequestError(
+                f"the prompt has {num_bytes} bytes of text, but no text over {max_bytes} bytes fits in the "
+                f"model's context of {self.context_length} tokens with this tokenizer")
+        if release_gil:
+            return tokenizer.encode_releasing_gil(text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _pick_prefill(self) -> str:
         addresses = self._prefill_addresses
@@ -495,7 +601,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         timeout_s = deadline_s - asyncio.get_running_loop().time()
         stub = prefill_pb2_grpc.PrefillStub(channel)
         message = prefill_pb2.PrefillRequest(
-            request_id=prepared.request_id, token_ids=prepared.prompt_ids,
+            request_id=prepared.upstream_id, token_ids=prepared.prompt_ids,
             sampling=sampling_to_proto(prepared.params), router_id=self._config.router_id,
             arrival_unix_ns=arrival_unix_ns,
         )
@@ -508,7 +614,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # The client can act on these as they are: fix the request, or retry later.
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise RequestRejected(code, f"prefill: {exc.details()}") from None
-            log.warning("prefill at %s failed request %s: %s %s", address, prepared.request_id,
+            log.warning("prefill at %s failed request %s: %s %s", address, prepared.upstream_id,
                         code.name, exc.details())
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
                                   f"prefill service at {address} is unavailable ({code.name}: {exc.details()})") from None
@@ -670,9 +776,7 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     ``source`` defaults to the flags' addresses, or the Redis registry when none were given.
     Raises ModelLoadError for an unusable model directory.
     """
-    tokenizer, model_config = await asyncio.to_thread(
-        lambda: (Tokenizer.from_dir(config.model_dir), ModelConfig.from_dir(config.model_dir))
-    )
+    tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, config)
     admission = await asyncio.to_thread(_admission_controller, config, model_config)
     channels = ChannelPool(service_client_interceptors())
     servicer = RouterServicer(config, tokenizer, model_config, channels, admission)
@@ -681,6 +785,8 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
         from router.auth import ApiKeyInterceptor
 
         interceptors.append(ApiKeyInterceptor(config.api_key))
+    # Innermost: the API key is checked first, whatever bytes came with the call.
+    interceptors.append(MalformedRequestInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
@@ -705,6 +811,13 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     return running
 
 
+def _load_tokenizer(config: RouterConfig) -> tuple[Tokenizer, ModelConfig]:
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    log.info("prompt size bound: %s bytes per token",
+             tokenizer.max_bytes_per_token or "none (this tokenizer can drop text)")  # computed once, here
+    return tokenizer, ModelConfig.from_dir(config.model_dir)
+
+
 def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> AdmissionController:
     from router.admission import AdmissionController
     from tandem.perf.predictor import cpu_predictor
@@ -713,7 +826,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> Ad
 
     num_units = len(os.sched_getaffinity(0))
     predictor = cpu_predictor(model_config, num_units, config.profile or None)
-    slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000)
+    slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000, config.ttft_slo_ms_per_1k / 1000)
     batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching)
 

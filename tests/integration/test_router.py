@@ -199,6 +199,13 @@ async def generate_error(client: router_pb2_grpc.RouterStub, request: router_pb2
     return info.value
 
 
+def upstream_id(s: Stack, request_id: str) -> str:
+    """The id prefill and decode know the client's ``request_id`` by (its only Submit so far)."""
+    ids = [m.request_id for m in s.prefill.submits if m.request_id.startswith(f"{request_id}~")]
+    assert len(ids) == 1, (request_id, [m.request_id for m in s.prefill.submits])
+    return ids[0]
+
+
 def all_tokens(responses: Sequence[router_pb2.GenerateResponse]) -> list[int]:
     return [t.token_id for r in responses for t in r.tokens]
 
@@ -276,7 +283,7 @@ def test_stop_string_across_token_boundary_cancels_decode(model_dir: Path, token
             assert responses[-1].usage.completion_tokens == num_expected
             # The router ended the request, so decode (still generating) must hear about it.
             await asyncio.wait_for(s.decode.cancel_seen.wait(), 5)
-            assert "stop-1" in s.decode.cancelled
+            assert upstream_id(s, "stop-1") in s.decode.cancelled
             await asyncio.gather(*streaming)
 
     run(body())
@@ -324,7 +331,8 @@ def test_client_cancel_reaches_prefill_and_decode(model_dir: Path) -> None:
             assert all_tokens([await call.read(), await call.read()]) == [42, 43]
             call.cancel()
             await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
-            assert s.prefill.cancelled == ["gone-1"] and s.decode.cancelled == ["gone-1"]
+            gone = upstream_id(s, "gone-1")
+            assert s.prefill.cancelled == [gone] and s.decode.cancelled == [gone]
             assert s.router.servicer.streams.num_registered == 0
 
     run(body())
@@ -344,7 +352,8 @@ def test_client_cancel_during_prefill(model_dir: Path) -> None:
             await asyncio.wait_for(s.prefill.submitted.wait(), 5)
             call.cancel()
             await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
-            assert s.prefill.cancelled == ["gone-2"] and s.decode.cancelled == ["gone-2"]
+            gone = upstream_id(s, "gone-2")
+            assert s.prefill.cancelled == [gone] and s.decode.cancelled == [gone]
 
     run(body())
 
@@ -415,7 +424,7 @@ def test_stalled_decode_is_unavailable_and_cancelled(model_dir: Path) -> None:
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert "decode service stopped producing tokens" in (error.details() or "")
             await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
-            assert s.decode.cancelled == ["stall-1"]
+            assert s.decode.cancelled == [upstream_id(s, "stall-1")]
 
     run(body())
 
@@ -438,7 +447,7 @@ def test_decode_restart_reconnects_and_resend_is_deduplicated(model_dir: Path) -
             server, _ = await start_server(restarted, decode_pb2_grpc.add_DecodeServicer_to_server, port)
             s.servers.append(server)
             await asyncio.wait_for(restarted.stream_opened.wait(), 10)
-            restarted.emit(update("restart-1", 0, [10, 11, 12, 13, 14], finish=STOP))
+            restarted.emit(update(upstream_id(s, "restart-1"), 0, [10, 11, 12, 13, 14], finish=STOP))
             while (response := await call.read()) is not grpc.aio.EOF:
                 seen.append(response)
             assert all_tokens(seen) == [10, 11, 12, 13, 14]
@@ -461,9 +470,16 @@ def test_duplicate_request_id_and_orphan_updates(model_dir: Path) -> None:
             first = asyncio.create_task(generate(s.client, request))
             await asyncio.wait_for(s.prefill.submitted.wait(), 5)
             error = await generate_error(s.client, request)
-            assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id 'same-id'" in (error.details() or "")
             release.set()
             assert (await first)[-1].finish_reason == STOP
+            # Finished, the id is free again; upstream knows each call by an id of its own, so a
+            # late cancel or release of the first can never reach the second.
+            again = await generate(s.client, request)
+            assert again[-1].finish_reason == STOP and again[-1].request_id == "same-id"
+            upstream = [m.request_id for m in s.prefill.submits]
+            assert len(upstream) == 2 and len(set(upstream)) == 2
+            assert all(u.startswith("same-id~") for u in upstream)
 
             # Tokens of a request this router does not know: decode is told to stop it, once.
             s.decode.emit(update("ghost", 3, [1]))
