@@ -75,7 +75,7 @@ class BlockAllocator:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -110,7 +110,7 @@ class BlockAllocator:
         # A matched block that is free still counts against the free list once taken.
         num_free_matched = sum(1 for b in matched if self._ref_counts[b] == 0)
         num_new = self.num_blocks_for(len(token_ids)) - len(matched)
-        return num_new + num_free_matched <= len(self._free)
+        return num_new + num_free_matched <= self.num_free_blocks
 
     # ------------------------------------------------------------------ changes
     def allocate(self, token_ids: Sequence[int]) -> Allocation:
@@ -120,7 +120,7 @@ class BlockAllocator:
         if not self.can_allocate(token_ids):
             raise OutOfBlocksError(
                 f"need {self.num_blocks_for(len(token_ids))} blocks for {len(token_ids)} tokens, "
-                f"{len(self._free)} free"
+                f"{self.num_free_blocks} free"
             )
         matched = self.match_prefix(token_ids)
         for block_id in matched:
@@ -132,15 +132,15 @@ class BlockAllocator:
         return Allocation(block_ids=tuple(matched) + tuple(new_ids), num_cached_tokens=num_cached)
 
     def can_extend(self, block_ids: Sequence[int], num_tokens: int) -> bool:
-        return self.num_blocks_for(num_tokens) - len(block_ids) <= len(self._free)
+        return self.num_blocks_for(num_tokens) - len(block_ids) <= self.num_free_blocks
 
     def extend(self, block_ids: Sequence[int], num_tokens: int) -> list[int]:
         """New blocks so that ``block_ids`` covers ``num_tokens`` tokens (maybe none)."""
         num_needed = self.num_blocks_for(num_tokens) - len(block_ids)
         if num_needed <= 0:
             return []
-        if num_needed > len(self._free):
-            raise OutOfBlocksError(f"need {num_needed} more blocks, {len(self._free)} free")
+        if num_needed > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {num_needed} more blocks, {self.num_free_blocks} free")
         return self._take_fresh(num_needed)
 
     def share(self, block_ids: Sequence[int]) -> None:
@@ -163,7 +163,7 @@ class BlockAllocator:
         for block_id in reversed(block_ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
+                self._release(block_id)
 
     def publish(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> int:
         """Enter the full blocks of a written sequence into the prefix index.
@@ -187,6 +187,19 @@ class BlockAllocator:
         return num_indexed
 
     # ------------------------------------------------------------------ internals
+    # `_take`, `_take_fresh`, `_release` and `num_free_blocks` are the free list's whole
+    # surface: a subclass that takes its blocks from elsewhere (tandem.engine.kv_slab) overrides
+    # these four and keeps ref-counts and the prefix index as they are.
+    def _release(self, block_id: int) -> None:
+        """A block's last holder let go: back to the free list's tail."""
+        self._free[block_id] = None
+
+    def _forget(self, block_id: int) -> None:
+        """A block is about to hold new K/V: it leaves the prefix index."""
+        meta = self._block_meta.pop(block_id, None)
+        if meta is not None and self._hash_to_block.get(meta.block_hash) == block_id:
+            del self._hash_to_block[meta.block_hash]
+
     def _take(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
             del self._free[block_id]
@@ -196,9 +209,7 @@ class BlockAllocator:
         taken: list[int] = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
-            meta = self._block_meta.pop(block_id, None)
-            if meta is not None and self._hash_to_block.get(meta.block_hash) == block_id:
-                del self._hash_to_block[meta.block_hash]
+            self._forget(block_id)
             self._ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
