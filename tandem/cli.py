@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench import cli as bench_cli
     from tandem.engine import chat_cli, models_cli
     from tandem.perf import profile_cli
+    from tandem.place import cli as place_cli
     from tandem.sim import cli as sim_cli
 
     launcher.add_parser(sub)
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     sim_cli.add_parser(sub)
+    place_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Placement of models on cells: FineServe's global scheduler (``tandem place``)."""
