@@ -4,6 +4,7 @@ separate processes on private ports, started and stopped by the test."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -31,6 +32,24 @@ def write_tiny_chat_model(out_dir: Path, smollm2_dir: Path, seed: int = 0) -> Pa
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, out_dir / name)
     return out_dir
+
+
+def write_stepping_chat_model(out_dir: Path, smollm2_dir: Path) -> Path:
+    """A tiny chat model (see write_tiny_chat_model) wide and deep enough that a decode step
+    takes milliseconds and a prefill of a long prompt tens of them: a fault injected at a random
+    moment lands mid-stream or mid-prefill, and a test still runs in seconds."""
+    write_tiny_chat_model(out_dir, smollm2_dir)
+    write_tiny_model(out_dir, "llama", seed=1, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                     max_position_embeddings=2048, rope_scaling=None, hidden_size=256, intermediate_size=768,
+                     num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+    return out_dir
+
+
+def fault_seed() -> int:
+    """A random seed for a fault test, printed so that TANDEM_FAULT_SEED can replay it."""
+    seed = int(os.environ.get("TANDEM_FAULT_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
+    print(f"fault seed {seed} (TANDEM_FAULT_SEED={seed} replays it)")
+    return seed
 
 
 @dataclass

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from router.http import MAX_BODY_BYTES
 from router.server import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
+from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.integration.mesh_client import wait_all_blocks_free
 from tests.integration.stack import Stack, write_tiny_chat_model
 
 pytestmark = pytest.mark.slow
@@ -78,20 +79,6 @@ def assert_refused_well(code: grpc.StatusCode, details: str) -> None:
     assert code in (OK, INVALID, grpc.StatusCode.NOT_FOUND), (code, details)
     if code == INVALID and not details.startswith("the request is not a valid tandem.v1.GenerateRequest: "):
         assert any(field in details for field in FIELDS), details
-
-
-async def agent_ledger(stack: Stack) -> agent_pb2.AgentStats:
-    async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
-        return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=5)
-
-
-async def wait_all_free(stack: Stack, timeout_s: float = 10.0) -> agent_pb2.AgentStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = await agent_ledger(stack)
-        if (stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0) or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.05)
 
 
 # --- gRPC: bytes that are not a request ---------------------------------------------------------
@@ -210,7 +197,7 @@ def test_a_finished_request_id_is_free_again_and_one_in_flight_is_already_exists
             assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert "request_id 'busy' is already in flight" in (info.value.details() or "")
             first.cancel()
-            stats = await wait_all_free(stack)
+            stats = await wait_all_blocks_free(stack, timeout_s=10.0)
             assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
 
     run(body())
@@ -303,7 +290,7 @@ def test_zz_stack_still_serves_and_the_ledger_is_all_free(stack: Stack) -> None:
         async with grpc.aio.insecure_channel(stack.address("router")) as channel:
             responses = [r async for r in router_pb2_grpc.RouterStub(channel).Generate(request(), timeout=30)]
             assert responses[-1].usage.completion_tokens >= 1
-        stats = await wait_all_free(stack)
+        stats = await wait_all_blocks_free(stack, timeout_s=10.0)
         assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0, stats
         assert "Traceback" not in stack.logs("router"), stack.logs("router")[-3000:]
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import os
 import random
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeAlias
 
 import grpc
 import pytest
@@ -28,29 +28,17 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.v1 import common_pb2
 from tandem.state.redis_server import RedisServer
 from tests.integration.mesh_client import agent_stats, decode_stats, generate, wait_all_blocks_free
-from tests.integration.stack import Stack, write_tiny_chat_model
-from tests.tiny_models import write_tiny_model
+from tests.integration.stack import Stack, fault_seed, write_stepping_chat_model
 
 pytestmark = pytest.mark.slow
 NUM_BLOCKS = 2048
 BLOCK_SIZE = 16
-Outcome = tuple[list[int], int] | grpc.aio.AioRpcError
-
-
-def _seed() -> int:
-    seed = int(os.environ.get("TANDEM_FAULT_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
-    print(f"fault seed {seed} (TANDEM_FAULT_SEED={seed} replays it)")
-    return seed
+Outcome: TypeAlias = "tuple[list[int], int] | grpc.aio.AioRpcError"
 
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = write_tiny_chat_model(tmp_path_factory.mktemp("fault-model"), smollm2_dir)
-    # Wider and deeper than the default tiny model: a step takes milliseconds, not microseconds.
-    write_tiny_model(out, "llama", seed=1, vocab_size=49152, bos_token_id=1, eos_token_id=2,
-                     max_position_embeddings=2048, rope_scaling=None, hidden_size=256, intermediate_size=768,
-                     num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
-    return out
+    return write_stepping_chat_model(tmp_path_factory.mktemp("fault-model"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +98,7 @@ async def _drained(stack: Stack, timeout_s: float = 40.0) -> None:
 
 
 def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engine: LLMEngine) -> None:
-    seed = _seed()
+    seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 12, prompt_len=(3, 400), max_tokens=(150, 700))
 
@@ -131,7 +119,7 @@ def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engi
 
 
 def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_blocks(stack: Stack) -> None:
-    seed = _seed()
+    seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 16, prompt_len=(600, 1800), max_tokens=(2, 40))
 
@@ -160,7 +148,7 @@ def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_b
 
 
 def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Stack) -> None:
-    seed = _seed()
+    seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 6, prompt_len=(3, 200), max_tokens=(1500, 1800))
 
@@ -184,7 +172,7 @@ def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Sta
 
 
 def test_redis_restarted_empty_mid_stream_loses_nothing_and_serves_after(stack: Stack, engine: LLMEngine) -> None:
-    seed = _seed()
+    seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 8, prompt_len=(3, 300), max_tokens=(300, 900))
     assert stack.redis is not None
@@ -216,7 +204,7 @@ def test_a_full_pool_preempts_and_every_request_completes(model_dir: Path, engin
     """A pool that holds about a fifth of what the requests grow to (prompts may not even fit
     at once): prefill waits for blocks, decode preempts the youngest and recomputes it later, and
     every output is still the engine's."""
-    seed = _seed()
+    seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 10, prompt_len=(20, 300), max_tokens=(200, 400))
     sizes = [-(-(len(ids) + p.max_tokens + 1) // BLOCK_SIZE) for ids, p in work]

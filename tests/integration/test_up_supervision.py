@@ -29,8 +29,7 @@ from tandem.engine.shm_files import SHM_DIR
 from tandem.launcher import EXIT_GAVE_UP
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
-from tests.integration.stack import ROOT, write_tiny_chat_model
-from tests.tiny_models import write_tiny_model
+from tests.integration.stack import ROOT, fault_seed, write_stepping_chat_model
 
 CELL_ID = f"sup-{uuid.uuid4().hex[:6]}"  # both stacks use it: their files must still not collide
 STALL_TIMEOUT_S = 5.0  # the router's wait for a decode update: a lost request's error comes this fast
@@ -103,12 +102,7 @@ def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = write_tiny_chat_model(tmp_path_factory.mktemp("sup-model"), smollm2_dir)
-    # Wide and deep enough that a decode step takes milliseconds: a kill lands mid-stream.
-    write_tiny_model(out, "llama", seed=1, vocab_size=49152, bos_token_id=1, eos_token_id=2,
-                     max_position_embeddings=2048, rope_scaling=None, hidden_size=256, intermediate_size=768,
-                     num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
-    return out
+    return write_stepping_chat_model(tmp_path_factory.mktemp("sup-model"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +127,9 @@ def stacks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 up.proc.wait()
 
 
-def _seed() -> int:
-    seed = int(os.environ.get("TANDEM_FAULT_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
-    print(f"fault seed {seed} (TANDEM_FAULT_SEED={seed} replays it)")
-    return seed
-
-
 def test_agent_sigkill_restarts_the_cell_and_spares_the_other_stack(stacks: tuple[Up, Up]) -> None:
     a, b = stacks
-    rng = random.Random(_seed())
+    rng = random.Random(fault_seed())
     a_prefix, b_prefix = a.shm_prefix(), b.shm_prefix()
     assert a_prefix != b_prefix and a_prefix.startswith(f"{CELL_ID}-") and b_prefix.startswith(f"{CELL_ID}-")
     a_files, b_files = a.files(a_prefix), b.files(b_prefix)
