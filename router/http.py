@@ -33,15 +33,20 @@ from starlette.routing import Route
 from router.auth import bearer_matches
 from router.metrics import RouterMetrics
 from router.server import (
-    MAX_MESSAGES,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
     RequestRejected,
     RouterServicer,
     StreamTimings,
     brief,
 )
-from tandem.engine.sampling import MAX_NUM_LOGPROBS
+from tandem.protocol import (
+    DEFAULT_MAX_TOKENS,
+    MAX_MESSAGES,
+    MAX_NUM_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    SAMPLING_LIMITS,
+)
 from tandem.rpc.v1 import common_pb2, router_pb2
 from tandem.state.schema import LoadReport
 
@@ -50,7 +55,6 @@ log = logging.getLogger("tandem.router.http")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_N = 16
 MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
-MAX_TOP_K = 2**31 - 1  # the proto's int32
 RETRY_AFTER_S = 1
 
 Kind = Literal["chat", "completion"]
@@ -108,14 +112,16 @@ class HTTPError(Exception):
 
 # --- request parsing --------------------------------------------------------------------------
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A sampling parameter in its SAMPLING_LIMITS range."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise HTTPError(400, f"{name} must be a number, got {brief(value)}", param=name)
-    if not lo <= value <= hi:
-        raise HTTPError(400, f"{name} must be in [{lo:g}, {hi:g}], got {brief(value)}", param=name)
+    limit = SAMPLING_LIMITS[name]
+    if value not in limit:
+        raise HTTPError(400, f"{name} must be {limit.describe()}, got {brief(value)}", param=name)
     return float(value)
 
 
@@ -244,7 +250,7 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
     assert n is not None
 
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    default_max_tokens = context_length if kind == "chat" else 16
+    default_max_tokens = context_length if kind == "chat" else DEFAULT_MAX_TOKENS
     max_tokens = body.get(max_tokens_name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
         raise HTTPError(400, f"{max_tokens_name} must be an integer, got {brief(max_tokens)}",
@@ -275,21 +281,17 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
         raise HTTPError(400, "user must be a string", param="user")
     seed = _integer(body, "seed", None, 0, MAX_SEED - MAX_N)
     sampling = common_pb2.SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 1e4),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
         top_k=_integer(body, "top_k", -1, -1, MAX_TOP_K),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 1e4),
+        min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         min_tokens=_integer(body, "min_tokens", 0, 0, context_length),
         ignore_eos=ignore_eos,
     )
-    if sampling.top_p == 0:
-        raise HTTPError(400, "top_p must be in (0, 1]", param="top_p")
-    if sampling.repetition_penalty == 0:
-        raise HTTPError(400, "repetition_penalty must be > 0", param="repetition_penalty")
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
     base = router_pb2.GenerateRequest(model=model, stop=_stop_strings(body))
@@ -714,23 +716,31 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 def openapi_schema(context_length: int) -> dict[str, Any]:
     """The API's OpenAPI 3.0 description (the parameters this gateway reads)."""
-    number = {"type": "number"}
+    def number(name: str) -> dict[str, Any]:
+        limit = SAMPLING_LIMITS[name]
+        out: dict[str, Any] = {"type": "number", "minimum": limit.lo, "nullable": True}
+        if limit.lo_open:
+            out["exclusiveMinimum"] = True
+        if limit.hi is not None:
+            out["maximum"] = limit.hi
+        return out
+
     stop_string = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
     stop = {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS}],
             "nullable": True}
     common: dict[str, Any] = {
         "model": {"type": "string"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": context_length, "nullable": True},
-        "temperature": {**number, "minimum": 0, "maximum": 2, "nullable": True},
-        "top_p": {**number, "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
-        "top_k": {"type": "integer", "minimum": -1, "nullable": True},
-        "min_p": {**number, "minimum": 0, "maximum": 1, "nullable": True},
+        "temperature": number("temperature"),
+        "top_p": number("top_p"),
+        "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K, "nullable": True},
+        "min_p": number("min_p"),
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True},
         "stop": stop,
         "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED - MAX_N, "nullable": True},
-        "presence_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
-        "frequency_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
-        "repetition_penalty": {**number, "exclusiveMinimum": True, "minimum": 0, "maximum": 2, "nullable": True},
+        "presence_penalty": number("presence_penalty"),
+        "frequency_penalty": number("frequency_penalty"),
+        "repetition_penalty": number("repetition_penalty"),
         "ignore_eos": {"type": "boolean"},
         "user": {"type": "string"},
         "stream": {"type": "boolean", "nullable": True},

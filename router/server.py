@@ -35,9 +35,16 @@ from router.wire_errors import MalformedRequestInterceptor
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from tandem.engine.sampling import SamplingParams
 from tandem.engine.stop_strings import StopStringMatcher
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.protocol import (
+    DEFAULT_MAX_TOKENS,
+    MAX_MESSAGES,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
 from tandem.rpc.tracing import (
     service_client_interceptors,
@@ -63,13 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.router")
 
-# What max_tokens 0 (proto3's "unset") means, as in SamplingParams and OpenAI's completions.
-DEFAULT_MAX_TOKENS = 16
-# Stop strings are matched against every delta; bounds on their number and length keep that cheap.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024
-MAX_MESSAGES = 1024
-MAX_REQUEST_ID_LENGTH = 256
 # Prompts with more text than this are rendered and tokenized in a worker thread: about 2 ms of
 # tokenizer time, more than the loop should stop for, and less than a thread hop is worth.
 INLINE_TOKENIZE_MAX_CHARS = 4096

@@ -21,122 +21,19 @@ other requests share the batch, or where it sits in it.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.errors import InvalidRequestError
-
-# Temperatures below this are greedy: dividing fp32 logits by a smaller number overflows to inf
-# and the softmax turns into NaN, and the distribution is a point mass anyway.
-GREEDY_TEMPERATURE_EPS = 1e-5
-MAX_NUM_LOGPROBS = 20
-# More would only cost memory and time per step; no tokenizer needs this many stop tokens.
-MAX_STOP_TOKEN_IDS = 256
-MIN_SEED = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
-MAX_SEED = 2**64 - 1
-
-
-def _is_int(value: object) -> bool:
-    # bool is a subclass of int, but `top_k=True` is a client bug, not a number.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request turns logits into tokens; immutable and validated on construction.
-
-    Every field is a plain Python value, so the object pickles and round-trips through
-    ``to_dict()`` / ``from_dict()`` (JSON-safe) when it crosses a process boundary.
-    Invalid values raise ``InvalidRequestError`` whose message names the field and its range.
-    """
-
-    temperature: float = 1.0  # >= 0; below GREEDY_TEMPERATURE_EPS means greedy (argmax)
-    top_p: float = 1.0  # (0, 1]; keep the smallest set of tokens whose mass is >= top_p
-    top_k: int = -1  # -1 or 0 = off, else keep the k most likely tokens
-    min_p: float = 0.0  # [0, 1]; drop tokens with prob < min_p * (prob of the likeliest token)
-    seed: int | None = None  # per-request generator; None = shared default generator
-    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from every token already output
-    frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # > 0; HF style over prompt + output, 1 = off
-    max_tokens: int = 16  # >= 1; the request finishes with "length" after this many tokens
-    min_tokens: int = 0  # [0, max_tokens]; stop tokens are masked out until this many are output
-    stop_token_ids: tuple[int, ...] = ()  # extra token ids that finish the request with "stop"
-    ignore_eos: bool = False  # True: eos neither stops the request nor is masked by min_tokens
-    logprobs: int | None = None  # [0, 20] top logprobs to return per token; None = no logprobs
-
-    def __post_init__(self) -> None:
-        self._check_real("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)")
-        self._check_real("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-        self._check_real("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
-        self._check_real("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-        self._check_real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-        self._check_real("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)")
-        self._check_int("top_k", lambda v: v == -1 or v >= 0, "-1 or 0 (off) or >= 1")
-        self._check_int("max_tokens", lambda v: v >= 1, ">= 1")
-        self._check_int("min_tokens", lambda v: 0 <= v <= self.max_tokens,
-                        f"in [0, max_tokens={self.max_tokens}]")
-        if self.seed is not None:
-            self._check_int("seed", lambda v: MIN_SEED <= v <= MAX_SEED,
-                            f"None or an int in [{MIN_SEED}, {MAX_SEED}]")
-        if self.logprobs is not None:
-            self._check_int("logprobs", lambda v: 0 <= v <= MAX_NUM_LOGPROBS,
-                            f"None or an int in [0, {MAX_NUM_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        # A JSON round trip turns the tuple into a list; accept any sequence, store a tuple so the
-        # params stay hashable and immutable.
-        stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list)):
-            raise InvalidRequestError(
-                f"stop_token_ids must be a list of token ids >= 0, got {stop!r}")
-        if len(stop) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop)}")
-        bad = [t for t in stop if not (_is_int(t) and t >= 0)]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids must be a list of token ids >= 0, got {bad[0]!r} in it")
-        object.__setattr__(self, "stop_token_ids", tuple(stop))
-
-    def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
-        value = getattr(self, name)
-        if not _is_real(value) or not ok(float(value)):
-            raise InvalidRequestError(f"{name} must be a finite number {allowed}, got {value!r}")
-        object.__setattr__(self, name, float(value))
-
-    def _check_int(self, name: str, ok: Callable[[int], bool], allowed: str) -> None:
-        value = getattr(self, name)
-        if not _is_int(value) or not ok(value):
-            raise InvalidRequestError(f"{name} must be an int {allowed}, got {value!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when the request takes the argmax of its penalized logits every step."""
-        return self.temperature < GREEDY_TEMPERATURE_EPS
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (``stop_token_ids`` as a list) that ``from_dict`` turns back."""
-        out = asdict(self)
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        """Build from a dict; missing keys take their defaults, unknown keys are refused."""
-        if not isinstance(data, dict):
-            raise InvalidRequestError(f"sampling params must be a dict, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
-        return cls(**data)
+from tandem.protocol import (  # noqa: F401  (re-exported: the engine's callers import them from here)
+    GREEDY_TEMPERATURE_EPS,
+    MAX_NUM_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    MIN_SEED,
+    SamplingParams,
+)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

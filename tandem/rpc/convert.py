@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.engine.sampling import SamplingParams
+from tandem.protocol import SamplingParams
 from tandem.rpc.v1 import common_pb2
 
 _FINISH: dict[str | None, common_pb2.FinishReason] = {

@@ -6,11 +6,12 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
+
+from tandem.ports import free_port  # noqa: F401  (re-exported for the launcher and tests)
 
 C = TypeVar("C")
 
@@ -24,13 +25,6 @@ def setup_logging(name: str) -> logging.Logger:
     level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     return logging.getLogger(name)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -38,7 +38,7 @@ from types import TracebackType
 from urllib.parse import quote
 
 from tandem.engine.errors import TandemError
-from tandem.service.runtime import free_port
+from tandem.ports import free_port
 
 REDIS_URL_ENV = "REDIS_URL"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

@@ -36,16 +36,15 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar, get_args
+from typing import Any, Final, Literal, TypeVar
 
 import redis.asyncio as aredis
 
 from tandem.engine.errors import TandemError
+from tandem.protocol import ROLES, LoadReport, Role  # noqa: F401  (part of the schema)
 
 DEFAULT_NAMESPACE: Final = "tandem"
 
-Role = Literal["agent", "prefill", "decode", "router"]
-ROLES: Final[frozenset[str]] = frozenset(get_args(Role))
 
 RequestState = Literal["prefill", "decode", "done", "failed"]
 ACTIVE_STATES: Final[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -226,42 +225,6 @@ class RequestRecord:
 def check_request_state(state: str) -> None:
     if state not in ACTIVE_STATES | FINISHED_STATES:
         raise ValueError(f"request state must be one of prefill/decode/done/failed, got {state!r}")
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """One service's live load, published every scheduling tick and read by every scheduler.
-
-    ``prefill_units`` / ``decode_units`` are the unit ids (CPU cores or SMs) each phase holds
-    under partition ``partition_epoch``.
-    """
-
-    service_id: str
-    cell_id: str
-    role: Role
-    num_queued_requests: int
-    num_queued_tokens: int
-    num_running: int
-    batch_size: int
-    predicted_ttft_ms: float
-    predicted_tbt_ms: float
-    partition_epoch: int
-    prefill_units: list[int]
-    decode_units: list[int]
-    kv_free_blocks: int
-    kv_total_blocks: int
-    updated_unix_ns: int
-
-    def __post_init__(self) -> None:
-        if not self.service_id:
-            raise ValueError("LoadReport.service_id must be non-empty")
-        if self.role not in ROLES:
-            raise ValueError(f"LoadReport.role must be one of {sorted(ROLES)}, got {self.role!r}")
-        _non_negative(self, "num_queued_requests", "num_queued_tokens", "num_running", "batch_size",
-                      "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns")
-        if self.kv_free_blocks > self.kv_total_blocks:
-            raise ValueError(f"LoadReport.kv_free_blocks ({self.kv_free_blocks}) > kv_total_blocks "
-                             f"({self.kv_total_blocks})")
 
 
 # ---------------------------------------------------------------------- record <-> hash fields

@@ -1,0 +1,278 @@
+"""What every Tandem process shares about a request, in plain Python (no torch, no gRPC, no I/O).
+
+- the sampling parameters, their limits and their defaults (``SAMPLING_LIMITS`` is the one place
+  a range is written: ``SamplingParams`` validates with it, the router's OpenAI parser reads it
+  and the OpenAPI schema is generated from it);
+- the request-shape limits the router enforces (stop strings, messages, request ids);
+- ``FinishReason``, the closed set of ways a generation ends;
+- ``RequestError``, the one error a request fails with: a ``Status`` (which maps to a gRPC status
+  code and an HTTP status), a message, and the field at fault;
+- ``LoadReport``, what each service publishes about its load on the board every scheduler reads.
+
+The router process imports this and never the engine's torch modules; services convert it to
+and from protos in ``tandem.rpc.convert``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Final, Literal, get_args
+
+from tandem.engine.errors import InvalidRequestError, TandemError
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed interval ``[lo, hi]``, open at ``lo`` when ``lo_open``; ``hi`` None: unbounded."""
+
+    lo: float
+    hi: float | None
+    lo_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.lo if self.lo_open else value >= self.lo
+        return above and (self.hi is None or value <= self.hi)
+
+    def describe(self) -> str:
+        left = "(" if self.lo_open else "["
+        right = "inf)" if self.hi is None else f"{self.hi:g}]"
+        return f"in {left}{self.lo:g}, {right}"
+
+
+# Temperatures below this are greedy: dividing fp32 logits by a smaller number overflows to inf
+# and the softmax turns into NaN, and the distribution is a point mass anyway.
+GREEDY_TEMPERATURE_EPS: Final = 1e-5
+MAX_NUM_LOGPROBS: Final = 20
+# More would only cost memory and time per step; no tokenizer needs this many stop tokens.
+MAX_STOP_TOKEN_IDS: Final = 256
+MIN_SEED: Final = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
+MAX_SEED: Final = 2**64 - 1
+MAX_TOP_K: Final = 2**31 - 1  # the proto's int32
+# What a request that names no max_tokens gets, as in OpenAI's completions and vLLM.
+DEFAULT_MAX_TOKENS: Final = 16
+
+# The ranges of the real-valued and bounded integer sampling parameters. OpenAI's ranges where it
+# documents one (temperature, penalties); repetition_penalty as vLLM's UI bounds it.
+SAMPLING_LIMITS: Final[dict[str, Range]] = {
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 2.0, lo_open=True),
+    "top_k": Range(-1, MAX_TOP_K),
+    "logprobs": Range(0, MAX_NUM_LOGPROBS),
+}
+
+# Stop strings are matched against every delta; bounds on their number and length keep that cheap.
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_STRING_CHARS: Final = 1024
+MAX_MESSAGES: Final = 1024
+MAX_REQUEST_ID_LENGTH: Final = 256
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but `top_k=True` is a client bug, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))  # type: ignore[arg-type]
+
+
+# --- sampling parameters -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens; immutable and validated on construction.
+
+    Every field is a plain Python value, so the object pickles and round-trips through
+    ``to_dict()`` / ``from_dict()`` (JSON-safe) when it crosses a process boundary.
+    Invalid values raise ``InvalidRequestError`` whose message names the field and its range
+    (``SAMPLING_LIMITS``).
+    """
+
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE_EPS means greedy (argmax)
+    top_p: float = 1.0  # keep the smallest set of tokens whose mass is >= top_p
+    top_k: int = -1  # -1 or 0 = off, else keep the k most likely tokens
+    min_p: float = 0.0  # drop tokens with prob < min_p * (prob of the likeliest token)
+    seed: int | None = None  # per-request generator; None = shared default generator
+    presence_penalty: float = 0.0  # subtracted once from every token already output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF style over prompt + output, 1 = off
+    max_tokens: int = DEFAULT_MAX_TOKENS  # >= 1; the request finishes with "length" after this many
+    min_tokens: int = 0  # [0, max_tokens]; stop tokens are masked out until this many are output
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that finish the request with "stop"
+    ignore_eos: bool = False  # True: eos neither stops the request nor is masked by min_tokens
+    logprobs: int | None = None  # top logprobs to return per token; None = no logprobs
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            limit = SAMPLING_LIMITS[name]
+            self._check_real(name, limit.__contains__, limit.describe())
+        top_k = SAMPLING_LIMITS["top_k"]
+        self._check_int("top_k", top_k.__contains__, "-1 or 0 (off) or >= 1")
+        self._check_int("max_tokens", lambda v: v >= 1, ">= 1")
+        self._check_int("min_tokens", lambda v: 0 <= v <= self.max_tokens,
+                        f"in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None:
+            self._check_int("seed", lambda v: MIN_SEED <= v <= MAX_SEED,
+                            f"None or an int in [{MIN_SEED}, {MAX_SEED}]")
+        if self.logprobs is not None:
+            self._check_int("logprobs", SAMPLING_LIMITS["logprobs"].__contains__,
+                            f"None or an int in [0, {MAX_NUM_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        # A JSON round trip turns the tuple into a list; accept any sequence, store a tuple so the
+        # params stay hashable and immutable.
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list)):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of token ids >= 0, got {stop!r}")
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop)}")
+        bad = [t for t in stop if not (_is_int(t) and t >= 0)]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids >= 0, got {bad[0]!r} in it")
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
+
+    def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
+        value = getattr(self, name)
+        if not _is_real(value) or not ok(float(value)):
+            raise InvalidRequestError(f"{name} must be a finite number {allowed}, got {value!r}")
+        object.__setattr__(self, name, float(value))
+
+    def _check_int(self, name: str, ok: Callable[[int], bool], allowed: str) -> None:
+        value = getattr(self, name)
+        if not _is_int(value) or not ok(value):
+            raise InvalidRequestError(f"{name} must be an int {allowed}, got {value!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax of its penalized logits every step."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (``stop_token_ids`` as a list) that ``from_dict`` turns back."""
+        out = asdict(self)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a dict; missing keys take their defaults, unknown keys are refused."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"sampling params must be a dict, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        return cls(**data)
+
+
+# --- finish reasons ----------------------------------------------------------------------------
+
+
+class FinishReason(str, enum.Enum):
+    """How a generation ended; the value is OpenAI's ``finish_reason`` string."""
+
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+    ABORT = "abort"  # cancelled
+    ERROR = "error"  # the service failed it
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class Status(enum.Enum):
+    """Why a request failed; each member is ``(gRPC status name, HTTP status, OpenAI error type)``."""
+
+    INVALID_ARGUMENT = ("INVALID_ARGUMENT", 400, "invalid_request_error")
+    UNAUTHENTICATED = ("UNAUTHENTICATED", 401, "authentication_error")
+    NOT_FOUND = ("NOT_FOUND", 404, "invalid_request_error")
+    ALREADY_EXISTS = ("ALREADY_EXISTS", 409, "invalid_request_error")
+    RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429, "rate_limit_error")
+    CANCELLED = ("CANCELLED", 499, "cancelled")
+    INTERNAL = ("INTERNAL", 500, "internal_error")
+    UNAVAILABLE = ("UNAVAILABLE", 503, "service_unavailable")
+    DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 504, "timeout")
+
+    @property
+    def grpc_name(self) -> str:
+        """The ``grpc.StatusCode`` member's name."""
+        return self.value[0]
+
+    @property
+    def http_status(self) -> int:
+        return self.value[1]
+
+    @property
+    def openai_type(self) -> str:
+        return self.value[2]
+
+
+class RequestError(TandemError):
+    """A request failed with ``status``; ``message`` is for the client, ``field`` names the request
+    field at fault (if one is), ``retry_after_s`` is admission's hint for RESOURCE_EXHAUSTED.
+    Raised by the router's core; each adapter turns it into its transport's error."""
+
+    def __init__(self, status: Status, message: str, retry_after_s: float | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.field = field
+
+
+# --- load reports ------------------------------------------------------------------------------
+
+Role = Literal["agent", "prefill", "decode", "router"]
+ROLES: Final[frozenset[str]] = frozenset(get_args(Role))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One service's live load, published every scheduling tick and read by every scheduler.
+
+    ``prefill_units`` / ``decode_units`` are the unit ids (CPU cores or SMs) each phase holds
+    under partition ``partition_epoch``.
+    """
+
+    service_id: str
+    cell_id: str
+    role: Role
+    num_queued_requests: int
+    num_queued_tokens: int
+    num_running: int
+    batch_size: int
+    predicted_ttft_ms: float
+    predicted_tbt_ms: float
+    partition_epoch: int
+    prefill_units: list[int]
+    decode_units: list[int]
+    kv_free_blocks: int
+    kv_total_blocks: int
+    updated_unix_ns: int
+
+    def __post_init__(self) -> None:
+        if not self.service_id:
+            raise ValueError("LoadReport.service_id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"LoadReport.role must be one of {sorted(ROLES)}, got {self.role!r}")
+        for name in ("num_queued_requests", "num_queued_tokens", "num_running", "batch_size",
+                     "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_free_blocks > self.kv_total_blocks:
+            raise ValueError(f"LoadReport.kv_free_blocks ({self.kv_free_blocks}) > kv_total_blocks "
+                             f"({self.kv_total_blocks})")
