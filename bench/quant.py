@@ -22,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
-from tandem.engine.quant import WeightFormat  # noqa: E402
+from tandem.engine.quant import WeightFormat, best_format  # noqa: E402
 from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
 from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -50,16 +51,24 @@ def text_windows(tokenizer: Tokenizer, num: int, length: int) -> list[list[int]]
     return [ids[i : i + length] for i in range(0, stride * num, stride) if i + length <= len(ids)][:num]
 
 
-def window_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt: [len(ids), vocab]."""
+def window_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits of every position of one prompt: [len(ids), vocab]. With ``chunk``, computed that
+    many tokens at a time, each chunk attending to the earlier K/V read back from the pool (as
+    decode does; one whole prefill attends to its own fresh K/V, so the pool's precision would
+    not show)."""
     blocks = list(range(-(-len(ids) // BLOCK)))
-    state = runner.begin([SeqInput(ids, 0, blocks)])
-    state.logit_rows = torch.arange(len(ids))
-    runner.run_layers(state)
-    return runner.finish(state)
+    out = []
+    for start in range(0, len(ids), chunk or len(ids)):
+        part = ids[start : start + (chunk or len(ids))]
+        state = runner.begin([SeqInput(part, start, blocks)])
+        state.logit_rows = torch.arange(len(part))
+        runner.run_layers(state)
+        out.append(runner.finish(state))
+    return torch.cat(out)
 
 
-def accuracy(runners: dict[WeightFormat, ModelRunner], windows: list[list[int]]) -> dict[str, Any]:
+def accuracy(runners: dict[str, ModelRunner], windows: list[list[int]], chunk: int | None = None) -> dict[str, Any]:
+    """Perplexity of each runner on ``windows`` and its top-1 agreement with the first one."""
     nll = {f: 0.0 for f in runners}
     agree = {f: 0 for f in runners}
     count = 0
@@ -67,15 +76,15 @@ def accuracy(runners: dict[WeightFormat, ModelRunner], windows: list[list[int]])
         target = torch.tensor(ids[1:])
         ref_top1 = None
         for fmt, runner in runners.items():
-            logits = window_logits(runner, ids)[:-1]
+            logits = window_logits(runner, ids, chunk)[:-1]
             nll[fmt] += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
             top1 = logits.argmax(-1)
             if ref_top1 is None:
                 ref_top1 = top1
             agree[fmt] += int((top1 == ref_top1).sum())
         count += len(ids) - 1
-    return {f.value: {"perplexity": round(math.exp(nll[f] / count), 4),
-                      "top1_agreement_with_fp32": round(agree[f] / count, 4)} for f in runners} | {"tokens": count}
+    return {f: {"perplexity": round(math.exp(nll[f] / count), 4),
+                "top1_agreement_with_fp32": round(agree[f] / count, 4)} for f in runners} | {"tokens": count}
 
 
 def forward_ms(runner: ModelRunner, batch: list[SeqInput], repeats: int) -> float:
@@ -150,8 +159,16 @@ def main() -> None:
                                                      for f, r in runners.items()}}
     windows = text_windows(Tokenizer.from_dir(model_dir), args.windows, args.window_len)
     with torch.inference_mode():
-        result["accuracy"] = accuracy(runners, windows)
+        result["accuracy"] = accuracy({f.value: r for f, r in runners.items()}, windows)
         print(json.dumps(result["accuracy"], indent=1))
+        # KV cache precision, with the default (auto) weight format: fp32 K/V is the reference.
+        spec = KVPoolSpec.for_model(config, 32 * 9 + 64, BLOCK)
+        kv_runners = {name: ModelRunner.from_dir(model_dir, KVPool.create(replace(spec, dtype=dtype)),
+                                                 weight_format=best_format())
+                      for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16))}
+        result["kv_accuracy"] = {"weight_format": best_format().value, "chunk_tokens": 8} | accuracy(
+            kv_runners, windows, chunk=8)
+        print(json.dumps(result["kv_accuracy"], indent=1))
         if not args.skip_speed:
             speed: dict[str, dict[str, float]] = {f.value: {} for f in FORMATS}
             for batch in (1, 8, 16, 32):

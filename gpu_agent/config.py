@@ -34,9 +34,14 @@ class AgentConfig:
     ttft_slo_ms_per_1k: float = 0.0  # the TTFT SLO grows by this per 1000 prompt tokens
     profile: str = ""
     quantization: str = "auto"
+    kv_dtype: str = ""  # the KV pool's storage dtype ("": the model's --dtype)
     # This incarnation of the agent: its shared-memory names carry it, so that a successor, or
     # another stack with the same cell id, never opens or removes this one's files.
     instance_id: str = field(default_factory=new_instance_id)
+
+    @property
+    def kv_pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def shm_prefix(self) -> str:
@@ -79,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="gpu_agent", description="Owner of one device: weights, KV pool, partition")
     add_flag(parser, "--model", "default", "model directory or 'default'")
     add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
+    add_flag(parser, "--kv-dtype", "", "store the KV cache in this dtype instead (float16 or bfloat16: twice the "
+             "tokens per GiB; accuracy in docs/results/quant-cpu.json)", choices=["", "float32", "bfloat16", "float16"])
     add_flag(parser, "--quantization", "auto",
              f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the fastest format "
              "that keeps fp32's accuracy here; int8 is lossy)")
@@ -101,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
     a = parser.parse_args(argv)
     return AgentConfig(
-        model=a.model, dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
+        model=a.model, dtype=a.dtype, kv_dtype=a.kv_dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
         host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
         prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
         policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, ttft_slo_ms_per_1k=a.ttft_slo_ms_per_1k,

@@ -83,7 +83,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             kv_pool=agent_pb2.KVPoolInfo(
                 shm_name=self.pool.store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
                 block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                dtype=self.config.dtype,
+                dtype=self.config.kv_pool_dtype,
             ),
             partition=self.partition.current,
             dtype=self.config.dtype,
@@ -185,13 +185,13 @@ def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, B
     """Load the weights into shared memory and create the shared KV pool (the slow part)."""
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_dir(model_dir)
-    dtype = parse_dtype(config.dtype)
+    dtype, kv_dtype = parse_dtype(config.dtype), parse_dtype(config.kv_pool_dtype)
     weights = load_checkpoint(model_dir, model_config, dtype)
     store = share_weights(weights, f"{config.shm_prefix}-weights", exist_ok=True)
     del weights
     num_blocks = config.num_blocks or num_blocks_for_budget(
-        model_config, int(config.kv_cache_gb * (1 << 30)), config.block_size, dtype
+        model_config, int(config.kv_cache_gb * (1 << 30)), config.block_size, kv_dtype
     )
-    spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, dtype)
+    spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, kv_dtype)
     pool = KVPool.create_shared(spec, f"{config.shm_prefix}-kv", exist_ok=True)
     return model_dir, store, pool, BlockLedger(BlockAllocator(num_blocks, config.block_size))

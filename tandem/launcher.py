@@ -140,6 +140,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "in the URL)")
     add_flag(parser, "--redis-data-dir", "", "persist the private Redis there (append-only file), so request "
              "records survive a Redis restart")
+    add_flag(parser, "--kv-dtype", "", "KV cache storage dtype (float16 or bfloat16 hold twice the tokens per GiB; "
+             "default: the model's)", choices=["", "float32", "bfloat16", "float16"])
     add_flag(parser, "--quantization", "auto", f"weight format prefill and decode run ({FORMAT_NAMES}; "
              "auto: the fastest accurate one for this CPU; int8 is lossy)")
     add_flag(parser, "--max-restarts", 5, "restarts of one process (the cell, for the agent) within "
@@ -203,7 +205,8 @@ class Supervisor:
 
         self.agent = Child("gpu_agent", lambda: [
             "gpu_agent", "--model", model_dir, "--port", port(agent_addr), "--instance-id", self.new_instance(),
-            "--kv-cache-gb", str(args.kv_cache_gb), "--quantization", args.quantization, *cores,
+            "--kv-cache-gb", str(args.kv_cache_gb), "--quantization", args.quantization,
+            *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []), *cores,
         ], agent_addr, env, budget())
         self.decode = Child("decode_svc", lambda: [
             "decode_svc", "--agent-address", agent_addr, "--port", port(decode_addr),

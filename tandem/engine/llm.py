@@ -69,14 +69,17 @@ class LLMEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         weight_format: WeightFormat | None = None,
+        kv_dtype: torch.dtype | None = None,
         **kwargs: int,
     ) -> LLMEngine:
         """An engine with a private KV pool; ``weight_format`` is how its linear layers run
-        (default: the fastest accurate format here, ``quant.best_format()``)."""
+        (default: the fastest accurate format here, ``quant.best_format()``); ``kv_dtype`` is
+        the pool's storage dtype (default ``dtype``; K/V are cast on write and read)."""
         config = ModelConfig.from_dir(model_dir)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         if num_blocks is None:
-            num_blocks = num_blocks_for_budget(config, kv_cache_bytes, block_size, dtype)
-        pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, dtype))
+            num_blocks = num_blocks_for_budget(config, kv_cache_bytes, block_size, kv_dtype)
+        pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, kv_dtype))
         runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype,
                                       weight_format=best_format() if weight_format is None else weight_format)
         return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, **kwargs)
