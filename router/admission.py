@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from tandem.policy.admission import PrefillBatching, PrefillCalibration, admit_one, group_batches, predict_ttft
 from tandem.policy.types import Predictor, QueuedRequest, Slo
-from tandem.state.schema import LoadReport
+from tandem.protocol import LoadReport
 
 log = logging.getLogger("tandem.router.admission")
 

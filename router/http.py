@@ -1,9 +1,9 @@
 """The router's OpenAI-compatible HTTP API, on Starlette and uvicorn in the gRPC server's loop.
 
-Every generation goes through ``RouterServicer.generate_stream``, the same path as gRPC
-``Generate``: this module only turns JSON into ``GenerateRequest`` s and responses into
-OpenAI's JSON (and SSE) shapes, runs the ``n`` choices of a request concurrently, maps
-``RequestRejected`` statuses to HTTP statuses, and observes the Prometheus metrics.
+A thin adapter over ``RouterCore.generate``, the same path as gRPC ``Generate``: this module
+only turns JSON into ``GenerateRequest`` s and responses into OpenAI's JSON (and SSE) shapes,
+runs the ``n`` choices of a request concurrently and maps ``RequestError`` statuses to HTTP
+statuses. The core observes the metrics; ``/metrics`` renders them.
 
 Invariants: every error body has OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``; a request whose client goes away (or that fails on one choice) has all of its
@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,13 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.auth import bearer_matches
-from router.metrics import RouterMetrics
-from router.server import (
-    RequestRejected,
-    RouterServicer,
-    StreamTimings,
-    brief,
-)
+from router.core import RouterCore, brief
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -46,9 +39,11 @@ from tandem.protocol import (
     MAX_STOP_STRINGS,
     MAX_TOP_K,
     SAMPLING_LIMITS,
+    LoadReport,
+    RequestError,
+    Status,
 )
 from tandem.rpc.v1 import common_pb2, router_pb2
-from tandem.state.schema import LoadReport
 
 log = logging.getLogger("tandem.router.http")
 
@@ -60,15 +55,7 @@ RETRY_AFTER_S = 1
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
-# The OpenAI parameter behind each GenerateRequest field a RequestRejected names.
+# The OpenAI parameter behind each GenerateRequest field a RequestError names.
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
                    "stop": "stop", "model": "model"}
 _FINISH_REASON = {
@@ -93,9 +80,9 @@ class HTTPError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_rejected(cls, exc: RequestRejected) -> HTTPError:
-        status, type_ = _HTTP_STATUS.get(exc.code, (500, "internal_error"))
-        code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.code.name.lower())
+    def from_error(cls, exc: RequestError) -> HTTPError:
+        status, type_ = exc.status.http_status, exc.status.openai_type
+        code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.status.grpc_name.lower())
         headers = None
         if status == 429:
             retry_s = RETRY_AFTER_S if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
@@ -313,56 +300,38 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
 
 # --- running the choices ------------------------------------------------------------------------
 
-ChoiceItem = router_pb2.GenerateResponse | RequestRejected | None  # None: the choice is done
+ChoiceItem = router_pb2.GenerateResponse | RequestError | None  # None: the choice is done
 
 
 class Choices:
     """The ``n`` generations of one request, each pumped by a task into one queue.
 
-    ``get`` returns ``(index, item)``: a response, the RequestRejected that ended the choice, or
+    ``get`` returns ``(index, item)``: a response, the RequestError that ended the choice, or
     None once the choice finished. ``cancel`` (synchronous, so it works inside a cancelled
     task) cancels every pump, which closes its generation and cancels it upstream.
     """
 
-    def __init__(self, servicer: RouterServicer, requests: list[router_pb2.GenerateRequest],
-                 metrics: RouterMetrics, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
+                 tasks: set[asyncio.Task[None]]) -> None:
         self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
-        self._metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
         for i, request in enumerate(requests):
-            task = asyncio.get_running_loop().create_task(self._pump(i, servicer, request))
+            task = asyncio.get_running_loop().create_task(self._pump(i, core, request))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             self._tasks.append(task)
 
-    async def _pump(self, index: int, servicer: RouterServicer, request: router_pb2.GenerateRequest) -> None:
-        timings = StreamTimings()
-        started_s = time.perf_counter()
-        last_s = started_s
-        has_first = False
-        self._metrics.request_started()
+    async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest) -> None:
         item: ChoiceItem = None
         try:
-            async with contextlib.aclosing(servicer.generate_stream(request, timings=timings)) as stream:
+            async with contextlib.aclosing(core.generate(request)) as stream:
                 async for response in stream:
-                    now_s = time.perf_counter()
-                    if not has_first:
-                        has_first = True
-                        self._metrics.first_token(response.ttft_ns / 1e9, timings.queue_s)
-                    else:
-                        self._metrics.inter_token_latency_s.observe(now_s - last_s)
-                    last_s = now_s
-                    if response.HasField("usage"):
-                        u = response.usage
-                        self._metrics.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                     self._queue.put_nowait((index, response))
-        except RequestRejected as exc:
+        except RequestError as exc:
             item = exc
         except Exception as exc:  # a bug: the client still gets an answer, the log the trace
             log.exception("request %s failed", request.request_id)
-            item = RequestRejected(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-        finally:
-            self._metrics.request_finished(has_first, time.perf_counter() - started_s)
+            item = RequestError(Status.INTERNAL, f"internal error: {type(exc).__name__}")
         self._queue.put_nowait((index, item))
 
     async def get(self) -> tuple[int, ChoiceItem]:
@@ -389,12 +358,12 @@ class ChoiceState:
 class Renderer:
     """Builds OpenAI's JSON for one request (ids, timestamps, logprobs)."""
 
-    def __init__(self, servicer: RouterServicer, parsed: ParsedRequest, response_id: str) -> None:
-        self._tokenizer = servicer.tokenizer
+    def __init__(self, core: RouterCore, parsed: ParsedRequest, response_id: str) -> None:
+        self._tokenizer = core.tokenizer
         self.parsed = parsed
         self.id = response_id
         self.created = int(time.time())
-        self.model = parsed.model or servicer.model_id
+        self.model = parsed.model or core.model_id
         self._token_text: dict[int, str] = {}
 
     def _token(self, token_id: int) -> str:
@@ -492,15 +461,15 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 # --- the app ----------------------------------------------------------------------------------------
 
 class Gateway:
-    """The HTTP endpoints over one servicer.
+    """The HTTP endpoints over one router core.
 
     ``read_agent_load`` (optional) returns the agent's latest load report for the cell gauges.
     """
 
-    def __init__(self, servicer: RouterServicer, metrics: RouterMetrics, api_key: str = "",
+    def __init__(self, core: RouterCore, api_key: str = "",
                  read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None) -> None:
-        self._servicer = servicer
-        self._metrics = metrics
+        self._core = core
+        self._metrics = core.metrics
         self._api_key = api_key
         self._read_agent_load = read_agent_load
         self._tasks: set[asyncio.Task[None]] = set()
@@ -533,7 +502,7 @@ class Gateway:
             self._authorize(request)
         except HTTPError as exc:
             return exc.response()
-        s = self._servicer
+        s = self._core
         return JSONResponse({"object": "list", "data": [
             {"id": s.model_id, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": s.context_length}
         ]})
@@ -542,10 +511,10 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        reply = await self._servicer.health()
+        readiness = await self._core.upstream.readiness()
         # The detail names internal addresses: only a caller with the key (if one is set) sees it.
-        detail = reply.detail if self._authorized(request) else "(details need the API key)"
-        if not reply.ready:
+        detail = readiness.detail if self._authorized(request) else "(details need the API key)"
+        if not readiness.ready:
             return HTTPError(503, f"not ready: {detail}", type="service_unavailable",
                              code="not_ready").response()
         return JSONResponse({"status": "ready", "detail": detail})
@@ -565,7 +534,7 @@ class Gateway:
         return Response(self._metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_schema(self._servicer.context_length))
+        return JSONResponse(openapi_schema(self._core.context_length))
 
     # generation --------------------------------------------------------------------------------------
 
@@ -602,11 +571,11 @@ class Gateway:
         try:
             self._authorize(request)
             body = await self._read_json(request)
-            parsed = parse_request(kind, body, self._servicer.context_length, response_id)
+            parsed = parse_request(kind, body, self._core.context_length, response_id)
         except HTTPError as exc:
             return exc.response()
-        renderer = Renderer(self._servicer, parsed, response_id)
-        choices = Choices(self._servicer, parsed.requests, self._metrics, self._tasks)
+        renderer = Renderer(self._core, parsed, response_id)
+        choices = Choices(self._core, parsed.requests, self._tasks)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:
@@ -636,8 +605,8 @@ class Gateway:
         pending = set(range(len(states)))
         while pending:
             index, item = await choices.get()
-            if isinstance(item, RequestRejected):
-                raise HTTPError.from_rejected(item)
+            if isinstance(item, RequestError):
+                raise HTTPError.from_error(item)
             if wait_for == "first":
                 buffered.append((index, item))
                 pending.discard(index)
@@ -663,8 +632,8 @@ class Gateway:
                 index, item = await choices.get()
                 if item is None:
                     num_done += 1
-                elif isinstance(item, RequestRejected):
-                    yield _sse(HTTPError.from_rejected(item).body())
+                elif isinstance(item, RequestError):
+                    yield _sse(HTTPError.from_error(item).body())
                     return
                 else:
                     yield _sse(renderer.chunk(index, states[index], item))

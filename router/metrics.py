@@ -1,14 +1,19 @@
 """The router's Prometheus metrics, under the ``tandem:`` prefix that dashboards scrape.
 
-Request metrics are observed by the HTTP gateway as its requests go; the cell gauges (KV cache
-use, partition) are read from the agent's entry on the Redis load board at scrape time.
+The names and meanings are vLLM's (``vllm:time_to_first_token_seconds`` is
+``tandem:time_to_first_token_seconds`` here; ``request_success_total`` has vLLM's
+``finished_reason`` label; ``prompt_tokens_total``, ``generation_tokens_total``,
+``e2e_request_latency_seconds``...), so a vLLM dashboard needs only the prefix changed.
+Request metrics are observed by the router core for every request, gRPC or HTTP; the cell
+gauges (KV cache use, partition) are read from the agent's entry on the Redis load board at
+scrape time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.state.schema import LoadReport
+from tandem.protocol import LoadReport
 
 PREFIX = "tandem:"
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -18,7 +23,7 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 class RouterMetrics:
     """One process's metrics in a registry of its own (so tests may run several routers).
 
-    Contract: ``num_requests_waiting`` counts requests admitted by the gateway that have no
+    Contract: ``num_requests_waiting`` counts requests the router core has taken that have no
     first token yet, ``num_requests_running`` those streaming tokens; each request moves
     waiting → running → gone exactly once through ``request_started`` / ``first_token`` /
     ``request_finished``.
@@ -54,27 +59,28 @@ class RouterMetrics:
         self.partition_epoch = Gauge(f"{PREFIX}partition_epoch", "Epoch of the partition in force.", registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
-        self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished.", registry=r)
+        self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished, by finish reason.",
+                                    ["finished_reason"], registry=r)
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
     def request_started(self) -> None:
         self.num_requests_waiting.inc()
 
-    def first_token(self, ttft_s: float, queue_s: float) -> None:
+    def first_token(self, ttft_s: float) -> None:
         self.num_requests_waiting.dec()
         self.num_requests_running.inc()
         self.time_to_first_token_s.observe(ttft_s)
-        self.request_queue_time_s.observe(queue_s)
 
     def request_finished(self, started: bool, e2e_s: float) -> None:
         """``started``: whether ``first_token`` was called for this request."""
         (self.num_requests_running if started else self.num_requests_waiting).dec()
         self.e2e_request_latency_s.observe(e2e_s)
 
-    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> None:
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+              finished_reason: str) -> None:
         """A finished request's token counts (feeds the prefix-cache hit rate)."""
-        self.num_requests.inc()
+        self.num_requests.labels(finished_reason=finished_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_completion_tokens)
         self._num_prompt_tokens += num_prompt_tokens

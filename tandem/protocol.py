@@ -5,6 +5,7 @@
   and the OpenAPI schema is generated from it);
 - the request-shape limits the router enforces (stop strings, messages, request ids);
 - ``FinishReason``, the closed set of ways a generation ends;
+- ``TandemError``, the base of Tandem's errors, and ``InvalidRequestError`` for bad input;
 - ``RequestError``, the one error a request fails with: a ``Status`` (which maps to a gRPC status
   code and an HTTP status), a message, and the field at fault;
 - ``LoadReport``, what each service publishes about its load on the board every scheduler reads.
@@ -21,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final, Literal, get_args
 
-from tandem.engine.errors import InvalidRequestError, TandemError
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError):
+    """A request is malformed: bad sampling parameters, a prompt longer than the context, ..."""
+
 
 # --- limits ------------------------------------------------------------------------------------
 

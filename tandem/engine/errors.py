@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+from tandem.protocol import InvalidRequestError, TandemError
 
-class TandemError(Exception):
-    """Base of every error Tandem raises on purpose."""
+__all__ = ["InvalidRequestError", "ModelLoadError", "OutOfBlocksError", "TandemError"]
 
 
 class ModelLoadError(TandemError):
     """A model directory or file cannot be loaded (missing file, unknown architecture, bad shape)."""
-
-
-class InvalidRequestError(TandemError):
-    """A request is malformed: bad sampling parameters, a prompt longer than the context, ..."""
 
 
 class OutOfBlocksError(TandemError):

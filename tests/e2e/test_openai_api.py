@@ -456,3 +456,36 @@ def test_200_concurrent_streaming_clients(tiny: Stack) -> None:
     assert all(done and text for _, text, done in results)
     stats = asyncio.run(_wait_all_blocks_free(tiny, timeout_s=20))
     assert stats.num_free_blocks == TINY_BLOCKS and stats.num_requests == 0
+
+
+def _metric(metrics: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all its label sets)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith((f"{name} ", f"{name}{{")))
+
+
+def test_metrics_count_grpc_generate_too(tiny: Stack) -> None:
+    from tandem.rpc.v1 import router_pb2, router_pb2_grpc
+
+    base = tiny.http_address()
+
+    def scrape() -> str:
+        return httpx.get(f"{base}/metrics", timeout=30).text
+
+    before = scrape()
+
+    async def generate() -> None:
+        async with grpc.aio.insecure_channel(tiny.address("router")) as channel:
+            request = router_pb2.GenerateRequest(text="Hi")
+            request.sampling.max_tokens = 3
+            responses = [r async for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60)]
+            assert responses[-1].usage.completion_tokens >= 1
+
+    asyncio.run(generate())
+    after = scrape()
+    for name in ("tandem:request_success_total", "tandem:time_to_first_token_seconds_count",
+                 "tandem:e2e_request_latency_seconds_count"):
+        assert _metric(after, name) == _metric(before, name) + 1, name
+    assert _metric(after, "tandem:generation_tokens_total") > _metric(before, "tandem:generation_tokens_total")
+    assert 'finished_reason="length"' in after or 'finished_reason="stop"' in after
+    assert "tandem:num_requests_running 0.0" in after and "tandem:num_requests_waiting 0.0" in after

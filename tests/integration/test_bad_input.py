@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.http import MAX_BODY_BYTES
-from router.server import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from tandem.protocol import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.mesh_client import wait_all_blocks_free
 from tests.integration.stack import Stack, write_tiny_chat_model

@@ -26,7 +26,8 @@ import grpc.aio
 import pytest
 
 from router.config import RouterConfig
-from router.server import RegistryUpstreams, RunningRouter, Upstreams, start_router
+from router.server import RunningRouter, start_router
+from router.upstream import RegistryUpstreams, Upstreams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.rpc.v1 import (
     common_pb2,
@@ -333,7 +334,7 @@ def test_client_cancel_reaches_prefill_and_decode(model_dir: Path) -> None:
             await asyncio.wait_for(asyncio.gather(s.prefill.cancel_seen.wait(), s.decode.cancel_seen.wait()), 5)
             gone = upstream_id(s, "gone-1")
             assert s.prefill.cancelled == [gone] and s.decode.cancelled == [gone]
-            assert s.router.servicer.streams.num_registered == 0
+            assert s.router.core.upstream.streams.num_registered == 0
 
     run(body())
 
@@ -535,7 +536,7 @@ def test_registry_discovery_feeds_upstreams(model_dir: Path) -> None:
             registry.services = [Info(prefill_address, "prefill", "cell0"), Info(decode_address, "decode", "cell0"),
                                  Info("127.0.0.1:1", "decode", "other-cell")]
             await asyncio.wait_for(decode.stream_opened.wait(), 5)
-            assert router.servicer.streams.addresses == (decode_address,)
+            assert router.core.upstream.streams.addresses == (decode_address,)
             prefill.behaviour = lambda r: _finished_reply(r)
             responses = await generate(client, router_pb2.GenerateRequest(text="Hello"))
             assert responses[-1].finish_reason == STOP

@@ -7,17 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
+from router.core import brief
 from router.http import HTTPError, parse_request
-from router.server import RequestRejected, brief
 from router.wire_errors import Undecodable, _tolerant, invalid_utf8_field
 from tandem.engine.tokenizer import Tokenizer
+from tandem.protocol import RequestError, Status
 from tandem.rpc.v1 import common_pb2, router_pb2
 
 CONTEXT = 2048
@@ -154,15 +154,15 @@ def test_rejections_name_the_openai_parameter() -> None:
     cases = [("text", "prompt"), ("token_ids", "prompt"), ("messages", "messages"), ("stop", "stop"),
              ("sampling", None), ("request_id", None)]
     for field, param in cases:
-        error = HTTPError.from_rejected(RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "bad", field=field))
+        error = HTTPError.from_error(RequestError(Status.INVALID_ARGUMENT, "bad", field=field))
         assert (error.status, error.param) == (400, param)
-    in_flight = HTTPError.from_rejected(RequestRejected(grpc.StatusCode.ALREADY_EXISTS, "busy", field="request_id"))
+    in_flight = HTTPError.from_error(RequestError(Status.ALREADY_EXISTS, "busy", field="request_id"))
     assert in_flight.status == 409
 
 
 def test_sampling_proto_round_trip_keeps_limits() -> None:
     # A hostile gRPC client can send any sampling values; the router's own converter refuses them.
-    from router.server import sampling_from_request
+    from router.core import sampling_from_request
     from tandem.engine.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):

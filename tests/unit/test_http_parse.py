@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 import pytest
 
 from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
-from router.server import RequestRejected
+from tandem.protocol import RequestError, Status
 
 CONTEXT = 2048
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -73,10 +72,10 @@ def test_invalid_parameters_are_400_naming_the_parameter(kind: Any, body: Any, p
 
 
 def test_upstream_statuses_map_to_openai_errors() -> None:
-    refused = HTTPError.from_rejected(RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool full"))
+    refused = HTTPError.from_error(RequestError(Status.RESOURCE_EXHAUSTED, "KV pool full"))
     assert refused.status == 429 and refused.headers["Retry-After"].isdigit()
-    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.NOT_FOUND, "m")).body()["error"]["code"] == \
+    assert HTTPError.from_error(RequestError(Status.NOT_FOUND, "m")).body()["error"]["code"] == \
         "model_not_found"
-    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.UNAVAILABLE, "down")).status == 503
-    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "bad")).status == 400
-    assert HTTPError.from_rejected(RequestRejected(grpc.StatusCode.INTERNAL, "bug")).status == 500
+    assert HTTPError.from_error(RequestError(Status.UNAVAILABLE, "down")).status == 503
+    assert HTTPError.from_error(RequestError(Status.INVALID_ARGUMENT, "bad")).status == 400
+    assert HTTPError.from_error(RequestError(Status.INTERNAL, "bug")).status == 500

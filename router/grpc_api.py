@@ -1,0 +1,59 @@
+"""The public gRPC API (``tandem.v1.Router``): a thin adapter over ``RouterCore``.
+
+``Generate`` streams what the core yields and turns a ``RequestError`` into the call's status
+(with ``retry-after`` trailing metadata when admission gave a hint, as the SDK reads it).
+Bytes that are not a ``GenerateRequest`` never reach this module: see ``router.wire_errors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import grpc.aio
+
+from router.core import RouterCore
+from tandem.protocol import RequestError
+from tandem.rpc.v1 import router_pb2, router_pb2_grpc
+
+
+def grpc_status(error: RequestError) -> grpc.StatusCode:
+    status: grpc.StatusCode = getattr(grpc.StatusCode, error.status.grpc_name)
+    return status
+
+
+def trailing_metadata(error: RequestError) -> tuple[tuple[str, str], ...]:
+    """``retry-after`` (seconds) when there is a hint."""
+    if error.retry_after_s is None:
+        return ()
+    return (("retry-after", f"{error.retry_after_s:.3f}"),)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Generate / ListModels / Health for the core's model."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self._core = core
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
+        try:
+            async with contextlib.aclosing(self._core.generate(request, context.time_remaining())) as stream:
+                async for response in stream:
+                    await context.write(response)
+        except RequestError as exc:
+            await context.abort(grpc_status(exc), exc.message, trailing_metadata=trailing_metadata(exc))
+
+    async def ListModels(self, request: router_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsReply:
+        core = self._core
+        return router_pb2.ListModelsReply(models=[router_pb2.ModelInfo(id=core.model_id,
+                                                                       max_context=core.context_length)])
+
+    async def Health(self, request: router_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> router_pb2.HealthReply:
+        """Live always; ready when a prefill and a decode service are reachable (the tokenizer is
+        loaded before the server starts, so a servicer that answers has one)."""
+        readiness = await self._core.upstream.readiness()
+        detail = f"model {self._core.model_id}; {readiness.detail}" if readiness.ready else readiness.detail
+        return router_pb2.HealthReply(live=True, ready=readiness.ready, detail=detail)

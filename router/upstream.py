@@ -1,0 +1,221 @@
+"""The router's side of the mesh: where prefill and decode services are, and the calls to them.
+
+``Upstream`` is what the core asks of the services behind it: pick a prefill service, submit
+a prepared request to it (waiting up to UPSTREAM_CONNECT_WAIT_S for one that is restarting),
+receive the request's decode updates (``streams``), cancel it everywhere, and say whether a
+prefill and a decode service are reachable. Every failure is a ``RequestError``: the core
+never sees a gRPC status. Discovery (``UpstreamSource``) tells it the addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
+
+import grpc
+import grpc.aio
+
+from router.streams import ChannelPool, DecodeStreams
+from tandem.protocol import RequestError, SamplingParams, Status
+from tandem.rpc.convert import sampling_to_proto
+from tandem.rpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("tandem.router")
+
+# How long a readiness probe waits for an upstream channel to connect.
+HEALTH_PROBE_TIMEOUT_S = 1.0
+# How long a request waits for an unreachable prefill_svc to come back before it fails.
+UPSTREAM_CONNECT_WAIT_S = 10.0
+
+
+# --- discovery ---------------------------------------------------------------------------------
+
+class Upstreams(NamedTuple):
+    """Where the prefill and decode services listen (host:port each)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+
+class UpstreamSource(Protocol):
+    """Tells the router its upstreams; ``fetch`` is called at start and then periodically."""
+
+    async def fetch(self) -> Upstreams: ...
+
+
+class StaticUpstreams:
+    """The addresses given on the command line."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        self._upstreams = Upstreams(tuple(prefill), tuple(decode))
+
+    async def fetch(self) -> Upstreams:
+        return self._upstreams
+
+
+class _Addressed(Protocol):
+    @property
+    def address(self) -> str: ...
+
+
+class ServiceLister(Protocol):
+    """The part of ``tandem.state.registry.Registry`` that discovery uses."""
+
+    async def list(self, role: Literal["prefill", "decode"] | None = None,
+                   cell_id: str | None = None) -> Sequence[_Addressed]: ...
+
+
+class RegistryUpstreams:
+    """Live prefill and decode services of one cell (every cell when ``cell_id`` is empty)."""
+
+    def __init__(self, lister: ServiceLister, cell_id: str) -> None:
+        self._lister = lister
+        self._cell_id = cell_id or None
+
+    async def fetch(self) -> Upstreams:
+        prefill = await self._lister.list(role="prefill", cell_id=self._cell_id)
+        decode = await self._lister.list(role="decode", cell_id=self._cell_id)
+        return Upstreams(tuple(s.address for s in prefill), tuple(s.address for s in decode))
+
+
+# --- calls -------------------------------------------------------------------------------------
+
+class Readiness(NamedTuple):
+    ready: bool
+    detail: str  # names the upstream addresses, or what is missing
+
+
+class Upstream:
+    """The prefill and decode services this router sends work to.
+
+    Owns the decode-stream demultiplexer and the background cancel tasks; the channels belong
+    to the caller. ``close`` waits for pending cancels and closes the streams.
+    """
+
+    def __init__(self, router_id: str, channels: ChannelPool, cancel_timeout_s: float) -> None:
+        self._router_id = router_id
+        self._channels = channels
+        self._cancel_timeout_s = cancel_timeout_s
+        self.streams = DecodeStreams(router_id, channels, on_orphan=self._cancel_orphan)
+        self._prefill_addresses: tuple[str, ...] = ()
+        self._next_prefill = itertools.count()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def set_upstreams(self, upstreams: Upstreams) -> None:
+        if upstreams.prefill != self._prefill_addresses or upstreams.decode != self.streams.addresses:
+            log.info("upstreams: prefill %s, decode %s",
+                     ", ".join(upstreams.prefill) or "none", ", ".join(upstreams.decode) or "none")
+        self._prefill_addresses = upstreams.prefill
+        self.streams.set_addresses(upstreams.decode)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to ``timeout_s``) for pending upstream cancels, then stop the streams."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+        await self.streams.close()
+
+    def pick_prefill(self) -> str:
+        """A prefill address (round robin); UNAVAILABLE when no prefill or no decode is known."""
+        addresses = self._prefill_addresses
+        if not addresses:
+            raise RequestError(Status.UNAVAILABLE, "no prefill service is known to this router")
+        if not self.streams.addresses:
+            raise RequestError(Status.UNAVAILABLE, "no decode service is known to this router")
+        return addresses[next(self._next_prefill) % len(addresses)]
+
+    async def submit(self, address: str, upstream_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival_unix_ns: int, deadline_s: float) -> prefill_pb2.PrefillReply:
+        """``Prefill.Submit``: the reply carries the first token. ``deadline_s`` is loop time."""
+        channel = self._channels.get(address)
+        if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            # A prefill_svc that is restarting is back within seconds: wait for it a little
+            # rather than fail the request at once.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.channel_ready(), UPSTREAM_CONNECT_WAIT_S)
+        timeout_s = deadline_s - asyncio.get_running_loop().time()
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        message = prefill_pb2.PrefillRequest(
+            request_id=upstream_id, token_ids=prompt_ids, sampling=sampling_to_proto(params),
+            router_id=self._router_id, arrival_unix_ns=arrival_unix_ns,
+        )
+        try:
+            reply: prefill_pb2.PrefillReply = await stub.Submit(message, timeout=max(timeout_s, 0.001))
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RequestError(Status.DEADLINE_EXCEEDED,
+                                   f"prefill did not answer within the request's {timeout_s:.3g}s") from None
+            # The client can act on these as they are: fix the request, or retry later.
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise RequestError(Status[code.name], f"prefill: {exc.details()}") from None
+            log.warning("prefill at %s failed request %s: %s %s", address, upstream_id, code.name, exc.details())
+            raise RequestError(Status.UNAVAILABLE,
+                               f"prefill service at {address} is unavailable ({code.name}: {exc.details()})") from None
+        return reply
+
+    # Cancellation -----------------------------------------------------------------------------
+
+    def cancel_soon(self, upstream_id: str, prefill_address: str) -> None:
+        """Cancel at the prefill service that had the request and at every decode service (the
+        prefill service chose the decode side), in a task of its own, so that the cancellation
+        of the caller (the client went away) cannot stop the cleanup that gives the request's
+        KV blocks back. Both calls are idempotent."""
+        calls: list[Awaitable[Any]] = [self._cancel_at(prefill_pb2_grpc.PrefillStub, prefill_address, upstream_id)]
+        calls += [self._cancel_at(decode_pb2_grpc.DecodeStub, address, upstream_id)
+                  for address in self.streams.addresses]
+
+        async def cancel_all() -> None:
+            await asyncio.gather(*calls)
+
+        self._spawn(cancel_all())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _cancel_orphan(self, address: str, request_id: str) -> None:
+        log.info("decode at %s streams request %s that nobody reads; cancelling it", address, request_id)
+        self._spawn(self._cancel_at(decode_pb2_grpc.DecodeStub, address, request_id))
+
+    async def _cancel_at(self, stub_type: Callable[[grpc.aio.Channel], Any], address: str, request_id: str) -> None:
+        stub = stub_type(self._channels.get(address))
+        try:
+            await stub.Cancel(prefill_pb2.CancelRequest(request_id=request_id), timeout=self._cancel_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            # Best effort: a service that is down has lost the request's state anyway.
+            log.debug("cancel of %s at %s failed: %s", request_id, address, exc.code().name)
+
+    # Readiness --------------------------------------------------------------------------------
+
+    async def readiness(self) -> Readiness:
+        """Ready when at least one prefill and one decode service are known and accept a
+        connection within HEALTH_PROBE_TIMEOUT_S."""
+        prefill, decode = self._prefill_addresses, self.streams.addresses
+        prefill_ok, decode_ok = await asyncio.gather(self._any_reachable(prefill), self._any_reachable(decode))
+        problems: list[str] = []
+        for role, addresses, ok in (("prefill", prefill, prefill_ok), ("decode", decode, decode_ok)):
+            if not addresses:
+                problems.append(f"no {role} service known")
+            elif not ok:
+                problems.append(f"no {role} service reachable ({', '.join(addresses)})")
+        if problems:
+            return Readiness(False, "; ".join(problems))
+        return Readiness(True, f"prefill {', '.join(prefill)}; decode {', '.join(decode)}")
+
+    async def _any_reachable(self, addresses: Sequence[str]) -> bool:
+        if not addresses:
+            return False
+
+        async def probe(address: str) -> bool:
+            try:
+                await asyncio.wait_for(self._channels.get(address).channel_ready(), HEALTH_PROBE_TIMEOUT_S)
+            except TimeoutError:
+                return False
+            return True
+
+        return any(await asyncio.gather(*(probe(a) for a in addresses)))
