@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tandem.engine.model_cache import resolve_model
+from tandem.protocol import InvalidRequestError, SamplingDefaults
 from tandem.service.flags import add_flag
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
@@ -49,6 +52,12 @@ class RouterConfig:
     # prefill_svc's batch limits, with which admission predicts how it batches its queue
     max_batch_tokens: int = 4096
     max_batch_requests: int = 16
+    # Sampling defaults for what a request leaves out, as vLLM's --generation-config: "auto" takes
+    # the model directory's generation_config.json values, "none" the built-in ones (temperature 1...).
+    generation_config: str = "auto"
+    # A JSON object of generation_config.json keys (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) that override either, e.g. '{"temperature": 0.7}'.
+    override_generation_config: str = ""
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "config.json").is_file():
@@ -69,10 +78,35 @@ class RouterConfig:
             raise ValueError("no upstreams: give --prefill-address and --decode-address, or --redis-url")
         if not self.router_id or any(c.isspace() for c in self.router_id):
             raise ValueError(f"--router-id must be non-empty without spaces, got {self.router_id!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"--generation-config must be 'auto' or 'none', got {self.generation_config!r}")
+        try:
+            self.generation_overrides()
+        except (ValueError, InvalidRequestError) as exc:
+            raise ValueError(f"--override-generation-config: {exc}") from None
         for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s",
                      "ttft_slo_ms", "tbt_slo_ms", "max_batch_tokens", "max_batch_requests"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """``override_generation_config`` as a dict; ValueError when it is not a JSON object of
+        known keys with values in range."""
+        if not self.override_generation_config:
+            return {}
+        overrides = json.loads(self.override_generation_config)
+        if not isinstance(overrides, dict):
+            raise ValueError(f"expected a JSON object, got {self.override_generation_config!r}")
+        SamplingDefaults.from_generation_config({}, overrides)  # checks keys and ranges
+        return overrides
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The defaults requests get (reads the model's generation_config.json with "auto")."""
+        generation_config: dict[str, Any] = {}
+        path = self.model_dir / "generation_config.json"
+        if self.generation_config == "auto" and path.is_file():
+            generation_config = json.loads(path.read_text(encoding="utf-8"))
+        return SamplingDefaults.from_generation_config(generation_config, self.generation_overrides())
 
     @property
     def static_upstreams(self) -> bool:
@@ -121,6 +155,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
              "its batches)", type=int)
     add_flag(parser, "--max-batch-requests", 16, "prefill_svc's requests per batch (admission predicts its "
              "batches)", type=int)
+    add_flag(parser, "--generation-config", "auto", "sampling defaults for what a request leaves out: 'auto' "
+             "(the model's generation_config.json) or 'none' (temperature 1, top_p 1, ...)")
+    add_flag(parser, "--override-generation-config", "", "JSON object overriding those defaults, e.g. "
+             "'{\"temperature\": 0.7, \"top_p\": 0.95}' (keys: temperature, top_p, top_k, min_p, "
+             "repetition_penalty, max_new_tokens)")
     args = parser.parse_args(argv)
     return RouterConfig(
         model_dir=resolve_model(args.model),
@@ -142,4 +181,6 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         profile=args.profile,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_requests=args.max_batch_requests,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
     )

@@ -50,6 +50,7 @@ from tandem.protocol import (
     MAX_STOP_STRINGS,
     FinishReason,
     RequestError,
+    SamplingDefaults,
     SamplingParams,
     Status,
 )
@@ -103,18 +104,19 @@ def _checked_request_id(request_id: str) -> str:
     return request_id
 
 
-def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """SamplingParams from the public proto, reading proto3's 0 ("unset") as the default for
-    the fields where 0 is out of range: max_tokens (16), top_p (1) and repetition_penalty (1).
+def sampling_from_request(msg: common_pb2.SamplingParams,
+                          defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """SamplingParams from the public proto, reading proto3's 0 ("unset") as ``defaults``' value
+    for the fields where 0 is out of range: max_tokens (else 16), top_p and repetition_penalty.
     Temperature 0 stays greedy, as the proto documents. Raises InvalidRequestError."""
     filled = common_pb2.SamplingParams()
     filled.CopyFrom(msg)
     if filled.max_tokens == 0:
-        filled.max_tokens = DEFAULT_MAX_TOKENS
+        filled.max_tokens = defaults.max_tokens or DEFAULT_MAX_TOKENS
     if filled.top_p == 0:
-        filled.top_p = 1.0
+        filled.top_p = defaults.top_p
     if filled.repetition_penalty == 0:
-        filled.repetition_penalty = 1.0
+        filled.repetition_penalty = defaults.repetition_penalty
     return sampling_from_proto(filled)
 
 
@@ -232,8 +234,11 @@ class RouterCore:
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: ModelConfig,
                  upstream: Upstream, metrics: RouterMetrics,
-                 admission: AdmissionController | None = None) -> None:
+                 admission: AdmissionController | None = None,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self._config = config
+        # What a request that leaves a sampling value out gets (the model's generation_config.json).
+        self.sampling_defaults = sampling_defaults
         self.admission = admission
         self.upstream = upstream
         self.metrics = metrics
@@ -380,7 +385,7 @@ class RouterCore:
             raise _invalid("messages", f"at most {MAX_MESSAGES} messages per request, "
                                        f"got {len(request.messages.messages)}")
         try:
-            params = sampling_from_request(request.sampling)
+            params = sampling_from_request(request.sampling, self.sampling_defaults)
         except InvalidRequestError as exc:
             raise _invalid("sampling", str(exc)) from None
         vocab_size = self._model_config.vocab_size

@@ -41,6 +41,7 @@ from tandem.protocol import (
     SAMPLING_LIMITS,
     LoadReport,
     RequestError,
+    SamplingDefaults,
     Status,
 )
 from tandem.rpc.v1 import common_pb2, router_pb2
@@ -213,10 +214,11 @@ def _reject_lone_surrogates(value: Any, where: str) -> None:
             stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
-def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -> ParsedRequest:
+def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
+                  defaults: SamplingDefaults = SamplingDefaults()) -> ParsedRequest:
     """Validate an OpenAI request body; raises HTTPError(400) naming the bad parameter.
 
-    Unknown fields are ignored. ``max_tokens`` may not exceed the context length; a shorter one
+    Unknown fields are ignored; sampling values the body leaves out are ``defaults``'. ``max_tokens`` may not exceed the context length; a shorter one
     that does not fit after the prompt is capped by the router (the choice finishes with
     ``length``).
     """
@@ -238,6 +240,8 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
 
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     default_max_tokens = context_length if kind == "chat" else DEFAULT_MAX_TOKENS
+    if defaults.max_tokens is not None:
+        default_max_tokens = min(default_max_tokens, defaults.max_tokens)
     max_tokens = body.get(max_tokens_name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
         raise HTTPError(400, f"{max_tokens_name} must be an integer, got {brief(max_tokens)}",
@@ -268,13 +272,13 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str) -
         raise HTTPError(400, "user must be a string", param="user")
     seed = _integer(body, "seed", None, 0, MAX_SEED - MAX_N)
     sampling = common_pb2.SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_integer(body, "top_k", -1, -1, MAX_TOP_K),
-        min_p=_number(body, "min_p", 0.0),
+        temperature=_number(body, "temperature", defaults.temperature),
+        top_p=_number(body, "top_p", defaults.top_p),
+        top_k=_integer(body, "top_k", defaults.top_k, -1, MAX_TOP_K),
+        min_p=_number(body, "min_p", defaults.min_p),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", defaults.repetition_penalty),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         min_tokens=_integer(body, "min_tokens", 0, 0, context_length),
         ignore_eos=ignore_eos,
@@ -571,7 +575,8 @@ class Gateway:
         try:
             self._authorize(request)
             body = await self._read_json(request)
-            parsed = parse_request(kind, body, self._core.context_length, response_id)
+            parsed = parse_request(kind, body, self._core.context_length, response_id,
+                                   self._core.sampling_defaults)
         except HTTPError as exc:
             return exc.response()
         renderer = Renderer(self._core, parsed, response_id)

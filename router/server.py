@@ -140,9 +140,12 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     """
     tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, config)
     admission = await asyncio.to_thread(_admission_controller, config, model_config)
+    sampling_defaults = await asyncio.to_thread(config.sampling_defaults)
+    if sampling_defaults.changed():
+        log.info("sampling defaults for what requests leave out: %s", sampling_defaults.changed())
     channels = ChannelPool(service_client_interceptors())
     upstream = Upstream(config.router_id, channels, config.cancel_timeout_s)
-    core = RouterCore(config, tokenizer, model_config, upstream, RouterMetrics(), admission)
+    core = RouterCore(config, tokenizer, model_config, upstream, RouterMetrics(), admission, sampling_defaults)
     interceptors: list[Any] = list(service_server_interceptors())
     if config.api_key:
         from router.auth import ApiKeyInterceptor

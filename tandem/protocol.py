@@ -3,6 +3,8 @@
 - the sampling parameters, their limits and their defaults (``SAMPLING_LIMITS`` is the one place
   a range is written: ``SamplingParams`` validates with it, the router's OpenAI parser reads it
   and the OpenAPI schema is generated from it);
+- ``SamplingDefaults``, what a request that leaves a value out gets (the model's
+  ``generation_config.json`` and the server's overrides);
 - the request-shape limits the router enforces (stop strings, messages, request ids);
 - ``FinishReason``, the closed set of ways a generation ends;
 - ``TandemError``, the base of Tandem's errors, and ``InvalidRequestError`` for bad input;
@@ -184,6 +186,53 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
         return cls(**data)
+
+
+# The generation_config.json keys that are sampling defaults (vLLM reads the same ones), and the
+# SamplingParams field each one sets.
+GENERATION_CONFIG_KEYS: Final[dict[str, str]] = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling value out gets, as vLLM does it: the model's
+    ``generation_config.json`` values, then a server's overrides, over the built-in defaults.
+
+    ``max_tokens`` None: the API's own default (16 for completions, the context for chat).
+    Values out of their SAMPLING_LIMITS range raise InvalidRequestError on construction.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        # SamplingParams validates every value and its message names the field.
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                       repetition_penalty=self.repetition_penalty, max_tokens=self.max_tokens or 1)
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any], overrides: dict[str, Any] | None = None) -> SamplingDefaults:
+        """The defaults from a ``generation_config.json`` object, then ``overrides`` (the same
+        keys). Other keys (eos ids, ``do_sample``...) are ignored, unknown override keys refused."""
+        unknown = sorted(set(overrides or {}) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"unknown generation config key(s) {', '.join(unknown)}; "
+                                      f"known: {', '.join(GENERATION_CONFIG_KEYS)}")
+        merged = {**config, **(overrides or {})}
+        values = {field: merged[key] for key, field in GENERATION_CONFIG_KEYS.items() if merged.get(key) is not None}
+        return cls(**values)
+
+    def changed(self) -> dict[str, Any]:
+        """The values that differ from the built-in defaults (for the startup log)."""
+        base = SamplingDefaults()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
 
 
 # --- finish reasons ----------------------------------------------------------------------------

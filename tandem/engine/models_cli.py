@@ -37,12 +37,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _run_import_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from tandem.engine.gguf_import import import_gguf
+    from tandem.engine.model_cache import write_recommended_sampling
 
     try:
         out_dir = import_gguf(args.file, args.out_dir)
     except TandemError as exc:
         return _fail(exc)
+    added = write_recommended_sampling(out_dir, f"{Path(args.file).name} {Path(args.out_dir).name}")
+    if added:
+        print(f"generation_config.json: the model card's sampling defaults {added}", file=sys.stderr)
     print(out_dir)
     return EXIT_OK
 

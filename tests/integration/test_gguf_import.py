@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -335,6 +336,21 @@ def test_pull_default_imports_once_and_force_reimports(cache_dir: Path, fake_dow
     assert not list(target.glob("*.gguf"))
 
 
+def test_pull_default_writes_the_model_cards_sampling_values(cache_dir: Path, fake_download: list[Path]) -> None:
+    target = model_cache.pull_default()
+    generation = json.loads((target / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)  # SmolLM2-Instruct's card
+    assert "eos_token_id" in generation  # the import's own keys stay
+    # A copy pulled before the values were written gains them; a value of its own wins.
+    generation.pop("top_p")
+    generation["temperature"] = 0.5
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    model_cache.pull_default()
+    again = json.loads((target / "generation_config.json").read_text())
+    assert (again["temperature"], again["top_p"]) == (0.5, 0.9)
+    assert len(fake_download) == 1
+
+
 def test_pull_default_replaces_an_interrupted_import(cache_dir: Path, fake_download: list[Path]) -> None:
     target = model_cache.default_model_dir()
     target.mkdir(parents=True)
@@ -402,6 +418,19 @@ def test_cli_import_gguf(
     assert cli.main(["models", "import-gguf", str(path), str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "config.json").is_file()
+
+
+def test_cli_import_gguf_writes_recommended_sampling_for_known_models(
+    tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = tiny_gguf
+    named = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    shutil.copy(path, named)
+    assert cli.main(["models", "import-gguf", str(named), str(tmp_path / "smol")]) == 0
+    generation = json.loads((tmp_path / "smol" / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)
+    assert cli.main(["models", "import-gguf", str(path), str(tmp_path / "other")]) == 0
+    assert "temperature" not in json.loads((tmp_path / "other" / "generation_config.json").read_text())
 
 
 def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

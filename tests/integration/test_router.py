@@ -49,6 +49,9 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 ERROR = common_pb2.FINISH_REASON_ERROR
 
 
+MODEL_TOP_P = 0.9
+
+
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
@@ -59,6 +62,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out / name)
+    # The model card's sampling defaults, as `tandem models pull-default` writes them.
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.2, "top_p": MODEL_TOP_P}))
     config = json.loads((smollm2_dir / "config.json").read_text())
     config["max_position_embeddings"] = CONTEXT_LENGTH
     (out / "config.json").write_text(json.dumps(config))
@@ -244,7 +250,8 @@ def test_text_tokens_usage_and_resend_dedup(model_dir: Path, tokenizer: Tokenize
             submitted = s.prefill.submits[0]
             assert list(submitted.token_ids) == tokenizer.encode(prompt)
             assert submitted.router_id == ROUTER_ID and submitted.request_id == responses[0].request_id
-            assert submitted.sampling.max_tokens == 16 and submitted.sampling.top_p == 1.0
+            # proto3's unset top_p is the model's generation_config.json default
+            assert submitted.sampling.max_tokens == 16 and submitted.sampling.top_p == pytest.approx(MODEL_TOP_P)
             assert submitted.arrival_unix_ns > 0
             # Finished by upstream: nothing to cancel.
             await asyncio.sleep(0.2)

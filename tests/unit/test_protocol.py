@@ -92,3 +92,60 @@ def test_load_report_is_shared_by_the_state_schema() -> None:
     from tandem.state import schema
 
     assert schema.LoadReport is LoadReport
+
+
+# --- generation defaults (the model's generation_config.json, then the server's overrides) ------
+
+def test_sampling_defaults_come_from_generation_config_then_overrides() -> None:
+    from tandem.protocol import SamplingDefaults
+
+    config = {"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2], "do_sample": True}
+    defaults = SamplingDefaults.from_generation_config(config)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.2, 0.9, -1, None)
+    assert SamplingDefaults.from_generation_config(config, {"temperature": 0.7}).temperature == 0.7
+    assert SamplingDefaults.from_generation_config({"max_new_tokens": 40}).max_tokens == 40
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingDefaults.from_generation_config({"temperature": 9.0})
+    with pytest.raises(InvalidRequestError, match="unknown generation config key"):
+        SamplingDefaults.from_generation_config({}, {"temprature": 0.1})
+
+
+def test_requests_get_the_defaults_for_what_they_leave_out() -> None:
+    from router.core import sampling_from_request
+    from tandem.protocol import SamplingDefaults
+    from tandem.rpc.v1 import common_pb2
+
+    defaults = SamplingDefaults(temperature=0.2, top_p=0.9, max_tokens=40)
+    left_out = parse_request("completion", {"prompt": "hi"}, CONTEXT, "r", defaults).requests[0].sampling
+    assert (round(left_out.temperature, 6), round(left_out.top_p, 6), left_out.max_tokens) == (0.2, 0.9, 16)
+    chat = parse_request("chat", {"messages": MESSAGES}, CONTEXT, "r", defaults).requests[0].sampling
+    assert chat.max_tokens == 40  # the model's max_new_tokens, under the context
+    given = parse_request("chat", {"messages": MESSAGES, "temperature": 1.5, "top_p": 1}, CONTEXT, "r",
+                          defaults).requests[0].sampling
+    assert (given.temperature, given.top_p) == (1.5, 1.0)
+    # gRPC: proto3's 0 is "unset" for top_p and max_tokens; temperature 0 stays greedy as documented
+    params = sampling_from_request(common_pb2.SamplingParams(), defaults)
+    assert (params.temperature, round(params.top_p, 6), params.max_tokens) == (0.0, 0.9, 40)
+
+
+def test_router_flag_overrides_the_model_generation_config(tmp_path: Any) -> None:
+    import json
+
+    from router.config import RouterConfig
+
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.9}))
+
+    def config(**kwargs: Any) -> RouterConfig:
+        return RouterConfig(model_dir=tmp_path, host="127.0.0.1", grpc_port=0, prefill_addresses=("h:1",),
+                            decode_addresses=("h:2",), redis_url="", cell_id="c", router_id="r",
+                            stall_timeout_s=1, request_timeout_s=1, **kwargs)
+
+    assert (config().sampling_defaults().temperature, config().sampling_defaults().top_p) == (0.2, 0.9)
+    overridden = config(override_generation_config='{"temperature": 0.7}').sampling_defaults()
+    assert (overridden.temperature, overridden.top_p) == (0.7, 0.9)
+    assert config(generation_config="none").sampling_defaults().temperature == 1.0
+    for bad in ('{"temperature": 5}', '[1]', '{"nope": 1}', "not json"):
+        with pytest.raises(ValueError, match="override-generation-config"):
+            config(override_generation_config=bad)
