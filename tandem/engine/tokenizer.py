@@ -22,6 +22,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
 
 from tandem.engine.errors import InvalidRequestError, ModelLoadError
 
@@ -29,7 +30,6 @@ from tandem.engine.errors import InvalidRequestError, ModelLoadError
 # them so that templates reading either find it.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-_REPLACEMENT_CHAR = "\ufffd"
 # How many times a normalizer can shrink text's UTF-8 bytes, measured over every code point:
 # NFKC/NFKD at most 4x (U+107A5 MODIFIER LETTER SMALL Q, 4 bytes, becomes "q"), NFC/NFD 3x (as
 # do Hangul jamo composed: 9 bytes into one 3-byte syllable), Lowercase 3x (KELVIN SIGN to "k").
@@ -259,14 +259,14 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns generated ids, fed one at a time, into text deltas.
+    """Turns generated ids, fed one at a time, into text deltas, with ``tokenizers``'
+    ``DecodeStream``.
 
     Decoding one token alone is wrong in two ways: a byte-level BPE token may hold only part
-    of a multi-byte UTF-8 character (its decode ends in U+FFFD), and some decoders change a
-    token's text depending on its neighbours (SentencePiece's leading space). So each step
-    decodes a short window ``ids[prefix_offset:]`` and emits what it adds beyond
-    ``ids[prefix_offset:read_offset]``; text ending in an incomplete character is held back
-    until the character completes.
+    of a multi-byte UTF-8 character, and some decoders change a token's text depending on its
+    neighbours (SentencePiece's leading space). ``DecodeStream`` keeps the window of ids it
+    needs and returns None until a token completes a character; the last few prompt ids seed
+    it, so that the first generated token decodes as it would in the middle of the text.
 
     Invariant: the concatenation of every ``step`` result and ``flush`` equals
     ``tokenizer.decode(generated_ids, skip_special_tokens)`` for well-formed output, and no
@@ -286,30 +286,27 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT_TOKENS :]) if prompt_ids else []
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        context = [int(i) for i in prompt_ids[-self.PROMPT_CONTEXT_TOKENS :]] if prompt_ids else []
+        if context and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            # A prompt ending mid-character: DecodeStream would emit the prompt's bytes with the
+            # first generated token. Such a prompt gets no context.
+            context = []
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids fed since the last text, an incomplete character
 
     def step(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (possibly "")."""
-        self._ids.append(int(token_id))
-        return self._advance(final=False)
+        chunk = self._stream.step(self._tokenizer.backend, int(token_id))
+        if chunk is None:
+            self._held.append(int(token_id))
+            return ""
+        self._held.clear()
+        return str(chunk)
 
     def flush(self) -> str:
-        """Return whatever is still held back (e.g. an incomplete character at the end)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
-        full_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
-            return ""
-        # The window decodes to the already-emitted prefix text plus the new text.
-        delta = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return delta
+        """Return whatever is still held back (an incomplete character at the end)."""
+        held, self._held = self._held, []
+        return self._tokenizer.decode(held, self._skip_special_tokens) if held else ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

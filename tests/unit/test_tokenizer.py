@@ -338,6 +338,13 @@ def test_detokenizer_flush_releases_what_is_held(tokenizer: Tokenizer) -> None:
     assert detok.flush() == ""
 
 
+def test_detokenizer_after_a_prompt_that_ends_mid_character(tokenizer: Tokenizer) -> None:
+    prompt_ids = tokenizer.encode("ok 👋")[:-1]  # the emoji's first bytes only
+    assert tokenizer.decode(prompt_ids).endswith("\ufffd")
+    ids = tokenizer.encode(" and more: 你好")
+    assert "".join(stream(tokenizer, ids, prompt_ids)) == tokenizer.decode(ids)  # no prompt bytes leak out
+
+
 def test_detokenizer_with_context_dependent_decoder(tmp_path: Path) -> None:
     # SentencePiece-style: a token's leading "▁" is a space except at the start of the text,
     # so decoding one token alone would drop spaces between words.
