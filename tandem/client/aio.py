@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack
@@ -23,7 +20,6 @@ from tandem.client.protocol import (
     generate_request,
     health_from_reply,
     models_from_reply,
-    retry_delay_s,
 )
 from tandem.client.types import Chunk, Completion, Health, ModelInfo
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
@@ -36,8 +32,9 @@ class AsyncTandemClient:
 
     - Every call has a deadline (``timeout_s`` of the call, else the client's) covering the
       retries and their backoff sleeps; None = no deadline.
-    - UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff and full
-      jitter; a stream only before its first response, never after tokens were delivered.
+    - UNAVAILABLE is retried up to ``max_retries`` times (at most 4: gRPC's cap) with exponential
+      backoff and full jitter, by gRPC's retry policy (``RetryPolicy``); a stream only before its
+      first response, never after tokens were delivered.
     - Failures raise ``tandem.client.ClientError`` subclasses. Cancelling the awaiting task
       cancels the call (asyncio.CancelledError propagates, it is not turned into Cancelled).
     - A stream closed early (``aclose()``, or ``contextlib.aclosing`` around a loop that
@@ -62,11 +59,10 @@ class AsyncTandemClient:
     ) -> None:
         """Arguments as for TandemClient."""
         self._timeout_s = timeout_s
-        self._retry = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s)
+        channel_options = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s).channel_options(options)
         self._metadata = call_metadata(api_key, metadata)
-        self._rng = random.Random()
-        self._channel = (grpc.aio.secure_channel(address, credentials, options=list(options)) if credentials
-                         else grpc.aio.insecure_channel(address, options=list(options)))
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=channel_options) if credentials
+                         else grpc.aio.insecure_channel(address, options=channel_options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def close(self) -> None:
@@ -108,25 +104,14 @@ class AsyncTandemClient:
         return builder.build()
 
     async def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> AsyncGenerator[Chunk, None]:
-        deadline = self._deadline(timeout_s)
-        retry_index = 0
-        while True:
-            call = self._stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata)
-            received = False
-            try:
-                async for response in call:
-                    received = True
-                    yield chunk_from_response(response)
-                return
-            except grpc.aio.AioRpcError as exc:
-                delay_s = None if received else retry_delay_s(
-                    self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
-                if delay_s is None:
-                    raise error_from_rpc(exc) from exc
-            finally:
-                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
-            await asyncio.sleep(delay_s)
-            retry_index += 1
+        call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            async for response in call:
+                yield chunk_from_response(response)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the call ended; frees the server's work otherwise
 
     # ListModels / Health -------------------------------------------------------------------
 
@@ -139,22 +124,11 @@ class AsyncTandemClient:
         return health_from_reply(await self._unary(self._stub.Health, router_pb2.HealthRequest(), timeout_s))
 
     async def _unary(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None) -> R:
-        deadline = self._deadline(timeout_s)
-        retry_index = 0
-        while True:
-            try:
-                return await method(request, timeout=_remaining_s(deadline), metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                delay_s = retry_delay_s(self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
-                if delay_s is None:
-                    raise error_from_rpc(exc) from exc
-            await asyncio.sleep(delay_s)
-            retry_index += 1
+        try:
+            return await method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
 
-    def _deadline(self, timeout_s: float | None) -> float | None:
-        timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _remaining_s(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        """The call's deadline, which covers gRPC's retries and their backoffs."""
+        return self._timeout_s if timeout_s is None else timeout_s

@@ -3,10 +3,10 @@ assembly and the retry policy. No I/O here; the clients own the channels and the
 
 from __future__ import annotations
 
-import random
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import grpc
 
@@ -26,14 +26,21 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 _FINISH_PREFIX = "FINISH_REASON_"
 
 
+# gRPC caps a retry policy's attempts at 5, whatever the service config asks.
+MAX_ATTEMPTS = 5
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with full jitter for UNAVAILABLE.
+    """Exponential backoff with full jitter for UNAVAILABLE, carried out by gRPC itself (its
+    retry policy in the channel's service config, gRFC A6).
 
-    A call is tried at most ``1 + max_retries`` times; before retry ``n`` (0-based) the client
-    sleeps a uniform random time in ``[0, min(max_backoff_s, initial_backoff_s * 2**n)]``; a
-    sleep that would reach the call's deadline is not taken and the failure is final. Jitter
-    keeps many clients that lost the same router from coming back in lockstep.
+    A call is tried at most ``1 + max_retries`` times (gRPC allows at most MAX_ATTEMPTS); before
+    retry ``n`` (0-based) gRPC waits a uniform random time in
+    ``[0, min(max_backoff_s, initial_backoff_s * 2**n)]``, and the call's deadline bounds the
+    attempts and the waits together. A stream is retried only until its first response arrives
+    (gRPC commits the call then), so tokens are never delivered twice. Jitter keeps many clients
+    that lost the same router from coming back in lockstep.
     """
 
     max_retries: int = 3
@@ -46,21 +53,26 @@ class RetryPolicy:
         if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
 
-    def backoff_s(self, retry_index: int, rng: random.Random) -> float:
-        cap = min(self.max_backoff_s, self.initial_backoff_s * 2.0 ** min(retry_index, 64))  # no float overflow
-        return rng.uniform(0.0, cap)
+    def service_config(self) -> dict[str, Any]:
+        """The gRPC service config that makes every ``tandem.v1.Router`` call follow this policy."""
+        method: dict[str, Any] = {"name": [{"service": "tandem.v1.Router"}]}
+        if self.max_retries > 0:
+            method["retryPolicy"] = {
+                "maxAttempts": min(1 + self.max_retries, MAX_ATTEMPTS),
+                # gRPC wants positive backoffs; a zero asks for retries as fast as it allows.
+                "initialBackoff": f"{max(self.initial_backoff_s, 1e-6):.6f}s",
+                "maxBackoff": f"{max(self.max_backoff_s, self.initial_backoff_s, 1e-6):.6f}s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            }
+        return {"methodConfig": [method]}
 
-
-def retry_delay_s(policy: RetryPolicy, code: grpc.StatusCode | None, retry_index: int,
-                  remaining_s: float | None, rng: random.Random) -> float | None:
-    """Seconds to sleep before retry ``retry_index``, or None when the failure is final: the
-    status is not UNAVAILABLE, the retries are used up, or the sleep would reach the deadline."""
-    if code != grpc.StatusCode.UNAVAILABLE or retry_index >= policy.max_retries:
-        return None
-    delay_s = policy.backoff_s(retry_index, rng)
-    if remaining_s is not None and delay_s >= remaining_s:
-        return None
-    return delay_s
+    def channel_options(self, options: Sequence[tuple[str, int | str]] = ()) -> list[tuple[str, int | str]]:
+        """Channel options that install the policy, then the caller's ``options`` (which win)."""
+        ours = [("grpc.service_config", json.dumps(self.service_config())),
+                ("grpc.enable_retries", 1 if self.max_retries > 0 else 0)]
+        given = {key for key, _ in options}
+        return [option for option in ours if option[0] not in given] + list(options)
 
 
 def call_metadata(api_key: str | None, metadata: Sequence[tuple[str, str]] | Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -74,8 +86,8 @@ def call_metadata(api_key: str | None, metadata: Sequence[tuple[str, str]] | Map
 
 class GenerateOptions(TypedDict, total=False):
     """Keyword options of generate / stream / chat / chat_stream. Each one left out is not set
-    on the wire and the router applies its default (greedy, max_tokens 16, top_p 1, ...); the
-    router validates every value and answers INVALID_ARGUMENT (InvalidRequest) for a bad one.
+    on the wire and the router applies its default (greedy; the model's top_p and max_tokens,
+    else 1 and 16); the router validates every value and answers INVALID_ARGUMENT (InvalidRequest) for a bad one.
     """
 
     model: str  # model name; empty (the default) = the deployment's model
@@ -116,8 +128,8 @@ def generate_request(
     """The GenerateRequest for a prompt (text or token ids) or chat messages (exactly one).
 
     A parameter left at None is not set on the wire, so the router applies its own default
-    (greedy temperature, max_tokens 16, top_p 1, ...); the client validates nothing the router
-    validates, so every range error comes back as InvalidRequest with the router's message.
+    (greedy temperature; the model's top_p and max_tokens, else 1 and 16); the client validates
+    nothing the router validates, so every range error comes back as InvalidRequest with the router's message.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt and messages")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar, Unpack
@@ -21,7 +19,6 @@ from tandem.client.protocol import (
     generate_request,
     health_from_reply,
     models_from_reply,
-    retry_delay_s,
 )
 from tandem.client.types import Chunk, Completion, Health, ModelInfo
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
@@ -35,9 +32,10 @@ class TandemClient:
     Contract:
     - Every call has a deadline: ``timeout_s`` of the call, else the client's; it bounds the
       whole call including retries and backoff sleeps (None = no deadline).
-    - UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff and full
-      jitter, but a stream only before its first response arrived: once tokens were delivered
-      a retry could deliver them twice, so the error surfaces instead.
+    - UNAVAILABLE is retried up to ``max_retries`` times (at most 4: gRPC's cap) with exponential
+      backoff and full jitter, by gRPC's retry policy (``RetryPolicy``), but a stream only before
+      its first response arrived: once tokens were delivered a retry could deliver them twice, so
+      the error surfaces instead.
     - Failures raise a ``tandem.client.ClientError`` subclass, never a raw ``grpc.RpcError``.
     - A stream the caller stops iterating early (``break``, an exception, ``close()``) cancels
       the call, so the server frees the request's KV blocks.
@@ -61,11 +59,10 @@ class TandemClient:
         call; ``credentials`` makes a TLS channel (insecure without); ``options`` are grpc
         channel options."""
         self._timeout_s = timeout_s
-        self._retry = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s)
+        channel_options = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s).channel_options(options)
         self._metadata = call_metadata(api_key, metadata)
-        self._rng = random.Random()
-        self._channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
-                         else grpc.insecure_channel(address, options=list(options)))
+        self._channel = (grpc.secure_channel(address, credentials, options=channel_options) if credentials
+                         else grpc.insecure_channel(address, options=channel_options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def close(self) -> None:
@@ -110,25 +107,14 @@ class TandemClient:
         return builder.build()
 
     def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Generator[Chunk, None, None]:
-        deadline = self._deadline(timeout_s)
-        retry_index = 0
-        while True:
-            call = self._stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata)
-            received = False
-            try:
-                for response in call:
-                    received = True
-                    yield chunk_from_response(response)
-                return
-            except grpc.RpcError as exc:
-                delay_s = None if received else retry_delay_s(
-                    self._retry, exc.code(), retry_index, _remaining_s(deadline), self._rng)
-                if delay_s is None:
-                    raise error_from_rpc(exc) from exc
-            finally:
-                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
-            time.sleep(delay_s)
-            retry_index += 1
+        call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            for response in call:
+                yield chunk_from_response(response)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the call ended; frees the server's work otherwise
 
     # ListModels / Health -------------------------------------------------------------------
 
@@ -142,23 +128,11 @@ class TandemClient:
         return health_from_reply(self._unary(self._stub.Health, router_pb2.HealthRequest(), timeout_s))
 
     def _unary(self, method: Callable[..., R], request: object, timeout_s: float | None) -> R:
-        deadline = self._deadline(timeout_s)
-        retry_index = 0
-        while True:
-            try:
-                return method(request, timeout=_remaining_s(deadline), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                delay_s = retry_delay_s(self._retry, exc.code(), retry_index,
-                                        _remaining_s(deadline), self._rng)
-                if delay_s is None:
-                    raise error_from_rpc(exc) from exc
-            time.sleep(delay_s)
-            retry_index += 1
+        try:
+            return method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
 
-    def _deadline(self, timeout_s: float | None) -> float | None:
-        timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _remaining_s(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        """The call's deadline, which covers gRPC's retries and their backoffs."""
+        return self._timeout_s if timeout_s is None else timeout_s

@@ -44,7 +44,7 @@ from tandem.client import (
     Unavailable,
     Usage,
 )
-from tandem.client.protocol import RetryPolicy, retry_delay_s
+from tandem.client.protocol import RetryPolicy
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODES = ["sync", "async"]
@@ -323,20 +323,21 @@ def test_unary_calls_retry_unavailable(mode: str, fake: tuple[FakeRouter, str]) 
     assert servicer.num_unary_calls == 3
 
 
-def test_backoff_is_exponential_jittered_and_bounded_by_the_deadline() -> None:
-    import random
+def test_backoff_is_grpcs_exponential_jittered_retry_policy() -> None:
+    import json
 
-    policy = RetryPolicy(max_retries=10, initial_backoff_s=0.1, max_backoff_s=1.0)
-    rng = random.Random(0)
-    for retry_index, cap in [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (9, 1.0)]:
-        delays = [policy.backoff_s(retry_index, rng) for _ in range(200)]
-        assert 0 <= min(delays) and max(delays) <= cap
-        assert max(delays) > cap * 0.8 and len(set(delays)) > 100  # jittered over the whole range
-    unavailable = grpc.StatusCode.UNAVAILABLE
-    assert retry_delay_s(policy, unavailable, 10, None, rng) is None  # retries used up
-    assert retry_delay_s(policy, grpc.StatusCode.INTERNAL, 0, None, rng) is None
-    assert retry_delay_s(policy, unavailable, 0, 0.0, rng) is None  # no time left before the deadline
-    assert retry_delay_s(policy, unavailable, 0, 10.0, rng) is not None
+    # gRPC's retry policy (gRFC A6) waits uniform(0, min(maxBackoff, initialBackoff * 2**n)) before
+    # retry n, on the statuses listed, within the call's deadline.
+    policy = RetryPolicy(max_retries=3, initial_backoff_s=0.1, max_backoff_s=1.0)
+    (method,) = policy.service_config()["methodConfig"]
+    assert method["name"] == [{"service": "tandem.v1.Router"}]
+    assert method["retryPolicy"] == {"maxAttempts": 4, "initialBackoff": "0.100000s", "maxBackoff": "1.000000s",
+                                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    assert RetryPolicy(max_retries=10).service_config()["methodConfig"][0]["retryPolicy"]["maxAttempts"] == 5
+    assert "retryPolicy" not in RetryPolicy(max_retries=0).service_config()["methodConfig"][0]
+    options = policy.channel_options([("grpc.enable_retries", 0)])
+    assert json.loads(str(dict(options)["grpc.service_config"])) == policy.service_config()
+    assert [value for key, value in options if key == "grpc.enable_retries"] == [0]  # the caller's options win
     with pytest.raises(ValueError):
         RetryPolicy(max_retries=-1)
 
