@@ -21,7 +21,6 @@ class DecodeConfig:
     max_batch_requests: int
     quantization: str  # "": the format the cell's agent names
     resume: bool
-    small_batch_threads: int = 0  # 0: every core of the partition, whatever the batch
 
     def __post_init__(self) -> None:
         if self.max_batch_requests <= 0:
@@ -42,13 +41,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     add_flag(parser, "--max-batch-requests", 256, "requests decoded together", type=int)
     add_flag(parser, "--quantization", "", "run the linear layers in this format instead of the cell's "
              f"({FORMAT_NAMES}; see gpu_agent --quantization)")
-    add_flag(parser, "--small-batch-threads", 0, "torch threads for a step of at most 2 requests (0: one per "
-             "core of the partition); fewer leave cores to the router and Redis where a small step gains little "
-             "from more threads", type=int)
     add_flag(parser, "--resume", True, "resume the cell's decoding requests from Redis at start", type=parse_bool)
     a = parser.parse_args(argv)
     return DecodeConfig(
         agent_address=a.agent_address, host=a.host, port=a.port, service_id=a.service_id, redis_url=a.redis_url,
         max_batch_requests=a.max_batch_requests, quantization=a.quantization, resume=a.resume and bool(a.redis_url),
-        small_batch_threads=a.small_batch_threads,
     )

@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import grpc
-import torch
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
@@ -51,8 +50,6 @@ ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
 # frees any) fails with a clear error instead of waiting forever.
 READMIT_TIMEOUT_S = 30.0
-# A step of this many requests or fewer counts as small (see --small-batch-threads).
-SMALL_BATCH = 2
 # Redis errors a decode step survives: the step streams anyway and is recorded later.
 _RECORD_ERRORS = (RedisError, OSError)
 
@@ -457,7 +454,6 @@ class DecodeWorker:
 
         def work() -> list[StepOutput]:
             member.apply_partition()
-            self._size_threads(len(requests) + len(chunk_reqs))
             if not chunk_reqs:
                 return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
             outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
@@ -498,15 +494,6 @@ class DecodeWorker:
         self._publishing = asyncio.create_task(
             self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done),
             name=f"publish-{self.num_steps}")
-
-    def _size_threads(self, batch_size: int) -> None:
-        """(Torch thread.) A small step gets --small-batch-threads threads when set, the
-        partition's cores otherwise."""
-        cores = max(1, len(self.member.units))
-        small = self.config.small_batch_threads
-        want = min(small, cores) if small and batch_size <= SMALL_BATCH else cores
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
 
     async def _publish(self, step: int, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
                        rewrites: list[RequestRecord], messages: dict[str, decode_pb2.TokenBatch],
