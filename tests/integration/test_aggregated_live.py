@@ -13,8 +13,9 @@ import pytest
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tests.integration.mesh_client import agent_stats, generate, wait_all_blocks_free
 from tests.integration.stack import Stack
-from tests.integration.test_mesh import _agent_stats, _generate, _prompts, _wait_all_blocks_free
+from tests.integration.test_mesh import _prompts
 
 pytestmark = pytest.mark.slow
 NUM_BLOCKS = 512
@@ -34,13 +35,13 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
             address = stack.address("router")
             # decoding streams first, then long prompts that join while they decode
             first = asyncio.Event()
-            early = [asyncio.create_task(_generate(address, p, params, first)) for p in prompts[:6]]
+            early = [asyncio.create_task(generate(address, p, params, first)) for p in prompts[:6]]
             await asyncio.wait_for(first.wait(), 60)
-            late = [asyncio.create_task(_generate(address, p, params)) for p in prompts[6:]]
-            stats = await _agent_stats(stack)
+            late = [asyncio.create_task(generate(address, p, params)) for p in prompts[6:]]
+            stats = await agent_stats(stack)
             results = await asyncio.gather(*early, *late)
             # the same long prompt again: its blocks come from the prefix cache
-            again, _ = await _generate(address, prompts[7], params)
+            again, _ = await generate(address, prompts[7], params)
             return list(results), stats, again
 
         results, stats_during, again = asyncio.run(run())
@@ -55,7 +56,7 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
         # are predicted to break the TBT SLO (how long that lasts depends on the engine's speed)
         assert partition.aggregated or (policy == "adaptive" and "breaks TBT" in partition.policy), partition
         assert "aggregated mode" in stack.logs("prefill_svc")
-        stats = asyncio.run(_wait_all_blocks_free(stack))
+        stats = asyncio.run(wait_all_blocks_free(stack))
         assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
         assert stats.num_prefix_hit_tokens >= 512  # the repeated 600-token prompt
     finally:
@@ -69,14 +70,14 @@ def test_cancel_while_the_prompt_is_in_chunks(smollm2_dir: Path, tmp_path: Path)
         stack.start()
 
         async def run() -> tuple[object, object]:
-            task = asyncio.create_task(_generate(stack.address("router"), _prompts(1, 1800, seed=5)[0],
+            task = asyncio.create_task(generate(stack.address("router"), _prompts(1, 1800, seed=5)[0],
                                                  SamplingParams(temperature=0.0, max_tokens=4)))
             await asyncio.sleep(1.0)
-            during = await _agent_stats(stack)
+            during = await agent_stats(stack)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            return during, await _wait_all_blocks_free(stack)
+            return during, await wait_all_blocks_free(stack)
 
         during, after = asyncio.run(run())
         assert during.num_requests == 1  # type: ignore[attr-defined]
