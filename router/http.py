@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import uvicorn
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,14 +32,18 @@ from starlette.routing import Route
 
 from router.auth import bearer_matches
 from router.core import RouterCore, brief
+from router.openai_types import (
+    MAX_N,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    TextPart,
+    openapi_schema,
+)
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
-    MAX_NUM_LOGPROBS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_TOP_K,
-    SAMPLING_LIMITS,
     LoadReport,
     RequestError,
     SamplingDefaults,
@@ -49,8 +54,6 @@ from tandem.rpc.v1 import common_pb2, router_pb2
 log = logging.getLogger("tandem.router.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-MAX_N = 16
-MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
 RETRY_AFTER_S = 1
 
 Kind = Literal["chat", "completion"]
@@ -100,82 +103,36 @@ class HTTPError(Exception):
 
 # --- request parsing --------------------------------------------------------------------------
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    """A sampling parameter in its SAMPLING_LIMITS range."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise HTTPError(400, f"{name} must be a number, got {brief(value)}", param=name)
-    limit = SAMPLING_LIMITS[name]
-    if value not in limit:
-        raise HTTPError(400, f"{name} must be {limit.describe()}, got {brief(value)}", param=name)
-    return float(value)
+def _first_error(exc: ValidationError) -> HTTPError:
+    """The first thing wrong with a body, naming the OpenAI parameter and quoting what was sent.
+    Of the errors of a union's branches (``stop`` may be a string or a list), the deepest says most."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]["loc"][:1]
+    error = max((e for e in errors if e["loc"][:1] == first), key=lambda e: len(e["loc"]))
+    loc = [part for part in error["loc"] if isinstance(part, int) or part in _FIELD_NAMES]
+    param = str(loc[0]) if loc and isinstance(loc[0], str) else None
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "body"
+    message = error["msg"]
+    if message.startswith("Input should "):
+        message = f"must {message[len('Input should '):]}"
+    elif message == "Field required":
+        message = "is required"
+    else:
+        message = f"is invalid: {message[0].lower()}{message[1:]}"
+    got = "" if error["type"] == "missing" else f", got {brief(error['input'])}"
+    return HTTPError(400, f"{where} {message}{got}", param=param)
 
 
-def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HTTPError(400, f"{name} must be an integer, got {brief(value)}", param=name)
-    if not lo <= value <= hi:
-        raise HTTPError(400, f"{name} must be in [{lo}, {hi}], got {brief(value)}", param=name)
-    return value
+_FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | frozenset(
+    ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields)
 
 
-def _stop_strings(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise HTTPError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    return [s for s in stop if s]
-
-
-def _message_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise HTTPError(400, f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}; "
-                                     "only text is supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise HTTPError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
-
-
-def _chat_messages(body: dict[str, Any]) -> router_pb2.ChatMessages:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "messages must be a non-empty list", param="messages")
-    if len(messages) > MAX_MESSAGES:
-        raise HTTPError(400, f"at most {MAX_MESSAGES} messages per request, got {len(messages)}", param="messages")
-    out = router_pb2.ChatMessages()
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
-            raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
-        out.messages.append(router_pb2.ChatMessage(role=message["role"],
-                                                   content=_message_text(message.get("content"), i)))
-    return out
-
-
-def _set_prompt(request: router_pb2.GenerateRequest, body: dict[str, Any]) -> None:
-    prompt = body.get("prompt")
+def _prompt(request: router_pb2.GenerateRequest, prompt: Any) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         request.text = prompt
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)):
+    elif prompt and all(isinstance(t, int) for t in prompt):
         request.token_ids.ids.extend(prompt)
     else:
         raise HTTPError(400, "prompt must be a string or a list of token ids (batches of several prompts "
@@ -216,87 +173,73 @@ def _reject_lone_surrogates(value: Any, where: str) -> None:
 
 def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
                   defaults: SamplingDefaults = SamplingDefaults()) -> ParsedRequest:
-    """Validate an OpenAI request body; raises HTTPError(400) naming the bad parameter.
+    """Validate an OpenAI request body against its model (``router.openai_types``); raises
+    HTTPError(400) naming the bad parameter.
 
-    Unknown fields are ignored; sampling values the body leaves out are ``defaults``'. ``max_tokens`` may not exceed the context length; a shorter one
-    that does not fit after the prompt is capped by the router (the choice finishes with
-    ``length``).
+    Unknown fields are ignored; sampling values the body leaves out are ``defaults``'.
+    ``max_tokens`` may not exceed the context length; a shorter one that does not fit after the
+    prompt is capped by the router (the choice finishes with ``length``).
     """
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
-    model = body.get("model", "")
-    if not isinstance(model, str):
-        raise HTTPError(400, "model must be a string", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise HTTPError(400, "stream must be a boolean", param="stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict)
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise HTTPError(400, "stream_options must be an object with a boolean include_usage", param="stream_options")
-    include_usage = bool(options and options.get("include_usage", False))
-    n = _integer(body, "n", 1, 1, MAX_N)
-    assert n is not None
-
-    max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    default_max_tokens = context_length if kind == "chat" else DEFAULT_MAX_TOKENS
-    if defaults.max_tokens is not None:
-        default_max_tokens = min(default_max_tokens, defaults.max_tokens)
-    max_tokens = body.get(max_tokens_name)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-        raise HTTPError(400, f"{max_tokens_name} must be an integer, got {brief(max_tokens)}",
-                        param=max_tokens_name)
-    if max_tokens is not None and max_tokens < 1:
-        raise HTTPError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}", param=max_tokens_name)
+    model_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = model_type.model_validate(body)
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+    max_tokens_name = "max_tokens"
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is not None and max_tokens > context_length:
         raise HTTPError(400, f"{max_tokens_name} is {max_tokens} but the model's context length is "
                              f"{context_length} tokens (prompt and output together)", param=max_tokens_name)
+    if req.min_tokens is not None and req.min_tokens > context_length:
+        raise HTTPError(400, f"min_tokens must be at most the context length {context_length}, got "
+                             f"{req.min_tokens}", param="min_tokens")
+    default_max_tokens = context_length if kind == "chat" else DEFAULT_MAX_TOKENS
+    if defaults.max_tokens is not None:
+        default_max_tokens = min(default_max_tokens, defaults.max_tokens)
 
     num_logprobs: int | None
-    if kind == "chat":
-        logprobs = body.get("logprobs", False)
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise HTTPError(400, "logprobs must be a boolean for chat completions", param="logprobs")
-        top = _integer(body, "top_logprobs", None, 0, MAX_NUM_LOGPROBS)
-        if top is not None and not logprobs:
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        num_logprobs = (top or 0) if logprobs else None
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        num_logprobs = _integer(body, "logprobs", None, 0, MAX_NUM_LOGPROBS)
+        num_logprobs = req.logprobs
 
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise HTTPError(400, "ignore_eos must be a boolean", param="ignore_eos")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise HTTPError(400, "user must be a string", param="user")
-    seed = _integer(body, "seed", None, 0, MAX_SEED - MAX_N)
+    def value(given: Any, default: Any) -> Any:
+        return default if given is None else given
+
     sampling = common_pb2.SamplingParams(
-        temperature=_number(body, "temperature", defaults.temperature),
-        top_p=_number(body, "top_p", defaults.top_p),
-        top_k=_integer(body, "top_k", defaults.top_k, -1, MAX_TOP_K),
-        min_p=_number(body, "min_p", defaults.min_p),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", defaults.repetition_penalty),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        min_tokens=_integer(body, "min_tokens", 0, 0, context_length),
-        ignore_eos=ignore_eos,
+        temperature=value(req.temperature, defaults.temperature),
+        top_p=value(req.top_p, defaults.top_p),
+        top_k=value(req.top_k, defaults.top_k),
+        min_p=value(req.min_p, defaults.min_p),
+        presence_penalty=value(req.presence_penalty, 0.0),
+        frequency_penalty=value(req.frequency_penalty, 0.0),
+        repetition_penalty=value(req.repetition_penalty, defaults.repetition_penalty),
+        max_tokens=value(max_tokens, default_max_tokens),
+        min_tokens=value(req.min_tokens, 0),
+        ignore_eos=req.ignore_eos,
     )
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
-    base = router_pb2.GenerateRequest(model=model, stop=_stop_strings(body))
-    if kind == "chat":
-        base.messages.CopyFrom(_chat_messages(body))
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    base = router_pb2.GenerateRequest(model=req.model, stop=[s for s in stop if s])
+    if isinstance(req, ChatCompletionRequest):
+        base.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in req.messages)
     else:
-        _set_prompt(base, body)
-    parsed = ParsedRequest(kind, model, stream, include_usage, num_logprobs)
-    for i in range(n):
+        _prompt(base, req.prompt)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    parsed = ParsedRequest(kind, req.model, bool(req.stream), include_usage, num_logprobs)
+    for i in range(value(req.n, 1)):
         request = router_pb2.GenerateRequest()
         request.CopyFrom(base)
         request.sampling.CopyFrom(sampling)
-        if seed is not None:
-            request.sampling.seed = seed + i
+        if req.seed is not None:
+            request.sampling.seed = req.seed + i
         request.request_id = f"{request_id}-{i}"
         parsed.requests.append(request)
     return parsed
@@ -684,93 +627,6 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
     return HTTPError(405, f"method {request.method} is not allowed on {request.url.path}",
                      code="method_not_allowed").response()
-
-
-# --- OpenAPI --------------------------------------------------------------------------------------
-
-def openapi_schema(context_length: int) -> dict[str, Any]:
-    """The API's OpenAPI 3.0 description (the parameters this gateway reads)."""
-    def number(name: str) -> dict[str, Any]:
-        limit = SAMPLING_LIMITS[name]
-        out: dict[str, Any] = {"type": "number", "minimum": limit.lo, "nullable": True}
-        if limit.lo_open:
-            out["exclusiveMinimum"] = True
-        if limit.hi is not None:
-            out["maximum"] = limit.hi
-        return out
-
-    stop_string = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
-    stop = {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS}],
-            "nullable": True}
-    common: dict[str, Any] = {
-        "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": context_length, "nullable": True},
-        "temperature": number("temperature"),
-        "top_p": number("top_p"),
-        "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K, "nullable": True},
-        "min_p": number("min_p"),
-        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True},
-        "stop": stop,
-        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED - MAX_N, "nullable": True},
-        "presence_penalty": number("presence_penalty"),
-        "frequency_penalty": number("frequency_penalty"),
-        "repetition_penalty": number("repetition_penalty"),
-        "ignore_eos": {"type": "boolean"},
-        "user": {"type": "string"},
-        "stream": {"type": "boolean", "nullable": True},
-        "stream_options": {"type": "object", "nullable": True,
-                           "properties": {"include_usage": {"type": "boolean"}}},
-    }
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-        "content": {"type": "string"},
-    }}
-    chat = {"type": "object", "required": ["model", "messages"], "properties": {
-        **common,
-        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES},
-        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": context_length, "nullable": True},
-        "logprobs": {"type": "boolean", "nullable": True},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_NUM_LOGPROBS, "nullable": True},
-    }}
-    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
-        **common,
-        "prompt": {"oneOf": [{"type": "string"},
-                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_NUM_LOGPROBS, "nullable": True},
-    }}
-    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
-
-    def answers(ok: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"200": {"description": ok, "content": {"application/json": {"schema": {"type": "object"}},
-                                                                      "text/event-stream": {"schema": {"type": "string"}}}}}
-        for status, text in (("400", "invalid parameters"), ("401", "bad API key"), ("404", "unknown model"),
-                             ("413", "body too large"), ("429", "admission refused; see Retry-After"),
-                             ("503", "not ready")):
-            out[status] = {"description": text, "content": {"application/json": {"schema": error}}}
-        return out
-
-    def post(schema: dict[str, Any], summary: str) -> dict[str, Any]:
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": schema}}}, "responses": answers(summary)}}
-
-    def get(summary: str) -> dict[str, Any]:
-        return {"get": {"summary": summary, "responses": {
-            "200": {"description": summary}, "503": {"description": "not ready"}}}}
-
-    return {
-        "openapi": "3.0.3",
-        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
-        "paths": {
-            "/v1/chat/completions": post(chat, "chat completion"),
-            "/v1/completions": post(completion, "text completion"),
-            "/v1/models": get("served models"),
-            "/health": get("process is up"),
-            "/ready": get("a prefill and a decode service are reachable"),
-            "/metrics": get("Prometheus metrics"),
-        },
-    }
 
 
 # --- serving ----------------------------------------------------------------------------------------

@@ -384,11 +384,12 @@ def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
     raw = httpx.get(f"{tiny.http_address()}/openapi.json").json()
     # Bound the work per example: a few tokens and choices each.
     for path in ("/v1/chat/completions", "/v1/completions"):
-        props = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        ref = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        props = raw["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
         for name in ("max_tokens", "max_completion_tokens"):
             if name in props:
-                props[name]["maximum"] = 8
-        props["n"]["maximum"] = 2
+                props[name]["anyOf"][0]["maximum"] = 8  # the non-null branch of the generated schema
+        props["n"]["anyOf"][0]["maximum"] = 2
         props["model"] = {"type": "string", "enum": ["default", "model", "nope"]}
     schema = schemathesis.openapi.from_dict(raw)
     # schemathesis's own negative mode can spend minutes generating; arbitrary JSON bodies are

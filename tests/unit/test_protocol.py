@@ -28,22 +28,29 @@ def test_the_router_package_imports_no_torch() -> None:
 
 
 def _schema_properties(kind: str) -> dict[str, Any]:
+    """The request body's properties, each the schema of its non-null value."""
+    schema = openapi_schema(CONTEXT)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    schema = openapi_schema(CONTEXT)["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    properties: dict[str, Any] = schema["properties"]
-    return properties
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    out: dict[str, Any] = {}
+    for name, prop in body["properties"].items():
+        branches = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+        out[name] = branches[0]
+    return out
 
 
 def _edges(name: str) -> tuple[list[float], list[float]]:
     """Values the schema admits and values it refuses, at the edges of its range for ``name``."""
     prop = _schema_properties("chat")[name]
-    lo, hi = prop["minimum"], prop.get("maximum")
+    lo = prop.get("minimum", prop.get("exclusiveMinimum"))
+    hi = prop.get("maximum")
     inside = [lo + 1e-3, (lo + hi) / 2 if hi is not None else lo + 1]
     outside = [lo - 1e-3]
     if hi is not None:
         inside.append(hi)
         outside.append(hi + 1e-3)
-    if prop.get("exclusiveMinimum"):
+    if "exclusiveMinimum" in prop:
         outside.append(lo)
     else:
         inside.append(lo)
@@ -70,8 +77,24 @@ def test_every_limit_is_in_the_schema() -> None:
     for name, limit in SAMPLING_LIMITS.items():
         prop = chat.get(name) if name != "logprobs" else completion[name]
         assert prop is not None, name
-        assert prop["minimum"] == limit.lo and prop.get("maximum") == limit.hi, (name, prop, limit)
+        lo = prop["exclusiveMinimum"] if limit.lo_open else prop["minimum"]
+        assert lo == limit.lo and prop.get("maximum") == limit.hi, (name, prop, limit)
     assert chat["top_logprobs"]["maximum"] == SAMPLING_LIMITS["logprobs"].hi
+    assert chat["max_tokens"]["maximum"] == CONTEXT
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_schema_round_trips_every_documented_example(kind: str) -> None:
+    from router.openai_types import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    schema = openapi_schema(CONTEXT)["components"]["schemas"][model.__name__]
+    assert schema["examples"]
+    for example in schema["examples"]:
+        parsed = model.model_validate(example)
+        known = {k: v for k, v in example.items() if k in model.model_fields}
+        assert parsed.model_dump(exclude_unset=True) == known
+        assert parse_request(kind, example, CONTEXT, "r").requests  # and the gateway serves it
 
 
 def test_finish_reasons_round_trip_the_proto() -> None:

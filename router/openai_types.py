@@ -1,0 +1,179 @@
+"""The OpenAI API's request bodies as typed models: declared once, they validate the JSON a client
+sends (``router.http.parse_request``) and generate the OpenAPI schema (``openapi_schema``).
+
+Ranges come from ``tandem.protocol`` (``SAMPLING_LIMITS`` and the request bounds), so the
+validator, the engine's ``SamplingParams`` and the schema cannot disagree. Models are strict (no
+``"1"`` for 1, no ``true`` for 1) and ignore unknown fields, as OpenAI's API does. What depends on
+the served model (``max_tokens`` against the context length) is checked after validation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.protocol import (
+    MAX_MESSAGES,
+    MAX_NUM_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    SAMPLING_LIMITS,
+)
+
+MAX_N = 16
+MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
+
+
+def _limited(name: str) -> Any:
+    """Field bounds for a finite float in ``SAMPLING_LIMITS[name]``."""
+    limit = SAMPLING_LIMITS[name]
+    if limit.lo_open:
+        return Field(allow_inf_nan=False, gt=limit.lo, le=limit.hi)
+    return Field(allow_inf_nan=False, ge=limit.lo, le=limit.hi)
+
+
+Temperature = Annotated[float, _limited("temperature")]
+TopP = Annotated[float, _limited("top_p")]
+MinP = Annotated[float, _limited("min_p")]
+PresencePenalty = Annotated[float, _limited("presence_penalty")]
+FrequencyPenalty = Annotated[float, _limited("frequency_penalty")]
+RepetitionPenalty = Annotated[float, _limited("repetition_penalty")]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_NUM_LOGPROBS)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False  # a last chunk with the usage of every choice
+
+
+class _Request(BaseModel):
+    """What both endpoints read."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str = ""  # "", "default" or the served model's name
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # at most the context length
+    temperature: Temperature | None = None  # left out: the model's generation_config.json default
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # -1 or 0: off
+    min_p: MinP | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, generated concurrently
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED - MAX_N)] | None = None  # choice i uses seed + i
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # stop tokens are masked until this many
+    ignore_eos: bool = False
+    user: str | None = None
+    stream: bool | None = None  # server-sent events, ending with "data: [DONE]"
+    stream_options: StreamOptions | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]  # only text is supported
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Annotated[str, Field(min_length=1)]  # system, user, assistant, or what the template knows
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        {"model": "default", "messages": [{"role": "system", "content": "Answer in one word."},
+                                          {"role": "user", "content": "Hi!"}],
+         "max_tokens": 64, "temperature": 0.2, "stream": True, "stream_options": {"include_usage": True}},
+        {"model": "default", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+         "logprobs": True, "top_logprobs": 2, "n": 2, "seed": 7, "stop": ["\n"]},
+    ]})
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # wins over max_tokens
+    logprobs: bool | None = None  # log probabilities of the chosen tokens
+    top_logprobs: NumLogprobs | None = None  # and of this many alternatives (needs logprobs)
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "default", "prompt": "Once upon a time", "max_tokens": 32},
+        {"model": "default", "prompt": [1, 2, 3], "logprobs": 2, "echo": False},
+    ]})
+
+    # text, token ids, or a batch of one of either
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str] | list[list[TokenId]]
+    logprobs: NumLogprobs | None = None  # top logprobs per token
+
+
+def openapi_schema(context_length: int) -> dict[str, Any]:
+    """The API's OpenAPI 3.1 description, generated from the request models; ``max_tokens`` and
+    the like are bounded by ``context_length``."""
+    components: dict[str, Any] = {}
+    refs: dict[str, str] = {}
+    for model in (ChatCompletionRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+            prop = schema["properties"].get(name)
+            if prop is not None:
+                prop["anyOf"][0]["maximum"] = context_length
+        components[model.__name__] = schema
+        refs[model.__name__] = f"#/components/schemas/{model.__name__}"
+    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    components["Error"] = error
+
+    def answers(ok: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"200": {"description": ok, "content": {"application/json": {"schema": {"type": "object"}},
+                                                                      "text/event-stream": {"schema": {"type": "string"}}}}}
+        for status, text in (("400", "invalid parameters"), ("401", "bad API key"), ("404", "unknown model"),
+                             ("409", "request id in flight"), ("413", "body too large"),
+                             ("429", "admission refused; see Retry-After"), ("503", "not ready")):
+            out[status] = {"description": text,
+                           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        return out
+
+    def post(name: str, summary: str) -> dict[str, Any]:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": refs[name]}}}}, "responses": answers(summary)}}
+
+    def get(summary: str) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": {
+            "200": {"description": summary}, "503": {"description": "not ready"}}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
+        "paths": {
+            "/v1/chat/completions": post("ChatCompletionRequest", "chat completion"),
+            "/v1/completions": post("CompletionRequest", "text completion"),
+            "/v1/models": get("served models"),
+            "/health": get("process is up"),
+            "/ready": get("a prefill and a decode service are reachable"),
+            "/metrics": get("Prometheus metrics"),
+        },
+        "components": {"schemas": components},
+    }
