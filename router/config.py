@@ -6,7 +6,8 @@ import argparse
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,34 @@ DEFAULT_TBT_SLO_MS = 200.0
 
 
 @dataclass(frozen=True)
+class FlagSpec:
+    """A config field's command-line flag: its name (the TANDEM_* twin follows from it), the
+    flag's default and help, the argparse type, and how the flag's value becomes the field's."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable[[str], Any]
+    parse: Callable[[Any], Any]
+    kwargs: dict[str, Any]  # more add_argument options (choices)
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def _flag(name: str, default: Any, help: str, *, type: Callable[[str], Any] = str,
+          parse: Callable[[Any], Any] | None = None, **kwargs: Any) -> dict[str, FlagSpec]:
+    """Field metadata that declares the field's flag."""
+    spec = FlagSpec(name, default, help, type, parse or (lambda value: value), kwargs)
+    return {"flag": spec}
+
+
+def _address_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router process needs; invalid values raise ValueError on construction.
 
@@ -30,34 +59,66 @@ class RouterConfig:
     ``cell_id`` means every cell). Explicit addresses win when both are given.
     """
 
-    model_dir: Path  # resolved local model directory (config.json, tokenizer.json)
-    host: str
-    grpc_port: int  # 0 binds an ephemeral port (tests)
-    prefill_addresses: tuple[str, ...]
-    decode_addresses: tuple[str, ...]
-    redis_url: str
-    cell_id: str
-    router_id: str  # decode services key their token streams by it; unique per process
-    stall_timeout_s: float  # longest wait for a decode update before giving up on a request
-    request_timeout_s: float  # longest a request may run end to end
+    # Each field names its flag (with its TANDEM_* twin), the flag's default and help, and how the
+    # flag's text becomes the field's value; parse_args is built from these alone. Fields without
+    # a flag are for tests and embedders.
+    model_dir: Path = field(metadata=_flag("--model", "default", "model directory or 'default'", parse=resolve_model))
+    host: str = field(metadata=_flag("--host", "127.0.0.1", "address to listen on"))
+    grpc_port: int = field(metadata=_flag("--grpc-port", 50051, "gRPC port (0: any free port)", type=int))
+    prefill_addresses: tuple[str, ...] = field(metadata=_flag(
+        "--prefill-address", "", "prefill_svc host:port (comma-separated for several)", parse=_address_list))
+    decode_addresses: tuple[str, ...] = field(metadata=_flag(
+        "--decode-address", "", "decode_svc host:port (comma-separated for several)", parse=_address_list))
+    redis_url: str = field(metadata=_flag(
+        "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)"))
+    cell_id: str = field(metadata=_flag("--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)"))
+    # decode services key their token streams by it; unique per process
+    router_id: str = field(metadata=_flag(
+        "--router-id", "", "id decode services key this router's stream by (default: random)",
+        parse=lambda text: text or f"router-{uuid.uuid4().hex[:12]}"))
+    stall_timeout_s: float = field(metadata=_flag(
+        "--stall-timeout-s", DEFAULT_STALL_TIMEOUT_S, "give up on a request after this long without a decode update",
+        type=float))
+    request_timeout_s: float = field(metadata=_flag(
+        "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float))
     cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
     discovery_interval_s: float = 2.0  # how often the registry is re-read
-    http_port: int | None = None  # OpenAI-compatible HTTP API; None serves none (0: any free port)
-    api_key: str = ""  # when set, HTTP requests must carry ``Authorization: Bearer <api_key>``
-    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS  # admission: a request's deadline is arrival + this
-    tbt_slo_ms: float = DEFAULT_TBT_SLO_MS  # reported with the SLO; the agent's policy enforces it
-    ttft_slo_ms_per_1k: float = 0.0  # the deadline grows by this per 1000 prompt tokens
-    admission: bool = True  # refuse early what cannot meet its TTFT deadline (False: admit all)
-    profile: str = ""  # perf profile from `tandem profile`; "" uses the CPU placeholder model
-    # prefill_svc's batch limits, with which admission predicts how it batches its queue
-    max_batch_tokens: int = 4096
-    max_batch_requests: int = 16
+    # OpenAI-compatible HTTP API; None serves none (0: any free port)
+    http_port: int | None = field(default=None, metadata=_flag(
+        "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int))
+    api_key: str = field(default="", metadata=_flag(
+        "--api-key", "", "if set, HTTP clients must send 'Authorization: Bearer <key>'"))
+    # admission: a request's deadline is arrival + this
+    ttft_slo_ms: float = field(default=DEFAULT_TTFT_SLO_MS, metadata=_flag(
+        "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float))
+    # reported with the SLO; the agent's policy enforces it
+    tbt_slo_ms: float = field(default=DEFAULT_TBT_SLO_MS, metadata=_flag(
+        "--tbt-slo-ms", DEFAULT_TBT_SLO_MS, "time-between-tokens SLO of this model", type=float))
+    ttft_slo_ms_per_1k: float = field(default=0.0, metadata=_flag(
+        "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
+    admission: bool = field(default=True, metadata=_flag(
+        "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
+        parse=lambda text: text == "on", choices=["on", "off"]))
+    profile: str = field(default="", metadata=_flag(
+        "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
+    # prefill_svc's batch limits, with which admission predicts how it batches its queue: the
+    # same flags (and TANDEM_* twins) as prefill_svc's, so that one variable sets both.
+    max_batch_tokens: int = field(default=4096, metadata=_flag(
+        "--max-batch-tokens", 4096, "prefill_svc's prompt tokens per batch (admission predicts its batches)",
+        type=int))
+    max_batch_requests: int = field(default=16, metadata=_flag(
+        "--max-batch-requests", 16, "prefill_svc's requests per batch (admission predicts its batches)", type=int))
     # Sampling defaults for what a request leaves out, as vLLM's --generation-config: "auto" takes
     # the model directory's generation_config.json values, "none" the built-in ones (temperature 1...).
-    generation_config: str = "auto"
+    generation_config: str = field(default="auto", metadata=_flag(
+        "--generation-config", "auto", "sampling defaults for what a request leaves out: 'auto' "
+        "(the model's generation_config.json) or 'none' (temperature 1, top_p 1, ...)", choices=["auto", "none"]))
     # A JSON object of generation_config.json keys (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) that override either, e.g. '{"temperature": 0.7}'.
-    override_generation_config: str = ""
+    override_generation_config: str = field(default="", metadata=_flag(
+        "--override-generation-config", "", "JSON object overriding those defaults, e.g. "
+        "'{\"temperature\": 0.7, \"top_p\": 0.95}' (keys: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens)"))
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "config.json").is_file():
@@ -120,67 +181,15 @@ def _check_address(flag: str, address: str) -> None:
         raise ValueError(f"{flag} entries must be host:port, got {address!r}")
 
 
-def _address_list(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
-    """Build the config from ``argv`` and TANDEM_* variables.
+    """Build the config from ``argv`` and TANDEM_* variables: one flag per field that declares one.
 
     Resolving ``--model default`` may pull the default model into the cache (once); raises
     ModelLoadError when the model cannot be found and ValueError for invalid values.
     """
     parser = argparse.ArgumentParser(prog="router", description="Tandem's public gRPC API: tokenize, route, stream")
-    add_flag(parser, "--model", "default", "model directory or 'default'")
-    add_flag(parser, "--host", "127.0.0.1", "address to listen on")
-    add_flag(parser, "--grpc-port", 50051, "gRPC port (0: any free port)", type=int)
-    add_flag(parser, "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int)
-    add_flag(parser, "--api-key", "", "if set, HTTP clients must send 'Authorization: Bearer <key>'")
-    add_flag(parser, "--prefill-address", "", "prefill_svc host:port (comma-separated for several)")
-    add_flag(parser, "--decode-address", "", "decode_svc host:port (comma-separated for several)")
-    add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)")
-    add_flag(parser, "--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)")
-    add_flag(parser, "--router-id", "", "id decode services key this router's stream by (default: random)")
-    add_flag(parser, "--stall-timeout-s", DEFAULT_STALL_TIMEOUT_S,
-             "give up on a request after this long without a decode update", type=float)
-    add_flag(parser, "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float)
-    add_flag(parser, "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float)
-    add_flag(parser, "--tbt-slo-ms", DEFAULT_TBT_SLO_MS, "time-between-tokens SLO of this model", type=float)
-    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float)
-    add_flag(parser, "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
-             choices=["on", "off"])
-    add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
-    # The same flags (and TANDEM_* twins) as prefill_svc's, so that one variable sets both.
-    add_flag(parser, "--max-batch-tokens", 4096, "prefill_svc's prompt tokens per batch (admission predicts "
-             "its batches)", type=int)
-    add_flag(parser, "--max-batch-requests", 16, "prefill_svc's requests per batch (admission predicts its "
-             "batches)", type=int)
-    add_flag(parser, "--generation-config", "auto", "sampling defaults for what a request leaves out: 'auto' "
-             "(the model's generation_config.json) or 'none' (temperature 1, top_p 1, ...)")
-    add_flag(parser, "--override-generation-config", "", "JSON object overriding those defaults, e.g. "
-             "'{\"temperature\": 0.7, \"top_p\": 0.95}' (keys: temperature, top_p, top_k, min_p, "
-             "repetition_penalty, max_new_tokens)")
-    args = parser.parse_args(argv)
-    return RouterConfig(
-        model_dir=resolve_model(args.model),
-        host=args.host,
-        grpc_port=args.grpc_port,
-        prefill_addresses=_address_list(args.prefill_address),
-        decode_addresses=_address_list(args.decode_address),
-        redis_url=args.redis_url,
-        cell_id=args.cell_id,
-        router_id=args.router_id or f"router-{uuid.uuid4().hex[:12]}",
-        stall_timeout_s=args.stall_timeout_s,
-        request_timeout_s=args.request_timeout_s,
-        http_port=args.http_port,
-        api_key=args.api_key,
-        ttft_slo_ms=args.ttft_slo_ms,
-        tbt_slo_ms=args.tbt_slo_ms,
-        ttft_slo_ms_per_1k=args.ttft_slo_ms_per_1k,
-        admission=args.admission == "on",
-        profile=args.profile,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_requests=args.max_batch_requests,
-        generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
-    )
+    flagged = [(f.name, f.metadata["flag"]) for f in fields(RouterConfig) if "flag" in f.metadata]
+    for _, spec in flagged:
+        add_flag(parser, spec.name, spec.default, spec.help, type=spec.type, **spec.kwargs)
+    args = vars(parser.parse_args(argv))
+    return RouterConfig(**{name: spec.parse(args[spec.dest]) for name, spec in flagged})
