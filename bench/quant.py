@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.quant import WeightFormat, best_format  # noqa: E402
-from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
+from tandem.engine.runner import ModelRunner, SeqInput, position_logits  # noqa: E402
 from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 
 FORMATS = (WeightFormat.FP32, WeightFormat.FP32_PACKED, WeightFormat.BF16, WeightFormat.FP16, WeightFormat.INT8)
@@ -51,22 +51,6 @@ def text_windows(tokenizer: Tokenizer, num: int, length: int) -> list[list[int]]
     return [ids[i : i + length] for i in range(0, stride * num, stride) if i + length <= len(ids)][:num]
 
 
-def window_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits of every position of one prompt: [len(ids), vocab]. With ``chunk``, computed that
-    many tokens at a time, each chunk attending to the earlier K/V read back from the pool (as
-    decode does; one whole prefill attends to its own fresh K/V, so the pool's precision would
-    not show)."""
-    blocks = list(range(-(-len(ids) // BLOCK)))
-    out = []
-    for start in range(0, len(ids), chunk or len(ids)):
-        part = ids[start : start + (chunk or len(ids))]
-        state = runner.begin([SeqInput(part, start, blocks)])
-        state.logit_rows = torch.arange(len(part))
-        runner.run_layers(state)
-        out.append(runner.finish(state))
-    return torch.cat(out)
-
-
 def accuracy(runners: dict[str, ModelRunner], windows: list[list[int]], chunk: int | None = None) -> dict[str, Any]:
     """Perplexity of each runner on ``windows`` and its top-1 agreement with the first one."""
     nll = {f: 0.0 for f in runners}
@@ -76,7 +60,7 @@ def accuracy(runners: dict[str, ModelRunner], windows: list[list[int]], chunk: i
         target = torch.tensor(ids[1:])
         ref_top1 = None
         for fmt, runner in runners.items():
-            logits = window_logits(runner, ids, chunk)[:-1]
+            logits = position_logits(runner, ids, chunk)[:-1]
             nll[fmt] += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
             top1 = logits.argmax(-1)
             if ref_top1 is None:

@@ -181,3 +181,22 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
     runner.forward([SeqInput(ids, 0, tables[0])])
     for batch in decode_batches:
         runner.forward([SeqInput((1,), prompt_tokens, tables[i]) for i in range(batch)])
+
+
+def position_logits(runner: ModelRunner, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits of every position of one prompt, [len(ids), vocab], for evaluation (perplexity,
+    top-1 agreement), in blocks ``0..n`` of the runner's pool. With ``chunk`` the prompt is
+    computed that many tokens at a time, so each chunk attends to the earlier K/V read back from
+    the pool, as decode does; one whole prefill attends to its own fresh K/V, where the pool's
+    precision does not show."""
+    ids = list(ids)
+    blocks = list(range(-(-len(ids) // runner.pool.spec.block_size)))
+    step = chunk or len(ids)
+    out = []
+    for start in range(0, len(ids), step):
+        part = ids[start : start + step]
+        state = runner.begin([SeqInput(part, start, blocks)])
+        state.logit_rows = torch.arange(len(part))
+        runner.run_layers(state)
+        out.append(runner.finish(state))
+    return torch.cat(out)

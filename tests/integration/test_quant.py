@@ -26,7 +26,7 @@ import torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat, best_format, effective_format
-from tandem.engine.runner import ModelRunner, SeqInput
+from tandem.engine.runner import ModelRunner, SeqInput, position_logits
 from tandem.engine.tokenizer import Tokenizer
 from tests.integration.test_smollm2 import CHATS
 from tests.tiny_models import TINY_FAMILIES, write_tiny_model
@@ -83,21 +83,6 @@ def _windows(tokenizer: Tokenizer, num: int = 4, length: int = 192) -> list[list
     return [ids[i * stride : i * stride + length] for i in range(num)]
 
 
-def _all_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits of every position: [len(ids), vocab]. With ``chunk``, the prompt is computed
-    ``chunk`` tokens at a time, so each chunk attends to the K/V of those before it *from the
-    pool*, as decode does (a single prefill attends to its own fresh K/V)."""
-    blocks = list(range(-(-len(ids) // 16)))
-    out = []
-    for start in range(0, len(ids), chunk or len(ids)):
-        part = ids[start : start + (chunk or len(ids))]
-        state = runner.begin([SeqInput(part, start, blocks)])
-        state.logit_rows = torch.arange(len(part))
-        runner.run_layers(state)
-        out.append(runner.finish(state))
-    return torch.cat(out)
-
-
 @pytest.fixture(scope="module")
 def smol_runners(smollm2_dir: Path) -> dict[WeightFormat, ModelRunner]:
     config = ModelConfig.from_dir(smollm2_dir)
@@ -114,7 +99,7 @@ def _perplexity_and_agreement(runners: dict[K, ModelRunner], windows: list[list[
     count = 0
     for ids in windows:
         target = torch.tensor(ids[1:])
-        logits = {f: _all_logits(r, ids, chunk)[:-1] for f, r in runners.items()}
+        logits = {f: position_logits(r, ids, chunk)[:-1] for f, r in runners.items()}
         ref_top1 = logits[ref].argmax(-1)
         for f, lg in logits.items():
             nll[f] += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
@@ -151,8 +136,8 @@ def test_default_format_follows_fp32_greedy_answers(
             ids = tokenizer.encode_chat(chat)
             prompt_len = len(ids)
             for _ in range(32):  # fp32's greedy answer, token by token
-                ids.append(int(_all_logits(fp32, ids)[-1].argmax()))
-            ours = _all_logits(fast, ids)[prompt_len - 1 : -1].argmax(-1)
+                ids.append(int(position_logits(fp32, ids)[-1].argmax()))
+            ours = position_logits(fast, ids)[prompt_len - 1 : -1].argmax(-1)
             same += int((ours == torch.tensor(ids[prompt_len:])).sum())
             total += 32
     assert same / total >= 0.95, f"{same}/{total}"
