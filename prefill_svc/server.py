@@ -25,7 +25,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
-from tandem.policy.local import edf_key, plan_prefill
+from tandem.policy.local import plan_prefill
 from tandem.policy.types import QueuedRequest, Slo
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
@@ -117,9 +117,9 @@ class PrefillWorker:
         arrival_s = (msg.arrival_unix_ns or pending.enqueued_unix_ns) / 1e9
         pending.slot = QueuedRequest(msg.request_id, arrival_s, len(msg.token_ids))
         # Earliest deadline first (deadlines grow with the prompt), arrival order among equals.
-        key = edf_key(pending.slot, self.slo)
+        key = pending.slot.edf_key(self.slo)
         index = len(self.queue)
-        while index > 0 and edf_key(self._slot(self.queue[index - 1]), self.slo) > key:
+        while index > 0 and self._slot(self.queue[index - 1]).edf_key(self.slo) > key:
             index -= 1
         self.queue.insert(index, pending)
         self._report_load()
@@ -141,14 +141,14 @@ class PrefillWorker:
         self.member.report_load(load)
 
     def _flight_msg(self, flight: _InFlight) -> agent_pb2.PrefillBatchInFlight:
-        ordered = sorted(flight.batch, key=lambda p: edf_key(self._slot(p), self.slo))
+        ordered = sorted(flight.batch, key=lambda p: self._slot(p).edf_key(self.slo))
         return agent_pb2.PrefillBatchInFlight(requests=[_queued_msg(p) for p in ordered],
                                               layers_done=flight.layers_done,
                                               started_unix_ns=flight.started_unix_ns,
                                               preempted_id=flight.preempted_id)
 
     def _first_id(self, flight: _InFlight) -> str:
-        return min(flight.batch, key=lambda p: edf_key(self._slot(p), self.slo)).msg.request_id
+        return min(flight.batch, key=lambda p: self._slot(p).edf_key(self.slo)).msg.request_id
 
     def cancel(self, request_id: str) -> bool:
         for pending in self.queue:

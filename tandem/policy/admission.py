@@ -75,7 +75,7 @@ def admit(
             ttfts.append((r.request_id, t - r.arrival_s))
         return AdmissionResult(ids, (), tuple(r.request_id for r in fifo), tuple(ttfts))
 
-    edf = sorted(queue, key=lambda r: (r.deadline(slo), r.arrival_s, r.request_id))
+    edf = sorted(queue, key=lambda r: r.edf_key(slo))
     t = now_s  # when the prefill admitted so far is predicted to finish
     kept: list[str] = []
     ttfts = []

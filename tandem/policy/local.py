@@ -30,13 +30,9 @@ class PrefillPlan(NamedTuple):
     drop: tuple[QueuedRequest, ...]  # cannot make their deadlines even alone and at once
 
 
-def edf_key(request: QueuedRequest, slo: Slo) -> tuple[float, float, str]:
-    return (request.deadline(slo), request.arrival_s, request.request_id)
-
-
 def plan_prefill(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict: PredictBatch,
                  batching: PrefillBatching, *, drop_late: bool = False, drop_margin_s: float = 0.0) -> PrefillPlan:
-    edf = sorted(queue, key=lambda r: edf_key(r, slo))
+    edf = sorted(queue, key=lambda r: r.edf_key(slo))
     drop: list[QueuedRequest] = []
     if drop_late:
         drop = [r for r in edf if now_s + predict([r]) > r.deadline(slo) + drop_margin_s]

@@ -31,7 +31,7 @@ Policy = Callable[[ClusterSnapshot, Predictor], Decision]
 
 def edf_order(queued: Sequence[QueuedRequest], snapshot: ClusterSnapshot) -> list[QueuedRequest]:
     """Earliest deadline first; ties by arrival then id so the order is total."""
-    return sorted(queued, key=lambda r: (r.deadline(snapshot.slo), r.arrival_s, r.request_id))
+    return sorted(queued, key=lambda r: r.edf_key(snapshot.slo))
 
 
 def fcfs_order(queued: Sequence[QueuedRequest]) -> list[QueuedRequest]:

@@ -102,6 +102,10 @@ class QueuedRequest:
         for this prompt's length."""
         return self.deadline_s if self.deadline_s is not None else self.arrival_s + slo.ttft_for(self.prompt_tokens)
 
+    def edf_key(self, slo: Slo) -> tuple[float, float, str]:
+        """Earliest-deadline-first sort key; ties by arrival then id, so the order is total."""
+        return (self.deadline(slo), self.arrival_s, self.request_id)
+
 
 @dataclass(frozen=True)
 class RunningPrefill:

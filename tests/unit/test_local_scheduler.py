@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.policy.admission import PrefillBatching
-from tandem.policy.local import edf_key, plan_prefill
+from tandem.policy.local import plan_prefill
 from tandem.policy.types import QueuedRequest, Slo
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.1, ttft_per_1k_s=1.0)  # deadline = arrival + 1 s + 1 s per 1k tokens
@@ -69,7 +69,7 @@ def test_random_queues(reqs: list[tuple[float, int, int]], now: float, spt: floa
     ids = [r.request_id for r in plan.batch]
     dropped = {r.request_id for r in plan.drop}
     assert not dropped & set(ids)
-    kept = sorted((r for r in queue if r.request_id not in dropped), key=lambda r: edf_key(r, SLO))
+    kept = sorted((r for r in queue if r.request_id not in dropped), key=lambda r: r.edf_key(SLO))
     # The batch is the EDF front of what is kept, within the limits.
     assert ids == [r.request_id for r in kept[: len(ids)]]
     assert bool(ids) == bool(kept)
