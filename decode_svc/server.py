@@ -236,7 +236,7 @@ class DecodeWorker:
             if not rec.output_token_ids:
                 # Handed over uncomputed (aggregated mode) and lost before its first token:
                 # prefill_svc saw the handoff fail and failed the request; its blocks are ours.
-                await self._release_id(rec.request_id)
+                await self.member.release(rec.request_id)
                 await self.records.set_state(rec.request_id, "failed")
                 continue
             params = SamplingParams.from_dict(rec.sampling)
@@ -649,15 +649,7 @@ class DecodeWorker:
 
     async def _release(self, req: Request) -> None:
         """Give the request's blocks back, publishing the K/V written so far."""
-        await self._release_id(req.request_id, req.all_token_ids[: req.num_computed_tokens])
-
-    async def _release_id(self, request_id: str, token_ids: list[int] | None = None) -> None:
-        try:
-            await self.member.agent.Release(
-                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or [], owner=self.service_id),
-                timeout=RPC_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.error("could not release blocks of %s: %s", request_id, exc.details())
+        await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):

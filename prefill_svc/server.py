@@ -209,7 +209,7 @@ class PrefillWorker:
             log.exception("prefill batch failed")
             for pending in batch:
                 _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-                await self._release(pending.msg.request_id)
+                await self.member.release(pending.msg.request_id)
         finally:
             for pending in batch:
                 self.running.pop(pending.msg.request_id, None)
@@ -271,7 +271,7 @@ class PrefillWorker:
             if answer is None:
                 return
             if not answer.accepted:
-                await self._release(rid)
+                await self.member.release(rid)
                 code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
                 _fail(pending, code, f"decode did not prefill the request: {answer.message}")
                 return
@@ -283,7 +283,7 @@ class PrefillWorker:
         except Exception as exc:  # a bug must fail the request, not the service
             log.exception("forwarding %s to decode failed", rid)
             _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-            await self._release(rid)
+            await self.member.release(rid)
         finally:
             self.forwarded.pop(rid, None)
 
@@ -437,7 +437,7 @@ class PrefillWorker:
         rid = req.request_id
         otel_context.attach(pending.trace_context)  # own task (gather): see _allocate
         if pending.cancelled or pending.future.done():
-            await self._release(rid)
+            await self.member.release(rid)
             _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")
             return
         first = token_to_proto(
@@ -450,7 +450,7 @@ class PrefillWorker:
             num_cached_tokens=req.num_cached_prompt_tokens, queue_ns=queue_ns, prefill_ns=prefill_ns,
         )
         if finish_reason is not None:
-            await self._release(rid, req.prompt_token_ids)
+            await self.member.release(rid, req.prompt_token_ids)
             _succeed(pending, reply)
             return
         handoff_start = time.perf_counter_ns()
@@ -460,14 +460,14 @@ class PrefillWorker:
                 timeout=RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
-            await self._release(rid)
+            await self.member.release(rid)
             _fail(pending, grpc.StatusCode.UNAVAILABLE, f"publishing the prompt's blocks failed: {exc.details()}")
             return
         answer = await self._handoff(pending, self._handoff_msg(pending, req), RPC_TIMEOUT_S)
         if answer is None:
             return
         if not answer.accepted:
-            await self._release(rid)
+            await self.member.release(rid)
             _fail(pending, grpc.StatusCode.UNAVAILABLE, f"decode refused the request: {answer.message}")
             return
         reply.handoff_ns = time.perf_counter_ns() - handoff_start
@@ -487,7 +487,7 @@ class PrefillWorker:
                 msg, timeout=max(timeout_s, HANDOFF_TIMEOUT_S), wait_for_ready=True)
             return reply
         except (grpc.aio.AioRpcError, LookupError) as exc:
-            await self._release(msg.request_id)
+            await self.member.release(msg.request_id)
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
             return None
@@ -509,15 +509,6 @@ class PrefillWorker:
                                                 options=RECONNECT_OPTIONS)
             self._decode_channels[address] = channel
         return decode_pb2_grpc.DecodeStub(channel)
-
-    async def _release(self, request_id: str, token_ids: list[int] | None = None) -> None:
-        try:
-            await self.member.agent.Release(
-                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids or [], owner=self.config.service_id),
-                timeout=RPC_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.error("could not release blocks of %s: %s", request_id, exc.details())
 
 
 def _queued_msg(pending: _Pending) -> agent_pb2.QueuedPrefill:

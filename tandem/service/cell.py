@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -137,6 +137,17 @@ class CellMember:
                 continue
             if reply.partition.epoch > self.partition.epoch:
                 self.partition = reply.partition  # sooner than the watch stream delivers it
+
+    async def release(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
+        """Give a request's blocks back to the agent (publishing ``token_ids``' K/V first), as
+        their owner: a request another service has taken over is left alone. A failed call is
+        logged; the agent reclaims what this service holds when its lease ends."""
+        try:
+            await self.agent.Release(
+                agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids, owner=self.service_id),
+                timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.error("could not release blocks of %s: %s", request_id, exc.details())
 
     def apply_partition(self) -> bool:
         """Apply a newer partition; call only from the torch thread, at a boundary."""
