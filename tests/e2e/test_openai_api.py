@@ -318,7 +318,7 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         event_times_s.append(time.monotonic())
-                    if len(event_times_s) >= 20:
+                    if len(event_times_s) >= 8:  # early: a tiny model streams 1900 tokens in about a second
                         break
                 during = await _agent_stats(tiny)
         left_s = time.monotonic()
@@ -331,7 +331,7 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
     assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
     # Cancelled, not finished: the blocks came back long before the rest of the tokens could
     # have been generated at the rate they were streaming.
-    assert freed_in_s < max(3.0, 0.5 * (max_tokens - 20) / tokens_per_s), (freed_in_s, tokens_per_s)
+    assert freed_in_s < max(5.0, 0.5 * (max_tokens - 8) / tokens_per_s), (freed_in_s, tokens_per_s)
 
     # the same for a non-streaming request whose client gives up waiting
     async def give_up() -> tuple[agent_pb2.AgentStats, float]:
@@ -345,7 +345,7 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
 
     after, freed_in_s = asyncio.run(give_up())
     assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
-    assert freed_in_s < max(3.0, 0.5 * max_tokens / tokens_per_s), (freed_in_s, tokens_per_s)
+    assert freed_in_s < max(5.0, 0.5 * max_tokens / tokens_per_s), (freed_in_s, tokens_per_s)
     metrics = httpx.get(f"{tiny.http_address()}/metrics").text
     assert "tandem:num_requests_running 0.0" in metrics and "tandem:num_requests_waiting 0.0" in metrics
 
