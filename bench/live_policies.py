@@ -2,19 +2,27 @@
 
 For each policy (chunked, static, dynamic, adaptive) this starts ``tandem up --policy P`` (the
 real processes, the default SmolLM2 model), runs ``tandem bench`` against it with the same
-requests (same seed) at each rate, and stops it; the policies take turns inside one run so that
-drift of this shared machine hits them alike. Admission is off by default so that the policies
-alone are compared (``--admission on`` measures Tandem as shipped). Writes one JSON with every
-``tandem bench`` result and a goodput-vs-rate plot.
+requests (same seed) at each rate, and stops it. The policies take turns inside each repeat, and
+each repeat draws new requests (seed + repeat), so that drift of this shared machine hits the
+policies alike and the spread between repeats is the noise a comparison has to beat: every
+goodput is reported as a mean over ``--repeats`` with a 95 % Student-t interval. Several
+``--workload`` models (ShareGPT, Azure code and conversation lengths) mix short and long prompts;
+``--ttft-slo-ms-per-1k`` scales the TTFT SLO with prompt length, for the bench and the stack alike.
+Admission is off by default so that the policies alone are compared (``--admission on``
+measures Tandem as shipped). Writes one JSON with every ``tandem bench`` result and a
+goodput-vs-rate plot.
 
-Usage: python bench/live_policies.py [--rate 0.5 1 2] [--num-requests 30] [--out FILE] [--plots DIR]
+Usage: python bench/live_policies.py [--rate 0.5 1 2] [--num-requests 30] [--repeats 3]
+       [--workload sharegpt azure-code] [--out FILE] [--plots DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import signal
 import subprocess
 import sys
@@ -34,7 +42,8 @@ def start_stack(policy: str, args: argparse.Namespace, log_path: Path) -> tuple[
     port = free_port()
     cmd = [str(BIN / "tandem"), "up", "--policy", policy, "--port", str(port), "--grpc-port", str(free_port()),
            "--cell-id", f"live-{policy}-{os.getpid()}", "--admission", args.admission,
-           "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
+           "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms),
+           "--ttft-slo-ms-per-1k", str(args.ttft_slo_ms_per_1k)]
     if args.profile:
         cmd += ["--profile", args.profile]
     log = log_path.open("wb")
@@ -56,15 +65,50 @@ def stop_stack(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def run_bench(url: str, label: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    cmd = [str(BIN / "tandem"), "bench", "--base-url", url, "--label-a", label, "--workload", args.workload,
+def run_bench(url: str, label: str, workload: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [str(BIN / "tandem"), "bench", "--base-url", url, "--label-a", label, "--workload", workload,
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
-           "--num-requests", str(args.num_requests), "--rate", *map(str, args.rate), "--seed", str(args.seed),
+           "--num-requests", str(args.num_requests), "--rate", *map(str, args.rate), "--seed", str(seed),
            "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms),
+           "--ttft-slo-ms-per-1k-input", str(args.ttft_slo_ms_per_1k),
            "--warmup", "2", "--no-progress", "--out", str(out)]
     subprocess.run(cmd, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+# Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95 % t-interval (0 for a single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    t = _T95.get(len(values) - 1, 1.96)
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate, over repeats: goodput, attainment and latencies as mean ± 95 % half-width."""
+    by_rate: dict[float, list[dict[str, Any]]] = {}
+    for result in runs:
+        for run in result["runs"]:
+            by_rate.setdefault(run["rate_rps"], []).append(run["summary"])
+    rows = []
+    for rate, summaries in sorted(by_rate.items()):
+        row: dict[str, Any] = {"rate_rps": rate, "repeats": len(summaries)}
+        for key, get in (("goodput_rps", lambda s: s["goodput_rps"]), ("slo_attainment", lambda s: s["slo_attainment"]),
+                         ("output_token_throughput", lambda s: s["output_token_throughput"]),
+                         ("num_failed", lambda s: s["num_failed"]),
+                         ("ttft_p99_s", lambda s: s["ttft_s"]["p99"] or 0.0),
+                         ("tbt_p99_s", lambda s: s["tbt_s"]["p99"] or 0.0)):
+            mean, half = mean_ci95([float(get(s)) for s in summaries])
+            row[key] = round(mean, 4)
+            row[f"{key}_ci95"] = round(half, 4)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -72,11 +116,15 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--rate", nargs="+", type=float, default=[0.5, 1.0, 2.0])
     parser.add_argument("--num-requests", type=int, default=30)
-    parser.add_argument("--workload", default="sharegpt")
+    parser.add_argument("--repeats", type=int, default=3, help="each with new requests (seed + repeat)")
+    parser.add_argument("--workload", nargs="+", default=["sharegpt"],
+                        help="tandem bench workloads, e.g. sharegpt azure-code azure-conv")
     parser.add_argument("--max-input-len", type=int, default=512)
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=0.0,
+                        help="the TTFT SLO grows by this per 1000 prompt tokens (bench and stack)")
     parser.add_argument("--admission", default="off", choices=["on", "off"])
     parser.add_argument("--profile", default="")
     parser.add_argument("--seed", type=int, default=0)
@@ -84,22 +132,23 @@ def main() -> None:
     parser.add_argument("--plots", default="")
     args = parser.parse_args()
 
-    results: dict[str, Any] = {}
+    # results[workload][policy]: one tandem bench result per repeat
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {p: [] for p in args.policy} for w in args.workload}
     with tempfile.TemporaryDirectory(prefix="live-policies-") as tmp:
-        for policy in args.policy:
-            print(f"== {policy}", flush=True)
-            proc, url = start_stack(policy, args, Path(tmp) / f"{policy}.log")
-            try:
-                results[policy] = run_bench(url, policy, args, Path(tmp) / f"{policy}.json")
-            finally:
-                stop_stack(proc)
-            print(results[policy]["table"], flush=True)
+        for repeat in range(args.repeats):
+            for policy in args.policy:  # one stack per policy and repeat serves every workload
+                print(f"== repeat {repeat + 1}/{args.repeats}: {policy}", flush=True)
+                proc, url = start_stack(policy, args, Path(tmp) / f"{policy}-{repeat}.log")
+                try:
+                    for workload in args.workload:
+                        out = Path(tmp) / f"{policy}-{workload}-{repeat}.json"
+                        result = run_bench(url, policy, workload, args.seed + repeat, args, out)
+                        results[workload][policy].append(result)
+                        print(workload, result["table"], sep="\n", flush=True)
+                finally:
+                    stop_stack(proc)
 
-    summary = {policy: [{"rate_rps": run["rate_rps"], **{k: run["summary"][k] for k in (
-        "goodput_rps", "slo_attainment", "request_throughput_rps", "output_token_throughput", "num_failed")},
-        "ttft_mean_s": run["summary"]["ttft_s"]["mean"], "ttft_p99_s": run["summary"]["ttft_s"]["p99"],
-        "tbt_mean_s": run["summary"]["tbt_s"]["mean"], "tbt_p99_s": run["summary"]["tbt_s"]["p99"]}
-        for run in result["runs"]] for policy, result in results.items()}
+    summary = {w: {p: summarize(runs) for p, runs in by_policy.items()} for w, by_policy in results.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items()}
@@ -107,15 +156,17 @@ def main() -> None:
                                                              "load_average_end": os.getloadavg()},
                                "summary": summary, "bench": results}, indent=1) + "\n")
     if args.plots:
-        points = {p: [(row["rate_rps"], row["goodput_rps"]) for row in rows] for p, rows in summary.items()}
-        plot_goodput_vs_rate(points, Path(args.plots) / "live-policies-goodput.png")
-    print(f"{'policy':10s} {'rate':>5s} {'goodput':>8s} {'attain':>7s} {'TTFT ms':>8s} {'TBT ms':>7s}")
-    for policy, rows in summary.items():
-        for row in rows:
-            print(f"{policy:10s} {row['rate_rps']:5.2f} {row['goodput_rps']:8.3f} {row['slo_attainment']:7.2f} "
-                  f"{(row['ttft_mean_s'] or 0) * 1e3:8.0f} {(row['tbt_mean_s'] or 0) * 1e3:7.0f}")
+        for workload, by_policy in summary.items():
+            points = {p: [(row["rate_rps"], row["goodput_rps"]) for row in rows] for p, rows in by_policy.items()}
+            plot_goodput_vs_rate(points, Path(args.plots) / f"live-policies-goodput-{workload}.png")
+    print(f"{'workload':11s} {'policy':9s} {'rate':>5s} {'goodput (95% CI)':>18s} {'attain':>14s} {'TBT p99 ms':>11s}")
+    for workload, by_policy in summary.items():
+        for policy, rows in by_policy.items():
+            for row in rows:
+                print(f"{workload:11s} {policy:9s} {row['rate_rps']:5.2f} "
+                      f"{row['goodput_rps']:8.3f} ± {row['goodput_rps_ci95']:6.3f} "
+                      f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}")
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()
