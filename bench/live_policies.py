@@ -90,6 +90,23 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def paired(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate, the goodput difference from the reference policy over the same requests (repeat
+    by repeat: same seed), as mean ± 95 % half-width: pairing removes the spread between request
+    draws, which dominates the unpaired intervals."""
+    rows = []
+    rates = sorted({run["rate_rps"] for result in runs for run in result["runs"]})
+    for rate in rates:
+        diffs = []
+        for mine, theirs in zip(runs, reference, strict=True):
+            a = next(r["summary"]["goodput_rps"] for r in mine["runs"] if r["rate_rps"] == rate)
+            b = next(r["summary"]["goodput_rps"] for r in theirs["runs"] if r["rate_rps"] == rate)
+            diffs.append(a - b)
+        mean, half = mean_ci95(diffs)
+        rows.append({"rate_rps": rate, "goodput_diff_rps": round(mean, 4), "goodput_diff_ci95": round(half, 4)})
+    return rows
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rate, over repeats: goodput, attainment and latencies as mean ± 95 % half-width."""
     by_rate: dict[float, list[dict[str, Any]]] = {}
@@ -130,7 +147,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/live-policies.json")
     parser.add_argument("--plots", default="")
+    parser.add_argument("--reference", default="dynamic", help="the policy the paired differences are taken from")
+    parser.add_argument("--from-json", default="", help="summarize an earlier run's JSON again instead of running")
     args = parser.parse_args()
+    if args.from_json:
+        earlier = json.loads(Path(args.from_json).read_text())
+        report(earlier["bench"], args, earlier["config"])
+        return
 
     # results[workload][policy]: one tandem bench result per repeat
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {p: [] for p in args.policy} for w in args.workload}
@@ -148,24 +171,35 @@ def main() -> None:
                 finally:
                     stop_stack(proc)
 
+    report(results, args, {k: v for k, v in vars(args).items()})
+
+
+def report(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Namespace,
+           config: dict[str, Any]) -> None:
+    """Summaries (mean ± 95 % CI per policy, paired differences from ``--reference``), JSON, plots."""
     summary = {w: {p: summarize(runs) for p, runs in by_policy.items()} for w, by_policy in results.items()}
+    diffs = {w: {p: paired(runs, by_policy[args.reference]) for p, runs in by_policy.items() if p != args.reference}
+             for w, by_policy in results.items() if args.reference in by_policy}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items()}
     out.write_text(json.dumps({"config": config, "machine": {"cpu_count": os.cpu_count(),
                                                              "load_average_end": os.getloadavg()},
-                               "summary": summary, "bench": results}, indent=1) + "\n")
+                               "summary": summary, "paired_vs_reference": diffs, "bench": results}, indent=1) + "\n")
     if args.plots:
         for workload, by_policy in summary.items():
             points = {p: [(row["rate_rps"], row["goodput_rps"]) for row in rows] for p, rows in by_policy.items()}
             plot_goodput_vs_rate(points, Path(args.plots) / f"live-policies-goodput-{workload}.png")
-    print(f"{'workload':11s} {'policy':9s} {'rate':>5s} {'goodput (95% CI)':>18s} {'attain':>14s} {'TBT p99 ms':>11s}")
+    print(f"{'workload':11s} {'policy':9s} {'rate':>5s} {'goodput (95% CI)':>18s} {'attain':>14s} {'TBT p99 ms':>11s}"
+          f" {'minus ' + args.reference:>18s}")
     for workload, by_policy in summary.items():
         for policy, rows in by_policy.items():
-            for row in rows:
+            for i, row in enumerate(rows):
+                d = diffs.get(workload, {}).get(policy)
+                versus = f"{d[i]['goodput_diff_rps']:+8.3f} ± {d[i]['goodput_diff_ci95']:6.3f}" if d else ""
                 print(f"{workload:11s} {policy:9s} {row['rate_rps']:5.2f} "
                       f"{row['goodput_rps']:8.3f} ± {row['goodput_rps_ci95']:6.3f} "
-                      f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}")
+                      f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}"
+                      f" {versus:>18s}")
     print(f"wrote {out}")
 
 if __name__ == "__main__":
