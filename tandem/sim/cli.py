@@ -33,6 +33,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--hardware", choices=sorted(HARDWARE_PRESETS), default="A100-80G",
       help="device preset (cpu: this machine, from --profile when given)")
     p("--profile", default=None, help="a `tandem profile` file: its device, calibration and contention")
+    p("--units", type=int, default=None,
+      help="the device with this many units (cores, SMs): per-unit compute, memory bandwidth, its knee and "
+           "the calibration stay as measured or preset, so a profiled 2-core CPU answers what 16 such "
+           "cores on the same memory would give")
     p("--model", default="Llama-3.1-8B", help="model preset (Llama-3.1-8B, Qwen3-8B, Llama-3.1-70B)")
     p("--model-dir", default=None, help="a model directory whose config.json gives the shape (overrides --model), "
                                         "e.g. ~/.cache/tandem/models/SmolLM2-135M-Instruct")
@@ -87,7 +91,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(args.model_dir).expanduser() if args.model_dir else None
     shape = load_shape(args.model, tp_degree=args.tp, model_dir=model_dir)
     hardware = "cpu" if args.profile else args.hardware
-    predictor, spec = build_predictor(hardware, shape, profile_path=args.profile, contention=args.contention)
+    predictor, spec = build_predictor(hardware, shape, profile_path=args.profile, contention=args.contention,
+                                      units=args.units)
     cell = cell_config_for(
         spec, shape, block_size=args.block_size, num_blocks=args.num_blocks, handoff_s=args.handoff_ms / 1e3,
         step_overhead_s=args.step_overhead_ms / 1e3, prefill_overhead_s=args.prefill_overhead_ms / 1e3)

@@ -102,24 +102,29 @@ def build_predictor(
     *,
     profile_path: str | os.PathLike[str] | None = None,
     contention: float | None = None,
+    units: int | None = None,
 ) -> tuple[PerfPredictor, HardwareSpec]:
     """The live services' predictor for `shape` on a hardware preset, or on the device a
     `tandem profile` file describes (its calibration and contention guard included).
 
     `contention`, when given, replaces the guard by a flat slowdown of each phase while the
     other runs beside it; otherwise a preset brings its papers' worst case
-    (`HardwareSpec.contention_guard`) and a profile its measured grid.
+    (`HardwareSpec.contention_guard`) and a profile its measured grid. `units`, when given,
+    replaces the device's unit count and nothing else (a what-if on more cores or SMs of the same
+    kind, on the same memory).
     """
     guard: ContentionGuard | None = None
     if profile_path is not None:
         profile = load_profile(profile_path)
-        spec = profile.hardware
+        spec = profile.hardware if units is None else _with_units(profile.hardware, units)
         model = PerfModel(spec, shape, profile.calibration(), profile.contention)
     else:
         spec = hardware_preset(hardware)
         if not spec.is_gpu:
             cores = len(os.sched_getaffinity(0))
             spec = replace(spec, num_units=cores, bandwidth_knee_units=min(spec.bandwidth_knee_units, cores))
+        if units is not None:
+            spec = _with_units(spec, units)
         model = PerfModel(spec, shape, contention=spec.contention_guard())
     if contention is not None:
         if contention < 1.0:
@@ -127,6 +132,16 @@ def build_predictor(
         guard = ContentionGuard([1], default_slowdown=contention)
         model.contention = guard
     return PerfPredictor(model), spec
+
+
+def _with_units(spec: HardwareSpec, units: int) -> HardwareSpec:
+    if units <= 0:
+        raise ValueError(f"units must be positive, got {units}")
+    if units >= spec.bandwidth_knee_units:
+        return replace(spec, num_units=units, num_sms=units if spec.is_gpu else None)
+    # Fewer units than saturate the memory: each still draws what it drew on the whole device.
+    return replace(spec, num_units=units, num_sms=units if spec.is_gpu else None, bandwidth_knee_units=units,
+                   mem_bandwidth=spec.mem_bandwidth * units / spec.bandwidth_knee_units)
 
 
 def cell_config_for(

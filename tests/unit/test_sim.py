@@ -257,3 +257,30 @@ def test_split_launches_pay_contention_and_reconfiguration_aggregated_steps_do_n
             assert paid.records == base.records
     with pytest.raises(ValueError):
         replace(CELL, reconfig_s=-1.0)
+
+
+@pytest.mark.parametrize("units", [1, 3, 16, 64])
+def test_units_changes_the_unit_count_and_nothing_else(tmp_path: Path, units: int) -> None:
+    from tandem.perf.hardware import CPU_PLACEHOLDER
+    from tandem.perf.profile import PerfProfile, save_profile
+
+    hardware = replace(CPU_PLACEHOLDER, num_units=2, bandwidth_knee_units=1.5)
+    path = tmp_path / "profile.json"
+    save_profile(PerfProfile(hardware=hardware), path)
+    shape = load_shape("Llama-3.1-8B").with_tp(1)
+    base, _ = build_predictor("cpu", shape, profile_path=path)
+    predictor, spec = build_predictor("cpu", shape, profile_path=path, units=units)
+    assert spec.num_units == units
+    assert spec.peak_flops_per_unit == hardware.peak_flops_per_unit
+    # Each unit draws the bandwidth it drew before: the whole device's beyond the knee.
+    per_unit = hardware.mem_bandwidth / hardware.bandwidth_knee_units
+    assert spec.mem_bandwidth == pytest.approx(per_unit * min(units, 1.5))
+    # On the units both devices have, predictions agree; prefill on all units scales with them.
+    common = min(units, 2)
+    assert predictor.predict_prefill([(512, 0)], common) == pytest.approx(base.predict_prefill([(512, 0)], common))
+    if units > 2:
+        assert predictor.predict_prefill([(512, 0)], units) < base.predict_prefill([(512, 0)], 2)
+    _, gpu = build_predictor("A100-80G", shape, units=54)
+    assert gpu.num_units == gpu.num_sms == 54
+    with pytest.raises(ValueError, match="units must be positive"):
+        build_predictor("cpu", shape, profile_path=path, units=0)
