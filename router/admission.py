@@ -70,10 +70,11 @@ class Refusal:
     reason: str
     retry_after_s: float
     predicted_ttft_s: float
+    ttft_slo_s: float  # this request's TTFT SLO (it grows with the prompt when the SLO has a per-1k part)
 
-    def message(self, slo: Slo) -> str:
+    def message(self) -> str:
         return (f"admission refused: {self.reason} (predicted TTFT {self.predicted_ttft_s * 1000:.0f} ms, "
-                f"SLO {slo.ttft_s * 1000:.0f} ms); retry after {self.retry_after_s:.2f} s")
+                f"SLO {self.ttft_slo_s * 1000:.0f} ms); retry after {self.retry_after_s:.2f} s")
 
     @property
     def retry_after_header(self) -> str:
@@ -217,7 +218,8 @@ class AdmissionController:
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
-                return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s)
+                return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s,
+                               self.slo.ttft_for(request.prompt_tokens))
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts
@@ -284,7 +286,7 @@ class AdmissionController:
     def _judge(self, request: QueuedRequest, now_s: float) -> None:
         """Count ``request``'s first token, at ``now_s``, as met or missed, and judge the
         refusals that waited on it."""
-        if now_s - request.arrival_s <= self.slo.ttft_s:
+        if now_s <= request.deadline(self.slo):
             self.num_met += 1
         else:
             self.num_missed += 1

@@ -326,7 +326,7 @@ class RouterCore:
                 if refusal is not None:
                     self.upstream.streams.unregister(upstream_id)
                     log.info("request %s refused: %s", request_id, refusal.reason)
-                    raise RequestError(Status.RESOURCE_EXHAUSTED, refusal.message(admission.slo),
+                    raise RequestError(Status.RESOURCE_EXHAUSTED, refusal.message(),
                                        retry_after_s=refusal.retry_after_s)
             try:
                 try:

@@ -89,7 +89,7 @@ def admit(
             ttfts.append((r.request_id, t - r.arrival_s))
         elif now_s >= deadline:
             refused.append((r, REASON_PAST_DEADLINE, own))
-        elif own > slo.ttft_s:
+        elif own > slo.ttft_for(r.prompt_tokens):
             refused.append((r, REASON_TOO_LONG, own))
         else:
             refused.append((r, REASON_QUEUE, own))
@@ -97,13 +97,14 @@ def admit(
     backlog_end = t
     rejections: list[Rejection] = []
     for r, reason, own in refused:
-        if own > slo.ttft_s:
+        target = slo.ttft_for(r.prompt_tokens)  # this prompt's TTFT SLO, which grows with its length
+        if own > target:
             retry: float | None = None
             reason = REASON_TOO_LONG
         else:
             # Resubmitted at now + x it is served after the whole admitted backlog (its
-            # fresh deadline is later than theirs) and must finish by now + x + TTFT SLO.
-            retry = max(0.0, backlog_end + own - slo.ttft_s - now_s)
+            # fresh deadline is later than theirs) and must finish by now + x + its TTFT SLO.
+            retry = max(0.0, backlog_end + own - target - now_s)
         rejections.append(Rejection(r.request_id, reason, retry))
 
     kept_set = set(kept)
@@ -261,7 +262,7 @@ def admit_one(
     if late_s <= 0:
         return None
     alone_s = scale * predictor.predict_prefill([request.seq], units)
-    if alone_s > slo.ttft_s * (1 + margin):
+    if alone_s > slo.ttft_for(request.prompt_tokens) + margin * slo.ttft_s:
         if not ahead:
             return None
         # It can fit only once the backlog has drained.

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.policy.admission import (
     REASON_PAST_DEADLINE,
@@ -363,3 +365,28 @@ def test_length_scaled_deadlines_admit_a_short_prompt_ahead_of_long_ones() -> No
     flat = Slo(ttft_s=0.6, tbt_s=0.05)
     assert predict_ttft(ahead, short, NOW, P, 1, PREFILL, slo=flat).num_batches_ahead == 3
     assert admit_one(ahead, short, NOW, P, 1, flat, batching=PREFILL) is not None
+
+
+@given(ahead_tokens=st.lists(st.integers(1, 30000), max_size=6), tokens=st.integers(1, 60000),
+       per_1k_s=st.sampled_from([0.0, 0.25, 1.0]), margin=st.sampled_from([0.0, 0.25]))
+@settings(max_examples=300, deadline=None)
+def test_a_refusal_says_too_long_only_when_the_prompt_misses_its_own_slo_alone(
+        ahead_tokens: list[int], tokens: int, per_1k_s: float, margin: float) -> None:
+    """With a TTFT SLO that grows with the prompt, "too long" is judged against the prompt's own
+    target, and every other refusal's retry hint is finite (a long prompt whose target grows
+    with it is refused for the queue ahead, and fits once that queue has drained)."""
+    slo = Slo(ttft_s=1.0, tbt_s=0.05, ttft_per_1k_s=per_1k_s)
+    ahead = [q(f"a{i}", n, NOW) for i, n in enumerate(ahead_tokens)]
+    request = q("r", tokens, NOW)
+    alone_s = P.predict_prefill([request.seq], 1)
+    target_s = slo.ttft_for(tokens)
+    refused = admit_one(ahead, request, NOW, P, 1, slo, margin=margin)
+    if refused is not None:
+        assert (refused.reason == REASON_TOO_LONG) == (alone_s > target_s + margin * slo.ttft_s)
+        assert refused.retry_after_s is not None and refused.retry_after_s >= 0
+    result = admit([*ahead, request], NOW, P, 1, slo)
+    for rejection in result.rejected:
+        r = next(x for x in [*ahead, request] if x.request_id == rejection.request_id)
+        own_s = P.predict_prefill([r.seq], 1)
+        assert (rejection.reason == REASON_TOO_LONG) == (own_s > slo.ttft_for(r.prompt_tokens))
+        assert (rejection.retry_after_s is None) == (rejection.reason == REASON_TOO_LONG)

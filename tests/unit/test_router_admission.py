@@ -42,7 +42,8 @@ def test_queue_grows_until_refusal_and_shrinks_on_done() -> None:
     assert refusal is not None and c.num_pending == 3 and c.num_refused == 1
     assert refusal.predicted_ttft_s == 1.2 or abs(refusal.predicted_ttft_s - 1.2) < 1e-9
     assert abs(refusal.retry_after_s - 0.2) < 1e-9 and refusal.retry_after_header == "1"
-    assert "admission refused" in refusal.message(SLO) and "1200 ms" in refusal.message(SLO)
+    assert "admission refused" in refusal.message() and "1200 ms" in refusal.message()
+    assert "SLO 1000 ms" in refusal.message()
     c.done("r0")
     assert c.try_admit("r3", 3000, now_s=10.0) is None
 
@@ -149,3 +150,19 @@ def test_counts_admitted_misses_and_judges_refusals() -> None:
     assert c.try_admit("w1", 9000, now_s=30.0) is not None
     c.done("w0")
     assert c.stats().num_false_refusals + c.stats().num_confirmed_refusals == 2
+
+
+def test_with_a_length_scaled_slo_misses_and_refusals_are_judged_by_each_prompts_own_target() -> None:
+    """TTFT SLO 1 s + 0.5 s per 1000 prompt tokens: a 9000-token prompt may take 5.5 s. Its first
+    token at 1.5 s met its SLO (the flat 1 s would call it missed), and a refusal names the
+    prompt's own target."""
+    slo = Slo(ttft_s=1.0, tbt_s=0.1, ttft_per_1k_s=0.5)
+    c = AdmissionController(TokenPredictor(), slo, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+    assert c.try_admit("long", 9000, now_s=10.0) is None  # 0.9 s alone, within 5.5 s
+    _batch_reply(c, ["long"], 1_500_000_000, now_s=11.5)
+    assert (c.stats().num_met, c.stats().num_missed) == (1, 0)
+    for i in range(6):  # 0.9 s each: six fill 5.4 s of the next one's 5.5 s
+        assert c.try_admit(f"q{i}", 9000, now_s=20.0) is None
+    refusal = c.try_admit("late", 9000, now_s=20.0)
+    assert refusal is not None and "SLO 5500 ms" in refusal.message()
+    assert refusal.reason == "queue ahead pushes TTFT past the deadline"
