@@ -9,10 +9,11 @@ path that does not end in an accepted handoff (cancelled, finished at the first 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -324,10 +325,13 @@ class PrefillWorker:
         return batch
 
     async def _allocate(self, pending: _Pending) -> Request | None:
-        msg = pending.msg
         # gather runs this in its own task: attaching the request's context here scopes the
         # outgoing RPC's span to this request's trace without touching the loop's context.
-        otel_context.attach(pending.trace_context)
+        with _in_trace(pending):
+            return await self._allocate_traced(pending)
+
+    async def _allocate_traced(self, pending: _Pending) -> Request | None:
+        msg = pending.msg
         try:
             reply = await self.member.agent.Allocate(
                 agent_pb2.AllocateRequest(request_id=msg.request_id, token_ids=msg.token_ids, num_extra_tokens=1,
@@ -434,8 +438,12 @@ class PrefillWorker:
 
     async def _finish_one(self, pending: _Pending, req: Request, finish_reason: str | None,
                           queue_ns: int, prefill_ns: int) -> None:
+        with _in_trace(pending):  # own task (gather): see _allocate
+            await self._finish_one_traced(pending, req, finish_reason, queue_ns, prefill_ns)
+
+    async def _finish_one_traced(self, pending: _Pending, req: Request, finish_reason: str | None,
+                                 queue_ns: int, prefill_ns: int) -> None:
         rid = req.request_id
-        otel_context.attach(pending.trace_context)  # own task (gather): see _allocate
         if pending.cancelled or pending.future.done():
             await self.member.release(rid)
             _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")
@@ -519,6 +527,16 @@ def _queued_msg(pending: _Pending) -> agent_pb2.QueuedPrefill:
 def _succeed(pending: _Pending, reply: prefill_pb2.PrefillReply) -> None:
     if not pending.future.done():  # a cancelled Submit cancels its future
         pending.future.set_result(reply)
+
+
+@contextlib.contextmanager
+def _in_trace(pending: _Pending) -> Iterator[None]:
+    """The request's trace context is current inside, and the caller's again after."""
+    token = otel_context.attach(pending.trace_context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _fail(pending: _Pending, code: grpc.StatusCode, message: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -587,3 +588,23 @@ def test_unknown_exporter_fails_loudly() -> None:
     result = _run_setup({"OTEL_TRACES_EXPORTER": "zipkin"})
     assert result.returncode != 0
     assert "zipkin" in result.stderr and "ValueError" in result.stderr
+
+
+def test_prefill_scopes_a_request_trace_context_and_restores_the_callers() -> None:
+    """prefill_svc runs each request's agent RPCs under that request's trace context and gives
+    the caller's context back afterwards, also when the work raises (no attach without detach)."""
+    from prefill_svc.server import _in_trace
+
+    key = otel_context.create_key("tandem-test")
+    theirs = otel_context.set_value(key, "request", otel_context.get_current())
+
+    class Pending:
+        trace_context = theirs
+
+    before = otel_context.get_current()
+    with _in_trace(Pending()):  # type: ignore[arg-type]
+        assert otel_context.get_value(key) == "request"
+    assert otel_context.get_current() == before
+    with pytest.raises(RuntimeError), _in_trace(Pending()):  # type: ignore[arg-type]
+        raise RuntimeError("boom")
+    assert otel_context.get_current() == before and otel_context.get_value(key) is None
