@@ -202,7 +202,7 @@ class DecodeWorker:
             batch_size=min(len(self.running), self.config.max_batch_requests), predicted_ttft_ms=0.0,
             predicted_tbt_ms=self.last_step_ns / 1e6, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
             decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=self.runner.pool.spec.num_blocks,
-            updated_unix_ns=time.time_ns(),
+            updated_unix_ns=time.time_ns(), num_preemptions=self.num_preemptions,
         )
 
     def cancel(self, request_id: str) -> bool:

@@ -179,7 +179,7 @@ class PrefillWorker:
             batch_size=len(self.running), predicted_ttft_ms=1000.0 * queued / self.tokens_per_s,
             predicted_tbt_ms=0.0, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
             decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=spec.num_blocks,
-            updated_unix_ns=time.time_ns(),
+            updated_unix_ns=time.time_ns(), num_dropped=self.num_dropped, num_preemptions=self.num_preemptions,
         )
 
     # ------------------------------------------------------------------ loop

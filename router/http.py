@@ -410,15 +410,16 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class Gateway:
     """The HTTP endpoints over one router core.
 
-    ``read_agent_load`` (optional) returns the agent's latest load report for the cell gauges.
+    ``read_cell`` (optional) returns the cell's latest load reports (the agent's gives the cell
+    gauges; prefill's and decode's their drop and preemption counts).
     """
 
     def __init__(self, core: RouterCore, api_key: str = "",
-                 read_agent_load: Callable[[], Awaitable[LoadReport | None]] | None = None) -> None:
+                 read_cell: Callable[[], Awaitable[list[LoadReport]]] | None = None) -> None:
         self._core = core
         self._metrics = core.metrics
         self._api_key = api_key
-        self._read_agent_load = read_agent_load
+        self._read_cell = read_cell
         self._tasks: set[asyncio.Task[None]] = set()
 
     def app(self) -> Starlette:
@@ -471,13 +472,14 @@ class Gateway:
             self._authorize(request)  # Prometheus sends it with `authorization: {credentials: KEY}`
         except HTTPError as exc:
             return exc.response()
-        report: LoadReport | None = None
-        if self._read_agent_load is not None:
+        reports: list[LoadReport] = []
+        if self._read_cell is not None:
             try:
-                report = await asyncio.wait_for(self._read_agent_load(), 2.0)
+                reports = await asyncio.wait_for(self._read_cell(), 2.0)
             except Exception as exc:  # Redis down: the request metrics are still worth serving
                 log.debug("load board read failed: %s", exc)
-        self._metrics.set_cell(report)
+        self._metrics.set_cell(next((r for r in reports if r.role == "agent"), None))
+        self._metrics.count_services(reports)
         return Response(self._metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:

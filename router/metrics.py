@@ -6,7 +6,11 @@ The names and meanings are vLLM's (``vllm:time_to_first_token_seconds`` is
 ``e2e_request_latency_seconds``...), so a vLLM dashboard needs only the prefix changed.
 Request metrics are observed by the router core for every request, gRPC or HTTP; the cell
 gauges (KV cache use, partition) are read from the agent's entry on the Redis load board at
-scrape time.
+scrape time, and the SLO scheduler's counts from prefill's and decode's entries:
+``num_preemptions_total`` (vLLM's: decode freed a request's KV blocks because the pool was
+full), ``num_prefill_pauses_total`` (a prefill batch paused between layer groups for a shorter
+prompt, MuxWise's preemption) and ``num_requests_dropped_total`` (prompts prefill dropped
+because they could not meet their TTFT deadline even alone).
 """
 
 from __future__ import annotations
@@ -61,8 +65,16 @@ class RouterMetrics:
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
         self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished, by finish reason.",
                                     ["finished_reason"], registry=r)
+        self.num_preemptions = Counter(
+            f"{PREFIX}num_preemptions", "Requests decode preempted (KV blocks freed, recomputed later).", registry=r)
+        self.num_prefill_pauses = Counter(
+            f"{PREFIX}num_prefill_pauses", "Prefill batches paused for a shorter prompt (MuxWise).", registry=r)
+        self.num_requests_dropped = Counter(
+            f"{PREFIX}num_requests_dropped", "Prompts dropped before prefill: their TTFT deadline was out of reach.",
+            registry=r)
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
+        self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
 
     def request_started(self) -> None:
         self.num_requests_waiting.inc()
@@ -97,6 +109,20 @@ class RouterMetrics:
         self.num_prefill_units.set(len(agent.prefill_units) if agent else 0)
         self.num_decode_units.set(len(agent.decode_units) if agent else 0)
         self.partition_epoch.set(agent.partition_epoch if agent else 0)
+
+    def count_services(self, reports: list[LoadReport]) -> None:
+        """Fold the services' counts since their start into the counters: what grew since the
+        last scrape; a count that went down is a restarted service counting from zero."""
+        for report in reports:
+            for name, counter in (("num_dropped", self.num_requests_dropped),
+                                  ("num_preemptions", self.num_prefill_pauses if report.role == "prefill"
+                                   else self.num_preemptions)):
+                value = getattr(report, name)
+                last = self._service_counts.get((report.service_id, name), 0)
+                grown = value - last if value >= last else value
+                if grown:
+                    counter.inc(grown)
+                self._service_counts[(report.service_id, name)] = value
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -58,8 +58,11 @@ class AgentLoad:
         self._cell_id = cell_id or None
 
     async def read(self) -> LoadReport | None:
-        reports = await self._board.read(self._cell_id)
-        return next((r for r in reports if r.role == "agent"), None)
+        return next((r for r in await self.read_cell() if r.role == "agent"), None)
+
+    async def read_cell(self) -> list[LoadReport]:
+        """Every live service's entry of the cell (the agent's, prefill's, decode's)."""
+        return await self._board.read(self._cell_id)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -106,8 +109,8 @@ class RunningRouter:
         if self.config.http_port is not None:
             from router.http import Gateway, start_http
 
-            read_load = self.agent_load.read if self.agent_load is not None else None
-            gateway = Gateway(self.core, self.config.api_key, read_load)
+            read_cell = self.agent_load.read_cell if self.agent_load is not None else None
+            gateway = Gateway(self.core, self.config.api_key, read_cell)
             self.http = await start_http(gateway, self.config.host, self.config.http_port)
 
     async def _discover(self) -> None:

@@ -302,7 +302,10 @@ class LoadReport:
     """One service's live load, published every scheduling tick and read by every scheduler.
 
     ``prefill_units`` / ``decode_units`` are the unit ids (CPU cores or SMs) each phase holds
-    under partition ``partition_epoch``.
+    under partition ``partition_epoch``. ``num_dropped`` and ``num_preemptions`` count, since
+    this service process started, the requests it dropped as unable to meet their deadline
+    (prefill's early drop) and its preemptions (prefill: a batch paused for a shorter prompt;
+    decode: a request whose KV blocks were freed when the pool was full); zero for the others.
     """
 
     service_id: str
@@ -320,6 +323,8 @@ class LoadReport:
     kv_free_blocks: int
     kv_total_blocks: int
     updated_unix_ns: int
+    num_dropped: int = 0
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.service_id:
@@ -327,7 +332,8 @@ class LoadReport:
         if self.role not in ROLES:
             raise ValueError(f"LoadReport.role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("num_queued_requests", "num_queued_tokens", "num_running", "batch_size",
-                     "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns"):
+                     "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns", "num_dropped",
+                     "num_preemptions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_free_blocks > self.kv_total_blocks:

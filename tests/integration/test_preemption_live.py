@@ -1,14 +1,21 @@
-"""MuxWise preemption on the live stack (issue 13): a long prompt is paused between layer groups
-for a short one whose deadline it would make it miss, and both complete with the in-process
-engine's greedy output. Deadlines grow with the prompt (TANDEM_TTFT_SLO_MS_PER_1K), so the short
-prompt's is far earlier than the long one's."""
+"""SLO scheduling on the live stack (issue 13).
+
+MuxWise preemption: a long prompt is paused between layer groups for a short one whose deadline
+it would make it miss, and both complete with the in-process engine's greedy output. Deadlines
+grow with the prompt (TANDEM_TTFT_SLO_MS_PER_1K), so the short prompt's is far earlier than the
+long one's. Early drop: prompts that cannot make their deadline even alone fail at once with the
+documented error while the others are served. Both are counted on the router's /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
+import time
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 
 from tandem.engine.llm import LLMEngine
@@ -42,9 +49,57 @@ def test_a_long_prefill_pauses_for_a_short_prompt_and_both_are_exact(smollm2_dir
 
         (long_out, _), (short_out, _) = asyncio.run(run())
         prefill_log, agent_log = stack.logs("prefill_svc"), stack.logs("gpu_agent")
+        pauses = prefill_log.count("paused after")
+        assert _metric(stack, "tandem:num_prefill_pauses_total", pauses) == pauses
     assert "preemption:" in agent_log, agent_log[-3000:]
     assert "paused after" in prefill_log, prefill_log[-3000:]
     engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256)
     want_long, want_short = engine.generate([long_ids, short_ids], params)
     assert long_out == want_long.token_ids
     assert short_out == want_short.token_ids
+
+
+def _metric(stack: Stack, name: str, want: float, timeout_s: float = 5.0) -> float:
+    """``name``'s value on the router's /metrics once it reaches ``want`` (the services publish
+    their counts on the load board every 0.25 s), or its last value at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{stack.http_address()}/metrics", timeout=5).text
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        value = float(found.group(1)) if found else float("nan")
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    rng = random.Random()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # A flat 1 s TTFT SLO: a prompt of 1200-2000 tokens takes longer than that alone here.
+    env = {"TANDEM_TTFT_SLO_MS": "1000", "TANDEM_DROP_LATE": "true"}
+    with Stack(smollm2_dir, tmp_path, num_blocks=1024, extra_env=env) as stack:
+        async def run() -> list[tuple[int, object]]:
+            address = stack.address("router")
+            for _ in range(4):  # prefill drops only once it has timed a few batches
+                await generate(address, [rng.randrange(100, 40000) for _ in range(16)], params)
+            work = [[rng.randrange(100, 40000) for _ in range(rng.randint(1200, 2000))] for _ in range(3)]
+            work += [[rng.randrange(100, 40000) for _ in range(rng.randint(4, 24))] for _ in range(3)]
+            rng.shuffle(work)
+            outcomes = await asyncio.gather(*(generate(address, ids, params) for ids in work), return_exceptions=True)
+            stats = await wait_all_blocks_free(stack)
+            assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
+            return [(len(ids), o) for ids, o in zip(work, outcomes, strict=True)]
+
+        results = asyncio.run(run())
+        dropped = 0
+        for prompt_len, outcome in results:
+            if prompt_len < 100:
+                assert isinstance(outcome, tuple) and len(outcome[0]) == 4, outcome  # the short ones are served
+            else:
+                assert isinstance(outcome, grpc.aio.AioRpcError), f"a {prompt_len}-token prompt was served"
+                assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "dropped before prefill" in outcome.details() and "retry after" in outcome.details()
+                dropped += 1
+        assert stack.logs("prefill_svc").count(" prompt tokens): predicted") == dropped
+        assert _metric(stack, "tandem:num_requests_dropped_total", dropped) == dropped
