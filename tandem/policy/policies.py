@@ -400,6 +400,7 @@ class DynamicPolicy:
                     preempt=plan.preempt,
                     aggregated=False,
                     reason=f"dynamic: burst, {burst_layers} layers on all units within slack; {plan.reason}",
+                    burst=True,
                 )
 
         layer_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, bool(ctx)) / snapshot.num_layers

@@ -162,6 +162,8 @@ class Decision:
     request in `prefill_batch` in this step — empty means whole prompts.
     `decode_lookahead` is k, the decode steps to launch without waiting on the CPU.
     `preempt` names the running prefill to pause before launching `prefill_batch`.
+    `burst` marks DynamicPolicy's burst: prefill takes every unit and decode pauses within its
+    slack (`reason` says the same for humans; code reads this field, never the text).
     """
 
     prefill_units: int
@@ -173,6 +175,7 @@ class Decision:
     aggregated: bool
     reason: str
     prefill_chunk_tokens: tuple[int, ...] = ()
+    burst: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_units < 0 or self.decode_units < 0 or self.prefill_layers < 0:

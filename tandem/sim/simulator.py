@@ -377,7 +377,7 @@ class _Cell:
             launch_decode = decode_can and decode_units >= 1
             job = self._apply_prefill(now, decision) if launch_prefill else None
             if job is not None:
-                self.stats.num_bursts += decision.reason.startswith("dynamic: burst")
+                self.stats.num_bursts += decision.burst
                 # Both phases launch at `now`: each sees the other for contention.
                 self.prefill_units_busy = prefill_units
             if launch_decode:

@@ -242,7 +242,7 @@ def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
     burst = DynamicPolicy(WHOLE)(s, P)
     assert burst.prefill_units == 16 and burst.decode_units == 0
     assert burst.prefill_units > base.prefill_units
-    assert "burst" in burst.reason
+    assert burst.burst and "burst" in burst.reason and not base.burst
     layer_all = P.predict_prefill([(4096, 0)], 16) / 32
     # The burst plus the next decode step on its best-fit share stays within TBT slack.
     assert burst.prefill_layers * layer_all + decode_t(base.decode_units) <= SLO.tbt_s
@@ -252,7 +252,7 @@ def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
 def test_no_burst_without_slack() -> None:
     s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),), slack_s=decode_t(3) + 1e-6)
     d = DynamicPolicy(WHOLE)(s, P)
-    assert d.decode_units == 3 and d.prefill_units == 13
+    assert d.decode_units == 3 and d.prefill_units == 13 and not d.burst
 
 
 def test_no_burst_when_deadlines_are_safe() -> None:
