@@ -50,7 +50,13 @@ class RedisServerError(TandemError):
 
 
 class _ExitedDuringStartup(RedisServerError):
-    """The server exited before answering PING (most often: the port was taken meanwhile)."""
+    """The server exited before answering PING (most often: the port was taken meanwhile;
+    ``by_signal``: it died of a signal, e.g. a fork from a process with gRPC threads that
+    crashed before exec, which a fixed port does not explain either)."""
+
+    def __init__(self, message: str, by_signal: bool = False) -> None:
+        super().__init__(message)
+        self.by_signal = by_signal
 
 
 def find_redis_server() -> str:
@@ -182,8 +188,8 @@ class RedisServer:
             try:
                 self._start_once(binary)
                 break
-            except _ExitedDuringStartup:
-                if attempt >= max_attempts or self._fixed_port is not None:
+            except _ExitedDuringStartup as exc:
+                if attempt >= max_attempts or (self._fixed_port is not None and not exc.by_signal):
                     raise
         return self
 
@@ -218,8 +224,10 @@ class RedisServer:
                 output = log_path.read_text(errors="replace")[-4000:]
                 if self._data_dir is None:
                     shutil.rmtree(dir_path, ignore_errors=True)
-                error = _ExitedDuringStartup if exited else RedisServerError
-                raise error(f"{binary} on port {port} {why}; its output:\n{output}")
+                message = f"{binary} on port {port} {why}; its output:\n{output}"
+                if exited:
+                    raise _ExitedDuringStartup(message, by_signal=proc.returncode < 0)
+                raise RedisServerError(message)
             time.sleep(0.02)
         self._proc, self._dir, self._port = proc, dir_path, port
         self._finalizer = weakref.finalize(self, _terminate, proc, None if self._data_dir else dir_path,
