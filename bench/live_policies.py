@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import signal
 import subprocess
 import sys
@@ -31,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.metrics import mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate
 from tandem.service.runtime import free_port
 
@@ -75,19 +74,6 @@ def run_bench(url: str, label: str, workload: str, seed: int, args: argparse.Nam
     subprocess.run(cmd, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
-
-
-# Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def mean_ci95(values: list[float]) -> tuple[float, float]:
-    """The mean and the half-width of its 95 % t-interval (0 for a single value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, 0.0
-    t = _T95.get(len(values) - 1, 1.96)
-    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def paired(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,7 +157,7 @@ def main() -> None:
                 finally:
                     stop_stack(proc)
 
-    report(results, args, {k: v for k, v in vars(args).items()})
+    report(results, args, dict(vars(args)))
 
 
 def report(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Namespace,

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.metrics import SloSpec
+from tandem.bench.metrics import SloSpec, mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
@@ -58,15 +58,9 @@ RATES: dict[tuple[str, str], tuple[float, ...]] = {
 # launch whose units changed. (Its 0.21 ms metadata send/recv is once per request and off the
 # GPU's critical path; the prediction's 10.2 us runs on the CPU beside the GPU.)
 RECONFIG_S = 4.1e-6
-# Two-sided 95 % Student t quantiles by degrees of freedom.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
 def mean_interval(values: list[float]) -> tuple[float, float]:
     """95 % t-interval of the mean of `values` (at least two)."""
-    n = len(values)
-    mean = statistics.mean(values)
-    half = _T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
+    mean, half = mean_ci95(values)
     return mean - half, mean + half
 
 

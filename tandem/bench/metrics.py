@@ -18,6 +18,8 @@ Plain Python + numpy.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,19 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency); 1.96
+# (the normal's) beyond.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``values`` (repeats of one measurement) and the half-width of its 95 %
+    Student-t interval; 0 for a single value."""
+    mean = statistics.mean(values)
+    n = len(values)
+    if n < 2:
+        return mean, 0.0
+    return mean, _T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
 
 
 @dataclass(frozen=True)

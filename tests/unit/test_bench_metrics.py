@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 import pytest
 
-from tandem.bench.metrics import RequestRecord, SloSpec, latency_stats, meets_slo, summarize
+from tandem.bench.metrics import RequestRecord, SloSpec, latency_stats, mean_ci95, meets_slo, summarize
 
 # ttft 0.5, gaps (0.1, 0.2, 0.1), tpot 0.4 / 3, e2e 1.0; TTFT limit at 1000 input tokens 0.3 + 0.3 = 0.6
 GOOD = RequestRecord("a", 0.0, 1000, (0.5, 0.6, 0.8, 0.9), 1.0)
@@ -93,3 +95,13 @@ def test_summary_carries_vllm_bench_serve_keys() -> None:
     assert s["std_ttft_ms"] == pytest.approx(1000 * float(np.std([0.5, 0.2, 0.5])))
     empty = summarize([FAILED], duration_s=2.0, slo=SLO)
     assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None and empty["p99_itl_ms"] is None
+
+
+def test_mean_ci95_is_the_student_t_interval_of_the_mean() -> None:
+    # mean 2, sample sd 1, n 3: t(0.975, 2) = 4.303, half-width 4.303 / sqrt(3)
+    mean, half = mean_ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 / 3 ** 0.5) < 1e-9
+    assert mean_ci95([5.0]) == (5.0, 0.0)
+    # beyond the table the normal quantile
+    values = [float(i % 7) for i in range(40)]
+    assert abs(mean_ci95(values)[1] - 1.96 * statistics.stdev(values) / 40 ** 0.5) < 1e-12
