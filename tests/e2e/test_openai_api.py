@@ -25,7 +25,7 @@ from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc
-from tests.integration.stack import Stack, write_tiny_chat_model
+from tests.integration.stack import Stack, metric_value, write_tiny_chat_model
 
 pytestmark = pytest.mark.slow
 
@@ -459,21 +459,10 @@ def test_200_concurrent_streaming_clients(tiny: Stack) -> None:
     assert stats.num_free_blocks == TINY_BLOCKS and stats.num_requests == 0
 
 
-def _metric(metrics: str, name: str) -> float:
-    """The sum of every sample of ``name`` (all its label sets)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith((f"{name} ", f"{name}{{")))
-
-
 def test_metrics_count_grpc_generate_too(tiny: Stack) -> None:
     from tandem.rpc.v1 import router_pb2, router_pb2_grpc
 
-    base = tiny.http_address()
-
-    def scrape() -> str:
-        return httpx.get(f"{base}/metrics", timeout=30).text
-
-    before = scrape()
+    before = tiny.metrics()
 
     async def generate() -> None:
         async with grpc.aio.insecure_channel(tiny.address("router")) as channel:
@@ -483,10 +472,10 @@ def test_metrics_count_grpc_generate_too(tiny: Stack) -> None:
             assert responses[-1].usage.completion_tokens >= 1
 
     asyncio.run(generate())
-    after = scrape()
+    after = tiny.metrics()
     for name in ("tandem:request_success_total", "tandem:time_to_first_token_seconds_count",
                  "tandem:e2e_request_latency_seconds_count"):
-        assert _metric(after, name) == _metric(before, name) + 1, name
-    assert _metric(after, "tandem:generation_tokens_total") > _metric(before, "tandem:generation_tokens_total")
+        assert metric_value(after, name) == metric_value(before, name) + 1, name
+    assert metric_value(after, "tandem:generation_tokens_total") > metric_value(before, "tandem:generation_tokens_total")
     assert 'finished_reason="length"' in after or 'finished_reason="stop"' in after
     assert "tandem:num_requests_running 0.0" in after and "tandem:num_requests_waiting 0.0" in after

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.service.runtime import free_port
 from tandem.state.redis_server import RedisServer
@@ -52,6 +54,12 @@ def fault_seed() -> int:
     return seed
 
 
+def metric_value(metrics: str, name: str) -> float:
+    """The sum of every sample called ``name`` (all its label sets) on a Prometheus page; 0 if none."""
+    return sum(sample.value for family in text_string_to_metric_families(metrics)
+               for sample in family.samples if sample.name == name)
+
+
 @dataclass
 class Stack:
     model_dir: Path
@@ -75,6 +83,10 @@ class Stack:
         matches = re.findall(r"HTTP at (http://\S+);", self.logs("router"))
         assert matches, self.logs("router")[-3000:]
         return str(matches[-1])
+
+    def metrics(self) -> str:
+        """The router's /metrics page (Prometheus text)."""
+        return httpx.get(f"{self.http_address()}/metrics", timeout=30).text
 
     def start(self) -> Stack:
         self.redis = RedisServer().start()

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tests.integration.mesh_client import generate, wait_all_blocks_free
-from tests.integration.stack import Stack
+from tests.integration.stack import Stack, metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +62,7 @@ def _metric(stack: Stack, name: str, want: float, timeout_s: float = 5.0) -> flo
     their counts on the load board every 0.25 s), or its last value at the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = httpx.get(f"{stack.http_address()}/metrics", timeout=5).text
-        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        value = float(found.group(1)) if found else float("nan")
+        value = metric_value(stack.metrics(), name)
         if value == want or time.monotonic() > deadline:
             return value
         time.sleep(0.2)
