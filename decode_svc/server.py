@@ -195,14 +195,11 @@ class DecodeWorker:
         log.log(level, "%s in Redis failed (%s); serving on, recording later", what, exc)
 
     def load_report(self) -> LoadReport:
-        p = self.member.partition
-        return LoadReport(
-            service_id=self.config.service_id, cell_id=self.member.cell_id, role="decode",
-            num_queued_requests=len(self.pending), num_queued_tokens=0, num_running=len(self.running),
-            batch_size=min(len(self.running), self.config.max_batch_requests), predicted_ttft_ms=0.0,
-            predicted_tbt_ms=self.last_step_ns / 1e6, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
-            decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=self.runner.pool.spec.num_blocks,
-            updated_unix_ns=time.time_ns(), num_preemptions=self.num_preemptions,
+        return LoadReport.now(
+            self.config.service_id, self.member.cell_id, "decode", self.member.partition,
+            self.runner.pool.spec.num_blocks, num_queued_requests=len(self.pending), num_running=len(self.running),
+            batch_size=min(len(self.running), self.config.max_batch_requests),
+            last_step_ms=self.last_step_ns / 1e6, num_preemptions=self.num_preemptions,
         )
 
     def cancel(self, request_id: str) -> bool:

@@ -76,15 +76,9 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     await server.start()
 
     def load_report() -> LoadReport:
-        p = partition.current
         alloc = ledger.allocator
-        return LoadReport(
-            service_id=f"agent-{config.cell_id}", cell_id=config.cell_id, role="agent", num_queued_requests=0,
-            num_queued_tokens=0, num_running=ledger.num_requests, batch_size=0, predicted_ttft_ms=0.0,
-            predicted_tbt_ms=0.0, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
-            decode_units=list(p.decode_units), kv_free_blocks=alloc.num_free_blocks, kv_total_blocks=alloc.num_blocks,
-            updated_unix_ns=time.time_ns(),
-        )
+        return LoadReport.now(f"agent-{config.cell_id}", config.cell_id, "agent", partition.current,
+                              alloc.num_blocks, kv_free_blocks=alloc.num_free_blocks, num_running=ledger.num_requests)
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

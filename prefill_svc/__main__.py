@@ -48,6 +48,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
         await tasks.cancel()
         await member.close()
         await discovery.close()
+        await worker.decode_channels.close()
         tasks.exit_if_failed()
 
 

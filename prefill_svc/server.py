@@ -28,7 +28,7 @@ from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
 from tandem.policy.local import plan_prefill
 from tandem.policy.types import QueuedRequest, Slo
-from tandem.rpc.channels import RECONNECT_OPTIONS
+from tandem.rpc.channels import ChannelPool
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -98,7 +98,7 @@ class PrefillWorker:
         self.queue: deque[_Pending] = deque()
         self.running: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
-        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self.decode_channels = ChannelPool(service_client_interceptors())  # closed by serve()
         self.tokens_per_s = 1000.0  # prefill rate, smoothed over recent batches
         self.num_batches_timed = 0  # the rate predicts deadlines only once a few batches are timed
         self.slo = Slo(config.ttft_slo_ms / 1000, 1.0, config.ttft_slo_ms_per_1k / 1000)
@@ -170,16 +170,13 @@ class PrefillWorker:
     def load_report(self) -> LoadReport:
         """Live load; the TTFT guess is queued tokens at the recent prefill rate (the perf
         model replaces it when the policies land)."""
-        p = self.member.partition
         queued = self.num_queued_tokens + sum(len(x.msg.token_ids) for x in self.running.values())
         spec = self.runner.pool.spec
-        return LoadReport(
-            service_id=self.config.service_id, cell_id=self.member.cell_id, role="prefill",
+        return LoadReport.now(
+            self.config.service_id, self.member.cell_id, "prefill", self.member.partition, spec.num_blocks,
             num_queued_requests=len(self.queue), num_queued_tokens=queued, num_running=len(self.running),
             batch_size=len(self.running), predicted_ttft_ms=1000.0 * queued / self.tokens_per_s,
-            predicted_tbt_ms=0.0, partition_epoch=p.epoch, prefill_units=list(p.prefill_units),
-            decode_units=list(p.decode_units), kv_free_blocks=0, kv_total_blocks=spec.num_blocks,
-            updated_unix_ns=time.time_ns(), num_dropped=self.num_dropped, num_preemptions=self.num_preemptions,
+            num_dropped=self.num_dropped, num_preemptions=self.num_preemptions,
         )
 
     # ------------------------------------------------------------------ loop
@@ -510,13 +507,7 @@ class PrefillWorker:
         )
 
     def _decode_stub(self) -> decode_pb2_grpc.DecodeStub:
-        address = self.decode_address()
-        channel = self._decode_channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=service_client_interceptors(),
-                                                options=RECONNECT_OPTIONS)
-            self._decode_channels[address] = channel
-        return decode_pb2_grpc.DecodeStub(channel)
+        return decode_pb2_grpc.DecodeStub(self.decode_channels.get(self.decode_address()))
 
 
 def _queued_msg(pending: _Pending) -> agent_pb2.QueuedPrefill:

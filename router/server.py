@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.core import RouterCore
 from router.grpc_api import RouterServicer
 from router.metrics import RouterMetrics
-from router.streams import ChannelPool
+from tandem.rpc.channels import ChannelPool
 from router.upstream import RegistryUpstreams, StaticUpstreams, Upstream, UpstreamSource
 from router.wire_errors import MalformedRequestInterceptor
 from tandem.engine.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Channels to upstream services and the decode-stream demultiplexer.
+"""The decode-stream demultiplexer.
 
 Each decode service sends this router one ``TokenBatch`` per decode step over one long-lived
 ``Decode.Stream``; the batch mixes the updates of every request of this router that the step
@@ -17,37 +17,13 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from tandem.rpc.channels import RECONNECT_OPTIONS
+from tandem.rpc.channels import ChannelPool
 from tandem.rpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("tandem.router.streams")
 
 # Called with (decode address, request id) for an update nobody waits for.
 OrphanCallback = Callable[[str, str], None]
-
-
-class ChannelPool:
-    """One grpc.aio channel per upstream address, created on first use and closed together.
-
-    Channels are cheap to keep and expensive to rebuild (a TCP and HTTP/2 handshake), so a
-    request reuses the channel of its upstream instead of opening its own.
-    """
-
-    def __init__(self, interceptors: Sequence[Any] = ()) -> None:
-        self._interceptors = list(interceptors)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors or None,
-                                                options=RECONNECT_OPTIONS)
-            self._channels[address] = channel
-        return channel
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
 
 class DecodeStreams:

@@ -14,15 +14,17 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 import grpc.aio
 
-from router.streams import ChannelPool, DecodeStreams
+from router.streams import DecodeStreams
 from tandem.protocol import RequestError, SamplingParams, Status
+from tandem.rpc.channels import ChannelPool
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tandem.service.registry import ServiceLister, addresses_by_role
 
 log = logging.getLogger("tandem.router")
 
@@ -57,18 +59,6 @@ class StaticUpstreams:
         return self._upstreams
 
 
-class _Addressed(Protocol):
-    @property
-    def address(self) -> str: ...
-
-
-class ServiceLister(Protocol):
-    """The part of ``tandem.state.registry.Registry`` that discovery uses."""
-
-    async def list(self, role: Literal["prefill", "decode"] | None = None,
-                   cell_id: str | None = None) -> Sequence[_Addressed]: ...
-
-
 class RegistryUpstreams:
     """Live prefill and decode services of one cell (every cell when ``cell_id`` is empty)."""
 
@@ -77,9 +67,8 @@ class RegistryUpstreams:
         self._cell_id = cell_id or None
 
     async def fetch(self) -> Upstreams:
-        prefill = await self._lister.list(role="prefill", cell_id=self._cell_id)
-        decode = await self._lister.list(role="decode", cell_id=self._cell_id)
-        return Upstreams(tuple(s.address for s in prefill), tuple(s.address for s in decode))
+        found = await addresses_by_role(self._lister, self._cell_id)
+        return Upstreams(found.get("prefill", ()), found.get("decode", ()))
 
 
 # --- calls -------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal, Protocol, get_args
 
 
 class TandemError(Exception):
@@ -297,34 +298,57 @@ Role = Literal["agent", "prefill", "decode", "router"]
 ROLES: Final[frozenset[str]] = frozenset(get_args(Role))
 
 
+class PartitionView(Protocol):
+    """What a load report reads of a partition (``tandem.rpc.v1.common_pb2.Partition``)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def prefill_units(self) -> Sequence[int]: ...
+
+    @property
+    def decode_units(self) -> Sequence[int]: ...
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One service's live load, published every scheduling tick and read by every scheduler.
 
     ``prefill_units`` / ``decode_units`` are the unit ids (CPU cores or SMs) each phase holds
-    under partition ``partition_epoch``. ``num_dropped`` and ``num_preemptions`` count, since
-    this service process started, the requests it dropped as unable to meet their deadline
-    (prefill's early drop) and its preemptions (prefill: a batch paused for a shorter prompt;
-    decode: a request whose KV blocks were freed when the pool was full); zero for the others.
+    under partition ``partition_epoch``. ``predicted_ttft_ms`` is prefill's estimate of how long
+    its queue takes to drain; ``last_step_ms`` is decode's measured time of its last step.
+    ``num_dropped`` and ``num_preemptions`` count, since this service process started, the
+    requests it dropped as unable to meet their deadline (prefill's early drop) and its
+    preemptions (prefill: a batch paused for a shorter prompt; decode: a request whose KV blocks
+    were freed when the pool was full). A count a role does not keep is 0.
     """
 
     service_id: str
     cell_id: str
     role: Role
-    num_queued_requests: int
-    num_queued_tokens: int
-    num_running: int
-    batch_size: int
-    predicted_ttft_ms: float
-    predicted_tbt_ms: float
     partition_epoch: int
     prefill_units: list[int]
     decode_units: list[int]
-    kv_free_blocks: int
     kv_total_blocks: int
     updated_unix_ns: int
+    kv_free_blocks: int = 0
+    num_queued_requests: int = 0
+    num_queued_tokens: int = 0
+    num_running: int = 0
+    batch_size: int = 0
+    predicted_ttft_ms: float = 0.0
+    last_step_ms: float = 0.0
     num_dropped: int = 0
     num_preemptions: int = 0
+
+    @classmethod
+    def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
+            **counts: Any) -> LoadReport:
+        """A report stamped now under ``partition``; ``counts`` are the other fields by name."""
+        return cls(service_id=service_id, cell_id=cell_id, role=role, partition_epoch=partition.epoch,
+                   prefill_units=list(partition.prefill_units), decode_units=list(partition.decode_units),
+                   kv_total_blocks=kv_total_blocks, updated_unix_ns=time.time_ns(), **counts)
 
     def __post_init__(self) -> None:
         if not self.service_id:

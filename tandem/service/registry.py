@@ -12,8 +12,9 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 import redis.asyncio as aredis
 
@@ -48,6 +49,30 @@ async def announce(
         await client.aclose()
 
 
+class ServiceEntry(Protocol):
+    """What discovery reads of a registered service (``tandem.state.schema.ServiceInfo``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+
+class ServiceLister(Protocol):
+    """The part of ``tandem.state.registry.Registry`` that discovery uses."""
+
+    async def list(self, role: Role | None = None, cell_id: str | None = None) -> Sequence[ServiceEntry]: ...
+
+
+async def addresses_by_role(lister: ServiceLister, cell_id: str | None) -> dict[str, tuple[str, ...]]:
+    """The addresses of the live services of ``cell_id`` (every cell: None), by role, each sorted."""
+    found: dict[str, list[str]] = {}
+    for info in await lister.list(cell_id=cell_id):
+        found.setdefault(info.role, []).append(info.address)
+    return {role: tuple(sorted(addresses)) for role, addresses in found.items()}
+
+
 class Discovery:
     """Live addresses of a cell's services, refreshed from the registry in the background."""
 
@@ -55,16 +80,12 @@ class Discovery:
         self.cell_id = cell_id
         self.refresh_s = refresh_s
         self._client = open_redis(redis_url)
-        self.addresses: dict[str, list[str]] = {}
+        self.addresses: dict[str, tuple[str, ...]] = {}
 
     async def refresh(self) -> None:
         if self._client is None:
             return
-        services = await Registry(self._client).list(cell_id=self.cell_id)
-        found: dict[str, list[str]] = {}
-        for info in services:
-            found.setdefault(info.role, []).append(info.address)
-        self.addresses = {role: sorted(addrs) for role, addrs in found.items()}
+        self.addresses = await addresses_by_role(Registry(self._client), self.cell_id)
 
     async def watch(self) -> None:
         while True:

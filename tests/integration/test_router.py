@@ -522,7 +522,7 @@ def test_registry_discovery_feeds_upstreams(model_dir: Path) -> None:
             self.services: list[Info] = []
 
         async def list(self, role: str | None = None, cell_id: str | None = None) -> list[Info]:
-            return [i for i in self.services if i.role == role and (cell_id is None or i.cell_id == cell_id)]
+            return [i for i in self.services if role in (None, i.role) and (cell_id is None or i.cell_id == cell_id)]
 
     async def body() -> None:
         prefill, decode = FakePrefill(), FakeDecode()

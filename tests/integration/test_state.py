@@ -61,7 +61,7 @@ def record(request_id: str, cell_id: str = "cell-0", state: str = "prefill",
 def load_report(service_id: str, cell_id: str = "cell-0", num_queued_tokens: int = 0) -> LoadReport:
     return LoadReport(service_id=service_id, cell_id=cell_id, role="prefill", num_queued_requests=2,
                       num_queued_tokens=num_queued_tokens, num_running=3, batch_size=8,
-                      predicted_ttft_ms=120.5, predicted_tbt_ms=21.25, partition_epoch=7,
+                      predicted_ttft_ms=120.5, last_step_ms=21.25, partition_epoch=7,
                       prefill_units=[0, 1, 2], decode_units=[3], kv_free_blocks=100,
                       kv_total_blocks=512, updated_unix_ns=time.time_ns())
 

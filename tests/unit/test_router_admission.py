@@ -16,7 +16,7 @@ SLO = Slo(ttft_s=1.0, tbt_s=0.1)
 
 def agent_report(prefill: list[int], decode: list[int]) -> LoadReport:
     return LoadReport(service_id="agent", cell_id="c", role="agent", num_queued_requests=0, num_queued_tokens=0,
-                      num_running=0, batch_size=0, predicted_ttft_ms=0, predicted_tbt_ms=0, partition_epoch=1,
+                      num_running=0, batch_size=0, predicted_ttft_ms=0, last_step_ms=0, partition_epoch=1,
                       prefill_units=prefill, decode_units=decode, kv_free_blocks=1, kv_total_blocks=1,
                       updated_unix_ns=1)
 

@@ -14,7 +14,7 @@ from tandem.protocol import LoadReport, Role
 
 def report(service_id: str, role: Role, dropped: int, preempted: int) -> LoadReport:
     return LoadReport(service_id=service_id, cell_id="c", role=role, num_queued_requests=0, num_queued_tokens=0,
-                      num_running=0, batch_size=0, predicted_ttft_ms=0, predicted_tbt_ms=0, partition_epoch=1,
+                      num_running=0, batch_size=0, predicted_ttft_ms=0, last_step_ms=0, partition_epoch=1,
                       prefill_units=[0], decode_units=[1], kv_free_blocks=0, kv_total_blocks=1, updated_unix_ns=1,
                       num_dropped=dropped, num_preemptions=preempted)
 
