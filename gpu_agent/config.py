@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
-from tandem.service.flags import add_flag, parse_cores
+from tandem.service.flags import env_or, flag, parse_config, parse_cores
 
 
 def new_instance_id() -> str:
@@ -17,27 +17,42 @@ def new_instance_id() -> str:
 
 @dataclass(frozen=True)
 class AgentConfig:
-    model: str
-    dtype: str
-    kv_cache_gb: float
-    num_blocks: int  # 0: derived from kv_cache_gb
-    block_size: int
-    host: str
-    port: int
-    cell_id: str
-    redis_url: str
-    prefill_cores: tuple[int, ...]
-    decode_cores: tuple[int, ...]
-    policy: str = "dynamic"
-    ttft_slo_ms: float = 2000.0
-    tbt_slo_ms: float = 200.0
-    ttft_slo_ms_per_1k: float = 0.0  # the TTFT SLO grows by this per 1000 prompt tokens
-    profile: str = ""
-    quantization: str = "auto"
-    kv_dtype: str = ""  # the KV pool's storage dtype ("": the model's --dtype)
+    model: str = field(metadata=flag("--model", "default", "model directory or 'default'"))
+    dtype: str = field(metadata=flag("--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"]))
+    kv_dtype: str = field(metadata=flag(  # the KV pool's storage dtype ("": the model's --dtype)
+        "--kv-dtype", "", "store the KV cache in this dtype instead (float16 or bfloat16: twice the tokens per "
+        "GiB; accuracy in docs/results/quant-cpu.json)", choices=["", "float32", "bfloat16", "float16"]))
+    quantization: str = field(metadata=flag(
+        "--quantization", "auto", f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the "
+        "fastest format that keeps fp32's accuracy here; int8 is lossy)"))
+    kv_cache_gb: float = field(metadata=flag("--kv-cache-gb", 1.0, "KV pool size in GiB", type=float))
+    num_blocks: int = field(metadata=flag(  # 0: derived from kv_cache_gb
+        "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int))
+    block_size: int = field(metadata=flag("--block-size", 16, "tokens per KV block", type=int))
+    host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
+    port: int = field(metadata=flag("--port", 50060, "gRPC port", type=int))
+    cell_id: str = field(metadata=flag("--cell-id", "cell0", "id of this cell (one device)"))
     # This incarnation of the agent: its shared-memory names carry it, so that a successor, or
     # another stack with the same cell id, never opens or removes this one's files.
-    instance_id: str = field(default_factory=new_instance_id)
+    instance_id: str = field(metadata=flag(
+        "--instance-id", "", "token unique to this incarnation, in its shared-memory names (default: a random "
+        "one; `tandem up` passes its own so that it can remove the files if the agent dies)",
+        parse=lambda text: text or new_instance_id()))
+    redis_url: str = field(metadata=flag("--redis-url", "", "Redis URL (REDIS_URL also works)",
+                                         parse=env_or("REDIS_URL")))
+    prefill_cores: tuple[int, ...] = field(metadata=flag(
+        "--prefill-cores", "", "cores given to prefill, e.g. 0 or 0-3 (default: the first half of this "
+        "process's cores)", parse=lambda text: parse_cores(text or default_split()[0])))
+    decode_cores: tuple[int, ...] = field(metadata=flag(
+        "--decode-cores", "", "cores given to decode (default: the rest)",
+        parse=lambda text: parse_cores(text or default_split()[1])))
+    policy: str = field(metadata=flag("--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked"))
+    ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
+    tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
+    ttft_slo_ms_per_1k: float = field(metadata=flag(
+        "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
+    profile: str = field(metadata=flag(
+        "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
 
     @property
     def kv_pool_dtype(self) -> str:
@@ -79,39 +94,5 @@ def default_split() -> tuple[str, str]:
     return ",".join(map(str, prefill)), ",".join(map(str, decode))
 
 
-def parse_args(argv: list[str] | None = None) -> AgentConfig:
-    prefill_default, decode_default = default_split()
-    parser = argparse.ArgumentParser(prog="gpu_agent", description="Owner of one device: weights, KV pool, partition")
-    add_flag(parser, "--model", "default", "model directory or 'default'")
-    add_flag(parser, "--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"])
-    add_flag(parser, "--kv-dtype", "", "store the KV cache in this dtype instead (float16 or bfloat16: twice the "
-             "tokens per GiB; accuracy in docs/results/quant-cpu.json)", choices=["", "float32", "bfloat16", "float16"])
-    add_flag(parser, "--quantization", "auto",
-             f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the fastest format "
-             "that keeps fp32's accuracy here; int8 is lossy)")
-    add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
-    add_flag(parser, "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int)
-    add_flag(parser, "--block-size", 16, "tokens per KV block", type=int)
-    add_flag(parser, "--host", "127.0.0.1", "address to listen on")
-    add_flag(parser, "--port", 50060, "gRPC port", type=int)
-    add_flag(parser, "--cell-id", "cell0", "id of this cell (one device)")
-    add_flag(parser, "--instance-id", "",
-             "token unique to this incarnation, in its shared-memory names (default: a random one; "
-             "`tandem up` passes its own so that it can remove the files if the agent dies)")
-    add_flag(parser, "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL (REDIS_URL also works)")
-    add_flag(parser, "--prefill-cores", prefill_default, "cores given to prefill, e.g. 0 or 0-3")
-    add_flag(parser, "--decode-cores", decode_default, "cores given to decode")
-    add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
-    add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float)
-    add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float)
-    add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float)
-    add_flag(parser, "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)")
-    a = parser.parse_args(argv)
-    return AgentConfig(
-        model=a.model, dtype=a.dtype, kv_dtype=a.kv_dtype, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks, block_size=a.block_size,
-        host=a.host, port=a.port, cell_id=a.cell_id, redis_url=a.redis_url,
-        prefill_cores=parse_cores(a.prefill_cores), decode_cores=parse_cores(a.decode_cores),
-        policy=a.policy, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms, ttft_slo_ms_per_1k=a.ttft_slo_ms_per_1k,
-        profile=a.profile,
-        quantization=a.quantization, instance_id=a.instance_id or new_instance_id(),
-    )
+def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
+    return parse_config(AgentConfig, argv, "gpu_agent", "Owner of one device: weights, KV pool, partition")

@@ -2,48 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tandem.engine.model_cache import resolve_model
 from tandem.protocol import InvalidRequestError, SamplingDefaults
-from tandem.service.flags import add_flag
+from tandem.service.flags import flag, parse_config
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # The same defaults as gpu_agent's, so that admission and the partition policy share one SLO.
 DEFAULT_TTFT_SLO_MS = 2000.0
 DEFAULT_TBT_SLO_MS = 200.0
-
-
-@dataclass(frozen=True)
-class FlagSpec:
-    """A config field's command-line flag: its name (the TANDEM_* twin follows from it), the
-    flag's default and help, the argparse type, and how the flag's value becomes the field's."""
-
-    name: str
-    default: Any
-    help: str
-    type: Callable[[str], Any]
-    parse: Callable[[Any], Any]
-    kwargs: dict[str, Any]  # more add_argument options (choices)
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
-
-
-def _flag(name: str, default: Any, help: str, *, type: Callable[[str], Any] = str,
-          parse: Callable[[Any], Any] | None = None, **kwargs: Any) -> dict[str, FlagSpec]:
-    """Field metadata that declares the field's flag."""
-    spec = FlagSpec(name, default, help, type, parse or (lambda value: value), kwargs)
-    return {"flag": spec}
 
 
 def _address_list(text: str) -> tuple[str, ...]:
@@ -62,60 +36,60 @@ class RouterConfig:
     # Each field names its flag (with its TANDEM_* twin), the flag's default and help, and how the
     # flag's text becomes the field's value; parse_args is built from these alone. Fields without
     # a flag are for tests and embedders.
-    model_dir: Path = field(metadata=_flag("--model", "default", "model directory or 'default'", parse=resolve_model))
-    host: str = field(metadata=_flag("--host", "127.0.0.1", "address to listen on"))
-    grpc_port: int = field(metadata=_flag("--grpc-port", 50051, "gRPC port (0: any free port)", type=int))
-    prefill_addresses: tuple[str, ...] = field(metadata=_flag(
+    model_dir: Path = field(metadata=flag("--model", "default", "model directory or 'default'", parse=resolve_model))
+    host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
+    grpc_port: int = field(metadata=flag("--grpc-port", 50051, "gRPC port (0: any free port)", type=int))
+    prefill_addresses: tuple[str, ...] = field(metadata=flag(
         "--prefill-address", "", "prefill_svc host:port (comma-separated for several)", parse=_address_list))
-    decode_addresses: tuple[str, ...] = field(metadata=_flag(
+    decode_addresses: tuple[str, ...] = field(metadata=flag(
         "--decode-address", "", "decode_svc host:port (comma-separated for several)", parse=_address_list))
-    redis_url: str = field(metadata=_flag(
+    redis_url: str = field(metadata=flag(
         "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)"))
-    cell_id: str = field(metadata=_flag("--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)"))
+    cell_id: str = field(metadata=flag("--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)"))
     # decode services key their token streams by it; unique per process
-    router_id: str = field(metadata=_flag(
+    router_id: str = field(metadata=flag(
         "--router-id", "", "id decode services key this router's stream by (default: random)",
         parse=lambda text: text or f"router-{uuid.uuid4().hex[:12]}"))
-    stall_timeout_s: float = field(metadata=_flag(
+    stall_timeout_s: float = field(metadata=flag(
         "--stall-timeout-s", DEFAULT_STALL_TIMEOUT_S, "give up on a request after this long without a decode update",
         type=float))
-    request_timeout_s: float = field(metadata=_flag(
+    request_timeout_s: float = field(metadata=flag(
         "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float))
     cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
     discovery_interval_s: float = 2.0  # how often the registry is re-read
     # OpenAI-compatible HTTP API; None serves none (0: any free port)
-    http_port: int | None = field(default=None, metadata=_flag(
+    http_port: int | None = field(default=None, metadata=flag(
         "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int))
-    api_key: str = field(default="", metadata=_flag(
+    api_key: str = field(default="", metadata=flag(
         "--api-key", "", "if set, HTTP clients must send 'Authorization: Bearer <key>'"))
     # admission: a request's deadline is arrival + this
-    ttft_slo_ms: float = field(default=DEFAULT_TTFT_SLO_MS, metadata=_flag(
+    ttft_slo_ms: float = field(default=DEFAULT_TTFT_SLO_MS, metadata=flag(
         "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float))
     # reported with the SLO; the agent's policy enforces it
-    tbt_slo_ms: float = field(default=DEFAULT_TBT_SLO_MS, metadata=_flag(
+    tbt_slo_ms: float = field(default=DEFAULT_TBT_SLO_MS, metadata=flag(
         "--tbt-slo-ms", DEFAULT_TBT_SLO_MS, "time-between-tokens SLO of this model", type=float))
-    ttft_slo_ms_per_1k: float = field(default=0.0, metadata=_flag(
+    ttft_slo_ms_per_1k: float = field(default=0.0, metadata=flag(
         "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
-    admission: bool = field(default=True, metadata=_flag(
+    admission: bool = field(default=True, metadata=flag(
         "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
         parse=lambda text: text == "on", choices=["on", "off"]))
-    profile: str = field(default="", metadata=_flag(
+    profile: str = field(default="", metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
     # prefill_svc's batch limits, with which admission predicts how it batches its queue: the
     # same flags (and TANDEM_* twins) as prefill_svc's, so that one variable sets both.
-    max_batch_tokens: int = field(default=4096, metadata=_flag(
+    max_batch_tokens: int = field(default=4096, metadata=flag(
         "--max-batch-tokens", 4096, "prefill_svc's prompt tokens per batch (admission predicts its batches)",
         type=int))
-    max_batch_requests: int = field(default=16, metadata=_flag(
+    max_batch_requests: int = field(default=16, metadata=flag(
         "--max-batch-requests", 16, "prefill_svc's requests per batch (admission predicts its batches)", type=int))
     # Sampling defaults for what a request leaves out, as vLLM's --generation-config: "auto" takes
     # the model directory's generation_config.json values, "none" the built-in ones (temperature 1...).
-    generation_config: str = field(default="auto", metadata=_flag(
+    generation_config: str = field(default="auto", metadata=flag(
         "--generation-config", "auto", "sampling defaults for what a request leaves out: 'auto' "
         "(the model's generation_config.json) or 'none' (temperature 1, top_p 1, ...)", choices=["auto", "none"]))
     # A JSON object of generation_config.json keys (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) that override either, e.g. '{"temperature": 0.7}'.
-    override_generation_config: str = field(default="", metadata=_flag(
+    override_generation_config: str = field(default="", metadata=flag(
         "--override-generation-config", "", "JSON object overriding those defaults, e.g. "
         "'{\"temperature\": 0.7, \"top_p\": 0.95}' (keys: temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_new_tokens)"))
@@ -187,9 +161,4 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     Resolving ``--model default`` may pull the default model into the cache (once); raises
     ModelLoadError when the model cannot be found and ValueError for invalid values.
     """
-    parser = argparse.ArgumentParser(prog="router", description="Tandem's public gRPC API: tokenize, route, stream")
-    flagged = [(f.name, f.metadata["flag"]) for f in fields(RouterConfig) if "flag" in f.metadata]
-    for _, spec in flagged:
-        add_flag(parser, spec.name, spec.default, spec.help, type=spec.type, **spec.kwargs)
-    args = vars(parser.parse_args(argv))
-    return RouterConfig(**{name: spec.parse(args[spec.dest]) for name, spec in flagged})
+    return parse_config(RouterConfig, argv, "router", "Tandem's public gRPC API: tokenize, route, stream")
