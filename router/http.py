@@ -34,12 +34,32 @@ from router.auth import bearer_matches
 from router.core import RouterCore, brief
 from router.openai_types import (
     MAX_N,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
     ChatMessage,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
+    ErrorDetail,
+    ErrorResponse,
+    FinishReasonName,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
     StreamOptions,
     TextPart,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
     openapi_schema,
+    to_json,
 )
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -62,7 +82,7 @@ T = TypeVar("T")
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
                    "stop": "stop", "model": "model"}
-_FINISH_REASON = {
+_FINISH_REASON: dict[int, FinishReasonName] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
@@ -95,7 +115,8 @@ class HTTPError(Exception):
         return cls(status, exc.message, type=type_, param=param, code=code, headers=headers)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return to_json(ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                                       code=self.code)))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -295,7 +316,7 @@ class ChoiceState:
 
     text: list[str] = field(default_factory=list)
     tokens: list[common_pb2.GeneratedToken] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReasonName | None = None
     usage: router_pb2.Usage | None = None
     started: bool = False
 
@@ -319,75 +340,82 @@ class Renderer:
             text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def logprobs(self, tokens: list[common_pb2.GeneratedToken], text_offset: int = 0) -> dict[str, Any] | None:
+    def chat_logprobs(self, tokens: list[common_pb2.GeneratedToken]) -> ChatLogprobs | None:
         if self.parsed.num_logprobs is None:
             return None
-        if self.parsed.kind == "chat":
-            content = []
-            for t in tokens:
-                text = self._token(t.token_id)
-                content.append({
-                    "token": text, "logprob": t.logprob, "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": self._token(c.token_id), "logprob": c.logprob,
-                                      "bytes": list(self._token(c.token_id).encode())} for c in t.top_logprobs],
-                })
-            return {"content": content}
+
+        def top(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return ChatLogprobs(content=[
+            TokenLogprob(**top(t.token_id, t.logprob),
+                         top_logprobs=[TopLogprob(**top(c.token_id, c.logprob)) for c in t.top_logprobs])
+            for t in tokens])
+
+    def completion_logprobs(self, tokens: list[common_pb2.GeneratedToken],
+                            text_offset: int = 0) -> CompletionLogprobs | None:
+        if self.parsed.num_logprobs is None:
+            return None
         offsets: list[int] = []
         for t in tokens:
             offsets.append(text_offset)
             text_offset += len(self._token(t.token_id))
-        return {
-            "tokens": [self._token(t.token_id) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{self._token(c.token_id): c.logprob for c in t.top_logprobs} for t in tokens],
-            "text_offset": offsets,
-        }
+        return CompletionLogprobs(
+            tokens=[self._token(t.token_id) for t in tokens],
+            token_logprobs=[t.logprob for t in tokens],
+            top_logprobs=[{self._token(c.token_id): c.logprob for c in t.top_logprobs} for t in tokens],
+            text_offset=offsets,
+        )
 
-    def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
+    def usage(self, states: list[ChoiceState]) -> Usage:
         prompt = max((s.usage.prompt_tokens for s in states if s.usage), default=0)
         completion = sum(s.usage.completion_tokens for s in states if s.usage)
         cached = max((s.usage.cached_tokens for s in states if s.usage), default=0)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def completion(self, states: list[ChoiceState]) -> dict[str, Any]:
-        choices: list[dict[str, Any]] = []
-        for i, s in enumerate(states):
-            text = "".join(s.text)
-            if self.parsed.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self.logprobs(s.tokens), "finish_reason": s.finish_reason})
-            else:
-                choices.append({"index": i, "text": text, "logprobs": self.logprobs(s.tokens),
-                                "finish_reason": s.finish_reason})
-        obj = "chat.completion" if self.parsed.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(states)}
+        head: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model,
+                                "usage": self.usage(states)}
+        reply: ChatCompletion | Completion
+        if self.parsed.kind == "chat":
+            reply = ChatCompletion(object="chat.completion", **head, choices=[
+                ChatChoice(index=i, message=AssistantMessage(role="assistant", content="".join(s.text)),
+                           logprobs=self.chat_logprobs(s.tokens), finish_reason=s.finish_reason)
+                for i, s in enumerate(states)])
+        else:
+            reply = Completion(object="text_completion", **head, choices=[
+                CompletionChoice(index=i, text="".join(s.text), logprobs=self.completion_logprobs(s.tokens),
+                                 finish_reason=s.finish_reason)
+                for i, s in enumerate(states)])
+        return to_json(reply)
 
     def chunk(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse) -> dict[str, Any]:
         tokens = list(response.tokens)
         finish = _FINISH_REASON.get(response.finish_reason, "stop") if response.finish_reason else None
+        head: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model}
+        if self.parsed.include_usage:
+            head["usage"] = None
+        event: ChatCompletionChunk | Completion
         if self.parsed.kind == "chat":
-            delta: dict[str, Any] = {"content": response.text}
-            if not state.started:
-                delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(tokens), "finish_reason": finish}
-            obj = "chat.completion.chunk"
+            delta = ChatDelta(content=response.text) if state.started else ChatDelta(role="assistant",
+                                                                                        content=response.text)
+            event = ChatCompletionChunk(object="chat.completion.chunk", **head, choices=[ChatChunkChoice(
+                index=index, delta=delta, logprobs=self.chat_logprobs(tokens), finish_reason=finish)])
         else:
             offset = sum(len(t) for t in state.text)
-            choice = {"index": index, "text": response.text, "logprobs": self.logprobs(tokens, offset),
-                      "finish_reason": finish}
-            obj = "text_completion"
-        chunk: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                                 "choices": [choice]}
-        if self.parsed.include_usage:
-            chunk["usage"] = None
-        return chunk
+            event = Completion(object="text_completion", **head, choices=[CompletionChoice(
+                index=index, text=response.text, logprobs=self.completion_logprobs(tokens, offset),
+                finish_reason=finish)])
+        return to_json(event)
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.parsed.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": self.usage(states)}
+        head: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model, "choices": [],
+                                "usage": self.usage(states)}
+        if self.parsed.kind == "chat":
+            return to_json(ChatCompletionChunk(object="chat.completion.chunk", **head))
+        return to_json(Completion(object="text_completion", **head))
 
 
 def _absorb(state: ChoiceState, response: router_pb2.GenerateResponse) -> None:
@@ -451,9 +479,9 @@ class Gateway:
         except HTTPError as exc:
             return exc.response()
         s = self._core
-        return JSONResponse({"object": "list", "data": [
-            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": s.context_length}
-        ]})
+        return JSONResponse(to_json(ModelList(object="list", data=[
+            ModelCard(id=s.model_id, object="model", created=0, owned_by="tandem", max_model_len=s.context_length)
+        ])))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

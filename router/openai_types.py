@@ -127,50 +127,184 @@ class CompletionRequest(_Request):
     logprobs: NumLogprobs | None = None  # top logprobs per token
 
 
+# --- responses ------------------------------------------------------------------------------------
+# The shapes OpenAI's API answers with; the router builds these and nothing else, so the OpenAPI
+# schema below describes what is sent.
+
+FinishReasonName = Literal["stop", "length", "abort"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # in a choice's first chunk only
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the last one (with
+    ``stream_options.include_usage``) has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # sent (null until the last event) only with include_usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReasonName | None
+
+
+class Completion(BaseModel):
+    """A text completion, and also each event of a streamed one (as OpenAI sends them)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def to_json(model: BaseModel) -> dict[str, Any]:
+    """What is sent of a response model: every field that was set, explicit nulls included
+    (OpenAI sends ``"finish_reason": null``), and none left at a default (a chunk's ``role``)."""
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
 def openapi_schema(context_length: int) -> dict[str, Any]:
     """The API's OpenAPI 3.1 description, generated from the request models; ``max_tokens`` and
     the like are bounded by ``context_length``."""
     components: dict[str, Any] = {}
-    refs: dict[str, str] = {}
-    for model in (ChatCompletionRequest, CompletionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
+                  ModelList, ErrorResponse):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
         for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
             prop = schema["properties"].get(name)
-            if prop is not None:
+            if prop is not None and model in (ChatCompletionRequest, CompletionRequest):
                 prop["anyOf"][0]["maximum"] = context_length
         components[model.__name__] = schema
-        refs[model.__name__] = f"#/components/schemas/{model.__name__}"
-    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-    components["Error"] = error
 
-    def answers(ok: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"200": {"description": ok, "content": {"application/json": {"schema": {"type": "object"}},
-                                                                      "text/event-stream": {"schema": {"type": "string"}}}}}
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def answers(ok: str, reply: type[BaseModel], event: type[BaseModel]) -> dict[str, Any]:
+        out: dict[str, Any] = {"200": {"description": f"{ok}; with stream=true, server-sent events each holding a "
+                                                      f"{event.__name__}, then [DONE]",
+                                       "content": {"application/json": {"schema": ref(reply)},
+                                                   "text/event-stream": {"schema": {"type": "string"}}}}}
         for status, text in (("400", "invalid parameters"), ("401", "bad API key"), ("404", "unknown model"),
                              ("409", "request id in flight"), ("413", "body too large"),
                              ("429", "admission refused; see Retry-After"), ("503", "not ready")):
-            out[status] = {"description": text,
-                           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            out[status] = {"description": text, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
         return out
 
-    def post(name: str, summary: str) -> dict[str, Any]:
+    def post(request: type[BaseModel], summary: str, reply: type[BaseModel], event: type[BaseModel]) -> dict[str, Any]:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": {"$ref": refs[name]}}}}, "responses": answers(summary)}}
+            "application/json": {"schema": ref(request)}}}, "responses": answers(summary, reply, event)}}
 
-    def get(summary: str) -> dict[str, Any]:
-        return {"get": {"summary": summary, "responses": {
-            "200": {"description": summary}, "503": {"description": "not ready"}}}}
+    def get(summary: str, reply: type[BaseModel] | None = None) -> dict[str, Any]:
+        ok: dict[str, Any] = {"description": summary}
+        if reply is not None:
+            ok["content"] = {"application/json": {"schema": ref(reply)}}
+        return {"get": {"summary": summary, "responses": {"200": ok, "503": {"description": "not ready"}}}}
 
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
         "paths": {
-            "/v1/chat/completions": post("ChatCompletionRequest", "chat completion"),
-            "/v1/completions": post("CompletionRequest", "text completion"),
-            "/v1/models": get("served models"),
+            "/v1/chat/completions": post(ChatCompletionRequest, "chat completion", ChatCompletion,
+                                         ChatCompletionChunk),
+            "/v1/completions": post(CompletionRequest, "text completion", Completion, Completion),
+            "/v1/models": get("served models", ModelList),
             "/health": get("process is up"),
             "/ready": get("a prefill and a decode service are reachable"),
             "/metrics": get("Prometheus metrics"),
