@@ -1,8 +1,20 @@
 """The paged KV pool and the CSR block-table form shared by the CPU and GPU backends.
 
-Pool layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` — for layer
-``l``, ``pool[l, 0]`` and ``pool[l, 1]`` are contiguous K and V caches in flashinfer's NHD
-layout (``(k_cache, v_cache)`` tuple form), so the flashinfer backend passes them unchanged.
+Two layouts (``KVPoolSpec.layout``):
+
+- ``"layer"`` (a cell of one model): ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+  head_dim]`` — for layer ``l``, ``pool[l, 0]`` and ``pool[l, 1]`` are contiguous K and V caches
+  in flashinfer's NHD layout (``(k_cache, v_cache)`` tuple form), so the flashinfer backend passes
+  them unchanged.
+- ``"block"`` (a cell of several models sharing one KV slab pool, ``tandem.engine.kv_slab``):
+  ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` — each block is one
+  contiguous run of ``bytes_per_block`` bytes, so block ``b`` of a model lies at byte
+  ``b * bytes_per_block`` of the shared byte pool, which is what the slab's id rule
+  (``slab_id * blocks_per_slab + local_id``) needs; models of different shapes and dtypes then
+  view the same bytes each in its own layout, and only the slab allocator keeps them apart.
+
+Attention only writes slots and gathers blocks (``write`` / ``gather``), so it runs unchanged on
+either layout.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.shm import SharedTensorStore
 
 _POOL_KEY = "kv"
+LAYOUTS = ("layer", "block")
 
 
 @dataclass(frozen=True)
@@ -26,15 +39,25 @@ class KVPoolSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    layout: str = "layer"  # see the module docstring
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KV pool {name} must be positive, got {getattr(self, name)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"KV pool layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        per_block = (self.block_size, self.num_kv_heads, self.head_dim)
+        if self.layout == "block":
+            return (self.num_blocks, self.num_layers, 2, *per_block)
+        return (self.num_layers, 2, self.num_blocks, *per_block)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
 
     @property
     def bytes_per_block(self) -> int:
@@ -42,9 +65,10 @@ class KVPoolSpec:
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32
+        cls, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+        layout: str = "layer",
     ) -> KVPoolSpec:
-        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
+        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, layout)
 
 
 def num_blocks_for_budget(config: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -53,18 +77,27 @@ def num_blocks_for_budget(config: ModelConfig, kv_cache_bytes: int, block_size: 
 
 
 class KVPool:
-    """The K/V tensor; private (``create``), or in shared memory (``create_shared`` / ``attach``)."""
+    """The K/V tensor; private (``create``), or in shared memory (``create_shared`` / ``attach``).
+
+    A pool of block layout may be a view of a byte pool that several models share
+    (``create_byte_pool``); ``attach`` takes such a view too.
+    """
 
     def __init__(self, spec: KVPoolSpec, tensor: torch.Tensor, store: SharedTensorStore | None = None):
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"KV tensor shape {tuple(tensor.shape)} does not match spec {spec.shape}")
         self.spec = spec
-        self.tensor = tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.tensor = tensor  # spec.shape, in spec.layout
         self.store = store
-        # Per-layer views, made once: K and V of a layer side by side, by block and by slot, so one
-        # op writes or gathers both.
-        self._kv = [tensor[layer] for layer in range(spec.num_layers)]  # [2, num_blocks, bs, kvh, d]
-        self._kv_flat = [t.view(2, -1, spec.num_kv_heads, spec.head_dim) for t in self._kv]  # [2, slots, kvh, d]
+        # Per-layer views, made once: K and V of a layer side by side, by block ([2, num_blocks, bs,
+        # kvh, d]; strided in block layout) and, in layer layout, by slot ([2, slots, kvh, d]), so
+        # one op writes or gathers both.
+        if spec.layout == "block":
+            self._kv = [tensor[:, layer].transpose(0, 1) for layer in range(spec.num_layers)]
+            self._kv_flat: list[torch.Tensor] | None = None
+        else:
+            self._kv = [tensor[layer] for layer in range(spec.num_layers)]
+            self._kv_flat = [t.view(2, -1, spec.num_kv_heads, spec.head_dim) for t in self._kv]
 
     @classmethod
     def create(cls, spec: KVPoolSpec, device: str | torch.device = "cpu") -> KVPool:
@@ -76,19 +109,42 @@ class KVPool:
         return cls(spec, store.tensors[_POOL_KEY], store)
 
     @classmethod
+    def create_byte_pool(cls, name: str, num_bytes: int, exist_ok: bool = False) -> SharedTensorStore:
+        """A shared pool of ``num_bytes`` raw bytes, for models to view each in its own block
+        layout (``attach`` / ``view_of``)."""
+        return SharedTensorStore.create(name, {_POOL_KEY: ((num_bytes,), torch.uint8)}, exist_ok=exist_ok)
+
+    @classmethod
+    def view_of(cls, spec: KVPoolSpec, store: SharedTensorStore) -> KVPool:
+        """``spec``'s pool over the store's tensor: itself, or the first ``spec.num_bytes`` of a
+        byte pool reinterpreted in block layout (ValueError when it does not fit)."""
+        raw = store.tensors[_POOL_KEY]
+        if raw.dtype != torch.uint8 or raw.dim() != 1:
+            return cls(spec, raw, store)
+        if spec.layout != "block":
+            raise ValueError("a shared byte pool is viewed in block layout only")
+        if spec.num_bytes > raw.numel():
+            raise ValueError(f"{spec.num_blocks} blocks of {spec.bytes_per_block} bytes do not fit a byte pool "
+                             f"of {raw.numel()} bytes")
+        return cls(spec, raw[: spec.num_bytes].view(spec.dtype).view(spec.shape), store)
+
+    @classmethod
     def attach(cls, spec: KVPoolSpec, name: str) -> KVPool:
-        store = SharedTensorStore.attach(name)
-        return cls(spec, store.tensors[_POOL_KEY], store)
+        return cls.view_of(spec, SharedTensorStore.attach(name))
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 0]  # [num_blocks, block_size, kvh, d]
+        return self._kv[layer][0]  # [num_blocks, block_size, kvh, d]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 1]
+        return self._kv[layer][1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens: ``slots`` [num_tokens] int64, k/v [num_tokens, kvh, d]."""
-        self._kv_flat[layer].index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
+        if self._kv_flat is not None:
+            self._kv_flat[layer].index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
+            return
+        size = self.spec.block_size
+        self._kv[layer][:, slots // size, slots % size] = torch.stack((k, v)).to(self.spec.dtype)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of the given blocks, copied out: [2, len(block_ids), block_size, kvh, d]."""
