@@ -23,7 +23,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     setup_tracing("decode_svc")
     address = f"{config.host}:{config.port}"
     member = CellMember(agent_pb2.ROLE_DECODE, config.service_id, address, config.agent_address,
-                        weight_format=WeightFormat.parse(config.quantization) if config.quantization else None)
+                        weight_format=WeightFormat.parse(config.quantization) if config.quantization else None,
+                        model=config.model)
     runner = await member.join()
     redis = open_redis(config.redis_url)
     records = RequestStore(redis) if redis is not None else None
@@ -45,7 +46,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
-        async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id):
+        async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id,
+                            extra={"model": member.model}):
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,
                      runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)

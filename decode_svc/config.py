@@ -13,6 +13,8 @@ from tandem.service.flags import env_or, flag, parse_bool, parse_config
 @dataclass(frozen=True)
 class DecodeConfig:
     agent_address: str = field(metadata=flag("--agent-address", "127.0.0.1:50060", "gpu_agent of this cell"))
+    model: str = field(metadata=flag(
+        "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
     host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
     port: int = field(metadata=flag("--port", 50062, "gRPC port", type=int))
     service_id: str = field(metadata=flag(

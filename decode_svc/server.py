@@ -185,7 +185,7 @@ class DecodeWorker:
             prompt_token_ids=list(req.prompt_token_ids), arrival_unix_ns=arrival_unix_ns,
             output_token_ids=list(req.output_token_ids), block_ids=list(req.block_ids),
             num_computed_tokens=req.num_computed_tokens, sampling=req.params.to_dict(),
-            generator_state=generator_state(req.generator), decode_service_id=self.service_id,
+            generator_state=generator_state(req.generator), decode_service_id=self.service_id, model=self.member.model,
         )
 
     def _record_failed(self, what: str, exc: BaseException) -> None:
@@ -221,7 +221,9 @@ class DecodeWorker:
         """Take over the cell's decoding requests recorded in Redis (after a restart)."""
         if self.records is None:
             return 0
-        records = await self.records.list_active(self.member.cell_id, state="decode")
+        # Only this model's: a cell of several models has a decode_svc per model.
+        records = [r for r in await self.records.list_active(self.member.cell_id, state="decode")
+                   if r.model in ("", self.member.model)]
         # Take the requests' blocks over from the dead predecessor; the ledger's block lists are
         # the truth (the record may predate an extension). Requests the agent no longer holds
         # blocks for (it reclaimed them, or the predecessor had preempted them) recompute.

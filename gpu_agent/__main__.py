@@ -19,8 +19,8 @@ import grpc
 
 from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.policy_loop import PolicyLoop
-from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, policy_ticks
-from tandem.engine.config import ModelConfig
+from gpu_agent.models import Cell
+from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, cell_stats, policy_ticks
 from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
 from tandem.policy.policies import get_policy
@@ -51,7 +51,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
 
 async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, tasks: VitalTasks) -> None:
     started = time.perf_counter()
-    model_dir, weights, pool, ledger = await asyncio.to_thread(build_state, config)
+    cell = await asyncio.to_thread(build_state, config)
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.policy == "chunked":
         # Aggregated from the start, so no request is prefilled apart before the first decision.
@@ -63,12 +63,13 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     partition = PartitionBoard(initial)
     policy = None
     if config.policy != "static":
-        # The static policy is the split from the flags; the others re-split on live load.
-        model_config = ModelConfig.from_dir(model_dir)
+        # The static policy is the split from the flags; the others re-split on live load (predicting
+        # from the cell's first model when it serves several).
+        model_config = cell.first.config
         policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000))
-    servicer = GpuAgentServicer(config, model_dir, weights.name, pool, ledger, partition, policy)
+    servicer = GpuAgentServicer(config, cell, partition, policy)
     server = grpc.aio.server(interceptors=service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
     address = f"{config.host}:{config.port}"
@@ -76,24 +77,32 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     await server.start()
 
     def load_report() -> LoadReport:
-        alloc = ledger.allocator
+        stats = cell_stats(cell, partition.current, servicer.leases)
         return LoadReport.now(f"agent-{config.cell_id}", config.cell_id, "agent", partition.current,
-                              alloc.num_blocks, kv_free_blocks=alloc.num_free_blocks, num_running=ledger.num_requests)
+                              stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests)
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
-                "gpu_agent %s ready at %s (pid %d): %s, %d KV blocks of %d tokens, loaded in %.1fs, "
-                "shared memory %s",
-                config.cell_id, address, os.getpid(), model_dir.name, pool.spec.num_blocks, pool.spec.block_size,
+                "gpu_agent %s ready at %s (pid %d): %s, %s, loaded in %.1fs, shared memory %s",
+                config.cell_id, address, os.getpid(), ", ".join(cell.models), _describe_kv(cell),
                 time.perf_counter() - started, SHM_DIR / f"tandem-{config.shm_prefix}-*",
             )
             await stop.wait()
     finally:
         await server.stop(grace=1.0)
         await tasks.cancel()
+
+
+def _describe_kv(cell: Cell) -> str:
+    first = cell.first.kv
+    if cell.slabs is None:
+        return f"{first.num_blocks} KV blocks of {first.block_size} tokens"
+    per_model = ", ".join(f"{m.name} {cell.slabs.blocks_per_slab(m.name)} blocks of {m.kv.bytes_per_block} B"
+                          for m in cell.models.values())
+    return f"KV slab pool of {cell.slabs.num_slabs} slabs of {cell.slabs.slab_bytes} bytes ({per_model} per slab)"
 
 
 def main(argv: list[str] | None = None) -> None:

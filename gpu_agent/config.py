@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import env_or, flag, parse_config, parse_cores
+from tandem.service.model_spec import ModelSpec, parse_models
 
 
 def new_instance_id() -> str:
@@ -17,7 +18,10 @@ def new_instance_id() -> str:
 
 @dataclass(frozen=True)
 class AgentConfig:
-    model: str = field(metadata=flag("--model", "default", "model directory or 'default'"))
+    models: tuple[ModelSpec, ...] = field(metadata=flag(
+        "--model", "default", "the cell's models, comma-separated: PATH[:name=NAME][:kv=DTYPE][:quant=FORMAT], "
+        "PATH a model directory or 'default' (several models share one KV slab pool; see gpu_agent/models.py)",
+        parse=parse_models))
     dtype: str = field(metadata=flag("--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"]))
     kv_dtype: str = field(metadata=flag(  # the KV pool's storage dtype ("": the model's --dtype)
         "--kv-dtype", "", "store the KV cache in this dtype instead (float16 or bfloat16: twice the tokens per "
@@ -53,10 +57,6 @@ class AgentConfig:
         "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
     profile: str = field(metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
-
-    @property
-    def kv_pool_dtype(self) -> str:
-        return self.kv_dtype or self.dtype
 
     @property
     def shm_prefix(self) -> str:

@@ -23,7 +23,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from gpu_agent.blocks import BlockLedger
+from typing import Protocol
 
 log = logging.getLogger("tandem.gpu_agent.leases")
 
@@ -31,8 +31,16 @@ LEASE_GRACE_S = 1.0
 DECODE_RESUME_GRACE_S = 30.0
 
 
+class Holdings(Protocol):
+    """What leases read of the ledgers (``BlockLedger``, or ``CellLedgers`` over several)."""
+
+    def owned_by(self, owner: str) -> list[str]: ...
+
+    def reclaim(self, owner: str) -> tuple[int, int]: ...
+
+
 class Leases:
-    def __init__(self, ledger: BlockLedger, is_decode: Callable[[str], bool], *, grace_s: float = LEASE_GRACE_S,
+    def __init__(self, ledger: Holdings, is_decode: Callable[[str], bool], *, grace_s: float = LEASE_GRACE_S,
                  decode_grace_s: float = DECODE_RESUME_GRACE_S) -> None:
         self.ledger = ledger
         self.is_decode = is_decode

@@ -9,22 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 import grpc
 
 from gpu_agent.blocks import BlockLedger
 from gpu_agent.config import AgentConfig
 from gpu_agent.leases import Leases
+from gpu_agent.models import Cell, build_cell
 from gpu_agent.policy_loop import PolicyLoop
-from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
-from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
-from tandem.engine.model_cache import resolve_model
-from tandem.engine.quant import WeightFormat, effective_format
-from tandem.engine.shm import SharedTensorStore
-from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
+from tandem.engine.kv_slab import SlabBlockAllocator
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("tandem.gpu_agent")
@@ -56,45 +50,56 @@ class PartitionBoard:
 
 
 class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
-    def __init__(self, config: AgentConfig, model_dir: Path, weights_name: str, pool: KVPool,
-                 ledger: BlockLedger, partition: PartitionBoard, policy: PolicyLoop | None = None) -> None:
+    """The cell's RPCs. A service registers for one of the cell's models (``Register.model``); its
+    allocations and claims go to that model's ledger, and calls naming a request to the ledger
+    that holds it (request ids are unique across the cell)."""
+
+    def __init__(self, config: AgentConfig, cell: Cell, partition: PartitionBoard,
+                 policy: PolicyLoop | None = None) -> None:
         self.config = config
         self.policy = policy
-        self.model_dir = model_dir
-        self.weights_name = weights_name
-        self.pool = pool
-        self.ledger = ledger
+        self.cell = cell
+        self.ledgers = cell.ledgers()
         self.partition = partition
         self.services: dict[str, agent_pb2.RegisterRequest] = {}
-        self.leases = Leases(ledger, lambda sid: sid in self.services and
+        self.leases = Leases(self.ledgers, lambda sid: sid in self.services and
                              self.services[sid].role == agent_pb2.ROLE_DECODE)
-        # Resolved once ("auto" -> a concrete format), so every service of the cell runs the same.
-        self.weight_format = effective_format(WeightFormat.parse(config.quantization), parse_dtype(config.dtype))
+
+    def _ledger_of(self, owner: str) -> BlockLedger:
+        """The ledger of the model ``owner`` computes (the first model's for an unregistered caller)."""
+        registered = self.services.get(owner)
+        return self.cell.model(registered.model if registered is not None else "").ledger
 
     async def Register(self, request: agent_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> agent_pb2.RegisterReply:  # noqa: N802
+        try:
+            model = self.cell.model(request.model)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        request.model = model.name
         self.services[request.service_id] = request
-        log.info("registered %s %s at %s", agent_pb2.Role.Name(request.role), request.service_id, request.address)
-        spec = self.pool.spec
-        assert self.pool.store is not None
+        log.info("registered %s %s at %s for %s", agent_pb2.Role.Name(request.role), request.service_id,
+                 request.address, model.name)
+        spec = model.kv
         return agent_pb2.RegisterReply(
             cell_id=self.config.cell_id,
-            model_dir=str(self.model_dir),
-            weights_shm_name=self.weights_name,
+            model_dir=str(model.model_dir),
+            weights_shm_name=model.weights.name,
             kv_pool=agent_pb2.KVPoolInfo(
-                shm_name=self.pool.store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
+                shm_name=self.cell.kv_store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
                 block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                dtype=self.config.kv_pool_dtype,
+                dtype=model.kv_dtype, layout=spec.layout,
             ),
             partition=self.partition.current,
-            dtype=self.config.dtype,
-            weight_format=self.weight_format.value,
+            dtype=model.dtype,
+            weight_format=model.weight_format.value,
+            model=model.name,
         )
 
     async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802
         start = time.perf_counter_ns()
         try:
-            alloc = self.ledger.allocate(request.request_id, list(request.token_ids), request.num_extra_tokens,
-                                         owner=request.owner)
+            alloc = self._ledger_of(request.owner).allocate(request.request_id, list(request.token_ids),
+                                                            request.num_extra_tokens, owner=request.owner)
         except OutOfBlocksError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
@@ -107,28 +112,31 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
     async def Extend(self, request: agent_pb2.ExtendRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ExtendReply:  # noqa: N802
         start = time.perf_counter_ns()
         try:
-            new = self.ledger.extend(request.request_id, request.num_tokens, request.owner or None)
+            ledger = self.ledgers.of_request(request.request_id)
+            new = ledger.extend(request.request_id, request.num_tokens, request.owner or None)
         except OutOfBlocksError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return agent_pb2.ExtendReply(new_block_ids=new, block_ids=self.ledger.blocks_of(request.request_id) or [],
+        return agent_pb2.ExtendReply(new_block_ids=new, block_ids=ledger.blocks_of(request.request_id) or [],
                                      server_ns=time.perf_counter_ns() - start)
 
     async def Publish(self, request: agent_pb2.PublishRequest, context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:  # noqa: N802
         try:
-            num = self.ledger.publish(request.request_id, list(request.token_ids), request.owner or None)
+            num = self.ledgers.of_request(request.request_id).publish(request.request_id, list(request.token_ids),
+                                                                      request.owner or None)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return agent_pb2.PublishReply(num_published=num)
 
     async def Release(self, request: agent_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ReleaseReply:  # noqa: N802
-        return agent_pb2.ReleaseReply(num_released=self.ledger.release(request.request_id, list(request.token_ids),
-                                                                       request.owner or None))
+        ledger = self.ledgers.of_request(request.request_id)
+        return agent_pb2.ReleaseReply(num_released=ledger.release(request.request_id, list(request.token_ids),
+                                                                  request.owner or None))
 
     async def Claim(self, request: agent_pb2.ClaimRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ClaimReply:  # noqa: N802
         try:
-            missing, blocks = self.ledger.claim(request.owner, list(request.request_ids))
+            missing, blocks = self._ledger_of(request.owner).claim(request.owner, list(request.request_ids))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return agent_pb2.ClaimReply(missing=missing, blocks=[
@@ -153,13 +161,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         return agent_pb2.ReportLoadReply(partition=self.partition.current)
 
     async def GetStats(self, request: agent_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AgentStats:  # noqa: N802
-        alloc = self.ledger.allocator
-        return agent_pb2.AgentStats(
-            num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks, num_requests=self.ledger.num_requests,
-            num_prefix_query_tokens=alloc.num_prefix_queries_tokens, num_prefix_hit_tokens=alloc.num_prefix_hit_tokens,
-            partition=self.partition.current, num_reclaimed_requests=self.leases.num_reclaimed_requests,
-            num_reclaimed_blocks=self.leases.num_reclaimed_blocks,
-        )
+        return cell_stats(self.cell, self.partition.current, self.leases)
 
 
 async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) -> None:
@@ -181,17 +183,30 @@ async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, int
         await _apply_policy(policy, partition)
 
 
-def build_state(config: AgentConfig) -> tuple[Path, SharedTensorStore, KVPool, BlockLedger]:
-    """Load the weights into shared memory and create the shared KV pool (the slow part)."""
-    model_dir = resolve_model(config.model)
-    model_config = ModelConfig.from_dir(model_dir)
-    dtype, kv_dtype = parse_dtype(config.dtype), parse_dtype(config.kv_pool_dtype)
-    weights = load_checkpoint(model_dir, model_config, dtype)
-    store = share_weights(weights, f"{config.shm_prefix}-weights", exist_ok=True)
-    del weights
-    num_blocks = config.num_blocks or num_blocks_for_budget(
-        model_config, int(config.kv_cache_gb * (1 << 30)), config.block_size, kv_dtype
+def cell_stats(cell: Cell, partition: common_pb2.Partition, leases: Leases) -> agent_pb2.AgentStats:
+    """The pool's state, whole and per model (see ``AgentStats``)."""
+    models = []
+    for m in cell.models.values():
+        alloc = m.ledger.allocator
+        models.append(agent_pb2.ModelKV(
+            model=m.name, num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks,
+            num_requests=m.ledger.num_requests,
+            num_slabs=alloc.num_slabs_held if isinstance(alloc, SlabBlockAllocator) else 0))
+    allocators = [m.ledger.allocator for m in cell.models.values()]
+    return agent_pb2.AgentStats(
+        num_blocks=sum(m.num_blocks for m in models), num_free_blocks=sum(m.num_free_blocks for m in models),
+        num_requests=sum(m.num_requests for m in models),
+        num_prefix_query_tokens=sum(a.num_prefix_queries_tokens for a in allocators),
+        num_prefix_hit_tokens=sum(a.num_prefix_hit_tokens for a in allocators),
+        partition=partition, num_reclaimed_requests=leases.num_reclaimed_requests,
+        num_reclaimed_blocks=leases.num_reclaimed_blocks, models=models,
+        num_slabs=cell.slabs.num_slabs if cell.slabs is not None else 0,
+        num_free_slabs=cell.slabs.num_free_slabs if cell.slabs is not None else 0,
     )
-    spec = KVPoolSpec.for_model(model_config, num_blocks, config.block_size, kv_dtype)
-    pool = KVPool.create_shared(spec, f"{config.shm_prefix}-kv", exist_ok=True)
-    return model_dir, store, pool, BlockLedger(BlockAllocator(num_blocks, config.block_size))
+
+
+def build_state(config: AgentConfig) -> Cell:
+    """Load the weights into shared memory and create the shared KV pool (the slow part)."""
+    return build_cell(config.models, dtype=config.dtype, kv_dtype=config.kv_dtype, quantization=config.quantization,
+                      block_size=config.block_size, kv_cache_bytes=int(config.kv_cache_gb * (1 << 30)),
+                      num_blocks=config.num_blocks, shm_prefix=config.shm_prefix)

@@ -20,9 +20,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     log = setup_logging("tandem.prefill")
     setup_tracing("prefill_svc")
     address = f"{config.host}:{config.port}"
-    member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address)
+    member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address, model=config.model)
     runner = await member.join()
-    discovery = Discovery(config.redis_url, member.cell_id)
+    discovery = Discovery(config.redis_url, member.cell_id, model=member.model)
     decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))
     worker = PrefillWorker(config, member, runner, decode_address)
     server = grpc.aio.server(interceptors=service_server_interceptors())
@@ -38,7 +38,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
-        async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id):
+        async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id,
+                            extra={"model": member.model}):
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,
                      runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)

@@ -20,6 +20,8 @@ class PrefillConfig:
     agent_address: str = field(metadata=flag("--agent-address", "127.0.0.1:50060", "gpu_agent of this cell"))
     decode_address: str = field(metadata=flag(  # empty: discover the cell's decode service in Redis
         "--decode-address", "", "decode_svc of this cell (else found in Redis)"))
+    model: str = field(metadata=flag(
+        "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
     host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
     port: int = field(metadata=flag("--port", 50061, "gRPC port", type=int))
     service_id: str = field(metadata=flag(

@@ -20,6 +20,16 @@ DEFAULT_TTFT_SLO_MS = 2000.0
 DEFAULT_TBT_SLO_MS = 200.0
 
 
+def _extra_models(text: str) -> tuple[tuple[str, Path], ...]:
+    models = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, path = part.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--extra-model entries must be NAME=PATH, got {part!r}")
+        models.append((name, resolve_model(path)))
+    return tuple(models)
+
+
 def _address_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -57,6 +67,14 @@ class RouterConfig:
         "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float))
     cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
     discovery_interval_s: float = 2.0  # how often the registry is re-read
+    # vLLM's flag: the name the --model answers to (its directory's name when empty)
+    served_model_name: str = field(default="", metadata=flag(
+        "--served-model-name", "", "the name --model is served under (default: its directory's name)"))
+    # More models of the cell, served by name beside --model (registry discovery only): the
+    # services of each announce its name, as gpu_agent's --model entries name them.
+    extra_models: tuple[tuple[str, Path], ...] = field(default=(), metadata=flag(
+        "--extra-model", "", "more models served beside --model, comma-separated NAME=PATH (PATH a model "
+        "directory or 'default'); their services are found in the registry by NAME", parse=_extra_models))
     # OpenAI-compatible HTTP API; None serves none (0: any free port)
     http_port: int | None = field(default=None, metadata=flag(
         "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int))
@@ -95,10 +113,17 @@ class RouterConfig:
         "repetition_penalty, max_new_tokens)"))
 
     def __post_init__(self) -> None:
-        if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"--model {self.model_dir} has no config.json")
-        if not (self.model_dir / "tokenizer.json").is_file():
-            raise ValueError(f"--model {self.model_dir} has no tokenizer.json; the router tokenizes")
+        for flag_name, model_dir in (("--model", self.model_dir),
+                                     *(("--extra-model", path) for _, path in self.extra_models)):
+            if not (model_dir / "config.json").is_file():
+                raise ValueError(f"{flag_name} {model_dir} has no config.json")
+            if not (model_dir / "tokenizer.json").is_file():
+                raise ValueError(f"{flag_name} {model_dir} has no tokenizer.json; the router tokenizes")
+        names = [name for name, _ in self.served_models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique, got {names}")
+        if self.extra_models and self.static_upstreams:
+            raise ValueError("--extra-model needs registry discovery (--redis-url), not fixed addresses")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -124,6 +149,15 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
+    @property
+    def primary_model_name(self) -> str:
+        return self.served_model_name or self.model_dir.name
+
+    @property
+    def served_models(self) -> list[tuple[str, Path]]:
+        """(served name, directory) of every model, ``--model`` first."""
+        return [(self.primary_model_name, self.model_dir), *self.extra_models]
+
     def generation_overrides(self) -> dict[str, Any]:
         """``override_generation_config`` as a dict; ValueError when it is not a JSON object of
         known keys with values in range."""
@@ -135,10 +169,11 @@ class RouterConfig:
         SamplingDefaults.from_generation_config({}, overrides)  # checks keys and ranges
         return overrides
 
-    def sampling_defaults(self) -> SamplingDefaults:
-        """The defaults requests get (reads the model's generation_config.json with "auto")."""
+    def sampling_defaults(self, model_dir: Path | None = None) -> SamplingDefaults:
+        """The defaults requests for the model in ``model_dir`` (default: ``--model``) get (its
+        generation_config.json with "auto")."""
         generation_config: dict[str, Any] = {}
-        path = self.model_dir / "generation_config.json"
+        path = (model_dir or self.model_dir) / "generation_config.json"
         if self.generation_config == "auto" and path.is_file():
             generation_config = json.loads(path.read_text(encoding="utf-8"))
         return SamplingDefaults.from_generation_config(generation_config, self.generation_overrides())

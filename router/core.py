@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.metrics import RouterMetrics
+from router.metrics import ModelMetrics
 from router.upstream import Upstream
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
@@ -233,9 +233,10 @@ class RouterCore:
     """
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: ModelConfig,
-                 upstream: Upstream, metrics: RouterMetrics,
+                 upstream: Upstream, metrics: ModelMetrics,
                  admission: AdmissionController | None = None,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(),
+                 model_id: str | None = None, primary: bool = True) -> None:
         self._config = config
         # What a request that leaves a sampling value out gets (the model's generation_config.json).
         self.sampling_defaults = sampling_defaults
@@ -244,11 +245,14 @@ class RouterCore:
         self.metrics = metrics
         self.tokenizer = tokenizer
         self._model_config = model_config
-        self.model_id = config.model_dir.name
-        names = {"", "default", self.model_id}
-        if self.model_id == DEFAULT_MODEL_NAME:
-            names |= DEFAULT_MODEL_ALIASES
-        self._model_names = frozenset(names)
+        self.model_id = model_id or config.primary_model_name
+        # The primary model also answers to "" and "default" (and the default model's aliases).
+        names = {self.model_id}
+        if primary:
+            names |= {"", "default"}
+            if self.model_id == DEFAULT_MODEL_NAME:
+                names |= DEFAULT_MODEL_ALIASES
+        self.model_names = frozenset(names)
         self._in_flight: set[str] = set()  # client request ids with a generation running here
         # Long prompts are tokenized here, off the event loop (see _prompt_ids).
         self._tokenize_pool = ThreadPoolExecutor(NUM_TOKENIZE_THREADS, thread_name_prefix="router-tokenize")
@@ -372,7 +376,7 @@ class RouterCore:
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
         """Validate ``request``, the cheap checks first; tokenize its prompt (see _prompt_ids)."""
-        if request.model not in self._model_names:
+        if request.model not in self.model_names:
             raise RequestError(Status.NOT_FOUND, f"model {brief(request.model)} is not served here; "
                                f"this router serves {self.model_id!r}", field="model")
         if len(request.stop) > MAX_STOP_STRINGS:

@@ -1,4 +1,4 @@
-"""The public gRPC API (``tandem.v1.Router``): a thin adapter over ``RouterCore``.
+"""The public gRPC API (``tandem.v1.Router``): a thin adapter over the models' ``RouterCore`` s.
 
 ``Generate`` streams what the core yields and turns a ``RequestError`` into the call's status
 (with ``retry-after`` trailing metadata when admission gave a hint, as the SDK reads it).
@@ -12,7 +12,7 @@ import contextlib
 import grpc
 import grpc.aio
 
-from router.core import RouterCore
+from router.models import ServedModels
 from tandem.protocol import RequestError
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
 
@@ -30,15 +30,16 @@ def trailing_metadata(error: RequestError) -> tuple[tuple[str, str], ...]:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Generate / ListModels / Health for the core's model."""
+    """Generate / ListModels / Health for the router's models (one core each, by ``model``)."""
 
-    def __init__(self, core: RouterCore) -> None:
-        self._core = core
+    def __init__(self, models: ServedModels) -> None:
+        self._models = models
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
         try:
-            async with contextlib.aclosing(self._core.generate(request, context.time_remaining())) as stream:
+            core = self._models.pick(request.model)
+            async with contextlib.aclosing(core.generate(request, context.time_remaining())) as stream:
                 async for response in stream:
                     await context.write(response)
         except RequestError as exc:
@@ -46,14 +47,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsReply:
-        core = self._core
-        return router_pb2.ListModelsReply(models=[router_pb2.ModelInfo(id=core.model_id,
-                                                                       max_context=core.context_length)])
+        return router_pb2.ListModelsReply(models=[
+            router_pb2.ModelInfo(id=core.model_id, max_context=core.context_length) for core in self._models])
 
     async def Health(self, request: router_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> router_pb2.HealthReply:
         """Live always; ready when a prefill and a decode service are reachable (the tokenizer is
         loaded before the server starts, so a servicer that answers has one)."""
-        readiness = await self._core.upstream.readiness()
-        detail = f"model {self._core.model_id}; {readiness.detail}" if readiness.ready else readiness.detail
+        readiness = await self._models.readiness()
+        names = ", ".join(self._models.names)
+        detail = f"model {names}; {readiness.detail}" if readiness.ready else readiness.detail
         return router_pb2.HealthReply(live=True, ready=readiness.ready, detail=detail)

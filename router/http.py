@@ -32,6 +32,8 @@ from starlette.routing import Route
 
 from router.auth import bearer_matches
 from router.core import RouterCore, brief
+from router.metrics import RouterMetrics
+from router.models import ServedModels
 from router.openai_types import (
     MAX_N,
     AssistantMessage,
@@ -436,16 +438,16 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 # --- the app ----------------------------------------------------------------------------------------
 
 class Gateway:
-    """The HTTP endpoints over one router core.
+    """The HTTP endpoints over the router's models (one core each, picked by the body's ``model``).
 
     ``read_cell`` (optional) returns the cell's latest load reports (the agent's gives the cell
     gauges; prefill's and decode's their drop and preemption counts).
     """
 
-    def __init__(self, core: RouterCore, api_key: str = "",
+    def __init__(self, models: ServedModels, metrics: RouterMetrics, api_key: str = "",
                  read_cell: Callable[[], Awaitable[list[LoadReport]]] | None = None) -> None:
-        self._core = core
-        self._metrics = core.metrics
+        self._models = models
+        self._metrics = metrics
         self._api_key = api_key
         self._read_cell = read_cell
         self._tasks: set[asyncio.Task[None]] = set()
@@ -478,16 +480,15 @@ class Gateway:
             self._authorize(request)
         except HTTPError as exc:
             return exc.response()
-        s = self._core
         return JSONResponse(to_json(ModelList(object="list", data=[
             ModelCard(id=s.model_id, object="model", created=0, owned_by="tandem", max_model_len=s.context_length)
-        ])))
+            for s in self._models])))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        readiness = await self._core.upstream.readiness()
+        readiness = await self._models.readiness()
         # The detail names internal addresses: only a caller with the key (if one is set) sees it.
         detail = readiness.detail if self._authorized(request) else "(details need the API key)"
         if not readiness.ready:
@@ -511,7 +512,7 @@ class Gateway:
         return Response(self._metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_schema(self._core.context_length))
+        return JSONResponse(openapi_schema(max(core.context_length for core in self._models)))
 
     # generation --------------------------------------------------------------------------------------
 
@@ -548,12 +549,16 @@ class Gateway:
         try:
             self._authorize(request)
             body = await self._read_json(request)
-            parsed = parse_request(kind, body, self._core.context_length, response_id,
-                                   self._core.sampling_defaults)
+            model = body.get("model", "") if isinstance(body, dict) else ""
+            # A model that is not a string is refused by parse_request, naming the field.
+            core = self._models.pick(model) if isinstance(model, str) else self._models.primary
+            parsed = parse_request(kind, body, core.context_length, response_id, core.sampling_defaults)
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
         except HTTPError as exc:
             return exc.response()
-        renderer = Renderer(self._core, parsed, response_id)
-        choices = Choices(self._core, parsed.requests, self._tasks)
+        renderer = Renderer(core, parsed, response_id)
+        choices = Choices(core, parsed.requests, self._tasks)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:

@@ -11,6 +11,10 @@ scrape time, and the SLO scheduler's counts from prefill's and decode's entries:
 full), ``num_prefill_pauses_total`` (a prefill batch paused between layer groups for a shorter
 prompt, MuxWise's preemption) and ``num_requests_dropped_total`` (prompts prefill dropped
 because they could not meet their TTFT deadline even alone).
+
+Request metrics carry vLLM's ``model_name`` label (the served name; a router may serve several
+models); the core of each model observes through its ``ModelMetrics`` view. The cell gauges and
+the scheduler's counts are the cell's, whichever model: they carry no model label.
 """
 
 from __future__ import annotations
@@ -25,46 +29,43 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 
 
 class RouterMetrics:
-    """One process's metrics in a registry of its own (so tests may run several routers).
-
-    Contract: ``num_requests_waiting`` counts requests the router core has taken that have no
-    first token yet, ``num_requests_running`` those streaming tokens; each request moves
-    waiting → running → gone exactly once through ``request_started`` / ``first_token`` /
-    ``request_finished``.
-    """
+    """One process's metrics in a registry of its own (so tests may run several routers); each
+    served model observes its requests through ``for_model``."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        model = ["model_name"]
         self.time_to_first_token_s = Histogram(
-            f"{PREFIX}time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token.", model, buckets=_LATENCY_BUCKETS_S,
+            registry=r)
         self.inter_token_latency_s = Histogram(
-            f"{PREFIX}inter_token_latency_seconds", "Time between two streamed updates.",
+            f"{PREFIX}inter_token_latency_seconds", "Time between two streamed updates.", model,
             buckets=_LATENCY_BUCKETS_S, registry=r)
         self.e2e_request_latency_s = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds", "Request latency end to end.",
+            f"{PREFIX}e2e_request_latency_seconds", "Request latency end to end.", model,
             buckets=_LATENCY_BUCKETS_S, registry=r)
         self.request_queue_time_s = Histogram(
-            f"{PREFIX}request_queue_time_seconds", "Time a request waited in prefill's queue.",
+            f"{PREFIX}request_queue_time_seconds", "Time a request waited in prefill's queue.", model,
             buckets=_LATENCY_BUCKETS_S, registry=r)
         self.num_requests_running = Gauge(
-            f"{PREFIX}num_requests_running", "Requests streaming tokens.", registry=r)
+            f"{PREFIX}num_requests_running", "Requests streaming tokens.", model, registry=r)
         self.num_requests_waiting = Gauge(
-            f"{PREFIX}num_requests_waiting", "Requests waiting for their first token.", registry=r)
+            f"{PREFIX}num_requests_waiting", "Requests waiting for their first token.", model, registry=r)
         self.kv_cache_usage_perc = Gauge(
             f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", registry=r)
         self.prefix_cache_hit_rate = Gauge(
-            f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.",
+            f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.", model,
             registry=r)
         self.num_prefill_units = Gauge(
             f"{PREFIX}partition_prefill_units", "Compute units given to prefill.", registry=r)
         self.num_decode_units = Gauge(
             f"{PREFIX}partition_decode_units", "Compute units given to decode.", registry=r)
         self.partition_epoch = Gauge(f"{PREFIX}partition_epoch", "Epoch of the partition in force.", registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", model, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", model, registry=r)
         self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished, by finish reason.",
-                                    ["finished_reason"], registry=r)
+                                    ["model_name", "finished_reason"], registry=r)
         self.num_preemptions = Counter(
             f"{PREFIX}num_preemptions", "Requests decode preempted (KV blocks freed, recomputed later).", registry=r)
         self.num_prefill_pauses = Counter(
@@ -72,33 +73,11 @@ class RouterMetrics:
         self.num_requests_dropped = Counter(
             f"{PREFIX}num_requests_dropped", "Prompts dropped before prefill: their TTFT deadline was out of reach.",
             registry=r)
-        self._num_prompt_tokens = 0
-        self._num_cached_tokens = 0
         self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
 
-    def request_started(self) -> None:
-        self.num_requests_waiting.inc()
-
-    def first_token(self, ttft_s: float) -> None:
-        self.num_requests_waiting.dec()
-        self.num_requests_running.inc()
-        self.time_to_first_token_s.observe(ttft_s)
-
-    def request_finished(self, started: bool, e2e_s: float) -> None:
-        """``started``: whether ``first_token`` was called for this request."""
-        (self.num_requests_running if started else self.num_requests_waiting).dec()
-        self.e2e_request_latency_s.observe(e2e_s)
-
-    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
-              finished_reason: str) -> None:
-        """A finished request's token counts (feeds the prefix-cache hit rate)."""
-        self.num_requests.labels(finished_reason=finished_reason).inc()
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc(num_completion_tokens)
-        self._num_prompt_tokens += num_prompt_tokens
-        self._num_cached_tokens += num_cached_tokens
-        if self._num_prompt_tokens:
-            self.prefix_cache_hit_rate.set(self._num_cached_tokens / self._num_prompt_tokens)
+    def for_model(self, model_name: str) -> ModelMetrics:
+        """The request metrics of one served model."""
+        return ModelMetrics(self, model_name)
 
     def set_cell(self, agent: LoadReport | None) -> None:
         """The cell gauges from the agent's load report; zeros when there is none."""
@@ -127,3 +106,53 @@ class RouterMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One served model's request metrics (``model_name`` bound), observed by its router core.
+
+    Contract: ``num_requests_waiting`` counts requests the router core has taken that have no
+    first token yet, ``num_requests_running`` those streaming tokens; each request moves
+    waiting → running → gone exactly once through ``request_started`` / ``first_token`` /
+    ``request_finished``.
+    """
+
+    def __init__(self, metrics: RouterMetrics, model_name: str) -> None:
+        self.model_name = model_name
+        label = {"model_name": model_name}
+        self.time_to_first_token_s = metrics.time_to_first_token_s.labels(**label)
+        self.inter_token_latency_s = metrics.inter_token_latency_s.labels(**label)
+        self.e2e_request_latency_s = metrics.e2e_request_latency_s.labels(**label)
+        self.request_queue_time_s = metrics.request_queue_time_s.labels(**label)
+        self.num_requests_running = metrics.num_requests_running.labels(**label)
+        self.num_requests_waiting = metrics.num_requests_waiting.labels(**label)
+        self.prefix_cache_hit_rate = metrics.prefix_cache_hit_rate.labels(**label)
+        self.prompt_tokens = metrics.prompt_tokens.labels(**label)
+        self.generation_tokens = metrics.generation_tokens.labels(**label)
+        self._num_requests = metrics.num_requests
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+
+    def request_started(self) -> None:
+        self.num_requests_waiting.inc()
+
+    def first_token(self, ttft_s: float) -> None:
+        self.num_requests_waiting.dec()
+        self.num_requests_running.inc()
+        self.time_to_first_token_s.observe(ttft_s)
+
+    def request_finished(self, started: bool, e2e_s: float) -> None:
+        """``started``: whether ``first_token`` was called for this request."""
+        (self.num_requests_running if started else self.num_requests_waiting).dec()
+        self.e2e_request_latency_s.observe(e2e_s)
+
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+              finished_reason: str) -> None:
+        """A finished request's token counts (feeds the prefix-cache hit rate)."""
+        self._num_requests.labels(model_name=self.model_name, finished_reason=finished_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_completion_tokens)
+        self._num_prompt_tokens += num_prompt_tokens
+        self._num_cached_tokens += num_cached_tokens
+        if self._num_prompt_tokens:
+            self.prefix_cache_hit_rate.set(self._num_cached_tokens / self._num_prompt_tokens)

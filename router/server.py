@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from router.core import RouterCore
 from router.grpc_api import RouterServicer
 from router.metrics import RouterMetrics
 from tandem.rpc.channels import ChannelPool
+from router.models import ServedModels
 from router.upstream import RegistryUpstreams, StaticUpstreams, Upstream, UpstreamSource
 from router.wire_errors import MalformedRequestInterceptor
 from tandem.engine.config import ModelConfig
@@ -69,52 +71,57 @@ class AgentLoad:
 
 
 class RunningRouter:
-    """A started router: the core, its gRPC server at ``address``, the HTTP gateway (``http``,
-    None unless ``config.http_port`` is set) and the background tasks (discovery, following
-    the agent's load). ``stop`` undoes ``start_router`` in reverse."""
+    """A started router: a core per served model (``models``; ``core`` is the first's), its gRPC
+    server at ``address``, the HTTP gateway (``http``, None unless ``config.http_port`` is set) and
+    the background tasks (discovery, following the agent's load). ``stop`` undoes
+    ``start_router`` in reverse."""
 
-    def __init__(self, config: RouterConfig, core: RouterCore, server: grpc.aio.Server, channels: ChannelPool,
-                 address: str, source: UpstreamSource, close_source: Callable[[], Awaitable[None]] | None,
-                 agent_load: AgentLoad | None) -> None:
+    def __init__(self, config: RouterConfig, models: ServedModels, metrics: RouterMetrics, server: grpc.aio.Server,
+                 channels: ChannelPool, address: str, sources: list[UpstreamSource],
+                 close_source: Callable[[], Awaitable[None]] | None, agent_load: AgentLoad | None) -> None:
         self.config = config
-        self.core = core
+        self.models = models
+        self.core = models.primary
+        self.metrics = metrics
         self.server = server
         self.address = address
         self.agent_load = agent_load
         self.http: HttpServer | None = None
         self._channels = channels
-        self._source = source
+        self._sources = sources  # one per model, in the models' order
         self._close_source = close_source
         self._tasks: list[asyncio.Task[None]] = []
 
     async def refresh_upstreams(self) -> None:
-        """Ask the source once and apply what it says; errors keep the previous upstreams."""
-        try:
-            upstreams = await self._source.fetch()
-        except Exception as exc:  # Redis down: keep routing to what we knew
-            log.warning("upstream discovery failed, keeping the previous upstreams: %s", exc)
-            return
-        self.core.upstream.set_upstreams(upstreams)
+        """Ask the sources once and apply what they say; errors keep the previous upstreams."""
+        for core, source in zip(self.models, self._sources, strict=True):
+            try:
+                upstreams = await source.fetch()
+            except Exception as exc:  # Redis down: keep routing to what we knew
+                log.warning("upstream discovery failed, keeping the previous upstreams: %s", exc)
+                return
+            core.upstream.set_upstreams(upstreams)
 
     async def start(self) -> None:
         """Learn the upstreams, start the background tasks, then serve gRPC and HTTP."""
         loop = asyncio.get_running_loop()
         await self.refresh_upstreams()
-        if not isinstance(self._source, StaticUpstreams):
+        if not all(isinstance(source, StaticUpstreams) for source in self._sources):
             self._tasks.append(loop.create_task(self._discover(), name="router-discovery"))
-        admission = self.core.admission
-        if self.agent_load is not None and admission is not None:
-            self._tasks.append(loop.create_task(admission.follow(self.agent_load.read), name="router-agent-load"))
+        for core in self.models:
+            if self.agent_load is not None and core.admission is not None:
+                self._tasks.append(loop.create_task(core.admission.follow(self.agent_load.read),
+                                                    name=f"router-agent-load-{core.model_id}"))
         await self.server.start()
         if self.config.http_port is not None:
             from router.http import Gateway, start_http
 
             read_cell = self.agent_load.read_cell if self.agent_load is not None else None
-            gateway = Gateway(self.core, self.config.api_key, read_cell)
+            gateway = Gateway(self.models, self.metrics, self.config.api_key, read_cell)
             self.http = await start_http(gateway, self.config.host, self.config.http_port)
 
     async def _discover(self) -> None:
-        """Re-read the source every ``discovery_interval_s`` (registry sources only)."""
+        """Re-read the sources every ``discovery_interval_s`` (registry sources only)."""
         while True:
             await asyncio.sleep(self.config.discovery_interval_s)
             await self.refresh_upstreams()
@@ -129,26 +136,32 @@ class RunningRouter:
         if self.agent_load is not None:
             await self.agent_load.close()
         await self.server.stop(grace_s)
-        await self.core.close()
+        await self.models.close()
         await self._channels.close()
         if self._close_source is not None:
             await self._close_source()
 
 
 async def start_router(config: RouterConfig, source: UpstreamSource | None = None) -> RunningRouter:
-    """Load the tokenizer, bind the port, learn the upstreams and start serving.
+    """Load the tokenizers, bind the port, learn the upstreams and start serving.
 
-    ``source`` defaults to the flags' addresses, or the Redis registry when none were given.
-    Raises ModelLoadError for an unusable model directory, OSError for a port in use.
+    ``source`` (of the first model's upstreams) defaults to the flags' addresses, or the Redis
+    registry when none were given; the other models' always come from the registry. Raises
+    ModelLoadError for an unusable model directory, OSError for a port in use.
     """
-    tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, config)
-    admission = await asyncio.to_thread(_admission_controller, config, model_config)
-    sampling_defaults = await asyncio.to_thread(config.sampling_defaults)
-    if sampling_defaults.changed():
-        log.info("sampling defaults for what requests leave out: %s", sampling_defaults.changed())
+    metrics = RouterMetrics()
     channels = ChannelPool(service_client_interceptors())
-    upstream = Upstream(config.router_id, channels, config.cancel_timeout_s)
-    core = RouterCore(config, tokenizer, model_config, upstream, RouterMetrics(), admission, sampling_defaults)
+    cores = []
+    for index, (name, model_dir) in enumerate(config.served_models):
+        tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, model_dir)
+        admission = await asyncio.to_thread(_admission_controller, config, model_config)
+        sampling_defaults = await asyncio.to_thread(config.sampling_defaults, model_dir)
+        if sampling_defaults.changed():
+            log.info("sampling defaults of %s for what requests leave out: %s", name, sampling_defaults.changed())
+        upstream = Upstream(config.router_id, channels, config.cancel_timeout_s)
+        cores.append(RouterCore(config, tokenizer, model_config, upstream, metrics.for_model(name), admission,
+                                sampling_defaults, model_id=name, primary=index == 0))
+    models = ServedModels(cores)
     interceptors: list[Any] = list(service_server_interceptors())
     if config.api_key:
         from router.auth import ApiKeyInterceptor
@@ -157,17 +170,20 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     # Innermost: the API key is checked first, whatever bytes came with the call.
     interceptors.append(MalformedRequestInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(models), server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     close_source: Callable[[], Awaitable[None]] | None = None
-    if source is None:
-        if config.static_upstreams:
-            source = StaticUpstreams(config.prefill_addresses, config.decode_addresses)
-        else:
-            source, close_source = _registry_source(config)
+    sources: list[UpstreamSource] = []
+    if source is None and config.static_upstreams:
+        source = StaticUpstreams(config.prefill_addresses, config.decode_addresses)
+    if source is None or config.extra_models:
+        registry_sources, close_source = _registry_sources(config)
+        sources = [source or registry_sources[0], *registry_sources[1:]]
+    else:
+        sources = [source]
     agent_load = AgentLoad(config.redis_url, config.cell_id) if config.redis_url else None
-    running = RunningRouter(config, core, server, channels, f"{config.host}:{port}", source, close_source,
-                            agent_load)
+    running = RunningRouter(config, models, metrics, server, channels, f"{config.host}:{port}", sources,
+                            close_source, agent_load)
     try:
         await running.start()
     except BaseException:
@@ -176,21 +192,25 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     return running
 
 
-def _registry_source(config: RouterConfig) -> tuple[UpstreamSource, Callable[[], Awaitable[None]]]:
-    """A registry-backed source and the function that closes its Redis client."""
+def _registry_sources(config: RouterConfig) -> tuple[list[UpstreamSource], Callable[[], Awaitable[None]]]:
+    """A registry-backed source per served model (of every model's services when the router
+    serves one) and the function that closes their Redis client."""
     import redis.asyncio as aredis
 
     from tandem.state.registry import Registry
 
     client = aredis.from_url(config.redis_url)
-    return RegistryUpstreams(Registry(client), config.cell_id), client.aclose
+    registry = Registry(client)
+    if not config.extra_models:
+        return [RegistryUpstreams(registry, config.cell_id)], client.aclose
+    return [RegistryUpstreams(registry, config.cell_id, model=name) for name, _ in config.served_models], client.aclose
 
 
-def _load_tokenizer(config: RouterConfig) -> tuple[Tokenizer, ModelConfig]:
-    tokenizer = Tokenizer.from_dir(config.model_dir)
-    log.info("prompt size bound: %s bytes per token",
+def _load_tokenizer(model_dir: Path) -> tuple[Tokenizer, ModelConfig]:
+    tokenizer = Tokenizer.from_dir(model_dir)
+    log.info("prompt size bound of %s: %s bytes per token", model_dir.name,
              tokenizer.max_bytes_per_token or "none (this tokenizer can drop text)")  # computed once, here
-    return tokenizer, ModelConfig.from_dir(config.model_dir)
+    return tokenizer, ModelConfig.from_dir(model_dir)
 
 
 def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> AdmissionController:
@@ -217,7 +237,7 @@ async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
                             service_id=config.router_id):
             http = f"HTTP at http://{running.http.address}; " if running.http is not None else ""
             log.info("router %s ready at %s (pid %d): %smodel %s, context %d, upstreams from %s, started in %.1fs",
-                     config.router_id, running.address, os.getpid(), http, config.model_dir.name,
+                     config.router_id, running.address, os.getpid(), http, ", ".join(running.models.names),
                      running.core.context_length, "flags" if config.static_upstreams else "registry",
                      time.perf_counter() - started_s)
             await stop_event.wait()

@@ -60,14 +60,16 @@ class StaticUpstreams:
 
 
 class RegistryUpstreams:
-    """Live prefill and decode services of one cell (every cell when ``cell_id`` is empty)."""
+    """Live prefill and decode services of one cell (every cell when ``cell_id`` is empty), of one
+    model when ``model`` is given."""
 
-    def __init__(self, lister: ServiceLister, cell_id: str) -> None:
+    def __init__(self, lister: ServiceLister, cell_id: str, model: str | None = None) -> None:
         self._lister = lister
         self._cell_id = cell_id or None
+        self._model = model  # only the services computing this model (None: any)
 
     async def fetch(self) -> Upstreams:
-        found = await addresses_by_role(self._lister, self._cell_id)
+        found = await addresses_by_role(self._lister, self._cell_id, self._model)
         return Upstreams(found.get("prefill", ()), found.get("decode", ()))
 
 

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ import grpc
 from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.service.flags import add_flag
+from tandem.service.model_spec import ModelSpec, parse_models
 from tandem.service.runtime import free_port
 
 EXIT_START_FAILED = 1
@@ -119,7 +121,11 @@ class Child:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser("up", help="run a whole cell and a router on this machine")
-    add_flag(parser, "--model", "default", "model directory or 'default'")
+    parser.add_argument("--model", action="append", default=None,
+                        help="a model to serve: PATH[:name=NAME][:kv=DTYPE][:quant=FORMAT], PATH a model directory "
+                        "or 'default'; repeat it to serve several models from one cell, sharing one KV slab pool "
+                        "(e.g. --model default --model default:kv=bfloat16) [env TANDEM_MODEL, comma-separated; "
+                        "default 'default']")
     add_flag(parser, "--host", "127.0.0.1", "address the router listens on")
     add_flag(parser, "--port", 8000, "router's OpenAI-compatible HTTP port", type=int)
     add_flag(parser, "--grpc-port", 50051, "router's public gRPC port", type=int)
@@ -153,6 +159,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _fixed(argv: list[str]) -> Callable[[], list[str]]:
+    return lambda: list(argv)
+
+
+def _spec_text(spec: ModelSpec, path: Path) -> str:
+    """The agent's --model entry for ``spec``, with its directory resolved."""
+    options = [f"name={spec.served_name(path)}"] + ([f"kv={spec.kv_dtype}"] if spec.kv_dtype else []) + (
+        [f"quant={spec.quantization}"] if spec.quantization else [])
+    return ":".join([str(path), *options])
+
+
 def say(message: str, error: bool = False) -> None:
     print(f"tandem up: {message}", file=sys.stderr if error else sys.stdout, flush=True)
 
@@ -176,14 +193,12 @@ def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lam
 class Supervisor:
     """Starts the stack, restarts what dies, and stops it all; see the module docstring."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: str, redis_url: str) -> None:
+    def __init__(self, args: argparse.Namespace, models: list[tuple[ModelSpec, Path]], redis_url: str) -> None:
         self.args = args
         self.cell_id: str = args.cell_id
         self.instance_id = ""  # the running agent's; its files are named <cell id>-<instance id>-*
         self.stopping = False
         agent_addr = f"127.0.0.1:{free_port()}"
-        prefill_addr = f"127.0.0.1:{free_port()}"
-        decode_addr = f"127.0.0.1:{free_port()}"
         self.router_addr = f"{args.host}:{args.grpc_port}"
         # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
         # router's admission and the agent's policy work from the same numbers.
@@ -204,22 +219,36 @@ class Supervisor:
             return address.rsplit(":", 1)[1]
 
         self.agent = Child("gpu_agent", lambda: [
-            "gpu_agent", "--model", model_dir, "--port", port(agent_addr), "--instance-id", self.new_instance(),
+            "gpu_agent", "--model", ",".join(_spec_text(spec, path) for spec, path in models),
+            "--port", port(agent_addr), "--instance-id", self.new_instance(),
             "--kv-cache-gb", str(args.kv_cache_gb), "--quantization", args.quantization,
             *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []), *cores,
         ], agent_addr, env, budget())
-        self.decode = Child("decode_svc", lambda: [
-            "decode_svc", "--agent-address", agent_addr, "--port", port(decode_addr),
-        ], decode_addr, env, budget())
-        self.prefill = Child("prefill_svc", lambda: [
-            "prefill_svc", "--agent-address", agent_addr, "--decode-address", decode_addr,
-            "--port", port(prefill_addr),
-        ], prefill_addr, env, budget())
+        # A decode_svc and a prefill_svc per model, each naming its model to the agent.
+        self.workers: list[Child] = []
+        served = [(spec.served_name(path), path) for spec, path in models]
+        for index, (name, _) in enumerate(served):
+            decode_addr, prefill_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+            suffix = f"-{index}" if len(served) > 1 else ""
+            model = ["--model", name] if len(served) > 1 else []
+            decode_argv = ["decode_svc", "--agent-address", agent_addr, "--port", port(decode_addr), *model]
+            prefill_argv = ["prefill_svc", "--agent-address", agent_addr, "--decode-address", decode_addr,
+                            "--port", port(prefill_addr), *model]
+            self.workers.append(Child(f"decode_svc{suffix}", _fixed(decode_argv), decode_addr, env, budget()))
+            self.workers.append(Child(f"prefill_svc{suffix}", _fixed(prefill_argv), prefill_addr, env, budget()))
+        if len(served) == 1:
+            # One model: the router is wired to its services by address.
+            upstreams = ["--prefill-address", self.workers[1].address, "--decode-address", self.workers[0].address]
+        else:
+            # Several: each model's services are found in the registry by the name they announce.
+            upstreams = ["--extra-model", ",".join(f"{name}={path}" for name, path in served[1:])]
+        upstreams += ["--served-model-name", served[0][0]]
         self.router = Child("router", lambda: [
-            "router", "--model", model_dir, "--host", args.host, "--grpc-port", str(args.grpc_port),
-            "--http-port", str(args.port), "--prefill-address", prefill_addr, "--decode-address", decode_addr,
+            "router", "--model", str(served[0][1]), "--host", args.host, "--grpc-port", str(args.grpc_port),
+            "--http-port", str(args.port), *upstreams,
         ], self.router_addr, env, budget())
-        self.cell = [self.agent, self.decode, self.prefill]  # in start order
+        self.served_names = [name for name, _ in served]
+        self.cell = [self.agent, *self.workers]  # in start order
         self.children = [*self.cell, self.router]
 
     def new_instance(self) -> str:
@@ -294,7 +323,7 @@ class Supervisor:
         """The agent died and its KV pool with it: stop prefill and decode (their requests'
         K/V is gone), remove the agent's files, and start the cell again on the same addresses.
         The new agent fails the old cell's requests before decode can resume any."""
-        for child in (self.prefill, self.decode):
+        for child in self.workers:
             child.stop()
         self.remove_agent_files()
         self.sleep(delay_s)
@@ -320,12 +349,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         say(f"error: {exc}", error=True)
         return 2
-    model_dir = resolve_model(args.model)
+    try:
+        specs = [spec for text in (args.model or [os.environ.get("TANDEM_MODEL") or "default"])
+                 for spec in parse_models(text)]
+        models = [(spec, resolve_model(spec.path)) for spec in specs]
+        names = [spec.served_name(path) for spec, path in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two --model entries serve the name(s) {sorted({n for n in names if names.count(n) > 1})}; "
+                             "give one of them :name=NAME")
+    except ValueError as exc:
+        say(f"error: {exc}", error=True)
+        return 2
     redis_url, redis_server = resolve_redis_url({**os.environ, "TANDEM_REDIS_PASSWORD": args.redis_password,
                                                  "TANDEM_REDIS_DATA_DIR": args.redis_data_dir})
     shown = re.sub(r"//[^@/]*@", "//***@", redis_url)  # never print a password
     say(f"redis at {shown}{' (private)' if redis_server else ''}")
-    supervisor = Supervisor(args, str(model_dir), redis_url)
+    supervisor = Supervisor(args, models, redis_url)
 
     def on_signal(signum: int, frame: object) -> None:
         supervisor.stopping = True
@@ -336,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         supervisor.start(supervisor.children)
         http_url = f"http://{args.host}:{args.port}"
-        say(f"serving {model_dir.name}; HTTP at {http_url} (OpenAI-compatible, {http_url}/v1), "
+        say(f"serving {', '.join(supervisor.served_names)}; HTTP at {http_url} (OpenAI-compatible, {http_url}/v1), "
             f"gRPC at {supervisor.router_addr}. Ctrl-C stops.")
         say(f"try  {sys.executable.rsplit('/', 1)[0]}/tandem ask --address {supervisor.router_addr} "
             f"'What is the capital of France?'")

@@ -51,8 +51,10 @@ def apply_cpu_partition(cores: list[int]) -> None:
 
 
 class CellMember:
-    def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str, weight_format: WeightFormat | None = None):
+    def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str,
+                 weight_format: WeightFormat | None = None, model: str = ""):
         self.role = role
+        self.model = model  # the served name of the cell's model it computes ("": the cell's first)
         self.service_id = service_id
         self.address = address
         self.agent_address = agent_address
@@ -77,17 +79,21 @@ class CellMember:
 
     async def join(self, wait_s: float = 120.0) -> ModelRunner:
         """Register (retrying while the agent starts), attach shared state, build the runner."""
-        request = agent_pb2.RegisterRequest(service_id=self.service_id, role=self.role, address=self.address)
+        request = agent_pb2.RegisterRequest(service_id=self.service_id, role=self.role, address=self.address,
+                                            model=self.model)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             try:
                 reply = await self.agent.Register(request, timeout=RPC_TIMEOUT_S, wait_for_ready=True)
                 break
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # the cell does not serve that model
+                    raise RuntimeError(f"gpu_agent at {self.agent_address}: {exc.details()}") from exc
                 if asyncio.get_running_loop().time() > deadline:
                     raise RuntimeError(f"gpu_agent at {self.agent_address} unreachable: {exc.details()}") from exc
                 await asyncio.sleep(0.2)
         self.cell_id = reply.cell_id
+        self.model = reply.model or self.model
         self.model_dir = Path(reply.model_dir)
         self.partition = reply.partition
         self.runner = await self.run(lambda: self._attach(reply))
@@ -100,7 +106,7 @@ class CellMember:
         store, weights = attach_weights(reply.weights_shm_name)
         info = reply.kv_pool
         spec = KVPoolSpec(info.num_layers, info.num_blocks, info.block_size, info.num_kv_heads, info.head_dim,
-                          parse_dtype(info.dtype))
+                          parse_dtype(info.dtype), info.layout or "layer")
         pool = KVPool.attach(spec, info.shm_name)
         self._stores = [store] + ([pool.store] if pool.store is not None else [])
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")

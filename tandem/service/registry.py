@@ -31,16 +31,18 @@ def open_redis(url: str) -> aredis.Redis | None:
 
 @asynccontextmanager
 async def announce(
-    redis_url: str, role: Role, cell_id: str, address: str, service_id: str | None = None
+    redis_url: str, role: Role, cell_id: str, address: str, service_id: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> AsyncIterator[None]:
-    """Keep this process registered (with heartbeats) while the body runs."""
+    """Keep this process registered (with heartbeats) while the body runs; ``extra`` as in
+    ``ServiceInfo`` (prefill and decode name their ``model``)."""
     client = open_redis(redis_url)
     if client is None:
         yield
         return
     info = ServiceInfo(
         service_id=service_id or f"{role}-{uuid.uuid4().hex[:8]}", role=role, cell_id=cell_id, address=address,
-        pid=os.getpid(), started_unix_s=time.time(),
+        pid=os.getpid(), started_unix_s=time.time(), extra=dict(extra or {}),
     )
     try:
         async with HeartbeatTask(Registry(client), info):
@@ -58,6 +60,9 @@ class ServiceEntry(Protocol):
     @property
     def address(self) -> str: ...
 
+    @property
+    def extra(self) -> dict[str, str]: ...
+
 
 class ServiceLister(Protocol):
     """The part of ``tandem.state.registry.Registry`` that discovery uses."""
@@ -65,19 +70,35 @@ class ServiceLister(Protocol):
     async def list(self, role: Role | None = None, cell_id: str | None = None) -> Sequence[ServiceEntry]: ...
 
 
-async def addresses_by_role(lister: ServiceLister, cell_id: str | None) -> dict[str, tuple[str, ...]]:
-    """The addresses of the live services of ``cell_id`` (every cell: None), by role, each sorted."""
+async def addresses_by_role(lister: ServiceLister, cell_id: str | None,
+                            model: str | None = None) -> dict[str, tuple[str, ...]]:
+    """The addresses of the live services of ``cell_id`` (every cell: None), by role, each sorted;
+    with ``model``, only the services that compute it (and those that name no model)."""
     found: dict[str, list[str]] = {}
     for info in await lister.list(cell_id=cell_id):
-        found.setdefault(info.role, []).append(info.address)
+        if model is None or info.extra.get("model", "") in ("", model):
+            found.setdefault(info.role, []).append(info.address)
     return {role: tuple(sorted(addresses)) for role, addresses in found.items()}
 
 
-class Discovery:
-    """Live addresses of a cell's services, refreshed from the registry in the background."""
+async def models_served(lister: ServiceLister, cell_id: str | None) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Per served model name, its services' addresses by role (``addresses_by_role`` for each)."""
+    services = await lister.list(cell_id=cell_id)
+    found: dict[str, dict[str, list[str]]] = {}
+    for info in services:
+        if info.role in ("prefill", "decode"):
+            by_role = found.setdefault(info.extra.get("model", ""), {})
+            by_role.setdefault(info.role, []).append(info.address)
+    return {model: {role: tuple(sorted(a)) for role, a in by_role.items()} for model, by_role in found.items()}
 
-    def __init__(self, redis_url: str, cell_id: str, refresh_s: float = 1.0) -> None:
+
+class Discovery:
+    """Live addresses of a cell's services of one model (every model: None), refreshed from the
+    registry in the background."""
+
+    def __init__(self, redis_url: str, cell_id: str, refresh_s: float = 1.0, model: str | None = None) -> None:
         self.cell_id = cell_id
+        self.model = model
         self.refresh_s = refresh_s
         self._client = open_redis(redis_url)
         self.addresses: dict[str, tuple[str, ...]] = {}
@@ -85,7 +106,7 @@ class Discovery:
     async def refresh(self) -> None:
         if self._client is None:
             return
-        self.addresses = await addresses_by_role(Registry(self._client), self.cell_id)
+        self.addresses = await addresses_by_role(Registry(self._client), self.cell_id, self.model)
 
     async def watch(self) -> None:
         while True:

@@ -209,6 +209,7 @@ class RequestRecord:
     generator_state: bytes = b""
     decode_service_id: str | None = None
     updated_unix_ns: int = 0
+    model: str = ""  # the served name of the cell's model that decodes it (a cell may serve several)
 
     def __post_init__(self) -> None:
         if not self.request_id or not self.cell_id:
@@ -245,6 +246,7 @@ def request_to_fields(record: RequestRecord) -> dict[str, bytes]:
         "decode_service_id": (record.decode_service_id or "").encode(),
         "arrival_unix_ns": str(record.arrival_unix_ns).encode(),
         "updated_unix_ns": str(record.updated_unix_ns).encode(),
+        "model": record.model.encode(),
     }
 
 
@@ -267,6 +269,7 @@ def request_from_fields(fields: Mapping[bytes, bytes], outputs: bytes | None) ->
         generator_state=f["generator_state"],
         decode_service_id=f["decode_service_id"].decode() or None,
         updated_unix_ns=int(f["updated_unix_ns"]),
+        model=f.get("model", b"").decode(),
     )
 
 

@@ -516,6 +516,7 @@ def test_registry_discovery_feeds_upstreams(model_dir: Path) -> None:
         address: str
         role: str
         cell_id: str
+        extra: dict[str, str] = field(default_factory=dict)
 
     class FakeRegistry:
         def __init__(self) -> None:

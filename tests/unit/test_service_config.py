@@ -13,6 +13,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.config import parse_args as parse_decode
 from gpu_agent.config import AgentConfig
 from gpu_agent.config import parse_args as parse_agent
+from tandem.service.model_spec import ModelSpec
 from prefill_svc.config import PrefillConfig
 from prefill_svc.config import parse_args as parse_prefill
 from router.config import RouterConfig, parse_args
@@ -49,7 +50,7 @@ def test_every_flag_comes_from_a_field_and_reaches_it(model_dir: Path, monkeypat
     defaults = parse_args(["--model", str(model_dir), "--prefill-address", "a:1", "--decode-address", "c:3"])
     for name, spec in flagged.items():
         if name not in ("model_dir", "prefill_addresses", "decode_addresses", "router_id", "admission", "redis_url"):
-            assert getattr(defaults, name) == spec.default, name
+            assert getattr(defaults, name) == spec.parse(spec.default), name
 
 
 @pytest.mark.parametrize("config_type, parse", PARSERS, ids=lambda x: getattr(x, "__name__", ""))
@@ -104,8 +105,8 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
     config = parse_agent(["--prefill-cores", "0-2", "--decode-cores", "3", "--num-blocks", "64",
                           "--policy", "chunked", "--kv-dtype", "float16"])
     assert config.prefill_cores == (0, 1, 2) and config.decode_cores == (3,)
-    assert (config.num_blocks, config.policy, config.kv_pool_dtype, config.tbt_slo_ms) == (64, "chunked", "float16", 50.0)
-    assert config.instance_id.isalnum() and config.quantization == "auto" and config.model == "default"
+    assert (config.num_blocks, config.policy, config.kv_dtype, config.tbt_slo_ms) == (64, "chunked", "float16", 50.0)
+    assert config.instance_id.isalnum() and config.quantization == "auto" and config.models == (ModelSpec("default"),)
     defaults = parse_agent([])
     assert defaults.prefill_cores and defaults.decode_cores  # split of this process's cores
     with pytest.raises(ValueError, match="--policy"):

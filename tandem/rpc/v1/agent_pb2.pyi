@@ -19,17 +19,19 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("service_id", "role", "address")
+    __slots__ = ("service_id", "role", "address", "model")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     role: Role
     address: str
-    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class KVPoolInfo(_message.Message):
-    __slots__ = ("shm_name", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")
+    __slots__ = ("shm_name", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "layout")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +39,7 @@ class KVPoolInfo(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     num_layers: int
     num_blocks: int
@@ -44,10 +47,11 @@ class KVPoolInfo(_message.Message):
     num_kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format")
+    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format", "model")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +59,7 @@ class RegisterReply(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     model_dir: str
     weights_shm_name: str
@@ -62,7 +67,8 @@ class RegisterReply(_message.Message):
     partition: _common_pb2.Partition
     dtype: str
     weight_format: str
-    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_extra_tokens", "owner")
@@ -173,7 +179,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "num_prefix_query_tokens", "num_prefix_hit_tokens", "partition", "num_reclaimed_requests", "num_reclaimed_blocks")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "num_prefix_query_tokens", "num_prefix_hit_tokens", "partition", "num_reclaimed_requests", "num_reclaimed_blocks", "models", "num_slabs", "num_free_slabs")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +188,9 @@ class AgentStats(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     NUM_RECLAIMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECLAIMED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SLABS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_requests: int
@@ -190,7 +199,24 @@ class AgentStats(_message.Message):
     partition: _common_pb2.Partition
     num_reclaimed_requests: int
     num_reclaimed_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., num_reclaimed_requests: _Optional[int] = ..., num_reclaimed_blocks: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelKV]
+    num_slabs: int
+    num_free_slabs: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., num_reclaimed_requests: _Optional[int] = ..., num_reclaimed_blocks: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelKV, _Mapping]]] = ..., num_slabs: _Optional[int] = ..., num_free_slabs: _Optional[int] = ...) -> None: ...
+
+class ModelKV(_message.Message):
+    __slots__ = ("model", "num_blocks", "num_free_blocks", "num_requests", "num_slabs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    num_slabs: int
+    def __init__(self, model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_slabs: _Optional[int] = ...) -> None: ...
 
 class QueuedPrefill(_message.Message):
     __slots__ = ("request_id", "arrival_unix_ns", "prompt_tokens", "cached_tokens")

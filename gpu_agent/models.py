@@ -1,0 +1,155 @@
+"""The models a cell serves: their weights in shared memory, their view of the KV pool, their ledgers.
+
+A cell of one model keeps the pool it always had: one layer-major tensor of that model's blocks
+and a plain ``BlockAllocator``. A cell of several models (FineServe's co-location, section 5)
+has one shared *byte* pool carved into slabs by ``tandem.engine.kv_slab.KVSlabPool``; each model
+views the whole pool in block layout at its own block size and dtype, and allocates through its
+own ``SlabBlockAllocator`` and ``BlockLedger``, so its block ids, prefix index and attention code
+are those of a cell of its own, while free slabs go to whichever model needs them next.
+
+``--model`` names the models (``tandem.service.model_spec``), e.g. ``default,default:kv=bfloat16``:
+the default model twice, the second with a bf16 KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_agent.blocks import BlockLedger
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.config import ModelConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
+from tandem.engine.kv_slab import KVSlabPool, SlabBlockAllocator
+from tandem.engine.model_cache import resolve_model
+from tandem.engine.quant import WeightFormat, effective_format
+from tandem.engine.shm import SharedTensorStore
+from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
+from tandem.service.model_spec import ModelSpec
+
+@dataclass
+class ServedModel:
+    """One model of the cell and everything a service computing it attaches to."""
+
+    name: str
+    model_dir: Path
+    config: ModelConfig
+    weights: SharedTensorStore
+    kv: KVPoolSpec  # this model's view of the pool
+    dtype: str
+    kv_dtype: str
+    weight_format: WeightFormat
+    ledger: BlockLedger
+
+
+@dataclass
+class Cell:
+    """The cell's models (the first is the default for services and callers that name none), the
+    shared KV store and, with several models, the slab table over it."""
+
+    models: dict[str, ServedModel]
+    kv_store: SharedTensorStore
+    slabs: KVSlabPool | None
+
+    @property
+    def first(self) -> ServedModel:
+        return next(iter(self.models.values()))
+
+    def model(self, name: str) -> ServedModel:
+        """The model named ``name``; "" is the first. InvalidRequestError names the choices."""
+        if not name:
+            return self.first
+        try:
+            return self.models[name]
+        except KeyError:
+            raise InvalidRequestError(f"this cell serves no model {name!r}; it serves {sorted(self.models)}") from None
+
+    def ledgers(self) -> CellLedgers:
+        return CellLedgers({name: m.ledger for name, m in self.models.items()})
+
+
+class CellLedgers:
+    """The per-model ledgers seen as one where a caller names a request or an owner, not a model:
+    request ids and service ids are unique across the cell, and a service computes one model."""
+
+    def __init__(self, ledgers: Mapping[str, BlockLedger]) -> None:
+        self._ledgers = dict(ledgers)
+
+    def __iter__(self) -> Iterator[BlockLedger]:
+        return iter(self._ledgers.values())
+
+    def of_request(self, request_id: str) -> BlockLedger:
+        """The ledger holding ``request_id`` (the first when none does: its calls then fail as a
+        one-model cell's would)."""
+        return next((ledger for ledger in self if ledger.blocks_of(request_id) is not None),
+                    next(iter(self._ledgers.values())))
+
+    @property
+    def num_requests(self) -> int:
+        return sum(ledger.num_requests for ledger in self)
+
+    def owned_by(self, owner: str) -> list[str]:
+        return [rid for ledger in self for rid in ledger.owned_by(owner)]
+
+    def reclaim(self, owner: str) -> tuple[int, int]:
+        requests = blocks = 0
+        for ledger in self:
+            r, b = ledger.reclaim(owner)
+            requests, blocks = requests + r, blocks + b
+        return requests, blocks
+
+
+def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quantization: str, block_size: int,
+               kv_cache_bytes: int, num_blocks: int, shm_prefix: str) -> Cell:
+    """Load every model's weights into shared memory and create the KV pool (the slow part).
+
+    ``num_blocks`` (if not 0) sizes the pool in blocks of the first model; else ``kv_cache_bytes``.
+    """
+    loaded: list[tuple[ModelSpec, Path, ModelConfig, str]] = []
+    names: set[str] = set()
+    for spec in specs:
+        model_dir = resolve_model(spec.path)
+        name = spec.served_name(model_dir)
+        if name in names:
+            raise ValueError(f"two --model entries serve the name {name!r}; give one of them :name=NAME")
+        names.add(name)
+        loaded.append((spec, model_dir, ModelConfig.from_dir(model_dir), spec.kv_dtype or kv_dtype or dtype))
+    first_config, first_kv = loaded[0][2], parse_dtype(loaded[0][3])
+    pool_bytes = (num_blocks * KVPoolSpec.for_model(first_config, 1, block_size, first_kv).bytes_per_block
+                  if num_blocks else kv_cache_bytes)
+    slabs: KVSlabPool | None = None
+    if len(loaded) == 1:
+        blocks = num_blocks or num_blocks_for_budget(first_config, kv_cache_bytes, block_size, first_kv)
+        views = [KVPoolSpec.for_model(first_config, blocks, block_size, first_kv)]
+        kv_store = KVPool.create_shared(views[0], f"{shm_prefix}-kv", exist_ok=True).store
+        allocators: list[BlockAllocator] = [BlockAllocator(blocks, block_size)]
+    else:
+        per_block = {name: KVPoolSpec.for_model(config, 1, block_size, parse_dtype(kv)).bytes_per_block
+                     for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True)}
+        slabs = KVSlabPool(pool_bytes, per_block)
+        if slabs.num_slabs == 0:
+            raise ValueError(f"a KV pool of {pool_bytes} bytes holds no slab of {slabs.slab_bytes} bytes")
+        kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", slabs.num_slabs * slabs.slab_bytes, exist_ok=True)
+        views, allocators = [], []
+        for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True):
+            slab_allocator = SlabBlockAllocator(slabs, name, block_size)
+            allocators.append(slab_allocator)
+            views.append(KVPoolSpec.for_model(config, slab_allocator.num_blocks, block_size, parse_dtype(kv), "block"))
+    assert kv_store is not None
+    models: dict[str, ServedModel] = {}
+    for (spec, model_dir, config, kv), name, view, allocator in zip(loaded, _names(loaded), views, allocators,
+                                                                    strict=True):
+        weights = load_checkpoint(model_dir, config, parse_dtype(dtype))
+        part = "weights" if not models else f"weights{len(models)}"  # no "-": shm_files parts are one word
+        store = share_weights(weights, f"{shm_prefix}-{part}", exist_ok=True)
+        del weights
+        fmt = effective_format(WeightFormat.parse(spec.quantization or quantization), parse_dtype(dtype))
+        models[name] = ServedModel(name, model_dir, config, store, view, dtype, kv, fmt,
+                                   BlockLedger(allocator))
+    return Cell(models, kv_store, slabs)
+
+
+def _names(loaded: list[tuple[ModelSpec, Path, ModelConfig, str]]) -> list[str]:
+    return [spec.served_name(model_dir) for spec, model_dir, _, _ in loaded]
