@@ -30,6 +30,9 @@ class AgentConfig:
         "--quantization", "auto", f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the "
         "fastest format that keeps fp32's accuracy here; int8 is lossy)"))
     kv_cache_gb: float = field(metadata=flag("--kv-cache-gb", 1.0, "KV pool size in GiB", type=float))
+    kv_split: str = field(metadata=flag(
+        "--kv-split", "slab", "how several models share the KV pool: slab (FineServe's slabs, on demand) or "
+        "static (an equal range each; the baseline)", choices=["slab", "static"]))
     num_blocks: int = field(metadata=flag(  # 0: derived from kv_cache_gb
         "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int))
     block_size: int = field(metadata=flag("--block-size", 16, "tokens per KV block", type=int))

@@ -38,6 +38,7 @@ class ServedModel:
     config: ModelConfig
     weights: SharedTensorStore
     kv: KVPoolSpec  # this model's view of the pool
+    kv_offset: int  # where the view starts in the pool, in bytes
     dtype: str
     kv_dtype: str
     weight_format: WeightFormat
@@ -101,12 +102,20 @@ class CellLedgers:
         return requests, blocks
 
 
+KV_SPLITS = ("slab", "static")
+
+
 def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quantization: str, block_size: int,
-               kv_cache_bytes: int, num_blocks: int, shm_prefix: str) -> Cell:
+               kv_cache_bytes: int, num_blocks: int, shm_prefix: str, kv_split: str = "slab") -> Cell:
     """Load every model's weights into shared memory and create the KV pool (the slow part).
 
     ``num_blocks`` (if not 0) sizes the pool in blocks of the first model; else ``kv_cache_bytes``.
+    With several models, ``kv_split`` "slab" shares the pool through slabs; "static" gives each
+    model an equal range of its own (the baseline FineServe compares against), with a plain
+    allocator over it.
     """
+    if kv_split not in KV_SPLITS:
+        raise ValueError(f"--kv-split must be one of {KV_SPLITS}, got {kv_split!r}")
     loaded: list[tuple[ModelSpec, Path, ModelConfig, str]] = []
     names: set[str] = set()
     for spec in specs:
@@ -120,33 +129,44 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
     pool_bytes = (num_blocks * KVPoolSpec.for_model(first_config, 1, block_size, first_kv).bytes_per_block
                   if num_blocks else kv_cache_bytes)
     slabs: KVSlabPool | None = None
+    offsets = [0] * len(loaded)
+    views: list[KVPoolSpec] = []
+    allocators: list[BlockAllocator] = []
+    kv_store: SharedTensorStore | None
     if len(loaded) == 1:
         blocks = num_blocks or num_blocks_for_budget(first_config, kv_cache_bytes, block_size, first_kv)
-        views = [KVPoolSpec.for_model(first_config, blocks, block_size, first_kv)]
+        views.append(KVPoolSpec.for_model(first_config, blocks, block_size, first_kv))
         kv_store = KVPool.create_shared(views[0], f"{shm_prefix}-kv", exist_ok=True).store
-        allocators: list[BlockAllocator] = [BlockAllocator(blocks, block_size)]
+        allocators.append(BlockAllocator(blocks, block_size))
+    elif kv_split == "static":
+        share = pool_bytes // len(loaded)
+        for index, (spec, model_dir, config, kv) in enumerate(loaded):
+            block_bytes = KVPoolSpec.for_model(config, 1, block_size, parse_dtype(kv)).bytes_per_block
+            if share < block_bytes:
+                raise ValueError(f"a KV share of {share} bytes holds no block of {block_bytes} bytes")
+            views.append(KVPoolSpec.for_model(config, share // block_bytes, block_size, parse_dtype(kv), "block"))
+            allocators.append(BlockAllocator(share // block_bytes, block_size))
+            offsets[index] = index * share
+        kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", share * len(loaded), exist_ok=True)
     else:
         per_block = {name: KVPoolSpec.for_model(config, 1, block_size, parse_dtype(kv)).bytes_per_block
                      for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True)}
         slabs = KVSlabPool(pool_bytes, per_block)
-        if slabs.num_slabs == 0:
-            raise ValueError(f"a KV pool of {pool_bytes} bytes holds no slab of {slabs.slab_bytes} bytes")
         kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", slabs.num_slabs * slabs.slab_bytes, exist_ok=True)
-        views, allocators = [], []
         for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True):
             slab_allocator = SlabBlockAllocator(slabs, name, block_size)
             allocators.append(slab_allocator)
             views.append(KVPoolSpec.for_model(config, slab_allocator.num_blocks, block_size, parse_dtype(kv), "block"))
     assert kv_store is not None
     models: dict[str, ServedModel] = {}
-    for (spec, model_dir, config, kv), name, view, allocator in zip(loaded, _names(loaded), views, allocators,
-                                                                    strict=True):
+    for (spec, model_dir, config, kv), name, view, offset, allocator in zip(
+            loaded, _names(loaded), views, offsets, allocators, strict=True):
         weights = load_checkpoint(model_dir, config, parse_dtype(dtype))
         part = "weights" if not models else f"weights{len(models)}"  # no "-": shm_files parts are one word
         store = share_weights(weights, f"{shm_prefix}-{part}", exist_ok=True)
         del weights
         fmt = effective_format(WeightFormat.parse(spec.quantization or quantization), parse_dtype(dtype))
-        models[name] = ServedModel(name, model_dir, config, store, view, dtype, kv, fmt,
+        models[name] = ServedModel(name, model_dir, config, store, view, offset, dtype, kv, fmt,
                                    BlockLedger(allocator))
     return Cell(models, kv_store, slabs)
 

@@ -87,7 +87,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             kv_pool=agent_pb2.KVPoolInfo(
                 shm_name=self.cell.kv_store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
                 block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                dtype=model.kv_dtype, layout=spec.layout,
+                dtype=model.kv_dtype, layout=spec.layout, offset_bytes=model.kv_offset,
             ),
             partition=self.partition.current,
             dtype=model.dtype,
@@ -209,4 +209,4 @@ def build_state(config: AgentConfig) -> Cell:
     """Load the weights into shared memory and create the shared KV pool (the slow part)."""
     return build_cell(config.models, dtype=config.dtype, kv_dtype=config.kv_dtype, quantization=config.quantization,
                       block_size=config.block_size, kv_cache_bytes=int(config.kv_cache_gb * (1 << 30)),
-                      num_blocks=config.num_blocks, shm_prefix=config.shm_prefix)
+                      num_blocks=config.num_blocks, shm_prefix=config.shm_prefix, kv_split=config.kv_split)

@@ -131,6 +131,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--grpc-port", 50051, "router's public gRPC port", type=int)
     add_flag(parser, "--cell-id", "cell0", "id of the cell")
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
+    add_flag(parser, "--kv-split", "slab", "with several --model: share the KV pool by slabs (slab) or give each "
+             "model an equal range (static)", choices=["slab", "static"])
     add_flag(parser, "--prefill-cores", "", "cores for prefill (default: first half)")
     add_flag(parser, "--decode-cores", "", "cores for decode (default: the rest)")
     add_flag(parser, "--ready-timeout-s", 300.0, "how long to wait for the stack to come up", type=float)
@@ -221,7 +223,7 @@ class Supervisor:
         self.agent = Child("gpu_agent", lambda: [
             "gpu_agent", "--model", ",".join(_spec_text(spec, path) for spec, path in models),
             "--port", port(agent_addr), "--instance-id", self.new_instance(),
-            "--kv-cache-gb", str(args.kv_cache_gb), "--quantization", args.quantization,
+            "--kv-cache-gb", str(args.kv_cache_gb), "--kv-split", args.kv_split, "--quantization", args.quantization,
             *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []), *cores,
         ], agent_addr, env, budget())
         # A decode_svc and a prefill_svc per model, each naming its model to the agent.

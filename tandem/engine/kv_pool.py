@@ -115,22 +115,23 @@ class KVPool:
         return SharedTensorStore.create(name, {_POOL_KEY: ((num_bytes,), torch.uint8)}, exist_ok=exist_ok)
 
     @classmethod
-    def view_of(cls, spec: KVPoolSpec, store: SharedTensorStore) -> KVPool:
-        """``spec``'s pool over the store's tensor: itself, or the first ``spec.num_bytes`` of a
-        byte pool reinterpreted in block layout (ValueError when it does not fit)."""
+    def view_of(cls, spec: KVPoolSpec, store: SharedTensorStore, offset_bytes: int = 0) -> KVPool:
+        """``spec``'s pool over the store's tensor: itself, or ``spec.num_bytes`` of a byte pool
+        from ``offset_bytes`` on, reinterpreted in block layout (ValueError when it does not fit)."""
         raw = store.tensors[_POOL_KEY]
         if raw.dtype != torch.uint8 or raw.dim() != 1:
             return cls(spec, raw, store)
         if spec.layout != "block":
             raise ValueError("a shared byte pool is viewed in block layout only")
-        if spec.num_bytes > raw.numel():
-            raise ValueError(f"{spec.num_blocks} blocks of {spec.bytes_per_block} bytes do not fit a byte pool "
-                             f"of {raw.numel()} bytes")
-        return cls(spec, raw[: spec.num_bytes].view(spec.dtype).view(spec.shape), store)
+        if offset_bytes < 0 or offset_bytes % spec.dtype.itemsize or offset_bytes + spec.num_bytes > raw.numel():
+            raise ValueError(f"{spec.num_blocks} blocks of {spec.bytes_per_block} bytes from byte {offset_bytes} "
+                             f"do not fit a byte pool of {raw.numel()} bytes")
+        window = raw[offset_bytes: offset_bytes + spec.num_bytes]
+        return cls(spec, window.view(spec.dtype).view(spec.shape), store)
 
     @classmethod
-    def attach(cls, spec: KVPoolSpec, name: str) -> KVPool:
-        return cls.view_of(spec, SharedTensorStore.attach(name))
+    def attach(cls, spec: KVPoolSpec, name: str, offset_bytes: int = 0) -> KVPool:
+        return cls.view_of(spec, SharedTensorStore.attach(name), offset_bytes)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._kv[layer][0]  # [num_blocks, block_size, kvh, d]

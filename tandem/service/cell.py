@@ -107,7 +107,7 @@ class CellMember:
         info = reply.kv_pool
         spec = KVPoolSpec(info.num_layers, info.num_blocks, info.block_size, info.num_kv_heads, info.head_dim,
                           parse_dtype(info.dtype), info.layout or "layer")
-        pool = KVPool.attach(spec, info.shm_name)
+        pool = KVPool.attach(spec, info.shm_name, info.offset_bytes)
         self._stores = [store] + ([pool.store] if pool.store is not None else [])
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
         model = LlamaModel(config, weights, make_backend("torch", config.num_heads), fmt)

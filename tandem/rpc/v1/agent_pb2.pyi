@@ -31,7 +31,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class KVPoolInfo(_message.Message):
-    __slots__ = ("shm_name", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "layout")
+    __slots__ = ("shm_name", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "layout", "offset_bytes")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class KVPoolInfo(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     num_layers: int
     num_blocks: int
@@ -48,7 +49,8 @@ class KVPoolInfo(_message.Message):
     head_dim: int
     dtype: str
     layout: str
-    def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    offset_bytes: int
+    def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format", "model")

@@ -1,0 +1,112 @@
+"""The cell's models (gpu_agent/models.py): --model entries, the pool each model views, and the
+ledgers seen as one. Real shared-memory stores on /dev/shm, tiny random models."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_agent.blocks import BlockLedger
+from gpu_agent.models import Cell, CellLedgers, build_cell
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.shm_files import remove_stores
+from tandem.service.model_spec import ModelSpec, parse_models
+from tests.tiny_models import write_tiny_model
+
+
+def test_model_entries_parse_and_name_themselves(tmp_path: Path) -> None:
+    assert parse_models("default") == (ModelSpec("default"),)
+    a, b = parse_models("/m/x, /m/x:kv=bfloat16:quant=fp32")
+    assert (b.path, b.kv_dtype, b.quantization) == ("/m/x", "bfloat16", "fp32")
+    assert a.served_name(Path("/m/x")) == "x" and b.served_name(Path("/m/x")) == "x-kv-bfloat16-fp32"
+    assert ModelSpec.parse("/m/x:name=small").served_name(Path("/m/x")) == "small"
+    for bad in ("", ":kv=float16", "/m/x:kv=int3", "/m/x:colour=red", "/m/x:kv", "/m/x:kv=float16:kv=float32",
+                "/m/x:quant=int3"):
+        with pytest.raises(ValueError):
+            parse_models(bad)
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return write_tiny_model(tmp_path / "tiny", "llama")
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    name = f"cm-{uuid.uuid4().hex[:8]}"
+    yield name
+    remove_stores(name)
+
+
+def _cell(tiny: Path, prefix: str, entries: str, split: str = "slab", kv_bytes: int = 1 << 20) -> Cell:
+    return build_cell(parse_models(entries.format(m=tiny)), dtype="float32", kv_dtype="", quantization="fp32",
+                      block_size=4, kv_cache_bytes=kv_bytes, num_blocks=0, shm_prefix=prefix, kv_split=split)
+
+
+def test_one_model_keeps_its_layer_major_pool(tiny: Path, prefix: str) -> None:
+    cell = _cell(tiny, prefix, "{m}")
+    (model,) = cell.models.values()
+    assert cell.slabs is None and model.kv.layout == "layer" and model.kv_offset == 0
+    assert type(model.ledger.allocator) is BlockAllocator and model.name == "tiny"
+    assert KVPool.view_of(model.kv, cell.kv_store).tensor.shape == model.kv.shape
+    assert cell.model("") is model and cell.model("tiny") is model
+    with pytest.raises(InvalidRequestError, match="serves no model 'x'"):
+        cell.model("x")
+
+
+def test_two_models_share_slabs_and_one_byte_pool(tiny: Path, prefix: str) -> None:
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16")
+    a, b = cell.models.values()
+    assert cell.slabs is not None and a.kv.layout == b.kv.layout == "block"
+    assert a.kv.bytes_per_block == 2 * b.kv.bytes_per_block  # fp32 vs bf16 K/V
+    assert a.kv.num_bytes == b.kv.num_bytes == cell.slabs.num_slabs * cell.slabs.slab_bytes
+    assert cell.kv_store.tensors["kv"].numel() == a.kv.num_bytes
+    # A slab given to one model is no longer free to the other.
+    got = a.ledger.allocate("r1", list(range(9)), owner="s1")
+    assert cell.slabs.num_free_slabs == cell.slabs.num_slabs - -(-len(got.block_ids) // cell.slabs.blocks_per_slab(
+        a.name))
+    assert b.ledger.allocator.num_free_blocks == cell.slabs.num_free_slabs * cell.slabs.blocks_per_slab(b.name)
+    a.ledger.release("r1")
+    assert cell.slabs.num_free_slabs == cell.slabs.num_slabs
+
+
+def test_a_static_split_gives_each_model_its_own_byte_range(tiny: Path, prefix: str) -> None:
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16", split="static", kv_bytes=3 << 18)
+    a, b = cell.models.values()
+    assert cell.slabs is None and (a.kv_offset, b.kv_offset) == (0, (3 << 18) // 2)
+    assert a.kv.num_bytes <= b.kv_offset and b.kv_offset + b.kv.num_bytes <= cell.kv_store.tensors["kv"].numel()
+    assert b.kv.num_blocks == 2 * a.kv.num_blocks  # the same bytes, blocks half the size
+    view_a, view_b = KVPool.view_of(a.kv, cell.kv_store, a.kv_offset), KVPool.view_of(b.kv, cell.kv_store,
+                                                                                    b.kv_offset)
+    view_b.tensor.fill_(1)
+    assert view_a.tensor.abs().sum() == 0  # b's range is not a's
+    view_a.tensor.fill_(2)
+    assert bool((view_b.tensor == 1).all())
+    with pytest.raises(ValueError, match="two --model entries serve the name"):
+        _cell(tiny, prefix + "x", "{m},{m}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["s1", "s2", "s3"]), st.integers(1, 12)),
+                min_size=1, max_size=12))
+def test_the_ledgers_seen_as_one_reclaim_each_owner_exactly_once(jobs: list[tuple[str, str, int]]) -> None:
+    ledgers = {"a": BlockLedger(BlockAllocator(64, 4)), "b": BlockLedger(BlockAllocator(64, 4))}
+    cell = CellLedgers(ledgers)
+    held: dict[str, list[str]] = {}
+    for i, (model, owner, tokens) in enumerate(jobs):
+        ledgers[model].allocate(f"r{i}", list(range(tokens)), owner=owner)
+        held.setdefault(owner, []).append(f"r{i}")
+        assert cell.of_request(f"r{i}") is ledgers[model]
+    assert cell.num_requests == len(jobs)
+    for owner, rids in held.items():
+        assert sorted(cell.owned_by(owner)) == sorted(rids)
+        assert cell.reclaim(owner)[0] == len(rids)
+        assert cell.reclaim(owner) == (0, 0)
+    assert all(ledger.allocator.num_free_blocks == 64 for ledger in ledgers.values())
