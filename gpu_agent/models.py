@@ -22,7 +22,7 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
-from tandem.engine.kv_slab import KVSlabPool, SlabBlockAllocator
+from tandem.engine.kv_slab import KVSlabPool
 from tandem.engine.model_cache import resolve_model
 from tandem.engine.quant import WeightFormat, effective_format
 from tandem.engine.shm import SharedTensorStore
@@ -139,7 +139,7 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
         kv_store = KVPool.create_shared(views[0], f"{shm_prefix}-kv", exist_ok=True).store
         allocators.append(BlockAllocator(blocks, block_size))
     elif kv_split == "static":
-        share = pool_bytes // len(loaded)
+        share = pool_bytes // len(loaded) // 4096 * 4096  # each range page-aligned (and so dtype-aligned)
         for index, (spec, model_dir, config, kv) in enumerate(loaded):
             block_bytes = KVPoolSpec.for_model(config, 1, block_size, parse_dtype(kv)).bytes_per_block
             if share < block_bytes:
@@ -154,7 +154,7 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
         slabs = KVSlabPool(pool_bytes, per_block)
         kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", slabs.num_slabs * slabs.slab_bytes, exist_ok=True)
         for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True):
-            slab_allocator = SlabBlockAllocator(slabs, name, block_size)
+            slab_allocator = slabs.view(name, block_size)  # registered: carving evicts its cached blocks
             allocators.append(slab_allocator)
             views.append(KVPoolSpec.for_model(config, slab_allocator.num_blocks, block_size, parse_dtype(kv), "block"))
     assert kv_store is not None

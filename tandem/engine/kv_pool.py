@@ -123,7 +123,9 @@ class KVPool:
             return cls(spec, raw, store)
         if spec.layout != "block":
             raise ValueError("a shared byte pool is viewed in block layout only")
-        if offset_bytes < 0 or offset_bytes % spec.dtype.itemsize or offset_bytes + spec.num_bytes > raw.numel():
+        if offset_bytes < 0 or offset_bytes % spec.dtype.itemsize:
+            raise ValueError(f"a {spec.dtype} view cannot start at byte {offset_bytes}")
+        if offset_bytes + spec.num_bytes > raw.numel():
             raise ValueError(f"{spec.num_blocks} blocks of {spec.bytes_per_block} bytes from byte {offset_bytes} "
                              f"do not fit a byte pool of {raw.numel()} bytes")
         window = raw[offset_bytes: offset_bytes + spec.num_bytes]

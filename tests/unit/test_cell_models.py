@@ -73,14 +73,31 @@ def test_two_models_share_slabs_and_one_byte_pool(tiny: Path, prefix: str) -> No
     assert cell.slabs.num_free_slabs == cell.slabs.num_slabs - -(-len(got.block_ids) // cell.slabs.blocks_per_slab(
         a.name))
     assert b.ledger.allocator.num_free_blocks == cell.slabs.num_free_slabs * cell.slabs.blocks_per_slab(b.name)
-    a.ledger.release("r1")
+    a.ledger.release("r1", list(range(9)))  # published: its slabs keep a's cached blocks
+    assert cell.slabs.num_free_slabs == cell.slabs.num_slabs
+
+
+def test_every_slab_goes_from_one_model_to_the_other_and_back(tiny: Path, prefix: str) -> None:
+    """Slabs freed by one model (its blocks cached in them) are carved for the other, repeatedly."""
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16", kv_bytes=1 << 18)
+    assert cell.slabs is not None
+    a, b = cell.models.values()
+    for round_ in range(3):
+        for model in (a, b):
+            tokens = model.ledger.allocator.num_free_blocks * 4  # the whole pool, in this model's blocks
+            ids = [round_ * 7 + i for i in range(tokens)]
+            got = model.ledger.allocate(f"{model.name}-{round_}", ids, owner="s")
+            assert cell.slabs.num_free_slabs == 0 and len(got.block_ids) == cell.slabs.num_slabs * (
+                cell.slabs.blocks_per_slab(model.name))
+            model.ledger.release(f"{model.name}-{round_}", ids)
+            cell.slabs.check()
     assert cell.slabs.num_free_slabs == cell.slabs.num_slabs
 
 
 def test_a_static_split_gives_each_model_its_own_byte_range(tiny: Path, prefix: str) -> None:
-    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16", split="static", kv_bytes=3 << 18)
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16", split="static", kv_bytes=(3 << 18) + 4097)  # odd: aligned
     a, b = cell.models.values()
-    assert cell.slabs is None and (a.kv_offset, b.kv_offset) == (0, (3 << 18) // 2)
+    assert cell.slabs is None and (a.kv_offset, b.kv_offset) == (0, 3 << 17)
     assert a.kv.num_bytes <= b.kv_offset and b.kv_offset + b.kv.num_bytes <= cell.kv_store.tensors["kv"].numel()
     assert b.kv.num_blocks == 2 * a.kv.num_blocks  # the same bytes, blocks half the size
     view_a, view_b = KVPool.view_of(a.kv, cell.kv_store, a.kv_offset), KVPool.view_of(b.kv, cell.kv_store,
