@@ -112,7 +112,7 @@ async def sample_kv(agent_address: str, stop: asyncio.Event, out: list[dict[str,
         while not stop.is_set():
             stats = await agent.GetStats(agent_pb2.GetStatsRequest(), timeout=5)
             out.append({"t_s": time.perf_counter() - start,
-                        **{m.model: float(m.num_blocks - m.num_free_blocks) for m in stats.models}})
+                        **{m.model: float(m.num_held_blocks) for m in stats.models}})
             await asyncio.sleep(0.2)
 
 

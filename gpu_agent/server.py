@@ -190,7 +190,7 @@ def cell_stats(cell: Cell, partition: common_pb2.Partition, leases: Leases) -> a
         alloc = m.ledger.allocator
         models.append(agent_pb2.ModelKV(
             model=m.name, num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks,
-            num_requests=m.ledger.num_requests,
+            num_requests=m.ledger.num_requests, num_held_blocks=alloc.num_used_blocks,
             num_slabs=alloc.num_slabs_held if isinstance(alloc, SlabBlockAllocator) else 0))
     allocators = [m.ledger.allocator for m in cell.models.values()]
     return agent_pb2.AgentStats(

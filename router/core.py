@@ -17,7 +17,9 @@ and the OpenAI adapter (``router.http``) both call ``RouterCore.generate`` with 
 - cancel: whenever a request ends any other way than its upstream finishing it (a stop string,
   the client going away, a deadline, an error) it is cancelled at prefill and decode so its KV
   blocks come back;
-- metrics: every request, whatever its transport, is observed in ``RouterMetrics``.
+- metrics: every request, whatever its transport, is observed in its model's ``ModelMetrics``.
+
+A core serves one model; a router serving several keeps one each (``router.models``).
 """
 
 from __future__ import annotations

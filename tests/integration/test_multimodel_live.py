@@ -135,7 +135,8 @@ def test_two_models_answer_at_once_with_their_own_engines_greedy_output(up: Up, 
     assert mid.num_slabs > 0 and mid.num_free_slabs <= mid.num_slabs
     assert after.num_requests == 0 and after.num_free_slabs == after.num_slabs
     for m in after.models:
-        assert m.num_requests == 0 and m.num_slabs == 0 and m.num_free_blocks == m.num_blocks, m
+        assert m.num_requests == 0 and m.num_slabs == 0 and m.num_held_blocks == 0, m
+        assert m.num_free_blocks == m.num_blocks, m
 
 
 def test_a_cancelled_request_of_one_model_frees_its_blocks_and_slabs(up: Up) -> None:
@@ -152,7 +153,9 @@ def test_a_cancelled_request_of_one_model_frees_its_blocks_and_slabs(up: Up) -> 
     during, after = asyncio.run(run())
     by_model = {m.model: m for m in during.models}
     assert by_model[BF16_KV].num_requests == 1 and by_model[BF16_KV].num_slabs >= 2  # 100+ tokens, 32 a slab
+    assert by_model[BF16_KV].num_held_blocks >= 7  # 100 prompt tokens and some output, 16 a block
     assert by_model[FP32_KV].num_requests == 0 and by_model[FP32_KV].num_slabs == 0
+    assert by_model[FP32_KV].num_held_blocks == 0
     assert during.num_free_slabs == during.num_slabs - by_model[BF16_KV].num_slabs
     assert after.num_free_slabs == after.num_slabs and after.num_requests == 0
 

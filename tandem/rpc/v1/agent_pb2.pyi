@@ -207,18 +207,20 @@ class AgentStats(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., num_reclaimed_requests: _Optional[int] = ..., num_reclaimed_blocks: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelKV, _Mapping]]] = ..., num_slabs: _Optional[int] = ..., num_free_slabs: _Optional[int] = ...) -> None: ...
 
 class ModelKV(_message.Message):
-    __slots__ = ("model", "num_blocks", "num_free_blocks", "num_requests", "num_slabs")
+    __slots__ = ("model", "num_blocks", "num_free_blocks", "num_requests", "num_slabs", "num_held_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_blocks: int
     num_free_blocks: int
     num_requests: int
     num_slabs: int
-    def __init__(self, model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_slabs: _Optional[int] = ...) -> None: ...
+    num_held_blocks: int
+    def __init__(self, model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_slabs: _Optional[int] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class QueuedPrefill(_message.Message):
     __slots__ = ("request_id", "arrival_unix_ns", "prompt_tokens", "cached_tokens")
