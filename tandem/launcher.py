@@ -1,5 +1,8 @@
 """``tandem up``: a whole cell and a router on this machine, as separate processes.
 
+With ``--deployment FILE``, the cells placement starts (``tandem.deploy``), each on its share of
+the cores, behind one router that finds every model's services in the registry.
+
 Starts (or uses ``REDIS_URL``) Redis, then gpu_agent, decode_svc, prefill_svc and the router,
 each with ``python -m <package>``, waits until each answers, prints the addresses, and stays in
 the foreground, supervising:
@@ -30,13 +33,16 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from tandem.deploy import CellPlan, plan_cells, read_file
 from tandem.engine.shm_files import SHM_DIR, remove_if_dead
+from tandem.place.placement import PlacementError
 from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
@@ -121,6 +127,10 @@ class Child:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser("up", help="run a whole cell and a router on this machine")
+    parser.add_argument("--deployment", default=None,
+                        help="a deployment file: place its models on cells (FineServe's Algorithm 1, as `tandem "
+                        "place`) and run every cell that gets one on this machine, behind one router; see "
+                        "tandem/deploy.py")
     parser.add_argument("--model", action="append", default=None,
                         help="a model to serve: PATH[:name=NAME][:kv=DTYPE][:quant=FORMAT], PATH a model directory "
                         "or 'default'; repeat it to serve several models from one cell, sharing one KV slab pool "
@@ -165,11 +175,15 @@ def _fixed(argv: list[str]) -> Callable[[], list[str]]:
     return lambda: list(argv)
 
 
-def _spec_text(spec: ModelSpec, path: Path) -> str:
-    """The agent's --model entry for ``spec``, with its directory resolved."""
-    options = [f"name={spec.served_name(path)}"] + ([f"kv={spec.kv_dtype}"] if spec.kv_dtype else []) + (
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+def _spec_text(spec: ModelSpec) -> str:
+    """The agent's --model entry for ``spec`` (named, its path resolved)."""
+    options = [f"name={spec.name}"] + ([f"kv={spec.kv_dtype}"] if spec.kv_dtype else []) + (
         [f"quant={spec.quantization}"] if spec.quantization else [])
-    return ":".join([str(path), *options])
+    return ":".join([spec.path, *options])
 
 
 def say(message: str, error: bool = False) -> None:
@@ -192,74 +206,105 @@ def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lam
                     raise RuntimeError(f"{child.name} did not come up at {child.address} in time") from None
 
 
-class Supervisor:
-    """Starts the stack, restarts what dies, and stops it all; see the module docstring."""
+@dataclass
+class CellProcs:
+    """One cell's processes: its agent, and a decode_svc and a prefill_svc per model."""
 
-    def __init__(self, args: argparse.Namespace, models: list[tuple[ModelSpec, Path]], redis_url: str) -> None:
-        self.args = args
-        self.cell_id: str = args.cell_id
-        self.instance_id = ""  # the running agent's; its files are named <cell id>-<instance id>-*
-        self.stopping = False
-        agent_addr = f"127.0.0.1:{free_port()}"
-        self.router_addr = f"{args.host}:{args.grpc_port}"
-        # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
-        # router's admission and the agent's policy work from the same numbers.
-        env = {"REDIS_URL": redis_url, "TANDEM_CELL_ID": args.cell_id, "TANDEM_POLICY": args.policy,
-               "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
-               "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
-               "TANDEM_ADMISSION": args.admission, "TANDEM_PROFILE": args.profile}
-        cores = []
-        if args.prefill_cores:
-            cores += ["--prefill-cores", args.prefill_cores]
-        if args.decode_cores:
-            cores += ["--decode-cores", args.decode_cores]
-
-        def budget() -> RestartBudget:
-            return RestartBudget(args.max_restarts, args.restart_window_s, args.restart_backoff_s)
-
-        def port(address: str) -> str:
-            return address.rsplit(":", 1)[1]
-
-        self.agent = Child("gpu_agent", lambda: [
-            "gpu_agent", "--model", ",".join(_spec_text(spec, path) for spec, path in models),
-            "--port", port(agent_addr), "--instance-id", self.new_instance(),
-            "--kv-cache-gb", str(args.kv_cache_gb), "--kv-split", args.kv_split, "--quantization", args.quantization,
-            *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []), *cores,
-        ], agent_addr, env, budget())
-        # A decode_svc and a prefill_svc per model, each naming its model to the agent.
-        self.workers: list[Child] = []
-        served = [(spec.served_name(path), path) for spec, path in models]
-        for index, (name, _) in enumerate(served):
-            decode_addr, prefill_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-            suffix = f"-{index}" if len(served) > 1 else ""
-            model = ["--model", name] if len(served) > 1 else []
-            decode_argv = ["decode_svc", "--agent-address", agent_addr, "--port", port(decode_addr), *model]
-            prefill_argv = ["prefill_svc", "--agent-address", agent_addr, "--decode-address", decode_addr,
-                            "--port", port(prefill_addr), *model]
-            self.workers.append(Child(f"decode_svc{suffix}", _fixed(decode_argv), decode_addr, env, budget()))
-            self.workers.append(Child(f"prefill_svc{suffix}", _fixed(prefill_argv), prefill_addr, env, budget()))
-        if len(served) == 1:
-            # One model: the router is wired to its services by address.
-            upstreams = ["--prefill-address", self.workers[1].address, "--decode-address", self.workers[0].address]
-        else:
-            # Several: each model's services are found in the registry by the name they announce.
-            upstreams = ["--extra-model", ",".join(f"{name}={path}" for name, path in served[1:])]
-        upstreams += ["--served-model-name", served[0][0]]
-        self.router = Child("router", lambda: [
-            "router", "--model", str(served[0][1]), "--host", args.host, "--grpc-port", str(args.grpc_port),
-            "--http-port", str(args.port), *upstreams,
-        ], self.router_addr, env, budget())
-        self.served_names = [name for name, _ in served]
-        self.cell = [self.agent, *self.workers]  # in start order
-        self.children = [*self.cell, self.router]
-
-    def new_instance(self) -> str:
-        self.instance_id = secrets.token_hex(4)
-        return self.instance_id
+    plan: CellPlan
+    agent_address: str
+    agent: Child | None = None
+    workers: list[Child] = field(default_factory=list)
+    instance_id: str = ""  # the running agent's; its files are named <cell id>-<instance id>-*
 
     @property
     def shm_prefix(self) -> str:
-        return f"{self.cell_id}-{self.instance_id}"
+        return f"{self.plan.cell_id}-{self.instance_id}"
+
+    @property
+    def children(self) -> list[Child]:
+        assert self.agent is not None
+        return [self.agent, *self.workers]  # in start order
+
+
+class Supervisor:
+    """Starts the stack, restarts what dies, and stops it all; see the module docstring.
+
+    ``plans`` are the cells to run (one for ``--model``, as many as placement starts for
+    ``--deployment``); ``models`` the directory of every served model name, in serving order.
+    """
+
+    def __init__(self, args: argparse.Namespace, plans: list[CellPlan], models: dict[str, Path],
+                 redis_url: str) -> None:
+        self.args = args
+        self.stopping = False
+        self.router_addr = f"{args.host}:{args.grpc_port}"
+        # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
+        # router's admission and the agent's policy work from the same numbers.
+        env = {"REDIS_URL": redis_url, "TANDEM_POLICY": args.policy,
+               "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
+               "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
+               "TANDEM_ADMISSION": args.admission, "TANDEM_PROFILE": args.profile}
+        many_cells = len(plans) > 1
+        self.cells: list[CellProcs] = []
+        for plan in plans:
+            cell = CellProcs(plan, f"127.0.0.1:{free_port()}")
+            cell_env = {**env, "TANDEM_CELL_ID": plan.cell_id}
+            where = f"[{plan.cell_id}]" if many_cells else ""
+            cell.agent = Child(f"gpu_agent{where}", functools.partial(self._agent_argv, cell), cell.agent_address,
+                               cell_env, self._budget())
+            for index, spec in enumerate(plan.models):
+                decode_addr, prefill_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+                suffix = where + (f"-{index}" if len(plan.models) > 1 else "")
+                model = ["--model", spec.name] if len(plan.models) > 1 or many_cells else []
+                decode_argv = ["decode_svc", "--agent-address", cell.agent_address, "--port", _port(decode_addr),
+                               *model]
+                prefill_argv = ["prefill_svc", "--agent-address", cell.agent_address, "--decode-address",
+                                decode_addr, "--port", _port(prefill_addr), *model]
+                cell.workers.append(Child(f"decode_svc{suffix}", _fixed(decode_argv), decode_addr, cell_env,
+                                          self._budget()))
+                cell.workers.append(Child(f"prefill_svc{suffix}", _fixed(prefill_argv), prefill_addr, cell_env,
+                                          self._budget()))
+            self.cells.append(cell)
+        self.served_names = list(models)
+        (first, first_dir), *more = models.items()
+        if not many_cells and len(models) == 1:
+            # One model in one cell: the router is wired to its services by address.
+            workers = self.cells[0].workers
+            upstreams = ["--prefill-address", workers[1].address, "--decode-address", workers[0].address]
+        else:
+            # Several: each model's services are found in the registry by the name they announce,
+            # in every cell.
+            upstreams = ["--cell-id", plans[0].cell_id if not many_cells else ""]
+            if more:
+                upstreams += ["--extra-model", ",".join(f"{name}={path}" for name, path in more)]
+        upstreams += ["--served-model-name", first]
+        self.router = Child("router", _fixed([
+            "router", "--model", str(first_dir), "--host", args.host, "--grpc-port", str(args.grpc_port),
+            "--http-port", str(args.port), *upstreams,
+        ]), self.router_addr, {**env, "TANDEM_CELL_ID": plans[0].cell_id}, self._budget())
+        self.children = [*(c for cell in self.cells for c in cell.children), self.router]
+
+    def _budget(self) -> RestartBudget:
+        return RestartBudget(self.args.max_restarts, self.args.restart_window_s, self.args.restart_backoff_s)
+
+    def _agent_argv(self, cell: CellProcs) -> list[str]:
+        """The agent's command line; called at every start, each incarnation a new instance id."""
+        cell.instance_id = secrets.token_hex(4)
+        plan, args = cell.plan, self.args
+        if plan.cores:
+            cores = ",".join(map(str, plan.cores))
+            core_flags = ["--prefill-cores", cores, "--decode-cores", cores]
+        else:
+            core_flags = ([*(["--prefill-cores", args.prefill_cores] if args.prefill_cores else []),
+                           *(["--decode-cores", args.decode_cores] if args.decode_cores else [])])
+        return ["gpu_agent", "--model", ",".join(map(_spec_text, plan.models)), "--cell-id", plan.cell_id,
+                "--port", _port(cell.agent_address), "--instance-id", cell.instance_id,
+                "--kv-cache-gb", str(plan.kv_cache_gb), "--kv-split", args.kv_split,
+                "--quantization", args.quantization, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
+                *core_flags]
+
+    def cell_of(self, child: Child) -> CellProcs | None:
+        return next((cell for cell in self.cells if child in cell.children), None)
 
     def start(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.args.ready_timeout_s
@@ -272,8 +317,9 @@ class Supervisor:
                 raise
             pid = child.proc.pid if child.proc else "?"
             say(f"{child.name} ready at {child.address} (pid {pid})")
-            if child is self.agent:
-                say(f"gpu_agent's shared memory: {SHM_DIR}/tandem-{self.shm_prefix}-*")
+            cell = self.cell_of(child)
+            if cell is not None and child is cell.agent:
+                say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -282,15 +328,15 @@ class Supervisor:
                 raise StackStopping
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
-    def remove_agent_files(self) -> None:
+    def remove_agent_files(self, cell: CellProcs) -> None:
         """Remove the (dead) agent's shared memory; never a live agent's (it holds its lock)."""
-        if not self.instance_id:
+        if not cell.instance_id:
             return
-        removed = remove_if_dead(self.shm_prefix)
+        removed = remove_if_dead(cell.shm_prefix)
         if removed is None:
-            say(f"the shared memory of {self.shm_prefix} is still held by a live process; left in place", error=True)
+            say(f"the shared memory of {cell.shm_prefix} is still held by a live process; left in place", error=True)
         elif removed:
-            say(f"removed {len(removed)} shared-memory files of the dead gpu_agent ({self.shm_prefix})")
+            say(f"removed {len(removed)} shared-memory files of the dead gpu_agent ({cell.shm_prefix})")
 
     def supervise(self) -> int:
         """Restart what dies until a signal (0) or a process out of restarts (EXIT_GAVE_UP)."""
@@ -300,7 +346,9 @@ class Supervisor:
             if dead is None:
                 continue
             delay_s = dead.budget.next_delay_s(time.monotonic())
-            what = "the cell" if dead is self.agent else dead.name
+            cell = self.cell_of(dead)
+            whole_cell = cell is not None and dead is cell.agent
+            what = f"the cell {cell.plan.cell_id}" if whole_cell and cell is not None else dead.name
             if delay_s is None:
                 say(f"{dead.name} exited with code {dead.returncode}, and {what} was already restarted "
                     f"{dead.budget.num_recent} times within {self.args.restart_window_s:g} s "
@@ -310,8 +358,8 @@ class Supervisor:
             say(f"{dead.name} exited with code {dead.returncode}; restarting {what} in {delay_s:.1f} s "
                 f"(restart #{dead.num_restarts})", error=True)
             try:
-                if dead is self.agent:
-                    self.restart_cell(delay_s)
+                if whole_cell and cell is not None:
+                    self.restart_cell(cell, delay_s)
                 else:
                     self.sleep(delay_s)
                     self.start([dead])
@@ -321,16 +369,16 @@ class Supervisor:
                 break
         return 0
 
-    def restart_cell(self, delay_s: float) -> None:
-        """The agent died and its KV pool with it: stop prefill and decode (their requests'
-        K/V is gone), remove the agent's files, and start the cell again on the same addresses.
-        The new agent fails the old cell's requests before decode can resume any."""
-        for child in self.workers:
+    def restart_cell(self, cell: CellProcs, delay_s: float) -> None:
+        """The agent died and its KV pool with it: stop the cell's prefill and decode services
+        (their requests' K/V is gone), remove the agent's files, and start the cell again on the
+        same addresses. The new agent fails the old cell's requests before decode can resume any."""
+        for child in cell.workers:
             child.stop()
-        self.remove_agent_files()
+        self.remove_agent_files(cell)
         self.sleep(delay_s)
-        self.start(self.cell)
-        say(f"cell {self.cell_id} is back (gpu_agent instance {self.instance_id})")
+        self.start(cell.children)
+        say(f"cell {cell.plan.cell_id} is back (gpu_agent instance {cell.instance_id})")
 
     def stop(self) -> None:
         """Stop every process, newest first, and remove what a dead agent left behind."""
@@ -339,11 +387,40 @@ class Supervisor:
                 child.proc.terminate()
         for child in reversed(self.children):
             child.stop()
-        self.remove_agent_files()
+        for cell in self.cells:
+            self.remove_agent_files(cell)
+
+
+def _cells_to_run(args: argparse.Namespace) -> tuple[list[CellPlan], dict[str, Path]]:
+    """The cells (one, or placement's for --deployment) and every served model's directory."""
+    from tandem.engine.model_cache import resolve_model
+
+    if args.deployment:
+        if args.model:
+            raise ValueError("give --model or --deployment, not both")
+        plans, placement = plan_cells(read_file(args.deployment), sorted(os.sched_getaffinity(0)))
+        for cell in placement.cells:
+            say(f"placement: {cell.name}: {', '.join(placement.resident[cell.name]) or '(nothing: not started)'}")
+    else:
+        specs = [spec for text in (args.model or [os.environ.get("TANDEM_MODEL") or "default"])
+                 for spec in parse_models(text)]
+        plans = [CellPlan(args.cell_id, (), args.kv_cache_gb, tuple(specs))]
+    models: dict[str, Path] = {}
+    resolved = []
+    for plan in plans:
+        named: list[ModelSpec] = []
+        for spec in plan.models:
+            path = resolve_model(spec.path)
+            name = spec.served_name(path)
+            if name in models and models[name] != path or name in (s.name for s in named):
+                raise ValueError(f"two --model entries serve the name {name!r}; give one of them :name=NAME")
+            models[name] = path
+            named.append(replace(spec, path=str(path), name=name))
+        resolved.append(replace(plan, models=tuple(named)))
+    return resolved, models
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.engine.model_cache import resolve_model
     from tandem.state.redis_server import resolve_redis_url
 
     try:
@@ -352,21 +429,15 @@ def run(args: argparse.Namespace) -> int:
         say(f"error: {exc}", error=True)
         return 2
     try:
-        specs = [spec for text in (args.model or [os.environ.get("TANDEM_MODEL") or "default"])
-                 for spec in parse_models(text)]
-        models = [(spec, resolve_model(spec.path)) for spec in specs]
-        names = [spec.served_name(path) for spec, path in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two --model entries serve the name(s) {sorted({n for n in names if names.count(n) > 1})}; "
-                             "give one of them :name=NAME")
-    except ValueError as exc:
+        plans, models = _cells_to_run(args)
+    except (ValueError, OSError, PlacementError) as exc:
         say(f"error: {exc}", error=True)
         return 2
     redis_url, redis_server = resolve_redis_url({**os.environ, "TANDEM_REDIS_PASSWORD": args.redis_password,
                                                  "TANDEM_REDIS_DATA_DIR": args.redis_data_dir})
     shown = re.sub(r"//[^@/]*@", "//***@", redis_url)  # never print a password
     say(f"redis at {shown}{' (private)' if redis_server else ''}")
-    supervisor = Supervisor(args, models, redis_url)
+    supervisor = Supervisor(args, plans, models, redis_url)
 
     def on_signal(signum: int, frame: object) -> None:
         supervisor.stopping = True
