@@ -46,7 +46,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
-        async with announce(config.redis_url, "decode", member.cell_id, address, config.service_id,
+        async with announce(config.redis_url, "decode", member.cell_id, config.announced_address, config.service_id,
                             extra={"model": member.model}):
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,

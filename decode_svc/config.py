@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import env_or, flag, parse_bool, parse_config
+from tandem.service.registry import announced_address
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class DecodeConfig:
     model: str = field(metadata=flag(
         "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
     host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
+    advertise_address: str = field(metadata=flag(
+        "--advertise-address", "", "host:port others reach this service at, as announced in the registry "
+        "(default: --host:--port, with this machine's hostname for a wildcard host)"))
     port: int = field(metadata=flag("--port", 50062, "gRPC port", type=int))
     service_id: str = field(metadata=flag(
         "--service-id", "", "unique id of this process (default: decode-<random>)",
@@ -29,6 +33,10 @@ class DecodeConfig:
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
+
+    @property
+    def announced_address(self) -> str:
+        return announced_address(self.advertise_address, self.host, self.port)
 
     def __post_init__(self) -> None:
         if self.max_batch_requests <= 0:

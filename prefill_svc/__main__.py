@@ -38,7 +38,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")
     try:
-        async with announce(config.redis_url, "prefill", member.cell_id, address, config.service_id,
+        async with announce(config.redis_url, "prefill", member.cell_id, config.announced_address, config.service_id,
                             extra={"model": member.model}):
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,

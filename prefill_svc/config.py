@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.service.flags import env_or, flag, parse_bool, parse_config
+from tandem.service.registry import announced_address
 
 
 def _drop_late(text: str) -> bool:
@@ -23,6 +24,9 @@ class PrefillConfig:
     model: str = field(metadata=flag(
         "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
     host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
+    advertise_address: str = field(metadata=flag(
+        "--advertise-address", "", "host:port others reach this service at, as announced in the registry "
+        "(default: --host:--port, with this machine's hostname for a wildcard host)"))
     port: int = field(metadata=flag("--port", 50061, "gRPC port", type=int))
     service_id: str = field(metadata=flag(
         "--service-id", "", "unique id of this process (default: prefill-<random>)",
@@ -41,6 +45,10 @@ class PrefillConfig:
     drop_late: bool = field(metadata=flag(
         "--drop-late", "", "drop a queued prompt that cannot make its deadline even alone and at once (clear "
         "error, retry hint); default: on when TANDEM_ADMISSION=on", parse=_drop_late))
+
+    @property
+    def announced_address(self) -> str:
+        return announced_address(self.advertise_address, self.host, self.port)
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 from tandem.engine.model_cache import resolve_model
 from tandem.protocol import InvalidRequestError, SamplingDefaults
-from tandem.service.flags import flag, parse_config
+from tandem.service.flags import env_or, flag, parse_config
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -54,7 +53,7 @@ class RouterConfig:
     decode_addresses: tuple[str, ...] = field(metadata=flag(
         "--decode-address", "", "decode_svc host:port (comma-separated for several)", parse=_address_list))
     redis_url: str = field(metadata=flag(
-        "--redis-url", os.environ.get("REDIS_URL", ""), "Redis URL for discovery (REDIS_URL also works)"))
+        "--redis-url", "", "Redis URL for discovery (REDIS_URL also works)", parse=env_or("REDIS_URL")))
     cell_id: str = field(metadata=flag("--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)"))
     # decode services key their token streams by it; unique per process
     router_id: str = field(metadata=flag(

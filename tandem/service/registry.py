@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import random
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -68,6 +69,16 @@ class ServiceLister(Protocol):
     """The part of ``tandem.state.registry.Registry`` that discovery uses."""
 
     async def list(self, role: Role | None = None, cell_id: str | None = None) -> Sequence[ServiceEntry]: ...
+
+
+def announced_address(advertise: str, host: str, port: int) -> str:
+    """The address a service announces: ``advertise`` when given, else ``host:port`` with a
+    wildcard host (0.0.0.0, ::) replaced by this machine's hostname, which others can reach."""
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 async def addresses_by_role(lister: ServiceLister, cell_id: str | None,

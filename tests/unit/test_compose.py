@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _compose() -> dict:  # type: ignore[type-arg]
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+def _compose(*overrides: str) -> dict:  # type: ignore[type-arg]
+    """compose.yaml with ``overrides`` merged as `docker compose -f compose.yaml -f X` merges
+    them: a service's keys replace the base's, ``extends`` copies a service first."""
+    merged = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for name in overrides:
+        for service, keys in yaml.safe_load((ROOT / name).read_text())["services"].items():
+            base = dict(merged["services"].get(keys.get("extends", service), {}))
+            merged["services"][service] = {**base, **{k: v for k, v in keys.items() if k != "extends"}}
+    return merged
 
 
 def test_stack_services_and_shared_ipc() -> None:
@@ -28,24 +36,47 @@ def test_stack_services_and_shared_ipc() -> None:
     assert "50051:50051" in services["router"]["ports"]
 
 
-def test_every_command_parses_with_its_process_flags(smollm2_dir: Path) -> None:
+@pytest.mark.parametrize("overrides", [(), ("compose.multimodel.yaml",)])
+def test_every_command_parses_with_its_process_flags(smollm2_dir: Path, overrides: tuple[str, ...],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from decode_svc.config import parse_args as decode_args
     from gpu_agent.config import parse_args as agent_args
     from prefill_svc.config import parse_args as prefill_args
     from router.config import parse_args as router_args
 
     parsers = {"gpu_agent": agent_args, "prefill_svc": prefill_args, "decode_svc": decode_args, "router": router_args}
-    services = _compose()["services"]
+    services = _compose(*overrides)["services"]
     seen = set()
     for name, service in services.items():
         command = service.get("command", [])
         if command[:2] != ["python", "-m"]:
             continue
         module, args = command[2], command[3:]
+        for key, value in service["environment"].items():
+            monkeypatch.setenv(key, str(value))
         config = parsers[module](args)
         seen.add(module)
         assert getattr(config, "port", None) or getattr(config, "grpc_port", None)
+        if module in ("prefill_svc", "decode_svc"):  # others reach it at its service name
+            assert config.announced_address == f"{name}:{config.port}", name
+            assert service["ipc"] == "service:gpu_agent", name
     assert seen == set(parsers)
+
+
+def test_the_two_model_cell_runs_a_decode_and_a_prefill_per_model_behind_one_router(
+        smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from decode_svc.config import parse_args as decode_args
+    from gpu_agent.config import parse_args as agent_args
+    from router.config import parse_args as router_args
+
+    services = _compose("compose.multimodel.yaml")["services"]
+    monkeypatch.setenv("REDIS_URL", services["router"]["environment"]["REDIS_URL"])
+    agent = agent_args(services["gpu_agent"]["command"][3:])
+    names = [spec.served_name(smollm2_dir) for spec in agent.models]
+    decode_models = sorted(decode_args(s["command"][3:]).model for n, s in services.items() if n.startswith("decode"))
+    assert decode_models == sorted(names) and len(set(names)) == 2
+    router = router_args(services["router"]["command"][3:])
+    assert [name for name, _ in router.served_models] == names and not router.static_upstreams
 
 
 def test_dockerfile_bakes_the_default_model() -> None:
