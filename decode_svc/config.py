@@ -7,25 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
-from tandem.service.flags import env_or, flag, parse_bool, parse_config
-from tandem.service.registry import announced_address
+from tandem.service.flags import flag, parse_bool, parse_config
+from tandem.service.member_config import MemberConfig
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    agent_address: str = field(metadata=flag("--agent-address", "127.0.0.1:50060", "gpu_agent of this cell"))
-    model: str = field(metadata=flag(
-        "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
-    host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
-    advertise_address: str = field(metadata=flag(
-        "--advertise-address", "", "host:port others reach this service at, as announced in the registry "
-        "(default: --host:--port, with this machine's hostname for a wildcard host)"))
+class DecodeConfig(MemberConfig):
     port: int = field(metadata=flag("--port", 50062, "gRPC port", type=int))
     service_id: str = field(metadata=flag(
         "--service-id", "", "unique id of this process (default: decode-<random>)",
         parse=lambda text: text or f"decode-{uuid.uuid4().hex[:8]}"))
-    redis_url: str = field(metadata=flag("--redis-url", "", "Redis URL (REDIS_URL also works)",
-                                         parse=env_or("REDIS_URL")))
     max_batch_requests: int = field(metadata=flag("--max-batch-requests", 256, "requests decoded together", type=int))
     quantization: str = field(metadata=flag(  # "": the format the cell's agent names
         "--quantization", "", f"run the linear layers in this format instead of the cell's ({FORMAT_NAMES}; "
@@ -33,10 +24,6 @@ class DecodeConfig:
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
-
-    @property
-    def announced_address(self) -> str:
-        return announced_address(self.advertise_address, self.host, self.port)
 
     def __post_init__(self) -> None:
         if self.max_batch_requests <= 0:

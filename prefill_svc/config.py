@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.service.flags import env_or, flag, parse_bool, parse_config
-from tandem.service.registry import announced_address
+from tandem.service.flags import flag, parse_bool, parse_config
+from tandem.service.member_config import MemberConfig
 
 
 def _drop_late(text: str) -> bool:
@@ -17,22 +17,13 @@ def _drop_late(text: str) -> bool:
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
-    agent_address: str = field(metadata=flag("--agent-address", "127.0.0.1:50060", "gpu_agent of this cell"))
-    decode_address: str = field(metadata=flag(  # empty: discover the cell's decode service in Redis
-        "--decode-address", "", "decode_svc of this cell (else found in Redis)"))
-    model: str = field(metadata=flag(
-        "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
-    host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
-    advertise_address: str = field(metadata=flag(
-        "--advertise-address", "", "host:port others reach this service at, as announced in the registry "
-        "(default: --host:--port, with this machine's hostname for a wildcard host)"))
+class PrefillConfig(MemberConfig):
     port: int = field(metadata=flag("--port", 50061, "gRPC port", type=int))
     service_id: str = field(metadata=flag(
         "--service-id", "", "unique id of this process (default: prefill-<random>)",
         parse=lambda text: text or f"prefill-{uuid.uuid4().hex[:8]}"))
-    redis_url: str = field(metadata=flag("--redis-url", "", "Redis URL (REDIS_URL also works)",
-                                         parse=env_or("REDIS_URL")))
+    decode_address: str = field(metadata=flag(  # empty: discover the cell's decode service in Redis
+        "--decode-address", "", "decode_svc of this cell (else found in Redis)"))
     max_batch_tokens: int = field(metadata=flag("--max-batch-tokens", 4096, "new prompt tokens per prefill batch",
                                                 type=int))
     max_batch_requests: int = field(metadata=flag("--max-batch-requests", 16, "requests per prefill batch", type=int))
@@ -45,10 +36,6 @@ class PrefillConfig:
     drop_late: bool = field(metadata=flag(
         "--drop-late", "", "drop a queued prompt that cannot make its deadline even alone and at once (clear "
         "error, retry hint); default: on when TANDEM_ADMISSION=on", parse=_drop_late))
-
-    @property
-    def announced_address(self) -> str:
-        return announced_address(self.advertise_address, self.host, self.port)
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:

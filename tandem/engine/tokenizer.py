@@ -23,6 +23,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
+from tokenizers.pre_tokenizers import ByteLevel
 
 from tandem.engine.errors import InvalidRequestError, ModelLoadError
 
@@ -135,7 +136,7 @@ class Tokenizer:
         when this tokenizer has none. Computed once from the vocabulary (~50 ms for 50k ids).
 
         The bound holds when every input byte ends up in some token: a BPE model that is byte
-        level (every byte is a symbol) or has byte fallback, pre-tokenizers that split without
+        level with all 256 byte symbols in its vocabulary, or has byte fallback, pre-tokenizers that split without
         dropping text, and no added token that swallows whitespace. A token then stands for at
         most ``len(decode([id])) + 1`` bytes of the normalized text (the +1: a Metaspace token's
         leading space that decoding drops; a lone byte decodes to U+FFFD, 3 bytes, more than the
@@ -152,8 +153,13 @@ class Tokenizer:
         pre_types = _pre_tokenizer_types(config.get("pre_tokenizer"))
         if shrink is None or pre_types is None:
             return None
-        if not model.get("byte_fallback") and "ByteLevel" not in pre_types:
-            return None
+        if not model.get("byte_fallback"):
+            # Byte level: every byte becomes one of 256 symbols, but a byte whose symbol the
+            # vocabulary lacks is dropped (SmolLM2 drops "\x16"), and so is any run of them.
+            if "ByteLevel" not in pre_types:
+                return None
+            if any(self._backend.token_to_id(symbol) is None for symbol in ByteLevel.alphabet()):
+                return None
         if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or ()):
             return None
         size = self._backend.get_vocab_size(with_added_tokens=True)

@@ -175,3 +175,35 @@ class Stack:
                 proc.kill()
         if self.redis is not None:
             self.redis.stop()
+
+
+def start_up(args: list[str], log_path: Path, timeout_s: float = 300) -> subprocess.Popen[bytes]:
+    """`tandem up ARGS` (with a private Redis of its own, this checkout's code), once it says it
+    serves; its output goes to ``log_path``. Stop it with :func:`stop_up`."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", *args], env=env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "tandem up: serving" not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "stack did not come up"
+            time.sleep(0.2)
+    except BaseException:
+        stop_up(proc, log_path, check=False)
+        raise
+    return proc
+
+
+def stop_up(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 90, check: bool = True) -> None:
+    """SIGTERM, then wait for the whole stack to stop; with ``check``, it must exit 0."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout_s)
+        assert not check or code == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

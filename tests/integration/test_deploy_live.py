@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -30,7 +25,7 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
-from tests.integration.stack import ROOT
+from tests.integration.stack import start_up, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -62,20 +57,10 @@ def test_a_deployment_runs_each_placed_cell_behind_one_router(smollm2_dir: Path,
     path = tmp_path / "deployment.json"
     path.write_text(json.dumps(deployment))
     grpc_port, http_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env["PYTHONPATH"] = str(ROOT)
     log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--deployment", str(path), "--grpc-port", str(grpc_port),
-             "--port", str(http_port), "--admission", "off"],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = start_up(["--deployment", str(path), "--grpc-port", str(grpc_port), "--port", str(http_port),
+                     "--admission", "off"], log_path)
     try:
-        deadline = time.monotonic() + 300
-        while "tandem up: serving" not in log_path.read_text(errors="replace"):
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "stack did not come up"
-            time.sleep(0.2)
         text = log_path.read_text(errors="replace")
         agents = dict(re.findall(r"tandem up: gpu_agent\[(\S+)\] ready at (\S+)", text))
         assert sorted(agents) == [f"{prefix}0", f"{prefix}1"], text[-3000:]
@@ -94,10 +79,5 @@ def test_a_deployment_runs_each_placed_cell_behind_one_router(smollm2_dir: Path,
         want_bf16 = LLMEngine.from_dir(smollm2_dir, num_blocks=64, kv_dtype=torch.bfloat16).generate([prompt], params)
         assert bf16 == want_bf16[0].token_ids
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=90) == 0, log_path.read_text(errors="replace")[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop_up(proc, log_path)
     assert not list(Path("/dev/shm").glob(f"tandem-{prefix}*"))

@@ -11,12 +11,9 @@ blocks and its slabs; an unknown model is 404 over HTTP and NOT_FOUND over gRPC.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,7 +30,7 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
-from tests.integration.stack import ROOT, fault_seed
+from tests.integration.stack import fault_seed, start_up, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -65,34 +62,17 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("multimodel")
+    log_path = tmp_path_factory.mktemp("multimodel") / "up.log"
     grpc_port, http_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env["PYTHONPATH"] = str(ROOT)
-    log_path = tmp / "up.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--model", str(smollm2_dir),
-             "--model", f"{smollm2_dir}:kv=bfloat16", "--grpc-port", str(grpc_port), "--port", str(http_port),
-             "--cell-id", f"mm-{uuid.uuid4().hex[:6]}", "--kv-cache-gb", "0.05", "--admission", "off"],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = start_up(["--model", str(smollm2_dir), "--model", f"{smollm2_dir}:kv=bfloat16", "--grpc-port",
+                     str(grpc_port), "--port", str(http_port), "--cell-id", f"mm-{uuid.uuid4().hex[:6]}",
+                     "--kv-cache-gb", "0.05", "--admission", "off"], log_path)
     try:
-        deadline = time.monotonic() + 300
-        while "tandem up: serving" not in log_path.read_text(errors="replace"):
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "stack did not come up"
-            time.sleep(0.2)
-        text = log_path.read_text(errors="replace")
-        agent = re.search(r"tandem up: gpu_agent ready at (\S+)", text)
-        assert agent, text[-2000:]
+        agent = re.search(r"tandem up: gpu_agent ready at (\S+)", log_path.read_text(errors="replace"))
+        assert agent is not None
         yield Up(proc, log_path, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", agent.group(1))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop_up(proc, log_path)
     assert "KV slab pool of" in log_path.read_text(errors="replace")
 
 

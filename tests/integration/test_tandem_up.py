@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -16,7 +11,7 @@ import grpc
 
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
-from tests.integration.stack import ROOT, write_tiny_chat_model
+from tests.integration.stack import start_up, stop_up, write_tiny_chat_model
 
 
 def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -24,21 +19,10 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
     port = free_port()
     http_port = free_port()
     cell = f"up-{uuid.uuid4().hex[:6]}"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # must start its own redis
-    env["PYTHONPATH"] = str(ROOT)
     log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(port),
-             "--port", str(http_port), "--cell-id", cell, "--kv-cache-gb", "0.05"],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )
+    proc = start_up(["--model", str(model_dir), "--grpc-port", str(port), "--port", str(http_port), "--cell-id",
+                     cell, "--kv-cache-gb", "0.05"], log_path, timeout_s=180)  # with a Redis of its own
     try:
-        deadline = time.monotonic() + 180
-        while "serving" not in log_path.read_text(errors="replace"):
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "stack did not come up"
-            time.sleep(0.2)
         text = log_path.read_text(errors="replace")
         pids = [int(p) for p in re.findall(r"ready at \S+ \(pid (\d+)\)", text)]
         assert len(set(pids)) == 4  # agent, decode, prefill, router: four processes
@@ -55,8 +39,7 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
         assert sum(len(r.tokens) for r in responses) == 4
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        stop_up(proc, log_path, timeout_s=60)
         assert "tandem up: stopped" in log_path.read_text(errors="replace")
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

@@ -1,0 +1,29 @@
+"""What prefill_svc's and decode_svc's configs share: the cell they join, the model they compute,
+where they listen, how others find them. Each service's config extends it (``port`` and
+``service_id`` are declared again there, with that service's defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.service.flags import env_or, flag
+from tandem.service.registry import announced_address
+
+
+@dataclass(frozen=True)
+class MemberConfig:
+    agent_address: str = field(metadata=flag("--agent-address", "127.0.0.1:50060", "gpu_agent of this cell"))
+    model: str = field(metadata=flag(
+        "--model", "", "served name of the cell's model this service computes (default: the cell's first)"))
+    host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
+    advertise_address: str = field(metadata=flag(
+        "--advertise-address", "", "host:port others reach this service at, as announced in the registry "
+        "(default: --host:--port, with this machine's hostname for a wildcard host)"))
+    port: int = field(metadata=flag("--port", 0, "gRPC port", type=int))
+    service_id: str = field(metadata=flag("--service-id", "", "unique id of this process"))
+    redis_url: str = field(metadata=flag("--redis-url", "", "Redis URL (REDIS_URL also works)",
+                                         parse=env_or("REDIS_URL")))
+
+    @property
+    def announced_address(self) -> str:
+        return announced_address(self.advertise_address, self.host, self.port)
