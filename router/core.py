@@ -417,9 +417,8 @@ class RouterCore:
         """The prompt's ids; RequestError (INVALID_ARGUMENT, naming the prompt's field) for a
         missing, empty, unknown-token or over-long prompt.
 
-        Text is refused unread when it has more characters than the most bytes a prompt that
-        fits the context can have (``Tokenizer.max_text_bytes``: every character is at least a
-        byte); text over INLINE_TOKENIZE_MAX_CHARS is rendered and tokenized in a worker
+        Text is refused unread when it has more bytes (those its tokenizer does not drop) than the
+        most a prompt that fits the context can have (``Tokenizer.max_text_bytes``); text over INLINE_TOKENIZE_MAX_CHARS is rendered and tokenized in a worker
         thread, where the tokenizer releases the GIL, so the loop keeps serving other streams.
         """
         kind = request.WhichOneof("prompt")
@@ -444,7 +443,10 @@ class RouterCore:
         else:
             raise _invalid("prompt", "the request has no prompt: set text, token_ids or messages")
         max_bytes = self.tokenizer.max_text_bytes(context - 1)
-        if kind == "text" and max_bytes is not None and num_chars > max_bytes:
+        # Characters first (cheap); a text that many would be refused unless the tokenizer drops
+        # enough of its bytes, so those are counted then (Tokenizer.kept_bytes).
+        if (kind == "text" and max_bytes is not None and num_chars > max_bytes
+                and self.tokenizer.kept_bytes(request.text) > max_bytes):
             raise _invalid(kind, f"the prompt has {num_chars} characters; {too_long}, and no text over "
                                  f"{max_bytes} bytes fits in as many with this tokenizer")
         try:
@@ -471,8 +473,7 @@ class RouterCore:
             add_special_tokens = False  # the template writes every special token it wants
         else:
             text, add_special_tokens = request.text, True
-        num_bytes = len(text.encode("utf-8"))
-        if max_bytes is not None and num_bytes > max_bytes:
+        if max_bytes is not None and (num_bytes := tokenizer.kept_bytes(text)) > max_bytes:
             raise InvalidRequestError(
                 f"the prompt has {num_bytes} bytes of text, but no text over {max_bytes} bytes fits in the "
                 f"model's context of {self.context_length} tokens with this tokenizer")

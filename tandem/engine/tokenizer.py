@@ -135,8 +135,10 @@ class Tokenizer:
         """An upper bound on how many UTF-8 bytes of input text one token stands for, or None
         when this tokenizer has none. Computed once from the vocabulary (~50 ms for 50k ids).
 
-        The bound holds when every input byte ends up in some token: a BPE model that is byte
-        level with all 256 byte symbols in its vocabulary, or has byte fallback, pre-tokenizers that split without
+        The bound is on the bytes some token stands for (``kept_bytes``: a byte-level vocabulary
+        may lack a byte's symbol, and that byte is then dropped; SmolLM2 drops "\x16"). It holds
+        when every other input byte ends up in some token: a BPE model that is byte level or has
+        byte fallback, pre-tokenizers that split without
         dropping text, and no added token that swallows whitespace. A token then stands for at
         most ``len(decode([id])) + 1`` bytes of the normalized text (the +1: a Metaspace token's
         leading space that decoding drops; a lone byte decodes to U+FFFD, 3 bytes, more than the
@@ -153,13 +155,8 @@ class Tokenizer:
         pre_types = _pre_tokenizer_types(config.get("pre_tokenizer"))
         if shrink is None or pre_types is None:
             return None
-        if not model.get("byte_fallback"):
-            # Byte level: every byte becomes one of 256 symbols, but a byte whose symbol the
-            # vocabulary lacks is dropped (SmolLM2 drops "\x16"), and so is any run of them.
-            if "ByteLevel" not in pre_types:
-                return None
-            if any(self._backend.token_to_id(symbol) is None for symbol in ByteLevel.alphabet()):
-                return None
+        if not model.get("byte_fallback") and "ByteLevel" not in pre_types:
+            return None
         if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or ()):
             return None
         size = self._backend.get_vocab_size(with_added_tokens=True)
@@ -173,6 +170,26 @@ class Tokenizer:
         text cannot fit, and can be refused without being tokenized."""
         per_token = self.max_bytes_per_token
         return None if per_token is None else num_tokens * per_token
+
+    @cached_property
+    def _dropped_bytes(self) -> bytes:
+        """The byte values a byte-level BPE without byte fallback drops: their symbols are not in
+        its vocabulary (empty for every other tokenizer)."""
+        config = json.loads(self._backend.to_str())
+        model = config.get("model") or {}
+        if model.get("type") != "BPE" or model.get("byte_fallback"):
+            return b""
+        if "ByteLevel" not in (_pre_tokenizer_types(config.get("pre_tokenizer")) or ()):
+            return b""
+        symbols = _byte_level_symbols()
+        return bytes(sorted(b for b, symbol in symbols.items() if self._backend.token_to_id(symbol) is None))
+
+    def kept_bytes(self, text: str) -> int:
+        """The UTF-8 bytes of ``text`` that some token stands for: all but the ones this
+        tokenizer drops (see ``max_bytes_per_token``)."""
+        encoded = text.encode("utf-8", "surrogatepass")
+        dropped = self._dropped_bytes
+        return len(encoded.translate(None, dropped)) if dropped else len(encoded)
 
     def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``encode``, but the Rust side releases the GIL while it works (``encode`` holds it:
@@ -508,3 +525,19 @@ def _compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from None
+
+
+@lru_cache(maxsize=1)
+def _byte_level_symbols() -> dict[int, str]:
+    """Byte value -> its ByteLevel symbol, for every byte that UTF-8 text can contain, read from
+    the ByteLevel pre-tokenizer itself: characters of every UTF-8 length, byte by byte."""
+    pre = ByteLevel(add_prefix_space=False, use_regex=False)
+    chars = [chr(c) for c in range(0x80)] + [chr(c) for c in range(0x80, 0x800)]
+    chars += [chr(0x1000 * lead + 0x800 if lead == 0 else 0x1000 * lead) for lead in range(16)
+              if not 0xD800 <= 0x1000 * lead < 0xE000] + ["\ud7ff", "\U00010000", "\U00040000", "\U00080000", "\U000c0000", "\U00100000"]
+    symbols: dict[int, str] = {}
+    for ch in chars:
+        pieces = pre.pre_tokenize_str(ch)
+        if pieces:
+            symbols.update(zip(ch.encode("utf-8"), pieces[0][0], strict=True))
+    return symbols

@@ -4,7 +4,6 @@ and 8). The live side is tests/integration/test_bad_input.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,33 +34,27 @@ def smollm2(smollm2_dir: Path) -> Tokenizer:
 
 # --- the prompt-size bound ----------------------------------------------------------------------
 
-def test_smollm2_drops_bytes_its_vocabulary_lacks_so_it_has_no_bound(smollm2: Tokenizer) -> None:
-    assert smollm2.encode("\x16" * 1000) == []  # a byte-level BPE without that byte's symbol
-    assert smollm2.max_bytes_per_token is None and smollm2.max_text_bytes(8191) is None
-
-
-@pytest.fixture(scope="module")
-def smollm2_whole_alphabet(smollm2_dir: Path) -> Tokenizer:
-    """SmolLM2's tokenizer with the byte symbols its vocabulary lacks added: nothing is dropped."""
-    config = json.loads((smollm2_dir / "tokenizer.json").read_text())
-    vocab = config["model"]["vocab"]
-    for symbol in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(symbol, len(vocab) + len(config["added_tokens"]))
-    return Tokenizer(BackendTokenizer.from_str(json.dumps(config)))
-
-
-def test_with_every_byte_symbol_the_bound_is_its_longest_token_plus_one(smollm2_whole_alphabet: Tokenizer) -> None:
+def test_smollm2_bound_is_its_longest_token_plus_one(smollm2: Tokenizer) -> None:
     # Its longest token is a newline and 80 spaces (81 bytes).
-    assert smollm2_whole_alphabet.max_bytes_per_token == 82
-    assert smollm2_whole_alphabet.max_text_bytes(8191) == 8191 * 82
+    assert smollm2.max_bytes_per_token == 82
+    assert smollm2.max_text_bytes(8191) == 8191 * 82
+
+
+def test_bytes_whose_symbol_the_vocabulary_lacks_are_dropped_and_not_counted(smollm2: Tokenizer) -> None:
+    assert smollm2.encode("\x16" * 1000) == [] and smollm2.kept_bytes("\x16" * 1000) == 0
+    assert smollm2.kept_bytes("a\x16b\x04") == 2 and smollm2.kept_bytes("é") == 2
+    dropped = [chr(b) for b in range(128) if smollm2.encode(chr(b)) == []]
+    assert dropped and all(smollm2.kept_bytes(c) == 0 for c in dropped)
+    assert all(smollm2.kept_bytes(chr(b)) == 1 for b in range(128) if chr(b) not in dropped)
 
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(text=st.text(max_size=400) | st.lists(st.sampled_from([" ", "\n", "\t", "a", "é", "😀", "\u0301", "-", "0",
-                                                              "\x16", "\x00"]), max_size=600).map("".join))
-def test_no_text_packs_more_bytes_per_token_than_the_bound(smollm2_whole_alphabet: Tokenizer, text: str) -> None:
-    ids = smollm2_whole_alphabet.encode(text)
-    assert len(text.encode()) <= len(ids) * (smollm2_whole_alphabet.max_bytes_per_token or 0)
+                                                              "\x16", "\x04", "\U00040000"]),
+                                             max_size=600).map("".join))
+def test_no_text_packs_more_bytes_per_token_than_the_bound(smollm2: Tokenizer, text: str) -> None:
+    ids = smollm2.encode(text)
+    assert smollm2.kept_bytes(text) <= len(ids) * (smollm2.max_bytes_per_token or 0)
 
 
 def test_bound_follows_the_normalizer_and_refuses_lossy_tokenizers() -> None:
@@ -78,9 +71,6 @@ def test_bound_follows_the_normalizer_and_refuses_lossy_tokenizers() -> None:
         return Tokenizer(backend)
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    assert bpe(pre=byte_level).max_bytes_per_token is None  # bytes other than a-z are dropped
-    for symbol in pre_tokenizers.ByteLevel.alphabet():  # every byte a symbol: nothing is dropped
-        vocab.setdefault(symbol, len(vocab))
     assert bpe(pre=byte_level).max_bytes_per_token == 4  # "abc" and one for a dropped leading space
     assert bpe(normalizers.NFKC(), byte_level).max_bytes_per_token == 16  # NFKC may shrink text 4x
     assert bpe(normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
