@@ -3,6 +3,7 @@ separate processes on private ports, started and stopped by the test."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -207,3 +209,21 @@ def stop_up(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 90
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def with_top2(params: Any) -> Any:
+    """``params`` asking for the top two logprobs, which ``assert_greedy_output`` reads."""
+    return dataclasses.replace(params, logprobs=2)
+
+
+def assert_greedy_output(got: list[int], want: Any, tie: float, where: str = "") -> None:
+    """``got`` is the engine's greedy output ``want`` (a Completion made with ``with_top2``),
+    token for token, up to the first position where the engine's two most likely tokens are
+    within ``tie`` in logprob, if any: from a near-tie on, which one greedy picks depends on
+    rounding (batch shape, thread count, a bf16 KV cache), and both continuations are right."""
+    assert len(got) == len(want.token_ids), (where, len(got), len(want.token_ids))
+    parted = next((i for i, (a, b) in enumerate(zip(got, want.token_ids)) if a != b), None)
+    if parted is not None:
+        top = want.top_logprobs[parted]
+        assert len(top) == 2 and top[0][1] - top[1][1] < tie and got[parted] in (top[0][0], top[1][0]), (
+            f"{where}: token {parted} is {got[parted]}, the engine's {want.token_ids[parted]} (its top two {top})")

@@ -17,7 +17,6 @@ import random
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
 
@@ -29,7 +28,7 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.v1 import common_pb2
 from tandem.state.redis_server import RedisServer
 from tests.integration.mesh_client import agent_stats, decode_stats, generate, wait_all_blocks_free
-from tests.integration.stack import Stack, fault_seed, write_stepping_chat_model
+from tests.integration.stack import Stack, assert_greedy_output, fault_seed, with_top2, write_stepping_chat_model
 
 pytestmark = pytest.mark.slow
 NUM_BLOCKS = 2048
@@ -87,18 +86,11 @@ def _check_complete(engine: LLMEngine, work: list[tuple[list[int], SamplingParam
     """Every outcome is the engine's whole greedy output (nothing lost, nothing repeated), up to
     the first position where the engine's two most likely tokens tie, if any: the random test
     model has exact ties (seed 1517546103: two tokens at logprob -9.530410766601562 each)."""
-    for (ids, params), outcome in zip(work, outcomes, strict=True):
+    wants = engine.generate([ids for ids, _ in work], [with_top2(params) for _, params in work])
+    for (ids, params), outcome, want in zip(work, outcomes, wants, strict=True):
         assert not isinstance(outcome, grpc.aio.AioRpcError), f"seed {seed}: {outcome.code()} {outcome.details()}"
-        want = engine.generate([ids], replace(params, logprobs=2))[0]
-        got = outcome[0]
-        assert len(got) == len(want.token_ids) and outcome[1] == common_pb2.FINISH_REASON_LENGTH, f"seed {seed}"
-        parted = next((i for i, (a, b) in enumerate(zip(got, want.token_ids)) if a != b), None)
-        if parted is not None:
-            assert want.top_logprobs is not None
-            top = want.top_logprobs[parted]
-            assert len(top) == 2 and top[0][1] - top[1][1] < TIE and got[parted] in (top[0][0], top[1][0]), (
-                f"seed {seed}: prompt of {len(ids)}, {params.max_tokens} tokens: token {parted} is {got[parted]}, "
-                f"the engine's is {want.token_ids[parted]} (its top two {top})")
+        assert outcome[1] == common_pb2.FINISH_REASON_LENGTH, f"seed {seed}"
+        assert_greedy_output(outcome[0], want, TIE, f"seed {seed}: prompt of {len(ids)}, {params.max_tokens} tokens")
 
 
 def _check_clear_error(outcome: Outcome) -> None:

@@ -30,7 +30,7 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
-from tests.integration.stack import fault_seed, start_up, stop_up
+from tests.integration.stack import assert_greedy_output, fault_seed, start_up, stop_up, with_top2
 
 pytestmark = pytest.mark.slow
 
@@ -108,9 +108,14 @@ def test_two_models_answer_at_once_with_their_own_engines_greedy_output(up: Up, 
     outputs, mid, after = asyncio.run(run())
     engines = {FP32_KV: LLMEngine.from_dir(smollm2_dir, num_blocks=256),
                BF16_KV: LLMEngine.from_dir(smollm2_dir, num_blocks=256, kv_dtype=torch.bfloat16)}
+    wants = {model: iter(engine.generate([p for m, p, _ in jobs if m == model],
+                                         [with_top2(s) for m, _, s in jobs if m == model]))
+             for model, engine in engines.items()}
     for (model, prompt, params), tokens in zip(jobs, outputs, strict=True):
-        (want,) = engines[model].generate([prompt], params)
-        assert tokens == want.token_ids, (model, len(prompt), params.max_tokens)
+        # A bf16 KV cache rounds K and V: the mesh's batches and the engine's differ by an ulp
+        # before rounding, so near-ties (seed 1419212180: 0.001 apart) may go either way there.
+        assert_greedy_output(tokens, next(wants[model]), 1e-4 if model == FP32_KV else 0.01,
+                             f"{model}, prompt of {len(prompt)}, {params.max_tokens} tokens")
     assert {m.model for m in mid.models} == {FP32_KV, BF16_KV}
     assert mid.num_slabs > 0 and mid.num_free_slabs <= mid.num_slabs
     assert after.num_requests == 0 and after.num_free_slabs == after.num_slabs
