@@ -117,13 +117,13 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
     if kv_split not in KV_SPLITS:
         raise ValueError(f"--kv-split must be one of {KV_SPLITS}, got {kv_split!r}")
     loaded: list[tuple[ModelSpec, Path, ModelConfig, str]] = []
-    names: set[str] = set()
+    names: list[str] = []  # served names, in the order of ``loaded``
     for spec in specs:
         model_dir = resolve_model(spec.path)
         name = spec.served_name(model_dir)
         if name in names:
             raise ValueError(f"two --model entries serve the name {name!r}; give one of them :name=NAME")
-        names.add(name)
+        names.append(name)
         loaded.append((spec, model_dir, ModelConfig.from_dir(model_dir), spec.kv_dtype or kv_dtype or dtype))
     first_config, first_kv = loaded[0][2], parse_dtype(loaded[0][3])
     pool_bytes = (num_blocks * KVPoolSpec.for_model(first_config, 1, block_size, first_kv).bytes_per_block
@@ -150,17 +150,17 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
         kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", share * len(loaded), exist_ok=True)
     else:
         per_block = {name: KVPoolSpec.for_model(config, 1, block_size, parse_dtype(kv)).bytes_per_block
-                     for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True)}
+                     for (spec, model_dir, config, kv), name in zip(loaded, names, strict=True)}
         slabs = KVSlabPool(pool_bytes, per_block)
         kv_store = KVPool.create_byte_pool(f"{shm_prefix}-kv", slabs.num_slabs * slabs.slab_bytes, exist_ok=True)
-        for (spec, model_dir, config, kv), name in zip(loaded, _names(loaded), strict=True):
+        for (spec, model_dir, config, kv), name in zip(loaded, names, strict=True):
             slab_allocator = slabs.view(name, block_size)  # registered: carving evicts its cached blocks
             allocators.append(slab_allocator)
             views.append(KVPoolSpec.for_model(config, slab_allocator.num_blocks, block_size, parse_dtype(kv), "block"))
     assert kv_store is not None
     models: dict[str, ServedModel] = {}
     for (spec, model_dir, config, kv), name, view, offset, allocator in zip(
-            loaded, _names(loaded), views, offsets, allocators, strict=True):
+            loaded, names, views, offsets, allocators, strict=True):
         weights = load_checkpoint(model_dir, config, parse_dtype(dtype))
         part = "weights" if not models else f"weights{len(models)}"  # no "-": shm_files parts are one word
         store = share_weights(weights, f"{shm_prefix}-{part}", exist_ok=True)
@@ -170,6 +170,3 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
                                    BlockLedger(allocator))
     return Cell(models, kv_store, slabs)
 
-
-def _names(loaded: list[tuple[ModelSpec, Path, ModelConfig, str]]) -> list[str]:
-    return [spec.served_name(model_dir) for spec, model_dir, _, _ in loaded]
