@@ -200,6 +200,7 @@ class DecodeWorker:
             self.runner.pool.spec.num_blocks, num_queued_requests=len(self.pending), num_running=len(self.running),
             batch_size=min(len(self.running), self.config.max_batch_requests),
             last_step_ms=self.last_step_ns / 1e6, num_preemptions=self.num_preemptions,
+            model=self.member.model,
         )
 
     def cancel(self, request_id: str) -> bool:

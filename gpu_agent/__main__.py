@@ -79,7 +79,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     def load_report() -> LoadReport:
         stats = cell_stats(cell, partition.current, servicer.leases)
         return LoadReport.now(f"agent-{config.cell_id}", config.cell_id, "agent", partition.current,
-                              stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests)
+                              stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests,
+                              kv_used_by_model=cell.kv_used_by_model())
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

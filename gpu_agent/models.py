@@ -67,6 +67,20 @@ class Cell:
         except KeyError:
             raise InvalidRequestError(f"this cell serves no model {name!r}; it serves {sorted(self.models)}") from None
 
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of the cell's KV pool: the slab table's, or the models' views side by side."""
+        if self.slabs is not None:
+            return self.slabs.num_slabs * self.slabs.slab_bytes
+        return sum(m.kv.num_bytes for m in self.models.values())
+
+    def kv_used_by_model(self) -> dict[str, float]:
+        """The fraction of the cell's KV bytes each model's held blocks take (they sum to the
+        cell's use, whichever way the pool is split)."""
+        total = self.kv_bytes
+        return {name: m.ledger.allocator.num_used_blocks * m.kv.bytes_per_block / total if total else 0.0
+                for name, m in self.models.items()}
+
     def ledgers(self) -> CellLedgers:
         return CellLedgers({name: m.ledger for name, m in self.models.items()})
 

@@ -177,6 +177,7 @@ class PrefillWorker:
             num_queued_requests=len(self.queue), num_queued_tokens=queued, num_running=len(self.running),
             batch_size=len(self.running), predicted_ttft_ms=1000.0 * queued / self.tokens_per_s,
             num_dropped=self.num_dropped, num_preemptions=self.num_preemptions,
+            model=self.member.model,
         )
 
     # ------------------------------------------------------------------ loop

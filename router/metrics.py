@@ -12,9 +12,13 @@ full), ``num_prefill_pauses_total`` (a prefill batch paused between layer groups
 prompt, MuxWise's preemption) and ``num_requests_dropped_total`` (prompts prefill dropped
 because they could not meet their TTFT deadline even alone).
 
-Request metrics carry vLLM's ``model_name`` label (the served name; a router may serve several
-models); the core of each model observes through its ``ModelMetrics`` view. The cell gauges and
-the scheduler's counts are the cell's, whichever model: they carry no model label.
+Every metric carries vLLM's ``model_name`` label (the served name; a router may serve several
+models); the core of each model observes through its ``ModelMetrics`` view. The scheduler's
+counts are labelled with the model of the service that counted them (a cell runs a prefill and a
+decode service per model); ``kv_cache_usage_perc`` is each model's share of the cell's KV bytes
+(the shares sum to the cell's use, one slab pool or a fixed split alike); the partition gauges
+are the cell's, the same for every model, since all the cell's models compute on its units.
+A service or agent that names no model counts under the primary's name (see ``label``).
 """
 
 from __future__ import annotations
@@ -53,46 +57,72 @@ class RouterMetrics:
         self.num_requests_waiting = Gauge(
             f"{PREFIX}num_requests_waiting", "Requests waiting for their first token.", model, registry=r)
         self.kv_cache_usage_perc = Gauge(
-            f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", registry=r)
+            f"{PREFIX}kv_cache_usage_perc", "Fraction of the cell's KV bytes the model's blocks hold (0 to 1).",
+            model, registry=r)
         self.prefix_cache_hit_rate = Gauge(
             f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.", model,
             registry=r)
         self.num_prefill_units = Gauge(
-            f"{PREFIX}partition_prefill_units", "Compute units given to prefill.", registry=r)
+            f"{PREFIX}partition_prefill_units", "Compute units given to prefill.", model, registry=r)
         self.num_decode_units = Gauge(
-            f"{PREFIX}partition_decode_units", "Compute units given to decode.", registry=r)
-        self.partition_epoch = Gauge(f"{PREFIX}partition_epoch", "Epoch of the partition in force.", registry=r)
+            f"{PREFIX}partition_decode_units", "Compute units given to decode.", model, registry=r)
+        self.partition_epoch = Gauge(f"{PREFIX}partition_epoch", "Epoch of the partition in force.", model,
+                                     registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", model, registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", model, registry=r)
         self.num_requests = Counter(f"{PREFIX}request_success", "Requests that finished, by finish reason.",
                                     ["model_name", "finished_reason"], registry=r)
         self.num_preemptions = Counter(
-            f"{PREFIX}num_preemptions", "Requests decode preempted (KV blocks freed, recomputed later).", registry=r)
+            f"{PREFIX}num_preemptions", "Requests decode preempted (KV blocks freed, recomputed later).", model,
+            registry=r)
         self.num_prefill_pauses = Counter(
-            f"{PREFIX}num_prefill_pauses", "Prefill batches paused for a shorter prompt (MuxWise).", registry=r)
+            f"{PREFIX}num_prefill_pauses", "Prefill batches paused for a shorter prompt (MuxWise).", model, registry=r)
         self.num_requests_dropped = Counter(
             f"{PREFIX}num_requests_dropped", "Prompts dropped before prefill: their TTFT deadline was out of reach.",
-            registry=r)
+            model, registry=r)
         self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
+        self._names: list[str] = []  # the served models, the primary first
 
     def for_model(self, model_name: str) -> ModelMetrics:
-        """The request metrics of one served model."""
+        """The request metrics of one served model (the first model asked for is the primary)."""
+        if model_name not in self._names:
+            self._names.append(model_name)
+            for counter in (self.num_preemptions, self.num_prefill_pauses, self.num_requests_dropped):
+                counter.labels(model_name=model_name)  # the series exists, at 0, from the start
         return ModelMetrics(self, model_name)
 
+    def label(self, cell_model: str) -> str:
+        """The ``model_name`` for a model as the cell names it: "" is the primary; a router of one
+        model counts its cell's model under its own name (it may serve it as
+        ``--served-model-name``); a router of several counts a model it does not serve under the
+        cell's name."""
+        if not self._names or cell_model in self._names:
+            return cell_model
+        if not cell_model or len(self._names) == 1:
+            return self._names[0]
+        return cell_model
+
     def set_cell(self, agent: LoadReport | None) -> None:
-        """The cell gauges from the agent's load report; zeros when there is none."""
-        if agent is None or agent.kv_total_blocks == 0:
-            self.kv_cache_usage_perc.set(0)
-        else:
-            self.kv_cache_usage_perc.set(1 - agent.kv_free_blocks / agent.kv_total_blocks)
-        self.num_prefill_units.set(len(agent.prefill_units) if agent else 0)
-        self.num_decode_units.set(len(agent.decode_units) if agent else 0)
-        self.partition_epoch.set(agent.partition_epoch if agent else 0)
+        """The cell gauges of every served model from the agent's load report; zeros when there
+        is none."""
+        used = dict.fromkeys(self._names, 0.0)
+        if agent is not None and agent.kv_used_by_model:
+            for model, fraction in agent.kv_used_by_model.items():
+                used[self.label(model)] = used.get(self.label(model), 0.0) + fraction
+        elif agent is not None and agent.kv_total_blocks and self._names:  # an agent that names no model
+            used[self._names[0]] = 1 - agent.kv_free_blocks / agent.kv_total_blocks
+        for name, fraction in used.items():
+            self.kv_cache_usage_perc.labels(model_name=name).set(fraction)
+            self.num_prefill_units.labels(model_name=name).set(len(agent.prefill_units) if agent else 0)
+            self.num_decode_units.labels(model_name=name).set(len(agent.decode_units) if agent else 0)
+            self.partition_epoch.labels(model_name=name).set(agent.partition_epoch if agent else 0)
 
     def count_services(self, reports: list[LoadReport]) -> None:
-        """Fold the services' counts since their start into the counters: what grew since the
-        last scrape; a count that went down is a restarted service counting from zero."""
+        """Fold the services' counts since their start into the counters of their models: what
+        grew since the last scrape; a count that went down is a restarted service counting from
+        zero."""
         for report in reports:
+            model_name = self.label(report.model)
             for name, counter in (("num_dropped", self.num_requests_dropped),
                                   ("num_preemptions", self.num_prefill_pauses if report.role == "prefill"
                                    else self.num_preemptions)):
@@ -100,7 +130,7 @@ class RouterMetrics:
                 last = self._service_counts.get((report.service_id, name), 0)
                 grown = value - last if value >= last else value
                 if grown:
-                    counter.inc(grown)
+                    counter.labels(model_name=model_name).inc(grown)
                 self._service_counts[(report.service_id, name)] = value
 
     def render(self) -> bytes:

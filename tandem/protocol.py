@@ -22,7 +22,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Final, Literal, Protocol, get_args
 
 
@@ -322,6 +322,11 @@ class LoadReport:
     requests it dropped as unable to meet their deadline (prefill's early drop) and its
     preemptions (prefill: a batch paused for a shorter prompt; decode: a request whose KV blocks
     were freed when the pool was full). A count a role does not keep is 0.
+
+    ``model`` is the served name of the model a prefill or decode service computes ("" for the
+    agent, or a writer that predates it: the cell's first model). ``kv_used_by_model`` (the
+    agent's) is the fraction of the cell's KV bytes each model's held blocks take; the fractions
+    sum to the cell's use, whatever the split (one slab pool or a fixed share per model).
     """
 
     service_id: str
@@ -341,6 +346,8 @@ class LoadReport:
     last_step_ms: float = 0.0
     num_dropped: int = 0
     num_preemptions: int = 0
+    model: str = ""
+    kv_used_by_model: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
@@ -360,6 +367,9 @@ class LoadReport:
                      "num_preemptions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
+        for name, used in self.kv_used_by_model.items():
+            if not 0.0 <= used <= 1.0:
+                raise ValueError(f"LoadReport.kv_used_by_model[{name!r}] must be in [0, 1], got {used}")
         if self.kv_free_blocks > self.kv_total_blocks:
             raise ValueError(f"LoadReport.kv_free_blocks ({self.kv_free_blocks}) > kv_total_blocks "
                              f"({self.kv_total_blocks})")

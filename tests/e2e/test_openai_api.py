@@ -368,7 +368,12 @@ def test_models_health_ready_metrics_openapi(tiny: Stack) -> None:
             assert f"# TYPE tandem:{name} " in metrics, name
         assert metric_value(metrics, "tandem:time_to_first_token_seconds_count") > 0
         assert f'tandem:time_to_first_token_seconds_count{{model_name="{tiny.model_dir.name}"}}' in metrics
-        units = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+        label = f'{{model_name="{tiny.model_dir.name}"}}'
+        # every metric carries the model, the cell's gauges and the scheduler's counts included
+        for name in ("kv_cache_usage_perc", "partition_prefill_units", "num_preemptions_total",
+                     "num_requests_dropped_total"):
+            assert f"tandem:{name}{label}" in metrics, name
+        units = {line.split()[0].removesuffix(label): float(line.split()[1]) for line in metrics.splitlines()
                  if line.startswith("tandem:partition_")}
         # read from the agent's load report (the policy may give every unit to one phase)
         assert units["tandem:partition_prefill_units"] + units["tandem:partition_decode_units"] >= 1

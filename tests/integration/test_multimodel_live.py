@@ -24,6 +24,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
@@ -124,18 +125,36 @@ def test_two_models_answer_at_once_with_their_own_engines_greedy_output(up: Up, 
         assert m.num_free_blocks == m.num_blocks, m
 
 
+async def _kv_usage_once_held(http_address: str, model: str) -> dict[str, float]:
+    """Every model's ``kv_cache_usage_perc`` once ``model``'s is above 0 (the agent reports its
+    load every 0.25 s), or as it is after 10 s."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        deadline = time.monotonic() + 10
+        while True:
+            page = (await http.get(f"{http_address}/metrics")).text
+            usage = {sample.labels["model_name"]: sample.value
+                     for family in text_string_to_metric_families(page) for sample in family.samples
+                     if sample.name == "tandem:kv_cache_usage_perc"}
+            if usage.get(model, 0) > 0 or time.monotonic() > deadline:
+                return usage
+            await asyncio.sleep(0.2)
+
+
 def test_a_cancelled_request_of_one_model_frees_its_blocks_and_slabs(up: Up) -> None:
-    async def run() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
+    async def run() -> tuple[agent_pb2.AgentStats, dict[str, float], agent_pb2.AgentStats]:
         first = asyncio.Event()
         params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
         task = asyncio.create_task(_generate(up.grpc_address, BF16_KV, list(range(200, 300)), params, first))
         await asyncio.wait_for(first.wait(), 120)
         await asyncio.sleep(0.5)
         during = await up.stats()
+        usage = await _kv_usage_once_held(up.http_address, BF16_KV)
         task.cancel()
-        return during, await up.drained()
+        return during, usage, await up.drained()
 
-    during, after = asyncio.run(run())
+    during, usage, after = asyncio.run(run())
+    # /metrics: each model's share of the cell's KV bytes, from the agent's load report.
+    assert 0 < usage[BF16_KV] <= 1 and usage[FP32_KV] == 0, usage
     by_model = {m.model: m for m in during.models}
     assert by_model[BF16_KV].num_requests == 1 and by_model[BF16_KV].num_slabs >= 2  # 100+ tokens, 32 a slab
     assert by_model[BF16_KV].num_held_blocks >= 7  # 100 prompt tokens and some output, 16 a block

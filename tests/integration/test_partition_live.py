@@ -95,7 +95,7 @@ async def _agent_report(stack: Stack, decode_units: list[int]):  # type: ignore[
 async def _until_metrics(stack: Stack, prefill: int, decode: int) -> None:
     """The router's Prometheus gauges show the partition (read from the board at scrape time)."""
     def values(text: str) -> tuple[float, float]:
-        found = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+        found = {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
                  if line.startswith(("tandem:partition_prefill_units", "tandem:partition_decode_units"))}
         return found["tandem:partition_prefill_units"], found["tandem:partition_decode_units"]
 

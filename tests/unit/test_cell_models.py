@@ -3,6 +3,7 @@ ledgers seen as one. Real shared-memory stores on /dev/shm, tiny random models."
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from gpu_agent.blocks import BlockLedger
 from gpu_agent.models import Cell, CellLedgers, build_cell
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.errors import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.shm_files import remove_stores
 from tandem.service.model_spec import ModelSpec, parse_models
@@ -108,6 +109,41 @@ def test_a_static_split_gives_each_model_its_own_byte_range(tiny: Path, prefix: 
     assert bool((view_b.tensor == 1).all())
     with pytest.raises(ValueError, match="two --model entries serve the name"):
         _cell(tiny, prefix + "x", "{m},{m}")
+
+
+@pytest.mark.parametrize("split", ["slab", "static"])
+def test_each_models_share_of_the_pool_is_its_held_bytes(tiny: Path, prefix: str, split: str) -> None:
+    """The agent's per-model KV use (the router's kv_cache_usage_perc{model_name}): held blocks'
+    bytes over the cell's pool bytes; a model holding every slab holds the whole pool."""
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16", split=split, kv_bytes=1 << 18)
+    a, b = cell.models.values()
+    assert cell.kv_used_by_model() == {a.name: 0.0, b.name: 0.0}
+    rng = random.Random(split)
+    held: dict[str, list[tuple[str, list[int]]]] = {a.name: [], b.name: []}
+    for step in range(40):
+        model = rng.choice([a, b])
+        if held[model.name] and rng.random() < 0.4:
+            rid, ids = held[model.name].pop(rng.randrange(len(held[model.name])))
+            model.ledger.release(rid, ids)
+        else:
+            ids = [step * 100 + i for i in range(rng.randint(1, 20))]
+            try:
+                model.ledger.allocate(f"r{step}", ids, owner="s")
+            except OutOfBlocksError:  # the pool is full: nothing held changes
+                pass
+            else:
+                held[model.name].append((f"r{step}", ids))
+        used = cell.kv_used_by_model()
+        for m in (a, b):
+            assert used[m.name] == m.ledger.allocator.num_used_blocks * m.kv.bytes_per_block / cell.kv_bytes
+        assert 0 <= sum(used.values()) <= 1
+    for m in (a, b):
+        for rid, ids in held[m.name]:
+            m.ledger.release(rid, ids)
+    if split == "slab":
+        tokens = a.ledger.allocator.num_free_blocks * 4
+        a.ledger.allocate("all", list(range(10**6, 10**6 + tokens)), owner="s")
+        assert cell.kv_used_by_model()[a.name] == 1.0
 
 
 @settings(max_examples=30, deadline=None)

@@ -5,24 +5,30 @@ under one id (it cannot, short of a bug) is taken as counting from zero, never s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+
+import pytest
 
 from router.metrics import RouterMetrics
 from tandem.protocol import LoadReport, Role
 
 
-def report(service_id: str, role: Role, dropped: int, preempted: int) -> LoadReport:
+def report(service_id: str, role: Role, dropped: int, preempted: int, model: str = "") -> LoadReport:
     return LoadReport(service_id=service_id, cell_id="c", role=role, num_queued_requests=0, num_queued_tokens=0,
                       num_running=0, batch_size=0, predicted_ttft_ms=0, last_step_ms=0, partition_epoch=1,
                       prefill_units=[0], decode_units=[1], kv_free_blocks=0, kv_total_blocks=1, updated_unix_ns=1,
-                      num_dropped=dropped, num_preemptions=preempted)
+                      num_dropped=dropped, num_preemptions=preempted, model=model)
 
 
-def value(metrics: RouterMetrics, name: str) -> float:
-    got = metrics.registry.get_sample_value(name)
-    assert got is not None, name
-    return got
+def value(metrics: RouterMetrics, name: str, model: str | None = None) -> float:
+    """``name``'s sample for ``model`` (which must exist), or the sum over every model's (0 if
+    none has counted yet) when None."""
+    samples = [sample for family in metrics.registry.collect() for sample in family.samples
+               if sample.name == name and (model is None or sample.labels.get("model_name") == model)]
+    assert samples or model is None, (name, model)
+    return sum(sample.value for sample in samples)
 
 
 def test_counts_grow_by_what_each_service_added_across_restarts_and_missed_scrapes() -> None:
@@ -56,3 +62,53 @@ def test_a_count_that_goes_down_under_one_id_counts_from_zero() -> None:
     metrics.count_services([report("p", "prefill", 5, 0)])
     metrics.count_services([report("p", "prefill", 2, 0)])
     assert value(metrics, "tandem:num_requests_dropped_total") == 7
+
+
+def test_counts_and_cell_gauges_carry_the_model_that_counted_them() -> None:
+    """Each model's services count under its name; "" (a writer naming no model) is the primary's;
+    the agent's KV use is split by model and the partition is every model's."""
+    rng = random.Random(11)
+    for _ in range(30):
+        metrics = RouterMetrics()
+        names = ["a", "b", "c"][:rng.randint(1, 3)]
+        for name in names:
+            metrics.for_model(name)
+        for name in names:  # every series exists at 0 before anything is counted
+            assert value(metrics, "tandem:num_preemptions_total", name) == 0
+        want = dict.fromkeys(names, 0)
+        counts: dict[str, int] = {}
+        for step in range(rng.randint(1, 10)):
+            reports = []
+            for index, name in enumerate(names):
+                sid = f"d-{name}"
+                counts[sid] = counts.get(sid, 0) + (grow := rng.randint(0, 3))
+                want[names[0] if index == 0 else name] += grow
+                reports.append(report(sid, "decode", 0, counts[sid], model="" if index == 0 and step % 2 else name))
+            metrics.count_services(reports)
+        for name in names:
+            assert value(metrics, "tandem:num_preemptions_total", name) == want[name]
+        used = {name: rng.random() / len(names) for name in names}
+        agent = dataclasses.replace(report("agent-c", "agent", 0, 0), prefill_units=[0], decode_units=[1, 2],
+                                    partition_epoch=3, kv_used_by_model=used)
+        metrics.set_cell(agent)
+        for name in names:
+            assert value(metrics, "tandem:kv_cache_usage_perc", name) == used[name]
+            assert value(metrics, "tandem:partition_decode_units", name) == 2
+            assert value(metrics, "tandem:partition_epoch", name) == 3
+        metrics.set_cell(None)
+        assert value(metrics, "tandem:kv_cache_usage_perc") == 0
+
+
+def test_a_one_model_router_counts_its_cells_model_under_its_served_name() -> None:
+    metrics = RouterMetrics()
+    metrics.for_model("served-as")
+    metrics.count_services([report("d", "decode", 0, 4, model="cell-name")])
+    agent = dataclasses.replace(report("agent-c", "agent", 0, 0), kv_used_by_model={"cell-name": 0.25})
+    metrics.set_cell(agent)
+    assert value(metrics, "tandem:num_preemptions_total", "served-as") == 4
+    assert value(metrics, "tandem:kv_cache_usage_perc", "served-as") == 0.25
+
+
+def test_kv_used_by_model_is_a_fraction() -> None:
+    with pytest.raises(ValueError, match="kv_used_by_model"):
+        dataclasses.replace(report("agent-c", "agent", 0, 0), kv_used_by_model={"a": 1.5})
