@@ -9,6 +9,15 @@ cores the policy asks for (at least one) and prefill takes the rest. (`static` r
 split is the flags', fixed.) An aggregated decision (chunked, or adaptive while TBT holds)
 gives every core to decode_svc, which then runs prompt chunks inside its steps within the
 decided token budget; prefill_svc forwards new requests to it.
+
+A cell of several models runs a prefill_svc and a decode_svc per model, all on the same two
+core sets: the snapshot is the phase's whole work, every model's reports merged (each model's
+queue, its decode contexts; decode's slack is the tightest of the decode services'). A report
+replaces only the last one of its own role and model, so a restarted service replaces its
+predecessor. Running prefill batches: the one with the earliest deadline is the snapshot's
+running batch (the one a MuxWise pause may name); the others' requests count as queued work. A
+pause pauses a batch for shorter prompts of its own service's queue only (a service cannot run
+another model's prompt), so a decision naming another model's prompts pauses nothing.
 """
 
 from __future__ import annotations
@@ -63,33 +72,36 @@ class PolicyLoop:
         self.cores = list(cores)
         self.num_layers = num_layers
         self.slo = slo
-        self.loads: dict[int, agent_pb2.PhaseLoad] = {}
+        self.loads: dict[tuple[int, str], agent_pb2.PhaseLoad] = {}  # (role, model) -> its last report
         self.last: Applied | None = None
         self.num_decisions = 0
         self.num_preemptions = 0
 
-    def report(self, load: agent_pb2.PhaseLoad) -> None:
-        self.loads[load.role] = load
+    def report(self, load: agent_pb2.PhaseLoad, model: str = "") -> None:
+        """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
+        self.loads[(load.role, model)] = load
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
-        """The whole snapshot the policies were written for, from the services' last reports:
-        prefill's queue, its running batch and the one paused under it, decode's contexts and
-        its slack (the TBT SLO less the time since its last step ended and that step's length:
-        what the next token may still wait)."""
-        prefill = self.loads.get(agent_pb2.ROLE_PREFILL)
-        decode = self.loads.get(agent_pb2.ROLE_DECODE)
-        # Prompts still to compute: prefill's queue, and decode's chunks in aggregated mode.
-        waiting = [*(prefill.queued if prefill is not None else ()), *(decode.queued if decode is not None else ())]
-        queued = tuple(_queued(q) for q in waiting)
-        contexts = tuple(decode.decode_context_lens) if decode is not None else ()
-        slack = None
-        if decode is not None and decode.last_step_end_unix_ns and contexts:
-            slack = self.slo.tbt_s - max(0.0, now_s - decode.last_step_end_unix_ns / 1e9) - decode.last_step_ns / 1e9
-        running = paused = None
-        if prefill is not None and prefill.HasField("running"):
-            running = self._in_flight(prefill.running)
-        if prefill is not None and prefill.HasField("paused"):
-            paused = self._in_flight(prefill.paused)
+        """The whole snapshot the policies were written for, from the services' last reports
+        (every model's, merged: see the module docstring): prefill's queue, its running batch and
+        the one paused under it, decode's contexts and its slack (the TBT SLO less the time since
+        its last step ended and that step's length: what the next token may still wait)."""
+        prefills = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_PREFILL]
+        decodes = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_DECODE]
+        # Prompts still to compute: prefill's queues, and decode's chunks in aggregated mode.
+        waiting = [q for load in (*prefills, *decodes) for q in load.queued]
+        in_flight = sorted(((load.running, flight) for load in prefills if load.HasField("running")
+                            if (flight := self._in_flight(load.running)) is not None),
+                           key=lambda pair: pair[1].deadline_s)
+        running = in_flight[0][1] if in_flight else None
+        waiting += [q for batch, _ in in_flight[1:] for q in batch.requests]  # other models' batches: work left
+        queued = tuple(sorted((_queued(q) for q in waiting), key=lambda r: r.edf_key(self.slo)))
+        contexts = tuple(n for load in decodes for n in load.decode_context_lens)
+        slacks = [self.slo.tbt_s - max(0.0, now_s - load.last_step_end_unix_ns / 1e9) - load.last_step_ns / 1e9
+                  for load in decodes if load.last_step_end_unix_ns and load.decode_context_lens]
+        slack = min(slacks) if slacks else None
+        paused = next((flight for load in prefills if load.HasField("paused")
+                       if (flight := self._in_flight(load.paused)) is not None), None)
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
                                running_prefill=running, decode_context_lens=contexts, current=None, slo=self.slo,
                                decode_slack_s=slack, paused_prefill=paused)

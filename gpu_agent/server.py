@@ -156,7 +156,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
 
     async def ReportLoad(self, request: agent_pb2.PhaseLoad, context: grpc.aio.ServicerContext) -> agent_pb2.ReportLoadReply:  # noqa: N802
         if self.policy is not None:
-            self.policy.report(request)
+            registered = self.services.get(request.service_id)
+            self.policy.report(request, registered.model if registered is not None else "")
             await _apply_policy(self.policy, self.partition)
         return agent_pb2.ReportLoadReply(partition=self.partition.current)
 

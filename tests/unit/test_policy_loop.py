@@ -4,6 +4,7 @@ decides reaches the partition it publishes."""
 
 from __future__ import annotations
 
+import random
 import time
 
 from gpu_agent.policy_loop import PolicyLoop
@@ -67,3 +68,59 @@ def test_a_preemption_the_policy_decides_is_published_with_what_runs_first() -> 
         paused=agent_pb2.PrefillBatchInFlight(requests=[_q("long", 20_000, now_ns - 10**8)], layers_done=2)))
     change = loop.decide()
     assert change is None or change[0].preempt == ""
+
+
+def test_every_models_reports_merge_into_one_snapshot() -> None:
+    """A cell of several models: each model's prefill and decode report apart; the snapshot is
+    the phase's whole work (queues merged in EDF order, the earliest-deadline running batch, the
+    other batches' requests as queued work, every decode context, the tightest slack), and a
+    model's newer report replaces only its own."""
+    rng = random.Random(5)
+    for _ in range(200):
+        loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+        now_ns = time.time_ns()
+        models = [f"m{i}" for i in range(rng.randint(1, 3))]
+        want_queued: list[str] = []
+        batches: list[tuple[float, str, list[str]]] = []  # (deadline, first id, ids)
+        want_contexts: list[int] = []
+        want_slacks: list[float] = []
+        ids = iter(range(10**6))
+        for model in models:
+            for version in range(rng.randint(1, 2)):  # a second report replaces the first
+                queued = [_q(f"{model}-q{next(ids)}", rng.randint(1, 900), now_ns - rng.randrange(2 * 10**9))
+                          for _ in range(rng.randint(0, 4))]
+                running = None
+                if rng.random() < 0.5:
+                    running = agent_pb2.PrefillBatchInFlight(
+                        requests=[_q(f"{model}-r{next(ids)}", rng.randint(1, 900), now_ns - rng.randrange(2 * 10**9))
+                                  for _ in range(rng.randint(1, 3))], layers_done=rng.randrange(NUM_LAYERS))
+                contexts = [rng.randint(1, 500) for _ in range(rng.randint(0, 4))]
+                step_ns, since_ns = rng.randrange(10**6, 4 * 10**7), rng.randrange(2 * 10**7)
+                loop.report(agent_pb2.PhaseLoad(service_id=f"p-{model}", role=agent_pb2.ROLE_PREFILL, queued=queued,
+                                                running=running), model)
+                loop.report(agent_pb2.PhaseLoad(service_id=f"d-{model}", role=agent_pb2.ROLE_DECODE,
+                                                decode_context_lens=contexts, last_step_ns=step_ns,
+                                                last_step_end_unix_ns=now_ns - since_ns), model)
+            want_queued += [q.request_id for q in queued]
+            if running is not None:
+                deadline = min(q.arrival_unix_ns / 1e9 + SLO.ttft_for(q.prompt_tokens) for q in running.requests)
+                batches.append((deadline, running.requests[0].request_id, [q.request_id for q in running.requests]))
+            want_contexts += contexts
+            if contexts:
+                want_slacks.append(SLO.tbt_s - since_ns / 1e9 - step_ns / 1e9)
+        s = loop.snapshot(now_ns / 1e9)
+        batches.sort()
+        if batches:
+            assert s.running_prefill is not None and s.running_prefill.request_id == batches[0][1]
+            want_queued += [rid for _, _, rids in batches[1:] for rid in rids]
+        else:
+            assert s.running_prefill is None
+        assert sorted(r.request_id for r in s.queued) == sorted(want_queued)
+        assert [r.edf_key(SLO) for r in s.queued] == sorted(r.edf_key(SLO) for r in s.queued)
+        assert sorted(s.decode_context_lens) == sorted(want_contexts)
+        if want_slacks:
+            assert s.decode_slack_s is not None and abs(s.decode_slack_s - min(want_slacks)) < 1e-3
+        else:
+            assert s.decode_slack_s is None
+        # One model with prompts waiting is prefill work, whatever the others report.
+        assert s.has_prefill_work == bool(want_queued or batches)
