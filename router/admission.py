@@ -99,12 +99,14 @@ class AdmissionStats:
     num_confirmed_refusals: int
     calibration_factor: float
     num_calibration_batches: int
+    calibration_by_units: tuple[tuple[int, float], ...] = ()  # (prefill units, factor) measured
 
     def summary(self) -> str:
+        by_units = ", ".join(f"x{f:.2f} on {u}" for u, f in self.calibration_by_units)
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
                 f"{self.num_confirmed_refusals} confirmed); prefill calibration x{self.calibration_factor:.2f} "
-                f"from {self.num_calibration_batches} measured batches")
+                f"from {self.num_calibration_batches} measured batches" + (f" ({by_units} units)" if by_units else ""))
 
 
 @dataclass
@@ -148,7 +150,11 @@ class AdmissionController:
         self.batching = batching or PrefillBatching()
         self.margin = margin
         self.cold_margin = cold_margin
-        self.calibration = calibration or PrefillCalibration()
+        self.calibration = calibration or PrefillCalibration()  # every measured batch, all units
+        # One calibration per prefill unit count: the model's error depends on the units (on two
+        # cores of this CPU a second core speeds prefill up far less than the model predicts), so
+        # a factor learnt on 2 units over-predicts 1 unit's batches about twice as much.
+        self.calibration_by_units: dict[int, PrefillCalibration] = {}
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
         self._units: dict[str, int] = {}  # the prefill units each pending request was admitted on
         self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
@@ -188,12 +194,28 @@ class AdmissionController:
             return len(agent.prefill_units)
         return max(1, total - 1) if agent.decode_units else total
 
+    def scale(self, units: int) -> tuple[float, bool]:
+        """The calibration factor for predictions on ``units`` prefill units, and whether it was
+        measured on that many: a unit count not measured yet borrows the factor of all measured
+        batches, and admission then refuses only with the cold margin."""
+        own = self.calibration_by_units.get(units)
+        if own is not None and own.calibrated:
+            return own.factor, True
+        return self.calibration.factor, False
+
+    def _observe(self, units: int, measured_s: float, predicted_s: float) -> None:
+        self.calibration = self.calibration.observe(measured_s, predicted_s)
+        own = self.calibration_by_units.get(units) or PrefillCalibration()
+        self.calibration_by_units[units] = own.observe(measured_s, predicted_s)
+
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
             num_admitted=self.num_admitted, num_refused=self.num_refused, num_met=self.num_met,
             num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,
             num_confirmed_refusals=self.num_confirmed_refusals, calibration_factor=self.calibration.factor,
             num_calibration_batches=self.calibration.num_samples,
+            calibration_by_units=tuple((u, c.factor) for u, c in sorted(self.calibration_by_units.items())
+                                       if c.calibrated),
         )
 
     def _queued(self) -> list[QueuedRequest]:
@@ -206,15 +228,14 @@ class AdmissionController:
         ahead = self._queued()
         units = self.prefill_units()
         if self.enabled:
-            margin = self.margin if self.calibration.calibrated else self.cold_margin
+            scale, calibrated = self.scale(units)
+            margin = self.margin if calibrated else self.cold_margin
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
-                                  running_since_s=self._running_since_s, scale=self.calibration.factor,
-                                  margin=margin)
+                                  running_since_s=self._running_since_s, scale=scale, margin=margin)
             if rejection is not None:
                 self.num_refused += 1
                 predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
-                                         running_since_s=self._running_since_s, scale=self.calibration.factor,
-                                         slo=self.slo)
+                                         running_since_s=self._running_since_s, scale=scale, slo=self.slo)
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
@@ -254,9 +275,9 @@ class AdmissionController:
             self._batch_ended(prefill_ns)
         del self._pending[request_id]
         predicted_ttft_s = self._predicted_ttft_s.pop(request_id, 0.0)
-        if not from_prefill:
-            self.calibration = self.calibration.observe(now_s - request.arrival_s, predicted_ttft_s)
         units = self._units.pop(request_id)
+        if not from_prefill:
+            self._observe(units, now_s - request.arrival_s, predicted_ttft_s)
         self._prefilled.discard(request_id)
         self._judge(request, now_s)
         measuring = self._measuring
@@ -325,15 +346,16 @@ class AdmissionController:
             return
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
-        first = not warmup and not self.calibration.calibrated
+        own = self.calibration_by_units.get(measuring.units)
+        first = not warmup and (own is None or not own.calibrated)
         if not warmup:
-            self.calibration = self.calibration.observe(measured_s, predicted_s)
+            self._observe(measuring.units, measured_s, predicted_s)
         (log.info if first else log.debug)(
             "admission %s: prefill batch of %d requests, %d tokens on %d units: measured %.0f ms (handoffs %.0f ms), "
-            "model %.0f ms; calibration x%.2f from %d batches", "warm-up, not used" if warmup else "calibrated",
-            len(measuring.seqs), sum(n for n, _ in measuring.seqs), measuring.units, measured_s * 1000,
-            measuring.max_handoff_ns / 1e6, predicted_s * 1000, self.calibration.factor,
-            self.calibration.num_samples)
+            "model %.0f ms; calibration on %d units x%.2f, over all %d batches x%.2f",
+            "warm-up, not used" if warmup else "calibrated", len(measuring.seqs), sum(n for n, _ in measuring.seqs),
+            measuring.units, measured_s * 1000, measuring.max_handoff_ns / 1e6, predicted_s * 1000, measuring.units,
+            self.scale(measuring.units)[0], self.calibration.num_samples, self.calibration.factor)
 
     async def follow(self, read_agent_load: ReadAgentLoad, interval_s: float = 0.25) -> None:
         """Keep the partition current from the load board until cancelled; log what admission

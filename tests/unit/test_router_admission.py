@@ -166,3 +166,36 @@ def test_with_a_length_scaled_slo_misses_and_refusals_are_judged_by_each_prompts
     refusal = c.try_admit("late", 9000, now_s=20.0)
     assert refusal is not None and "SLO 5500 ms" in refusal.message()
     assert refusal.reason == "queue ahead pushes TTFT past the deadline"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_each_prefill_unit_count_is_calibrated_apart(seed: int) -> None:
+    """The model's error depends on the units (on this CPU's two cores a second core speeds
+    prefill up far less than the model says): batches measured on 2 units calibrate 2 units,
+    those on 1 unit calibrate 1 unit, and a unit count not measured yet borrows the factor of
+    all batches uncalibrated (the cold margin). Random true ratios, batch sizes and partition order."""
+    import random
+
+    rng = random.Random(seed)
+    p = TokenPredictor()
+    true_ratio = {1: rng.uniform(0.2, 3.0), 2: rng.uniform(0.2, 3.0)}
+    c = AdmissionController(p, SLO, enabled=False, default_units=2)
+    now_s = 0.0
+    order = [2] * 25 + [1] * 25 if rng.random() < 0.5 else [1] * 25 + [2] * 25
+    for i, units in enumerate(order):
+        if i == 25:
+            assert c.scale(order[25]) == (c.calibration.factor, False)  # not measured on these units yet
+        c.set_agent_load(agent_report(list(range(units)), [] if units == 2 else [1]))
+        n = rng.randint(10, 3000)
+        c.try_admit(f"r{i}", n, now_s=now_s)
+        measured_s = true_ratio[units] * p.predict_prefill([(n, 0)], units)
+        now_s += measured_s
+        # (+ i: two batches never share a prefill_ns, the time that tells batches apart)
+        c.first_token(f"r{i}", prefill_ns=int(measured_s * 1e9) - 1000 + i, handoff_ns=1000, finished=False,
+                      now_s=now_s)
+    for units in (1, 2):
+        factor, calibrated = c.scale(units)
+        assert calibrated and factor == pytest.approx(true_ratio[units], rel=0.02)
+    assert c.scale(3) == (c.calibration.factor, False)
+    assert c.calibration.num_samples == 49  # every batch but the warm-up, whatever its units
+    assert dict(c.stats().calibration_by_units) == {1: c.scale(1)[0], 2: c.scale(2)[0]}
