@@ -155,6 +155,7 @@ class AdmissionController:
         # cores of this CPU a second core speeds prefill up far less than the model predicts), so
         # a factor learnt on 2 units over-predicts 1 unit's batches about twice as much.
         self.calibration_by_units: dict[int, PrefillCalibration] = {}
+        self._initial_calibration = self.calibration  # where each unit count's starts
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
         self._units: dict[str, int] = {}  # the prefill units each pending request was admitted on
         self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
@@ -205,7 +206,7 @@ class AdmissionController:
 
     def _observe(self, units: int, measured_s: float, predicted_s: float) -> None:
         self.calibration = self.calibration.observe(measured_s, predicted_s)
-        own = self.calibration_by_units.get(units) or PrefillCalibration()
+        own = self.calibration_by_units.get(units) or self._initial_calibration
         self.calibration_by_units[units] = own.observe(measured_s, predicted_s)
 
     def stats(self) -> AdmissionStats:
