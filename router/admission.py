@@ -347,8 +347,7 @@ class AdmissionController:
             return
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
-        own = self.calibration_by_units.get(measuring.units)
-        first = not warmup and (own is None or not own.calibrated)
+        first = not warmup and not self.scale(measuring.units)[1]  # this unit count's first measured batch
         if not warmup:
             self._observe(measuring.units, measured_s, predicted_s)
         (log.info if first else log.debug)(

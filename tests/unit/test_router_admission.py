@@ -4,6 +4,8 @@ online calibration learnt from prefill's replies, and the counts of misses and f
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.admission import AdmissionController
@@ -174,8 +176,6 @@ def test_each_prefill_unit_count_is_calibrated_apart(seed: int) -> None:
     prefill up far less than the model says): batches measured on 2 units calibrate 2 units,
     those on 1 unit calibrate 1 unit, and a unit count not measured yet borrows the factor of
     all batches uncalibrated (the cold margin). Random true ratios, batch sizes and partition order."""
-    import random
-
     rng = random.Random(seed)
     p = TokenPredictor()
     true_ratio = {1: rng.uniform(0.2, 3.0), 2: rng.uniform(0.2, 3.0)}
