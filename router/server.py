@@ -103,7 +103,7 @@ class RunningRouter:
             core.upstream.set_upstreams(upstreams)
 
     async def start(self) -> None:
-        """Learn the upstreams, start the background tasks, then serve gRPC and HTTP."""
+        """Learn the upstreams, start the background tasks, then serve HTTP and gRPC."""
         loop = asyncio.get_running_loop()
         await self.refresh_upstreams()
         if not all(isinstance(source, StaticUpstreams) for source in self._sources):
@@ -112,13 +112,15 @@ class RunningRouter:
             if self.agent_load is not None and core.admission is not None:
                 self._tasks.append(loop.create_task(core.admission.follow(self.agent_load.read),
                                                     name=f"router-agent-load-{core.model_id}"))
-        await self.server.start()
         if self.config.http_port is not None:
+            # HTTP listens before gRPC does: whoever waits for the gRPC port (tandem up's readiness
+            # check) may then use both at once.
             from router.http import Gateway, start_http
 
             read_cell = self.agent_load.read_cell if self.agent_load is not None else None
             gateway = Gateway(self.models, self.metrics, self.config.api_key, read_cell)
             self.http = await start_http(gateway, self.config.host, self.config.http_port)
+        await self.server.start()
 
     async def _discover(self) -> None:
         """Re-read the sources every ``discovery_interval_s`` (registry sources only)."""
