@@ -225,6 +225,14 @@ class DecodeWorker:
         # Only this model's: a cell of several models has a decode_svc per model.
         records = [r for r in await self.records.list_active(self.member.cell_id, state="decode")
                    if r.model in ("", self.member.model)]
+        # A prompt handed over uncomputed (aggregated mode) and lost before its first token is
+        # not ours to resume: prefill_svc saw its handoff break, takes its blocks back from the
+        # dead predecessor and forwards it again (or fails it). Its record only ends here; its
+        # blocks are left alone, so nothing here can free blocks prefill has handed on since.
+        for rec in records:
+            if not rec.output_token_ids:
+                await self.records.set_state(rec.request_id, "failed")
+        records = [rec for rec in records if rec.output_token_ids]
         # Take the requests' blocks over from the dead predecessor; the ledger's block lists are
         # the truth (the record may predate an extension). Requests the agent no longer holds
         # blocks for (it reclaimed them, or the predecessor had preempted them) recompute.
@@ -233,12 +241,6 @@ class DecodeWorker:
             timeout=RPC_TIMEOUT_S)
         held = {b.request_id: list(b.block_ids) for b in claim.blocks}
         for rec in records:
-            if not rec.output_token_ids:
-                # Handed over uncomputed (aggregated mode) and lost before its first token:
-                # prefill_svc saw the handoff fail and failed the request; its blocks are ours.
-                await self.member.release(rec.request_id)
-                await self.records.set_state(rec.request_id, "failed")
-                continue
             params = SamplingParams.from_dict(rec.sampling)
             req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
             req.output_token_ids = list(rec.output_token_ids)

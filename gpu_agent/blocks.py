@@ -15,7 +15,7 @@ release, claim or reclaim of it does nothing: its blocks come back exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tandem.engine.block_allocator import Allocation, BlockAllocator
 from tandem.engine.errors import InvalidRequestError
@@ -88,21 +88,28 @@ class BlockLedger:
         self.allocator.free(blocks)
         return len(blocks)
 
-    def claim(self, owner: str, request_ids: Iterable[str]) -> tuple[list[str], dict[str, list[int]]]:
+    def claim(self, owner: str, request_ids: Iterable[str], may_take_from: Callable[[str], bool] | None = None,
+              ) -> tuple[list[str], dict[str, list[int]], list[str]]:
         """Make ``owner`` the holder of each request the ledger holds; returns the ids it does
-        not hold (their K/V is gone) and the blocks of the others."""
+        not hold (their K/V is gone), the blocks of those claimed, and the ids left with their
+        holder because ``may_take_from(holder)`` said no (a live service's; ``owner``'s own are
+        always claimed)."""
         if not owner:
             raise InvalidRequestError("a claim needs an owner (the claiming service's id)")
         missing: list[str] = []
         blocks: dict[str, list[int]] = {}
+        kept: list[str] = []
         for rid in request_ids:
             held = self._held.get(rid)
+            holder = self._owner.get(rid, owner)
             if held is None:
                 missing.append(rid)
+            elif holder != owner and may_take_from is not None and not may_take_from(holder):
+                kept.append(rid)
             else:
                 self._owner[rid] = owner
                 blocks[rid] = list(held)
-        return missing, blocks
+        return missing, blocks, kept
 
     def reclaim(self, owner: str) -> tuple[int, int]:
         """Free every request ``owner`` holds (it died); returns (requests, blocks) freed."""

@@ -136,11 +136,13 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
 
     async def Claim(self, request: agent_pb2.ClaimRequest, context: grpc.aio.ServicerContext) -> agent_pb2.ClaimReply:  # noqa: N802
         try:
-            missing, blocks = self._ledger_of(request.owner).claim(request.owner, list(request.request_ids))
+            ended = (lambda holder: not self.leases.is_live(holder)) if request.only_from_ended_leases else None
+            missing, blocks, kept = self._ledger_of(request.owner).claim(request.owner, list(request.request_ids),
+                                                                         ended)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return agent_pb2.ClaimReply(missing=missing, blocks=[
-            agent_pb2.BlockList(request_id=rid, block_ids=ids) for rid, ids in blocks.items()])
+            agent_pb2.BlockList(request_id=rid, block_ids=ids) for rid, ids in blocks.items()], held_by_live=kept)
 
     async def WatchPartition(self, request: agent_pb2.WatchPartitionRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
         # The stream is the service's lease (see gpu_agent/leases.py).

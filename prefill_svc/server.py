@@ -4,6 +4,8 @@ pool, sample the first token, hand the request to decode_svc as metadata, answer
 Between layer groups the event loop runs: new submissions queue up, cancellations are noted
 and a new partition is applied before the next group. A request's blocks are released on every
 path that does not end in an accepted handoff (cancelled, finished at the first token, refused).
+In aggregated mode a prompt is forwarded uncomputed, and forwarded again (on the blocks taken
+back) when its decode_svc dies before the first token.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ from tandem.state.schema import LoadReport
 AGGREGATED_TIMEOUT_S = 600.0
 # How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
 HANDOFF_TIMEOUT_S = 30.0
+# Aggregated mode: a prompt whose decode_svc dies before its first token is forwarded again, to
+# the successor, up to this many times in all. Taking its blocks back waits up to
+# TAKE_BACK_WAIT_S for the agent to see the dead service's lease end.
+MAX_FORWARDS = 3
+TAKE_BACK_WAIT_S = 5.0
+TAKE_BACK_RETRY_S = 0.05
 # A prompt that finds the KV pool full waits this long for blocks (decode frees them as its
 # requests finish, and preempts to make room for its own) before it fails.
 POOL_WAIT_S = 30.0
@@ -109,6 +117,7 @@ class PrefillWorker:
         self._preempt_epoch = 0  # the last partition whose preemption was carried out
         self.num_preemptions = 0
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
+        self.num_reforwarded = 0  # forwarded again after their decode_svc died before the first token
         self._tasks: set[asyncio.Task[None]] = set()
         self._aggregated = False
 
@@ -256,35 +265,82 @@ class PrefillWorker:
     async def _forward(self, pending: _Pending) -> None:
         rid = pending.msg.request_id
         try:
-            req = await self._allocate(pending)
-            while req is None and pending.waiting_for_blocks:
-                await asyncio.sleep(POOL_RETRY_S)
-                req = await self._allocate(pending)
-            if req is None:
+            req = await self._allocate_waiting(pending)
+            for attempt in range(1, MAX_FORWARDS + 1):
+                if req is None:
+                    return
+                msg = self._handoff_msg(pending, req)
+                msg.needs_prefill = True
+                msg.ClearField("prefill_done_unix_ns")
+                try:
+                    # The reply comes with the first token: as long as the prompt's turn takes.
+                    answer = await self._call_handoff(msg, AGGREGATED_TIMEOUT_S)
+                except (grpc.aio.AioRpcError, LookupError) as exc:
+                    broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    if broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done():
+                        # decode_svc died (or its connection did) before the first token: the
+                        # prompt goes again, to its successor, on the blocks it had.
+                        log.warning("decode_svc broke off %s before its first token (%s); forwarding it again",
+                                    rid, _detail(exc))
+                        self.num_reforwarded += 1
+                        req = await self._take_back(pending, req)
+                        continue
+                    await self.member.release(rid)
+                    _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
+                    return
+                if not answer.accepted:
+                    await self.member.release(rid)
+                    code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
+                    _fail(pending, code, f"decode did not prefill the request: {answer.message}")
+                    return
+                _succeed(pending, prefill_pb2.PrefillReply(
+                    request_id=rid, first_token=answer.first_token, finish_reason=answer.finish_reason,
+                    num_cached_tokens=answer.num_cached_tokens, queue_ns=time.perf_counter_ns() - pending.enqueued_ns
+                    - answer.prefill_ns, prefill_ns=answer.prefill_ns,
+                ))
                 return
-            msg = self._handoff_msg(pending, req)
-            msg.needs_prefill = True
-            msg.ClearField("prefill_done_unix_ns")
-            # The reply comes with the first token: as long as the prompt's turn takes.
-            answer = await self._handoff(pending, msg, AGGREGATED_TIMEOUT_S)
-            if answer is None:
-                return
-            if not answer.accepted:
-                await self.member.release(rid)
-                code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
-                _fail(pending, code, f"decode did not prefill the request: {answer.message}")
-                return
-            _succeed(pending, prefill_pb2.PrefillReply(
-                request_id=rid, first_token=answer.first_token, finish_reason=answer.finish_reason,
-                num_cached_tokens=answer.num_cached_tokens, queue_ns=time.perf_counter_ns() - pending.enqueued_ns
-                - answer.prefill_ns, prefill_ns=answer.prefill_ns,
-            ))
         except Exception as exc:  # a bug must fail the request, not the service
             log.exception("forwarding %s to decode failed", rid)
             _fail(pending, grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
             await self.member.release(rid)
         finally:
             self.forwarded.pop(rid, None)
+
+    async def _allocate_waiting(self, pending: _Pending) -> Request | None:
+        """Blocks for a forwarded prompt, waiting while the pool is full; None once it failed."""
+        req = await self._allocate(pending)
+        while req is None and pending.waiting_for_blocks:
+            await asyncio.sleep(POOL_RETRY_S)
+            req = await self._allocate(pending)
+        return req
+
+    async def _take_back(self, pending: _Pending, req: Request) -> Request | None:
+        """A forwarded prompt whose decode_svc died before its first token: its blocks back from
+        the dead service (the agent gives them only from a holder whose lease has ended, so never
+        from a decode_svc that resumed the request), or fresh ones when they are gone. None, with
+        the request failed, when a live service keeps it or the agent cannot be reached."""
+        rid = req.request_id
+        deadline = time.monotonic() + TAKE_BACK_WAIT_S
+        while True:
+            try:
+                reply = await self.member.agent.Claim(
+                    agent_pb2.ClaimRequest(owner=self.config.service_id, request_ids=[rid],
+                                           only_from_ended_leases=True), timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
+                return None
+            if reply.blocks:
+                req.block_ids = list(reply.blocks[0].block_ids)  # the prompt is computed again from its cached prefix
+                return req
+            if reply.missing:  # reclaimed already: the prompt starts over
+                return await self._allocate_waiting(pending)
+            # Still held by a live service: the agent has not seen the death yet (its lease ends
+            # with the same socket), or decode_svc is alive and lets go once it sees the call end.
+            if time.monotonic() > deadline or pending.cancelled:
+                _fail(pending, grpc.StatusCode.UNAVAILABLE,
+                      f"handoff to decode broke and decode_svc still holds {rid} after {TAKE_BACK_WAIT_S:.0f} s")
+                return None
+            await asyncio.sleep(TAKE_BACK_RETRY_S)
 
     @staticmethod
     def _slot(pending: _Pending) -> QueuedRequest:
@@ -487,16 +543,18 @@ class PrefillWorker:
         """Decode's answer, or None when the call failed (the request's blocks are then
         released and its Submit failed with UNAVAILABLE)."""
         try:
-            # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)
-            # gets this request when it is back, within the timeout.
-            reply: decode_pb2.HandoffReply = await self._decode_stub().Handoff(
-                msg, timeout=max(timeout_s, HANDOFF_TIMEOUT_S), wait_for_ready=True)
-            return reply
+            return await self._call_handoff(msg, timeout_s)
         except (grpc.aio.AioRpcError, LookupError) as exc:
             await self.member.release(msg.request_id)
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {detail}")
+            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
             return None
+
+    async def _call_handoff(self, msg: decode_pb2.HandoffRequest, timeout_s: float) -> decode_pb2.HandoffReply:
+        # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)
+        # gets this request when it is back, within the timeout.
+        reply: decode_pb2.HandoffReply = await self._decode_stub().Handoff(
+            msg, timeout=max(timeout_s, HANDOFF_TIMEOUT_S), wait_for_ready=True)
+        return reply
 
     def _handoff_msg(self, pending: _Pending, req: Request) -> decode_pb2.HandoffRequest:
         return decode_pb2.HandoffRequest(
@@ -529,6 +587,10 @@ def _in_trace(pending: _Pending) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def _detail(exc: Exception) -> str:
+    return (exc.details() or str(exc.code())) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
 def _fail(pending: _Pending, code: grpc.StatusCode, message: str) -> None:

@@ -113,11 +113,7 @@ def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engi
         started = asyncio.Event()
         tasks = await _run(stack.address("router"), work, started)
         await asyncio.wait_for(started.wait(), 60)
-        for _ in range(2):  # two kills, each at a random point of the streams
-            await asyncio.sleep(rng.uniform(0.1, 1.5))
-            stack.kill("decode_svc")
-            await asyncio.sleep(rng.uniform(0.0, 0.5))
-            await asyncio.to_thread(stack.start_process, "decode_svc")
+        await _kill_decode(stack, rng, kills=2, after_s=(0.1, 1.5))
         outcomes = await _outcomes(tasks)
         await _drained(stack)
         return outcomes
@@ -125,7 +121,60 @@ def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engi
     _check_complete(engine, work, asyncio.run(run()), seed)
 
 
+async def _kill_decode(stack: Stack, rng: random.Random, kills: int, after_s: tuple[float, float]) -> None:
+    """SIGKILL decode_svc ``kills`` times, each a random ``after_s`` after the last restart, and
+    start a new one a random moment later."""
+    for _ in range(kills):
+        await asyncio.sleep(rng.uniform(*after_s))
+        stack.kill("decode_svc")
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        await asyncio.to_thread(stack.start_process, "decode_svc")
+
+
+@pytest.fixture(scope="module")
+def aggregated_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose agent decides aggregated mode (``chunked``): prefill_svc forwards each prompt
+    uncomputed and decode_svc computes it in chunks inside its steps."""
+    with Stack(model_dir, tmp_path_factory.mktemp("fault-agg-logs"), num_blocks=NUM_BLOCKS,
+               extra_env={"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg"}) as s:
+        yield s
+
+
+def test_decode_killed_before_forwarded_prompts_first_tokens_computes_them_again(aggregated_stack: Stack,
+                                                                                 engine: LLMEngine) -> None:
+    """Aggregated mode: decode_svc dies while prompts it was handed uncomputed wait for their
+    first token (and while others stream). prefill_svc takes their blocks back and forwards them
+    to the successor; every client still gets the engine's whole output, and every block comes
+    back."""
+    stack = aggregated_stack
+    seed = fault_seed()
+    rng = random.Random(seed)
+    work = _workload(rng, 12, prompt_len=(100, 1200), max_tokens=(20, 300))
+    rng.shuffle(work)
+
+    async def run() -> list[Outcome]:
+        before = stack.logs("prefill_svc").count("forwarding it again")
+        tasks = await _run(stack.address("router"), work)
+        await _kill_decode(stack, rng, kills=2, after_s=(0.05, 0.8))
+        outcomes = await _outcomes(tasks)
+        await _drained(stack)
+        print(f"forwarded again: {stack.logs('prefill_svc').count('forwarding it again') - before}")
+        return outcomes
+
+    _check_complete(engine, work, asyncio.run(run()), seed)
+
+
 def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_blocks(stack: Stack) -> None:
+    _kill_prefill_mid_prefill(stack, split=True)
+
+
+def test_prefill_killed_while_decode_computes_its_prompts_frees_their_blocks(aggregated_stack: Stack) -> None:
+    """Aggregated mode: prefill_svc dies while decode_svc computes the prompts it forwarded;
+    decode sees their calls end and drops them (it holds their blocks, so nothing is reclaimed)."""
+    _kill_prefill_mid_prefill(aggregated_stack, split=False)
+
+
+def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
     seed = fault_seed()
     rng = random.Random(seed)
     work = _workload(rng, 16, prompt_len=(600, 1800), max_tokens=(2, 40))
@@ -143,10 +192,11 @@ def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_b
         for outcome in outcomes:
             _check_clear_error(outcome)
         assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), f"seed {seed}: the kill hit nothing"
-        # Nobody restarted prefill: the agent took its blocks back by itself (its lease ended).
+        # Nobody restarted prefill: its blocks came back by themselves (split: the agent took
+        # them when its lease ended; aggregated: decode dropped the prompts it held).
         await _drained(stack)
         after = await agent_stats(stack)
-        assert after.num_reclaimed_requests > before.num_reclaimed_requests
+        assert after.num_reclaimed_requests > before.num_reclaimed_requests or not split
         await asyncio.to_thread(stack.start_process, "prefill_svc")
         tokens, _ = await generate(stack.address("router"), work[0][0][:50], SamplingParams(max_tokens=3))
         assert len(tokens) == 3

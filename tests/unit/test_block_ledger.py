@@ -59,7 +59,7 @@ def test_unknown_and_duplicate_requests_are_errors() -> None:
 def test_only_the_owner_releases_extends_or_publishes() -> None:
     ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
     ledger.allocate("a", list(range(5)), owner="prefill-1")
-    assert ledger.claim("decode-1", ["a", "gone"]) == (["gone"], {"a": [0, 1]})
+    assert ledger.claim("decode-1", ["a", "gone"]) == (["gone"], {"a": [0, 1]}, [])
     assert ledger.release("a", owner="prefill-1") == 0  # a late release of the former holder
     with pytest.raises(NotOwnerError):
         ledger.extend("a", 12, owner="prefill-1")
@@ -73,7 +73,7 @@ def test_only_the_owner_releases_extends_or_publishes() -> None:
         ledger.allocate("b", [1], owner="")
 
 
-_OPS = st.lists(st.tuples(st.sampled_from(["allocate", "extend", "claim", "release", "reclaim"]),
+_OPS = st.lists(st.tuples(st.sampled_from(["allocate", "extend", "claim", "claim_from_dead", "release", "reclaim"]),
                           st.integers(0, 5), st.integers(0, 2), st.integers(1, 30)), max_size=60)
 
 
@@ -105,9 +105,16 @@ def test_random_ownership_histories_never_lose_or_double_free_a_block(ops: list[
             except OutOfBlocksError:
                 pass
         elif op == "claim":
-            missing, _ = ledger.claim(owner, [rid])
-            assert (missing == [rid]) == (rid not in held)
+            missing, _, kept = ledger.claim(owner, [rid])
+            assert (missing == [rid]) == (rid not in held) and kept == []
             if rid in held:
+                held[rid] = owner
+        elif op == "claim_from_dead":  # "decode-new" is the one live service besides the claimer
+            missing, blocks, kept = ledger.claim(owner, [rid], may_take_from=lambda holder: holder != "decode-new")
+            assert (missing == [rid]) == (rid not in held)
+            taken = rid in held and (held[rid] == owner or held[rid] != "decode-new")
+            assert (kept == [rid]) == (rid in held and not taken) and (rid in blocks) == taken
+            if taken:
                 held[rid] = owner
         elif op == "release":
             released = ledger.release(rid, owner=owner)

@@ -147,20 +147,24 @@ class ReleaseReply(_message.Message):
     def __init__(self, num_released: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("owner", "request_ids")
+    __slots__ = ("owner", "request_ids", "only_from_ended_leases")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_FROM_ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     owner: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, owner: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    only_from_ended_leases: bool
+    def __init__(self, owner: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., only_from_ended_leases: _Optional[bool] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
-    __slots__ = ("missing", "blocks")
+    __slots__ = ("missing", "blocks", "held_by_live")
     MISSING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_LIVE_FIELD_NUMBER: _ClassVar[int]
     missing: _containers.RepeatedScalarFieldContainer[str]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockList]
-    def __init__(self, missing: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[BlockList, _Mapping]]] = ...) -> None: ...
+    held_by_live: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, missing: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[BlockList, _Mapping]]] = ..., held_by_live: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockList(_message.Message):
     __slots__ = ("request_id", "block_ids")
