@@ -116,12 +116,41 @@ class DecodeWorker:
     # ------------------------------------------------------------------ API
     async def handoff(self, msg: decode_pb2.HandoffRequest) -> decode_pb2.HandoffReply:
         start = time.perf_counter_ns()
+        # Accepting claims the request's blocks and records it: it runs to its end even if the
+        # call is cancelled meanwhile (prefill_svc died), and what it took is then dropped as a
+        # cancelled request, so no claimed block is left without a holder that serves it.
+        accepting = asyncio.ensure_future(self._accept(msg, start))
+        try:
+            reply, active = await asyncio.shield(accepting)
+        except asyncio.CancelledError:
+            accepting.add_done_callback(self._caller_left)
+            raise
+        if reply is not None:
+            return reply
+        assert active is not None
+        return await self._prefill_then_reply(active)
+
+    def _caller_left(self, accepting: asyncio.Future[tuple[decode_pb2.HandoffReply | None, _Active | None]]) -> None:
+        if accepting.cancelled() or accepting.exception() is not None:
+            return
+        _, active = accepting.result()
+        if active is not None:
+            active.cancelled = True
+            self._wake.set()
+
+    async def _accept(self, msg: decode_pb2.HandoffRequest, start: int,
+                      ) -> tuple[decode_pb2.HandoffReply | None, _Active | None]:
+        """Take the request over: (the reply, None) when refused or handed over computed,
+        (None, the request) when its prompt is to be computed here (aggregated mode); either
+        way an accepted request is in ``by_id``."""
         if msg.request_id in self.by_id:
-            return decode_pb2.HandoffReply(accepted=False, message=f"request {msg.request_id} is already decoding")
+            return decode_pb2.HandoffReply(accepted=False, message=f"request {msg.request_id} is already decoding"), None
         try:
             params = sampling_from_proto(msg.sampling)
         except InvalidRequestError as exc:
-            return decode_pb2.HandoffReply(accepted=False, message=str(exc))
+            return decode_pb2.HandoffReply(accepted=False, message=str(exc)), None
+        if msg.needs_prefill and not msg.block_ids:
+            return decode_pb2.HandoffReply(accepted=False, message="a prompt to prefill needs its blocks"), None
         req = Request(msg.request_id, list(msg.prompt_token_ids), params,
                       restore_generator(params, msg.generator_state))
         req.output_token_ids = list(msg.output_token_ids)
@@ -133,39 +162,40 @@ class DecodeWorker:
             claim = await self.member.agent.Claim(
                 agent_pb2.ClaimRequest(owner=self.service_id, request_ids=[req.request_id]), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            return decode_pb2.HandoffReply(accepted=False, message=f"gpu_agent: {exc.details()}")
+            return decode_pb2.HandoffReply(accepted=False, message=f"gpu_agent: {exc.details()}"), None
         if claim.missing:
-            return decode_pb2.HandoffReply(accepted=False, message="the request's KV blocks are no longer held")
+            return decode_pb2.HandoffReply(accepted=False, message="the request's KV blocks are no longer held"), None
         if self.records is not None:
             try:
                 await self.records.create(self._record(req, msg.router_id, msg.arrival_unix_ns))
             except RequestExistsError:
                 await self._release(req)
-                return decode_pb2.HandoffReply(accepted=False, message=f"request {req.request_id} is already active")
+                return decode_pb2.HandoffReply(accepted=False, message=f"request {req.request_id} is already active"), None
             except _RECORD_ERRORS as exc:
                 self._record_failed(f"recording handoff of {req.request_id}", exc)
                 self._unrecorded.add(req.request_id)
         # Started inside the Handoff server span, so it joins the request's trace.
         span = tracer("tandem.decode").start_span("decode", attributes={"tandem.request_id": req.request_id})
         if msg.needs_prefill:
-            return await self._prefill_then_reply(_Active(req, msg.router_id, num_sent=1, span=span,
-                                                          handed_ns=start, arrival_unix_ns=msg.arrival_unix_ns))
-        self._admit(_Active(req, msg.router_id, num_sent=len(req.output_token_ids),
-                            logprobs_from=len(req.output_token_ids), span=span))
+            active = _Active(req, msg.router_id, num_sent=1, span=span, handed_ns=start,
+                             arrival_unix_ns=msg.arrival_unix_ns)
+            req.num_cached_prompt_tokens = req.num_computed_tokens
+            active.first_token = asyncio.get_running_loop().create_future()
+            self.by_id[req.request_id] = active
+            self.prefilling.append(active)
+            self._wake.set()
+            self._report_load()
+            return None, active
+        active = _Active(req, msg.router_id, num_sent=len(req.output_token_ids),
+                         logprobs_from=len(req.output_token_ids), span=span)
+        self._admit(active)
         self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
-        return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start)
+        return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start), active
 
     async def _prefill_then_reply(self, active: _Active) -> decode_pb2.HandoffReply:
-        """Aggregated mode: queue the prompt for chunks and answer once its first token is out.
+        """Aggregated mode: the prompt is queued for chunks; answer once its first token is out.
         The first token travels in the reply (prefill relays it), so the stream starts at 1."""
-        if not active.req.block_ids:
-            return decode_pb2.HandoffReply(accepted=False, message="a prompt to prefill needs its blocks")
-        active.req.num_cached_prompt_tokens = active.req.num_computed_tokens
-        active.first_token = asyncio.get_running_loop().create_future()
-        self.by_id[active.req.request_id] = active
-        self.prefilling.append(active)
-        self._wake.set()
-        self._report_load()
+        assert active.first_token is not None
         try:
             return await asyncio.shield(active.first_token)
         except asyncio.CancelledError:
@@ -475,6 +505,10 @@ class DecodeWorker:
         for active in batch:
             if active.span is not None:
                 active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
+        for active, num_tokens in chunks:  # aggregated mode: a piece of its prompt rode this step
+            if active.span is not None:
+                active.span.add_event("prefill.chunk", {"tandem.chunk_tokens": num_tokens, "tandem.batch_size": len(batch),
+                                                        "tandem.step_ns": self.last_step_ns})
         done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
         stepped = [*zip(batch, outputs, strict=True), *done]
         # Requests Redis lacks (it was away) are recorded whole, the others get this step's token.

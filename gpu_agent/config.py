@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import env_or, flag, parse_config, parse_cores
 from tandem.service.model_spec import ModelSpec, parse_models
+from tandem.policy.policies import CPU_DEFAULT_POLICY
 
 
 def new_instance_id() -> str:
@@ -53,7 +54,8 @@ class AgentConfig:
     decode_cores: tuple[int, ...] = field(metadata=flag(
         "--decode-cores", "", "cores given to decode (default: the rest)",
         parse=lambda text: parse_cores(text or default_split()[1])))
-    policy: str = field(metadata=flag("--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked"))
+    policy: str = field(metadata=flag("--policy", CPU_DEFAULT_POLICY, "partition policy: chunked (a CPU cell's "
+                                      "default), dynamic, adaptive or static"))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(

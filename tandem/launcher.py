@@ -44,6 +44,7 @@ from tandem.deploy import CellPlan, plan_cells, read_file
 from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
 from tandem.engine.weight_format import FORMAT_NAMES
+from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
 from tandem.service.runtime import free_port
@@ -146,7 +147,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--prefill-cores", "", "cores for prefill (default: first half)")
     add_flag(parser, "--decode-cores", "", "cores for decode (default: the rest)")
     add_flag(parser, "--ready-timeout-s", 300.0, "how long to wait for the stack to come up", type=float)
-    add_flag(parser, "--policy", "dynamic", "partition policy: dynamic, adaptive, static or chunked")
+    add_flag(parser, "--policy", CPU_DEFAULT_POLICY, "partition policy: chunked (a CPU cell's default: on few "
+             "cores the split does not pay), dynamic (prefill and decode on their own cores), adaptive or static")
     add_flag(parser, "--ttft-slo-ms", 2000.0, "time-to-first-token SLO (admission and policy)", type=float)
     add_flag(parser, "--tbt-slo-ms", 200.0, "time-between-tokens SLO (policy)", type=float)
     add_flag(parser, "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens "
