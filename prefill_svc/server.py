@@ -263,6 +263,12 @@ class PrefillWorker:
         self._report_load()
 
     async def _forward(self, pending: _Pending) -> None:
+        # Its own task: the request's trace context made current here joins the Handoff call
+        # (and decode's span) to the request's trace.
+        with _in_trace(pending):
+            await self._forward_traced(pending)
+
+    async def _forward_traced(self, pending: _Pending) -> None:
         rid = pending.msg.request_id
         try:
             req = await self._allocate_waiting(pending)

@@ -277,8 +277,9 @@ class AdmissionController:
         del self._pending[request_id]
         predicted_ttft_s = self._predicted_ttft_s.pop(request_id, 0.0)
         units = self._units.pop(request_id)
-        if not from_prefill:
-            self._observe(units, now_s - request.arrival_s, predicted_ttft_s)
+        if not from_prefill and predicted_ttft_s > 0:
+            self._measured(units, now_s - request.arrival_s, predicted_ttft_s,
+                           f"first token of a {request.prompt_tokens}-token prompt from decode's hybrid steps")
         self._prefilled.discard(request_id)
         self._judge(request, now_s)
         measuring = self._measuring
@@ -345,17 +346,23 @@ class AdmissionController:
         except ValueError as exc:  # units the model does not know: skip it, never fail the request
             log.debug("admission: cannot predict a measured batch: %s", exc)
             return
+        self._measured(measuring.units, measured_s, predicted_s,
+                       f"prefill batch of {len(measuring.seqs)} requests, {sum(n for n, _ in measuring.seqs)} tokens "
+                       f"(handoffs {measuring.max_handoff_ns / 1e6:.0f} ms)")
+
+    def _measured(self, units: int, measured_s: float, predicted_s: float, what: str) -> None:
+        """Fold a measurement into the calibration (prefill batches in split mode, each request's
+        TTFT in aggregated mode), after the warm-up; the first on a unit count is logged."""
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
-        first = not warmup and not self.scale(measuring.units)[1]  # this unit count's first measured batch
+        first = not warmup and not self.scale(units)[1]  # this unit count's first measurement
         if not warmup:
-            self._observe(measuring.units, measured_s, predicted_s)
+            self._observe(units, measured_s, predicted_s)
         (log.info if first else log.debug)(
-            "admission %s: prefill batch of %d requests, %d tokens on %d units: measured %.0f ms (handoffs %.0f ms), "
-            "model %.0f ms; calibration on %d units x%.2f, over all %d batches x%.2f",
-            "warm-up, not used" if warmup else "calibrated", len(measuring.seqs), sum(n for n, _ in measuring.seqs),
-            measuring.units, measured_s * 1000, measuring.max_handoff_ns / 1e6, predicted_s * 1000, measuring.units,
-            self.scale(measuring.units)[0], self.calibration.num_samples, self.calibration.factor)
+            "admission %s: %s on %d units: measured %.0f ms, model %.0f ms; calibration on %d units x%.2f, "
+            "over all %d measurements x%.2f", "warm-up, not used" if warmup else "calibrated", what, units,
+            measured_s * 1000, predicted_s * 1000, units, self.scale(units)[0], self.calibration.num_samples,
+            self.calibration.factor)
 
     async def follow(self, read_agent_load: ReadAgentLoad, interval_s: float = 0.25) -> None:
         """Keep the partition current from the load board until cancelled; log what admission

@@ -668,10 +668,9 @@ POLICIES: dict[str, Policy] = {
 
 DEFAULT_POLICY = "dynamic"
 # A CPU cell's default (the agent's and `tandem up`'s): on this project's 2-core machine the
-# split does not pay. Decode on one of two cores is 1.3x slower and prefill 1.6x slower than a
-# hybrid step on both (`tandem profile`), and in the same run at 8 / 16 closed-loop streams
-# chunked served 0.97-1.31x dynamic's tokens with a TBT p99 2-4x lower; `tandem sim --units 8 /
-# 16` calibrated by that profile has dynamic at most even with chunked on bigger CPUs too. The
+# split does not pay. A second core speeds prefill up ~1.2x, not 2x (admission's per-unit
+# calibration), and in the same run at 8 / 16 closed-loop streams chunked served 0.97-1.31x
+# dynamic's tokens with a TBT p99 2-4x lower (docs/results/policy-default-cpu.json). The
 # spatial split (`dynamic`) stays the simulator's default and one flag away on a CPU.
 CPU_DEFAULT_POLICY = "chunked"
 

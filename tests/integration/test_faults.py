@@ -48,7 +48,10 @@ def engine(model_dir: Path) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack(model_dir, tmp_path_factory.mktemp("fault-logs"), num_blocks=NUM_BLOCKS) as s:
+    """A stack in split mode (``dynamic``): prefill computes prompts on its own cores and hands
+    decode the first token (``aggregated_stack`` below runs the other mode)."""
+    with Stack(model_dir, tmp_path_factory.mktemp("fault-logs"), num_blocks=NUM_BLOCKS,
+               extra_env={"TANDEM_POLICY": "dynamic"}) as s:
         yield s
         patterns = re.findall(r"shared memory (\S+-\*)", s.logs("gpu_agent"))
     # Whatever the faults, the stopped stack leaves no shared-memory file behind.

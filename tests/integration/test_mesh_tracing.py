@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import grpc
+import pytest
 
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.stack import Stack, write_tiny_chat_model
@@ -18,9 +19,13 @@ from tests.integration.stack import Stack, write_tiny_chat_model
 _SPAN_RE = re.compile(r'"name": "([^"]+)",\s*"context": \{\s*"trace_id": "(0x[0-9a-f]+)"')
 
 
-def test_one_trace_spans_every_process(smollm2_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["dynamic", "chunked"])
+def test_one_trace_spans_every_process(smollm2_dir: Path, tmp_path: Path, policy: str) -> None:
+    """Split mode (dynamic): prefill's queue, forward and layer-group spans. Aggregated mode
+    (chunked): prefill forwards the prompt, and decode's span shows the chunks it computed."""
     model_dir = write_tiny_chat_model(tmp_path / "model", smollm2_dir)
-    stack = Stack(model_dir, tmp_path, num_blocks=128, extra_env={"OTEL_TRACES_EXPORTER": "console"})
+    stack = Stack(model_dir, tmp_path, num_blocks=128, extra_env={"OTEL_TRACES_EXPORTER": "console",
+                                                                   "TANDEM_POLICY": policy})
     try:
         stack.start()
 
@@ -44,6 +49,11 @@ def test_one_trace_spans_every_process(smollm2_dir: Path, tmp_path: Path) -> Non
     (trace_id,) = generate_traces
     prefill_names = {n for n, t in spans["prefill_svc"] if t == trace_id}
     decode_names = {n for n, t in spans["decode_svc"] if t == trace_id}
-    assert {"tandem.v1.Prefill/Submit", "prefill.queue", "prefill.forward"} <= prefill_names
-    assert any(n.startswith("prefill.layers[") for n in prefill_names)
     assert {"tandem.v1.Decode/Handoff", "decode"} <= decode_names
+    if policy == "dynamic":
+        assert {"tandem.v1.Prefill/Submit", "prefill.queue", "prefill.forward"} <= prefill_names
+        assert any(n.startswith("prefill.layers[") for n in prefill_names)
+    else:
+        assert "tandem.v1.Prefill/Submit" in prefill_names
+        assert not any(n.startswith("prefill.layers[") for n in prefill_names)
+        assert '"name": "prefill.chunk"' in stack.logs("decode_svc")

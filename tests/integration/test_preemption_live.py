@@ -31,7 +31,9 @@ def test_a_long_prefill_pauses_for_a_short_prompt_and_both_are_exact(smollm2_dir
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     # A group of 3 layers of the long prompt takes ~0.7 s here: the short prompt can wait for one
     # boundary and still make its 3 s, but not for the whole long prefill (~7 s).
-    env = {"TANDEM_TTFT_SLO_MS": "3000", "TANDEM_TTFT_SLO_MS_PER_1K": "4000", "TANDEM_LAYER_GROUP_SIZE": "3"}
+    # MuxWise's pause is split mode's: prefill computes layer groups on its own cores (dynamic).
+    env = {"TANDEM_TTFT_SLO_MS": "3000", "TANDEM_TTFT_SLO_MS_PER_1K": "4000", "TANDEM_LAYER_GROUP_SIZE": "3",
+           "TANDEM_POLICY": "dynamic"}
     with Stack(smollm2_dir, tmp_path, num_blocks=512, extra_env=env) as stack:
         async def run() -> tuple[tuple[list[int], int], tuple[list[int], int]]:
             address = stack.address("router")
@@ -74,7 +76,8 @@ def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     # A flat 300 ms TTFT SLO: a prompt of 1200-2000 tokens takes seconds alone here (and over
     # half a second on a CPU twice as fast); one of 4-24 tokens a few tens of milliseconds.
-    env = {"TANDEM_TTFT_SLO_MS": "300", "TANDEM_DROP_LATE": "true"}
+    # Early drop is prefill_svc's local scheduler, which runs in split mode (dynamic).
+    env = {"TANDEM_TTFT_SLO_MS": "300", "TANDEM_DROP_LATE": "true", "TANDEM_POLICY": "dynamic"}
     with Stack(smollm2_dir, tmp_path, num_blocks=1024, extra_env=env) as stack:
         async def run() -> list[tuple[int, object]]:
             address = stack.address("router")

@@ -114,6 +114,34 @@ def test_aggregated_replies_calibrate_from_their_ttft() -> None:
     assert c.calibration.num_samples == 4  # a prefill batch of one, measured as such
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_cell_that_only_ever_ran_aggregated_calibrates_after_its_warm_up(seed: int) -> None:
+    """A cell in aggregated mode from its start (a CPU cell's default, chunked) never times a
+    prefill batch: its first first-token is the warm-up (one-time costs), the later ones
+    calibrate, each against the TTFT predicted when it was admitted."""
+    rng = random.Random(seed)
+    p = BatchPredictor()
+    c = AdmissionController(p, SLO, enabled=True, default_units=1)
+    ratio = rng.uniform(0.2, 3.0)  # the engine against the model, the same for every request
+    now_s = 0.0
+    c.try_admit("warm", 100, now_s=now_s)
+    c.first_token("warm", prefill_ns=1, handoff_ns=0, finished=False, now_s=now_s + 5.0)  # one-time costs
+    assert not c.calibration.calibrated and not c.scale(1)[1]
+    for i in range(rng.randint(1, 6)):
+        now_s += 10.0  # each alone: prefill idle when it comes
+        tokens = rng.randint(10, 500)
+        c.try_admit(f"r{i}", tokens, now_s=now_s)
+        predicted_s = p.predict_prefill([(tokens, 0)], 1)
+        c.first_token(f"r{i}", prefill_ns=1, handoff_ns=0, finished=False, now_s=now_s + ratio * predicted_s)
+        assert c.scale(1)[1] and c.calibration.num_samples == i + 1
+    factor = c.scale(1)[0]
+    if ratio <= 1:  # faster than the model: taken at once (the warm-up's 5 s left out)
+        assert factor == pytest.approx(ratio, rel=1e-6)
+    else:  # slower: approached a quarter at a time, never past it
+        assert 1 < factor <= ratio * (1 + 1e-9)
+    assert c.num_pending == 0
+
+
 def test_a_finished_batch_no_longer_counts_while_its_replies_trickle_in() -> None:
     p = BatchPredictor(batch_s=0.3)
     c = AdmissionController(p, SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
