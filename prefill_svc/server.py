@@ -117,7 +117,6 @@ class PrefillWorker:
         self._preempt_epoch = 0  # the last partition whose preemption was carried out
         self.num_preemptions = 0
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
-        self.num_reforwarded = 0  # forwarded again after their decode_svc died before the first token
         self._tasks: set[asyncio.Task[None]] = set()
         self._aggregated = False
 
@@ -288,7 +287,6 @@ class PrefillWorker:
                         # prompt goes again, to its successor, on the blocks it had.
                         log.warning("decode_svc broke off %s before its first token (%s); forwarding it again",
                                     rid, _detail(exc))
-                        self.num_reforwarded += 1
                         req = await self._take_back(pending, req)
                         continue
                     await self.member.release(rid)

@@ -50,11 +50,15 @@ def engine(model_dir: Path) -> LLMEngine:
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack in split mode (``dynamic``): prefill computes prompts on its own cores and hands
     decode the first token (``aggregated_stack`` below runs the other mode)."""
-    with Stack(model_dir, tmp_path_factory.mktemp("fault-logs"), num_blocks=NUM_BLOCKS,
-               extra_env={"TANDEM_POLICY": "dynamic"}) as s:
+    yield from _fault_stack(model_dir, tmp_path_factory.mktemp("fault-logs"), {"TANDEM_POLICY": "dynamic"})
+
+
+def _fault_stack(model_dir: Path, log_dir: Path, env: dict[str, str]) -> Iterator[Stack]:
+    """A started stack for a module's fault tests; whatever the faults, once stopped it must
+    leave no shared-memory file behind."""
+    with Stack(model_dir, log_dir, num_blocks=NUM_BLOCKS, extra_env=env) as s:
         yield s
         patterns = re.findall(r"shared memory (\S+-\*)", s.logs("gpu_agent"))
-    # Whatever the faults, the stopped stack leaves no shared-memory file behind.
     assert patterns
     assert [p for pattern in patterns for p in glob.glob(pattern)] == []
 
@@ -138,9 +142,8 @@ async def _kill_decode(stack: Stack, rng: random.Random, kills: int, after_s: tu
 def aggregated_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose agent decides aggregated mode (``chunked``): prefill_svc forwards each prompt
     uncomputed and decode_svc computes it in chunks inside its steps."""
-    with Stack(model_dir, tmp_path_factory.mktemp("fault-agg-logs"), num_blocks=NUM_BLOCKS,
-               extra_env={"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg"}) as s:
-        yield s
+    yield from _fault_stack(model_dir, tmp_path_factory.mktemp("fault-agg-logs"),
+                            {"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg"})
 
 
 def test_decode_killed_before_forwarded_prompts_first_tokens_computes_them_again(aggregated_stack: Stack,
