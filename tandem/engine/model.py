@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.config import ModelConfig, RopeScaling
-from tandem.engine.kv_pool import KVPool
-from tandem.engine.quant import Linear, WeightFormat
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.quant import Linear, WeightFormat, effective_format
+from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_factors
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -93,19 +94,30 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         attention: AttentionBackend,
         weight_format: WeightFormat = WeightFormat.FP32,
+        act_absmax: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """``weight_format`` is how the linear layers run (see ``tandem.engine.quant``); a
-        derived format is a private copy built here from ``weights``, which stay untouched."""
+        derived format is a private copy built here from ``weights``, which stay untouched.
+        ``act_absmax`` (``activation_absmax``'s measurement) smooths the int8 format's layers
+        (``tandem.engine.smoothing``); without it int8 runs unsmoothed."""
         self.config = config
         self.weights = weights
         self.attention = attention
         self.dtype = weights["embed_tokens"].dtype
         self.rotary = RotaryCache(config, self.dtype)
+        if effective_format(weight_format, self.dtype) != WeightFormat.INT8:
+            act_absmax = None
+        self.smoothed = act_absmax is not None
         lm_head = weights["embed_tokens"] if config.tie_word_embeddings else weights["lm_head"]
-        self.lm_head = Linear(lm_head, None, weight_format)
+        self.final_norm = weights["norm"]
+        smooth = None
+        if act_absmax is not None:
+            smooth = smoothing_factors(act_absmax["lm_head"], lm_head)
+            self.final_norm = (self.final_norm.float() / smooth).to(self.dtype)
+        self.lm_head = Linear(lm_head, None, weight_format, smooth)
         self.weight_format = self.lm_head.format
         # Per-layer weights, looked up once rather than by string on every call.
-        self._layers = [_LayerWeights(weights, i, weight_format) for i in range(config.num_layers)]
+        self._layers = [_LayerWeights(weights, i, weight_format, config, act_absmax) for i in range(config.num_layers)]
 
     @property
     def derived_weight_bytes(self) -> int:
@@ -146,20 +158,64 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the given rows: [n, hidden] -> [n, vocab] in fp32."""
-        x = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
 
+# The linear layers whose input activations ``activation_absmax`` measures, per layer.
+SMOOTHED_LINEARS = ("qkv_proj", "gate_up_proj", "down_proj")
+
+
+def activation_absmax(model: LlamaModel, windows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Largest magnitude of each input channel of every smoothed linear layer (``"{i}.qkv_proj"``
+    ... and ``"lm_head"``) over ``windows``, each run as one prompt on a private scratch pool.
+    Wraps ``model``'s layers while it runs: pass a model of its own (fp32, unsmoothed)."""
+    from tandem.engine.runner import ModelRunner, SeqInput  # the runner imports this module
+
+    recorders: dict[str, AbsMaxRecorder] = {"lm_head": AbsMaxRecorder(model.lm_head)}
+    for i, layer in enumerate(model._layers):
+        for name in SMOOTHED_LINEARS:
+            recorders[f"{i}.{name}"] = recorder = AbsMaxRecorder(getattr(layer, name))
+            setattr(layer, name, recorder)
+    model.lm_head = recorders["lm_head"]  # type: ignore[assignment]
+    block_size = 16
+    blocks = -(-max(len(w) for w in windows) // block_size)
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, blocks, block_size, model.dtype))
+    runner = ModelRunner(model, pool)
+    with torch.inference_mode():
+        for ids in windows:
+            state = runner.begin([SeqInput(ids, 0, list(range(blocks)))])
+            state.logit_rows = torch.arange(len(ids))  # the LM head sees every position
+            runner.run_layers(state)
+            runner.finish(state)
+    return {name: rec.absmax for name, rec in recorders.items() if rec.absmax is not None}
+
+
 class _LayerWeights:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, fmt: WeightFormat) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], i: int, fmt: WeightFormat, config: ModelConfig,
+                 act_absmax: dict[str, torch.Tensor] | None = None) -> None:
         self.input_norm = w[f"{i}.input_norm"]
-        self.qkv_proj = Linear(w[f"{i}.qkv_proj"], w.get(f"{i}.qkv_bias"), fmt)
         self.q_norm = w.get(f"{i}.q_norm")
         self.k_norm = w.get(f"{i}.k_norm")
         self.o_proj = Linear(w[f"{i}.o_proj"], None, fmt)
         self.post_attn_norm = w[f"{i}.post_attn_norm"]
-        self.gate_up_proj = Linear(w[f"{i}.gate_up_proj"], None, fmt)
-        self.down_proj = Linear(w[f"{i}.down_proj"], None, fmt)
+        qkv, gate_up, down = w[f"{i}.qkv_proj"], w[f"{i}.gate_up_proj"], w[f"{i}.down_proj"]
+        if act_absmax is None:
+            self.qkv_proj = Linear(qkv, w.get(f"{i}.qkv_bias"), fmt)
+            self.gate_up_proj = Linear(gate_up, None, fmt)
+            self.down_proj = Linear(down, None, fmt)
+            return
+        # SmoothQuant: each division by s is folded into what feeds the layer (private copies).
+        s_qkv = smoothing_factors(act_absmax[f"{i}.qkv_proj"], qkv)
+        self.input_norm = (self.input_norm.float() / s_qkv).to(self.input_norm.dtype)
+        self.qkv_proj = Linear(qkv, w.get(f"{i}.qkv_bias"), fmt, s_qkv)
+        inter = config.intermediate_size
+        s_down = smoothing_factors(act_absmax[f"{i}.down_proj"], down)
+        up_rows = row_divisor(2 * inter, slice(inter, 2 * inter), s_down)  # down's input is silu(gate) * up
+        s_gate_up = smoothing_factors(act_absmax[f"{i}.gate_up_proj"], gate_up.float() / up_rows[:, None])
+        self.post_attn_norm = (self.post_attn_norm.float() / s_gate_up).to(self.post_attn_norm.dtype)
+        self.gate_up_proj = Linear(gate_up, None, fmt, s_gate_up, up_rows)
+        self.down_proj = Linear(down, None, fmt, s_down)
 
     @property
     def derived_bytes(self) -> int:

@@ -10,9 +10,13 @@ Which format is fastest and which keeps the model's accuracy is measured, not as
 (``bench/quant.py``; results in ``docs/results/quant-cpu.json``): fbgemm's fp16 weights (fp32
 activations and accumulation, any AVX2 CPU) halve the bytes of fp32 at fp32's perplexity, and
 are ``auto``'s pick; bf16 weights through oneDNN (native on AVX512-BF16) are as fast but round
-activations too; fbgemm's int8 with dynamic per-tensor activations is the fastest but, since one
-outlier token sets the scale of every row of a batch, it loses accuracy on real prompts
-(perplexity x2.6 on SmolLM2), so it is never picked by ``auto``.
+activations too. fbgemm's int8 halves the bytes again and is the fastest, but it quantizes the
+activations as well, so it is lossy and never picked by ``auto``. fbgemm takes one activation
+scale per call; here each row (token) gets its own (the row is divided by its largest magnitude
+before the call and the output multiplied back), so one outlier token no longer flattens every
+other row of a batch, and SmoothQuant's per-channel factors (``tandem.engine.smoothing``) move
+the activations' outlier channels into the weights (perplexity on SmolLM2 from x2.7 to ~x1.04
+of fp32's; ``bench/quant.py``).
 """
 
 from __future__ import annotations
@@ -105,7 +109,12 @@ class Linear:
     private copy (``derived_bytes``) and never writes the source.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
+                 smooth: torch.Tensor | None = None, out_divisor: torch.Tensor | None = None) -> None:
+        """int8 only (``tandem.engine.smoothing``): the derived weight is ``weight * smooth`` per
+        input channel, so the caller must feed ``x / smooth`` (the model folds that division
+        into the layer before); ``out_divisor`` [out_features] divides output rows, which is how
+        a projection takes on the next layer's division."""
         self.weight = weight  # [out_features, in_features]
         self.bias = bias
         self.format = effective_format(fmt, weight.dtype)
@@ -123,7 +132,13 @@ class Linear:
             self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.derived_bytes = weight.numel() * 2
         elif self.format == WeightFormat.INT8:
-            q, scale = quantize_per_channel_int8(weight)
+            derived = weight.float()
+            if smooth is not None:
+                derived = derived * smooth
+            if out_divisor is not None:
+                derived = derived / out_divisor[:, None]
+                self.bias = bias = None if bias is None else bias / out_divisor
+            q, scale = quantize_per_channel_int8(derived)
             with warnings.catch_warnings():
                 # quantized tensors are deprecated as a user-facing type; fbgemm's packing still
                 # takes one, and nothing else of it outlives this constructor.
@@ -131,7 +146,8 @@ class Linear:
                 qweight = torch._make_per_channel_quantized_tensor(
                     q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
                 )
-                self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+                # the bias is added after the per-row rescale, not inside fbgemm's call
+                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
             self.derived_bytes = q.numel() + scale.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +162,18 @@ class Linear:
             out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
             return out
         if self.format == WeightFormat.INT8:
-            # reduce_range: 7-bit activations, so fbgemm's u8*s8 pair sums cannot saturate int16
-            out = torch.ops.quantized.linear_dynamic(x.contiguous(), self._packed, True)
-            return out
+            return self._int8(x.contiguous())
         return F.linear(x, self.weight, self.bias)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's dynamic int8 linear with one activation scale per row. fbgemm scales the
+        whole call by its extremes; dividing each row by its own largest magnitude first (and
+        multiplying the output back, the layer being linear) gives every token the full int8
+        range. A single row needs no rescale. reduce_range: 7-bit activations, so fbgemm's
+        u8*s8 pair sums cannot saturate int16."""
+        if x.shape[0] <= 1:
+            out = torch.ops.quantized.linear_dynamic(x, self._packed, True)
+        else:
+            rows = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
+            out = torch.ops.quantized.linear_dynamic(x / rows, self._packed, True).mul_(rows)
+        return out if self.bias is None else out.add_(self.bias)

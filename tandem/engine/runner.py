@@ -19,10 +19,12 @@ import torch
 
 from tandem.engine.attention import SeqSpan, make_backend
 from tandem.engine.config import ModelConfig
-from tandem.engine.errors import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError, ModelLoadError
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
-from tandem.engine.model import LlamaModel
-from tandem.engine.quant import WeightFormat
+from tandem.engine.model import LlamaModel, activation_absmax
+from tandem.engine.quant import WeightFormat, effective_format
+from tandem.engine.smoothing import byte_windows, calibration_windows
+from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import load_checkpoint
 
 
@@ -77,8 +79,7 @@ class ModelRunner:
     ) -> ModelRunner:
         config = ModelConfig.from_dir(model_dir)
         weights = load_checkpoint(model_dir, config, dtype)
-        backend = make_backend(attention, config.num_heads)
-        return cls(LlamaModel(config, weights, backend, weight_format), pool)
+        return cls(build_model(model_dir, config, weights, attention, weight_format), pool)
 
     @property
     def num_layers(self) -> int:
@@ -163,6 +164,21 @@ class ModelRunner:
                 for tok, seq_len, blocks in zip(token_ids, seq_lens, block_tables, strict=True)
             ]
         )
+
+
+def build_model(model_dir: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor], attention: str,
+                weight_format: WeightFormat) -> LlamaModel:
+    """The model over ``weights`` in ``weight_format``. The int8 format is calibrated first:
+    one fp32 pass over a fixed text measures what SmoothQuant needs (``tandem.engine.smoothing``;
+    about a second for SmolLM2 on 2 cores)."""
+    act_absmax = None
+    if effective_format(weight_format, weights["embed_tokens"].dtype) == WeightFormat.INT8:
+        try:
+            windows = calibration_windows(Tokenizer.from_dir(model_dir).encode)
+        except ModelLoadError:  # no tokenizer (a test checkpoint): the text's bytes
+            windows = byte_windows(config.vocab_size)
+        act_absmax = activation_absmax(LlamaModel(config, weights, make_backend("torch", config.num_heads)), windows)
+    return LlamaModel(config, weights, make_backend(attention, config.num_heads), weight_format, act_absmax)
 
 
 def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence[int] = (1, 8)) -> None:

@@ -13,7 +13,7 @@ class WeightFormat(str, Enum):
     FP32_PACKED = "fp32-packed"  # oneDNN's blocked fp32 layout: same numerics, faster at small batch
     BF16 = "bf16"  # oneDNN-packed bf16 weights, activations rounded to bf16, fp32 out (AVX512-BF16/AMX)
     FP16 = "fp16"  # fbgemm fp16 weights, fp32 activations and accumulation (any AVX2 + F16C CPU)
-    INT8 = "int8"  # fbgemm int8, per-output-channel weight scales, dynamic per-tensor activations
+    INT8 = "int8"  # fbgemm int8, per-output-channel weight scales, dynamic per-token activations, SmoothQuant
 
     @classmethod
     def parse(cls, name: str) -> WeightFormat:

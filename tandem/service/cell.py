@@ -19,12 +19,10 @@ from typing import TypeVar
 import grpc
 import torch
 
-from tandem.engine.attention import make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
-from tandem.engine.model import LlamaModel
 from tandem.engine.quant import WeightFormat
-from tandem.engine.runner import ModelRunner, warm_up
+from tandem.engine.runner import ModelRunner, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
 from tandem.rpc.tracing import service_client_interceptors
@@ -110,7 +108,7 @@ class CellMember:
         pool = KVPool.attach(spec, info.shm_name, info.offset_bytes)
         self._stores = [store] + ([pool.store] if pool.store is not None else [])
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
-        model = LlamaModel(config, weights, make_backend("torch", config.num_heads), fmt)
+        model = build_model(self.model_dir, config, weights, "torch", fmt)
         warm_up(model)  # before the service says it is ready, not on its first request
         return ModelRunner(model, pool)
 
