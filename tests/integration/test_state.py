@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,8 +143,15 @@ def test_redis_server_startup_failure_reports_its_output(tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_redis_server_dies_with_its_parent() -> None:
-    script = ("import time\n"
+@pytest.mark.parametrize("launcher", ["setpriv", "preexec_fn"])
+def test_redis_server_dies_with_its_parent(launcher: str) -> None:
+    if launcher == "setpriv" and shutil.which("setpriv") is None:
+        pytest.skip("util-linux's setpriv is not installed here (the preexec_fn case still runs)")
+    # The preexec_fn fallback is what runs where setpriv is missing: hide it from the child.
+    hide = ("import shutil\n_which = shutil.which\n"
+            "shutil.which = lambda name, *a, **k: None if name == 'setpriv' else _which(name, *a, **k)\n"
+            if launcher == "preexec_fn" else "")
+    script = (hide + "import time\n"
               "from tandem.state.redis_server import RedisServer\n"
               "s = RedisServer().start()\n"
               "print(s.pid, s.port, flush=True)\n"
