@@ -25,6 +25,13 @@ hits. The first batch this router measures only warms up (a fresh prefill_svc pa
 costs in it: first touches of the shared weights, kernel set-up); until a batch has been
 folded in the model is uncalibrated and the margin is wider (``cold_margin``).
 
+The TBT side: TTFT admission alone let the decode batch grow until every admitted stream
+missed its TBT SLO. ``StreamLimit`` caps the streams this router keeps in flight (admitted and
+not ended), learnt from the gaps between its streams' updates: cut when their 90th percentile
+passes 0.9 x the TBT SLO, grown by one while it stays under 0.65 x. Above the cap a request is
+refused at once (``REASON_TBT``), retry hint: how often a stream has ended lately. No cap until
+the first overload.
+
 One exception to the rule (in ``admit_one``): a request too long to meet the TTFT SLO even on its
 own is admitted when nothing is queued ahead of it, since serving it late then delays nobody.
 
@@ -48,7 +55,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from tandem.policy.admission import PrefillBatching, PrefillCalibration, admit_one, group_batches, predict_ttft
+from tandem.policy.admission import (
+    REASON_TBT,
+    PrefillBatching,
+    PrefillCalibration,
+    StreamLimit,
+    admit_one,
+    group_batches,
+    predict_ttft,
+)
 from tandem.policy.types import Predictor, QueuedRequest, Slo
 from tandem.protocol import LoadReport
 
@@ -73,6 +88,8 @@ class Refusal:
     ttft_slo_s: float  # this request's TTFT SLO (it grows with the prompt when the SLO has a per-1k part)
 
     def message(self) -> str:
+        if self.reason == REASON_TBT:
+            return f"admission refused: {self.reason}; retry after {self.retry_after_s:.2f} s"
         return (f"admission refused: {self.reason} (predicted TTFT {self.predicted_ttft_s * 1000:.0f} ms, "
                 f"SLO {self.ttft_slo_s * 1000:.0f} ms); retry after {self.retry_after_s:.2f} s")
 
@@ -100,12 +117,16 @@ class AdmissionStats:
     calibration_factor: float
     num_calibration_batches: int
     calibration_by_units: tuple[tuple[int, float], ...] = ()  # (prefill units, factor) measured
+    num_tbt_refusals: int = 0  # of num_refused: over the stream cap (never judged false or confirmed)
+    stream_limit: int | None = None  # the cap on streams in flight now (None: none)
 
     def summary(self) -> str:
         by_units = ", ".join(f"x{f:.2f} on {u}" for u, f in self.calibration_by_units)
+        limit = f"streams capped at {self.stream_limit}" if self.stream_limit is not None else "no stream cap"
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
-                f"{self.num_confirmed_refusals} confirmed); prefill calibration x{self.calibration_factor:.2f} "
+                f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap; {limit}); "
+                f"prefill calibration x{self.calibration_factor:.2f} "
                 f"from {self.num_calibration_batches} measured batches" + (f" ({by_units} units)" if by_units else ""))
 
 
@@ -141,7 +162,8 @@ class AdmissionController:
 
     def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None,
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
-                 cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None) -> None:
+                 cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
+                 streams: StreamLimit | None = None) -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         self.predictor = predictor
@@ -175,6 +197,12 @@ class AdmissionController:
         self.num_missed = 0
         self.num_false_refusals = 0
         self.num_confirmed_refusals = 0
+        # The TBT side: streams admitted and not ended, their cap, and how often one ends.
+        self.streams = streams or StreamLimit(slo.tbt_s)
+        self._in_flight: set[str] = set()
+        self._last_end_s: float | None = None
+        self._end_interval_s = 1.0  # smoothed time between two stream ends
+        self.num_tbt_refusals = 0
 
     @property
     def num_pending(self) -> int:
@@ -217,7 +245,12 @@ class AdmissionController:
             num_calibration_batches=self.calibration.num_samples,
             calibration_by_units=tuple((u, c.factor) for u, c in sorted(self.calibration_by_units.items())
                                        if c.calibrated),
+            num_tbt_refusals=self.num_tbt_refusals, stream_limit=self.streams.limit,
         )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def _queued(self) -> list[QueuedRequest]:
         """Ours still to be prefilled (or being prefilled), in arrival order."""
@@ -228,6 +261,10 @@ class AdmissionController:
         request = QueuedRequest(request_id, now_s, max(prompt_tokens, 1))
         ahead = self._queued()
         units = self.prefill_units()
+        if self.enabled and not self.streams.admits(len(self._in_flight)):
+            self.num_refused += 1
+            self.num_tbt_refusals += 1
+            return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
         if self.enabled:
             scale, calibrated = self.scale(units)
             margin = self.margin if calibrated else self.cold_margin
@@ -252,8 +289,24 @@ class AdmissionController:
             slo=self.slo).ttft_s
         self._pending[request_id] = request
         self._units[request_id] = units
+        self._in_flight.add(request_id)
         self.num_admitted += 1
         return None
+
+    def token_gap(self, gap_s: float, now_s: float | None = None) -> None:
+        """A stream's update came ``gap_s`` after its previous one (or its first token)."""
+        self.streams.observe(gap_s, time.monotonic() if now_s is None else now_s, len(self._in_flight))
+
+    def ended(self, request_id: str, now_s: float | None = None) -> None:
+        """The stream of an admitted request ended (finished, failed or cancelled)."""
+        if request_id not in self._in_flight:
+            return
+        self._in_flight.discard(request_id)
+        now_s = time.monotonic() if now_s is None else now_s
+        if self._last_end_s is not None:
+            interval = min(5.0, max(0.05, now_s - self._last_end_s))
+            self._end_interval_s = 0.75 * self._end_interval_s + 0.25 * interval
+        self._last_end_s = now_s
 
     def first_token(self, request_id: str, *, prefill_ns: int, handoff_ns: int, finished: bool,
                     now_s: float | None = None) -> None:

@@ -353,9 +353,14 @@ class RouterCore:
                 first = generation.advance(0, first_tokens, reply.finish_reason)
                 assert first is not None  # a token or a finish reason: advance always answers
                 first.ttft_ns = time.monotonic_ns() - started_ns
+                last_update_s = time.monotonic()
                 yield first
                 while not generation.finished:
                     update = await self._next_update(queue, deadline_s)
+                    if admission is not None:
+                        now_s = time.monotonic()
+                        admission.token_gap(now_s - last_update_s, now_s)
+                        last_update_s = now_s
                     if update.finish_reason == _ERROR:
                         generation.ended_by_upstream = True
                         raise RequestError(Status.INTERNAL,
@@ -368,6 +373,8 @@ class RouterCore:
                         yield response
             finally:
                 self.upstream.streams.unregister(upstream_id)
+                if admission is not None:
+                    admission.ended(upstream_id)
                 if not generation.ended_by_upstream:
                     self.upstream.cancel_soon(upstream_id, prefill_address)
                 log.debug("request %s (upstream %s): %d prompt tokens, %d generated, finish %s", request_id,

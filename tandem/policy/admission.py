@@ -17,6 +17,7 @@ predictions are scaled by a factor the router fits online from measured batches
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -325,3 +326,72 @@ class PrefillCalibration:
             factor = min(factor, self.factor * self.max_step_up)
         factor = min(self.max_factor, max(self.min_factor, factor))
         return replace(self, factor=factor, num_samples=self.num_samples + 1)
+
+
+REASON_TBT = "decode is at the most streams that keep the TBT SLO"
+
+
+class StreamLimit:
+    """The TBT side of admission: an adaptive cap on the streams a router keeps in flight.
+
+    TTFT admission alone lets the decode batch grow until every stream misses its TBT SLO: on
+    a 2-core CPU at twice the rate it can serve, every admitted request met its TTFT and missed
+    TBT p99. The router cannot predict a step from the perf model well enough (hybrid steps
+    carry prompt chunks of any size), so the cap is learnt from what its streams measure,
+    additive increase and multiplicative decrease (as TCP and adaptive concurrency limits do):
+
+    - ``observe`` takes every gap between two updates of a stream; every ``interval_s``, with
+      at least ``min_gaps`` gaps of the last ``window_s``, their ``quantile`` is compared with
+      the TBT SLO;
+    - over ``high`` x SLO: the cap becomes the streams in flight minus a tenth (at least one),
+      never below 1, and the gaps seen so far are dropped; no further cut until the streams in
+      flight have come down to the cap (gaps measured while the old excess drains do not judge
+      the new cap);
+    - under ``low`` x SLO while the cap binds (in flight within one of it): the cap grows by one;
+      once it is ``release`` above what is in flight, there is no cap.
+
+    No cap until the first overload: a burst that fits is admitted whole. Pure, with the clock
+    passed in; not thread-safe.
+    """
+
+    def __init__(self, tbt_s: float, *, quantile: float = 0.9, high: float = 0.9, low: float = 0.65,
+                 window_s: float = 2.0, interval_s: float = 0.5, min_gaps: int = 32, release: int = 8) -> None:
+        if not (tbt_s > 0 and 0 < quantile <= 1 and 0 < low < high and window_s > 0 and interval_s > 0
+                and min_gaps >= 1 and release >= 1):
+            raise ValueError("StreamLimit needs tbt_s > 0, 0 < quantile <= 1, 0 < low < high, positive "
+                             "window and interval, min_gaps >= 1 and release >= 1")
+        self.tbt_s = tbt_s
+        self.quantile, self.high, self.low = quantile, high, low
+        self.window_s, self.interval_s, self.min_gaps, self.release = window_s, interval_s, min_gaps, release
+        self.limit: int | None = None
+        self.num_cuts = 0
+        self.last_quantile_s: float | None = None
+        self._gaps: deque[tuple[float, float]] = deque()
+        self._next_check_s = -math.inf
+
+    def admits(self, in_flight: int) -> bool:
+        """Whether one more stream may start with ``in_flight`` already admitted and not ended."""
+        return self.limit is None or in_flight < self.limit
+
+    def observe(self, gap_s: float, now_s: float, in_flight: int) -> None:
+        """One stream's gap between two updates, seen at ``now_s`` with ``in_flight`` streams."""
+        if not (gap_s >= 0 and math.isfinite(gap_s)):
+            return
+        self._gaps.append((now_s, gap_s))
+        while self._gaps and self._gaps[0][0] < now_s - self.window_s:
+            self._gaps.popleft()
+        if now_s < self._next_check_s or len(self._gaps) < self.min_gaps:
+            return
+        self._next_check_s = now_s + self.interval_s
+        gaps = sorted(g for _, g in self._gaps)
+        q = gaps[min(len(gaps) - 1, int(self.quantile * len(gaps)))]
+        self.last_quantile_s = q
+        if q > self.high * self.tbt_s:
+            if self.limit is None or in_flight <= self.limit:
+                self.limit = max(1, in_flight - max(1, in_flight // 10))
+                self.num_cuts += 1
+                self._gaps.clear()
+        elif q < self.low * self.tbt_s and self.limit is not None and in_flight >= self.limit - 1:
+            self.limit += 1
+        if self.limit is not None and self.limit >= in_flight + self.release:
+            self.limit = None
