@@ -163,7 +163,7 @@ class AdmissionController:
     def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None,
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
                  cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
-                 streams: StreamLimit | None = None) -> None:
+                 streams: StreamLimit | None = None, stream_cap: bool = True) -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         self.predictor = predictor
@@ -199,6 +199,7 @@ class AdmissionController:
         self.num_confirmed_refusals = 0
         # The TBT side: streams admitted and not ended, their cap, and how often one ends.
         self.streams = streams or StreamLimit(slo.tbt_s)
+        self.stream_cap = stream_cap  # False: the cap is learnt and logged, never applied
         self._in_flight: set[str] = set()
         self._last_end_s: float | None = None
         self._end_interval_s = 1.0  # smoothed time between two stream ends
@@ -261,7 +262,7 @@ class AdmissionController:
         request = QueuedRequest(request_id, now_s, max(prompt_tokens, 1))
         ahead = self._queued()
         units = self.prefill_units()
-        if self.enabled and not self.streams.admits(len(self._in_flight)):
+        if self.enabled and self.stream_cap and not self.streams.admits(len(self._in_flight)):
             self.num_refused += 1
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))

@@ -90,6 +90,9 @@ class RouterConfig:
     admission: bool = field(default=True, metadata=flag(
         "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
         parse=lambda text: text == "on", choices=["on", "off"]))
+    stream_cap: bool = field(default=True, metadata=flag(
+        "--stream-cap", "on", "with admission on, also cap the streams in flight where their token gaps "
+        "approach the TBT SLO (refused: 429)", parse=lambda text: text == "on", choices=["on", "off"]))
     profile: str = field(default="", metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
     # prefill_svc's batch limits, with which admission predicts how it batches its queue: the

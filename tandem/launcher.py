@@ -155,6 +155,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "(deadlines, EDF order, early drop)", type=float)
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
+    add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
+             "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
     add_flag(parser, "--redis-password", "", "password the private Redis requires (ignored with REDIS_URL: put it "
              "in the URL)")
@@ -245,7 +247,8 @@ class Supervisor:
         env = {"REDIS_URL": redis_url, "TANDEM_POLICY": args.policy,
                "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
                "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
-               "TANDEM_ADMISSION": args.admission, "TANDEM_PROFILE": args.profile}
+               "TANDEM_ADMISSION": args.admission, "TANDEM_STREAM_CAP": args.stream_cap,
+               "TANDEM_PROFILE": args.profile}
         many_cells = len(plans) > 1
         self.cells: list[CellProcs] = []
         for plan in plans:
