@@ -88,6 +88,8 @@ class DecodeWorker:
         self.num_steps = 0
         self.last_step_ns = 0
         self.last_step_end_unix_ns = 0
+        self.last_step_chunk_tokens = 0
+        self.last_step_num_seqs = 0
         # prefill done -> first step that includes the request (wall clock: two processes)
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
@@ -344,6 +346,7 @@ class DecodeWorker:
                         cached_tokens=min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
                     for a in self.prefilling],
             last_step_ns=self.last_step_ns, last_step_end_unix_ns=self.last_step_end_unix_ns,
+            last_step_chunk_tokens=self.last_step_chunk_tokens, last_step_num_seqs=self.last_step_num_seqs,
         ))
 
     async def run(self) -> None:
@@ -501,6 +504,8 @@ class DecodeWorker:
         outputs = await member.run(work)
         self.last_step_ns = time.perf_counter_ns() - start
         self.last_step_end_unix_ns = time.time_ns()
+        self.last_step_chunk_tokens = sum(n for _, n in chunks)
+        self.last_step_num_seqs = len(batch)
         self.num_steps += 1
         for active in batch:
             if active.span is not None:

@@ -18,6 +18,12 @@ predecessor. Running prefill batches: the one with the earliest deadline is the 
 running batch (the one a MuxWise pause may name); the others' requests count as queued work. A
 pause pauses a batch for shorter prompts of its own service's queue only (a service cannot run
 another model's prompt), so a decision naming another model's prompts pauses nothing.
+
+Live calibration: while an aggregated decision is in force, each new step a decode service
+reports (its time, the prompt tokens it carried, the contexts it decoded) scales the decode and
+hybrid predictions the policy sees (``LiveStepPredictor``), so the chunk budget follows what a
+step costs here, with no profile. Split decisions do not feed it (their decode steps run under
+the other phase's contention on fewer cores).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from tandem.perf.predictor import LiveStepPredictor
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.rpc.v1 import agent_pb2
 
@@ -68,7 +75,8 @@ class PolicyLoop:
                  num_layers: int, slo: Slo) -> None:
         self.policy_name = policy_name
         self.policy = policy
-        self.predictor = predictor
+        self.predictor = LiveStepPredictor(predictor)
+        self._last_step_end_ns: dict[tuple[int, str], int] = {}  # per decode service: the step last folded in
         self.cores = list(cores)
         self.num_layers = num_layers
         self.slo = slo
@@ -79,7 +87,19 @@ class PolicyLoop:
 
     def report(self, load: agent_pb2.PhaseLoad, model: str = "") -> None:
         """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
-        self.loads[(load.role, model)] = load
+        key = (load.role, model)
+        self.loads[key] = load
+        if (load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
+                and self.last.aggregated and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
+            self._last_step_end_ns[key] = load.last_step_end_unix_ns
+            first = self.predictor.num_samples == 0
+            num_seqs = load.last_step_num_seqs or len(load.decode_context_lens)
+            ratio = self.predictor.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
+                                           list(load.decode_context_lens[:num_seqs]), len(self.cores))
+            if first and ratio is not None:
+                log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
+                         "model; decode and hybrid predictions now x%.2f", load.last_step_ns / 1e6, num_seqs,
+                         load.last_step_chunk_tokens, ratio, self.predictor.factor)
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
         """The whole snapshot the policies were written for, from the services' last reports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +12,7 @@ from tandem.perf.hardware import hardware_preset
 from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import ModelShape
 from tandem.perf.profile import load_profile
+from tandem.policy.types import Predictor
 
 
 class PerfPredictor:
@@ -45,3 +47,59 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
     hardware = hardware_preset("cpu")
     hardware = replace(hardware, num_units=num_cores, bandwidth_knee_units=min(hardware.bandwidth_knee_units, num_cores))
     return PerfPredictor(PerfModel(hardware, shape))
+
+
+class LiveStepPredictor:
+    """A predictor whose decode and hybrid steps are scaled by a factor measured live.
+
+    The default stack runs without a profile, on the placeholder preset, and a live step also
+    pays what no profile sees (sampling, streaming, the other processes on the same cores). So
+    the agent feeds every step decode reports (``observe``: its measured time, the prompt
+    tokens it carried in chunks, the contexts it decoded) and the factor follows measured /
+    predicted. It leans slow: a step slower than the factor moves it by ``up``, a faster one by
+    ``down``, so it tracks an upper quantile of the ratio rather than its mean, and a policy
+    that fills a step up to the TBT SLO leaves room for the noise of the steps. Prefill
+    predictions are the base model's (the router calibrates its own). Not thread-safe.
+    """
+
+    def __init__(self, base: Predictor, *, up: float = 0.3, down: float = 0.05, min_factor: float = 0.1,
+                 max_factor: float = 10.0) -> None:
+        if not (0 < down <= up <= 1 and 0 < min_factor <= 1 <= max_factor):
+            raise ValueError("LiveStepPredictor needs 0 < down <= up <= 1 and min_factor <= 1 <= max_factor")
+        self.base = base
+        self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
+        self.factor = 1.0
+        self.num_samples = 0
+
+    def observe(self, measured_s: float, chunk_tokens: int, context_lens: Sequence[int], units: int) -> float | None:
+        """Fold in one measured step; returns its measured / predicted ratio (None: not usable)."""
+        if not (measured_s > 0 and math.isfinite(measured_s)) or units < 1 or not (context_lens or chunk_tokens):
+            return None
+        if chunk_tokens:
+            predicted = self.base.predict_hybrid([(chunk_tokens, 0)], context_lens, units)
+        else:
+            predicted = self.base.predict_decode(context_lens, units)
+        if not predicted > 0:
+            return None
+        ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted))
+        if self.num_samples == 0:
+            self.factor = ratio
+        else:
+            w = self.up if ratio > self.factor else self.down
+            self.factor = math.exp((1 - w) * math.log(self.factor) + w * math.log(ratio))
+        self.num_samples += 1
+        return ratio
+
+    def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
+        return self.base.predict_prefill(seqs, units)
+
+    def predict_decode(self, context_lens: Sequence[int], units: int) -> float:
+        return self.factor * self.base.predict_decode(context_lens, units)
+
+    def predict_hybrid(
+        self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
+    ) -> float:
+        return self.factor * self.base.predict_hybrid(prefill_seqs, decode_context_lens, units)
+
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
+        return self.base.contention(my_units, other_units, phase)

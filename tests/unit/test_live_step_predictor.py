@@ -1,0 +1,97 @@
+"""The agent's live calibration of step predictions: ``LiveStepPredictor`` against a known true
+slowdown with noise, and the policy loop feeding it from decode's reports while an aggregated
+decision is in force (and only then), which shrinks the chunk budget when steps run slow."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+
+from gpu_agent.policy_loop import PolicyLoop
+from tandem.perf.predictor import LiveStepPredictor
+from tandem.policy.policies import POLICIES, ChunkedConfig
+from tandem.policy.types import Slo
+from tandem.rpc.v1 import agent_pb2
+from tests.unit.test_policies import LinearPredictor
+
+SLO = Slo(ttft_s=1.0, tbt_s=0.05)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_factor_settles_above_the_median_ratio_and_below_its_tail(seed: int) -> None:
+    rng = random.Random(seed)
+    true_ratio, sigma = math.exp(rng.uniform(-1.2, 1.2)), rng.uniform(0.05, 0.3)
+    base = LinearPredictor()
+    live = LiveStepPredictor(base)
+    for _ in range(400):
+        ctx = [rng.randint(1, 2000) for _ in range(rng.randint(1, 32))]
+        chunk = rng.choice([0, rng.randint(1, 512)])
+        predicted = base.predict_hybrid([(chunk, 0)], ctx, 2) if chunk else base.predict_decode(ctx, 2)
+        live.observe(predicted * true_ratio * math.exp(rng.gauss(0, sigma)), chunk, ctx, 2)
+    # between the median ratio and its 99th percentile (2.33 sigma)
+    assert true_ratio <= live.factor <= true_ratio * math.exp(2.33 * sigma), (true_ratio, sigma, live.factor)
+    ctx = [100, 200]
+    assert live.predict_decode(ctx, 2) == pytest.approx(live.factor * base.predict_decode(ctx, 2))
+    assert live.predict_hybrid([(64, 0)], ctx, 2) == pytest.approx(live.factor * base.predict_hybrid([(64, 0)], ctx, 2))
+    assert live.predict_prefill([(64, 0)], 2) == base.predict_prefill([(64, 0)], 2)  # the router calibrates prefill
+    assert live.contention(1, 1) == base.contention(1, 1)
+
+
+def test_unusable_steps_are_ignored() -> None:
+    live = LiveStepPredictor(LinearPredictor())
+    assert live.observe(0.0, 0, [10], 2) is None
+    assert live.observe(float("inf"), 0, [10], 2) is None
+    assert live.observe(0.01, 0, [], 2) is None
+    assert live.observe(0.01, 0, [10], 0) is None
+    assert live.num_samples == 0 and live.factor == 1.0
+    with pytest.raises(ValueError):
+        LiveStepPredictor(LinearPredictor(), up=0.1, down=0.5)
+
+
+def _decode_load(contexts: list[int], step_s: float, end_ns: int, chunk: int) -> agent_pb2.PhaseLoad:
+    return agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts,
+                               queued=[agent_pb2.QueuedPrefill(request_id="p", arrival_unix_ns=end_ns,
+                                                               prompt_tokens=2000)],
+                               last_step_ns=int(step_s * 1e9), last_step_end_unix_ns=end_ns,
+                               last_step_chunk_tokens=chunk, last_step_num_seqs=len(contexts))
+
+
+@pytest.mark.parametrize("slowdown", [0.5, 2.0, 3.0])
+def test_chunked_budgets_follow_the_measured_steps(slowdown: float) -> None:
+    base = LinearPredictor()
+    loop = PolicyLoop("chunked", POLICIES["chunked"], base, [0, 1], 32, SLO)
+    contexts = [100, 200, 300, 400]
+    now_ns = time.time_ns()
+    loop.report(_decode_load(contexts, 0.0, 0, 0))
+    first = loop.decide()
+    assert first is not None and first[0].aggregated
+    budget_before = first[0].prefill_token_budget
+    for i in range(40):
+        chunk = 64
+        step_s = slowdown * base.predict_hybrid([(chunk, 0)], contexts, 2)
+        loop.report(_decode_load(contexts, step_s, now_ns + i * 10**6, chunk))
+        loop.report(_decode_load(contexts, step_s, now_ns + i * 10**6, chunk))  # the same step again: once
+    assert loop.predictor.num_samples == 40
+    assert loop.predictor.factor == pytest.approx(slowdown, rel=1e-6)
+    decided = loop.decide()
+    budget_after = decided[0].prefill_token_budget if decided is not None else budget_before
+    predicted_s = loop.predictor.predict_hybrid([(budget_after, 0)], contexts, 2)
+    # within the TBT SLO, or the progress floor when even that does not fit
+    assert predicted_s <= SLO.tbt_s + 1e-9 or budget_after == ChunkedConfig().min_chunk_tokens
+    if slowdown > 1:
+        assert budget_after < budget_before
+    else:
+        assert budget_after >= budget_before
+
+
+def test_split_decisions_do_not_feed_the_calibration() -> None:
+    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], 32, SLO)
+    loop.report(_decode_load([100, 200], 0.0, 0, 0))
+    decided = loop.decide()
+    assert decided is None or not decided[0].aggregated
+    for i in range(10):
+        loop.report(_decode_load([100, 200], 0.5, 10**9 + i, 0))
+    assert loop.predictor.num_samples == 0 and loop.predictor.factor == 1.0
