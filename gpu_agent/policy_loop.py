@@ -93,7 +93,9 @@ class PolicyLoop:
                 and self.last.aggregated and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
             self._last_step_end_ns[key] = load.last_step_end_unix_ns
             first = self.predictor.num_samples == 0
-            num_seqs = load.last_step_num_seqs or len(load.decode_context_lens)
+            # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
+            num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
+                        else len(load.decode_context_lens))
             ratio = self.predictor.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
                                            list(load.decode_context_lens[:num_seqs]), len(self.cores))
             if first and ratio is not None:

@@ -95,3 +95,15 @@ def test_split_decisions_do_not_feed_the_calibration() -> None:
     for i in range(10):
         loop.report(_decode_load([100, 200], 0.5, 10**9 + i, 0))
     assert loop.predictor.num_samples == 0 and loop.predictor.factor == 1.0
+
+
+def test_a_step_of_chunks_alone_is_predicted_without_the_contexts_it_did_not_decode() -> None:
+    base = LinearPredictor()
+    loop = PolicyLoop("chunked", POLICIES["chunked"], base, [0, 1], 32, SLO)
+    loop.report(_decode_load([100], 0.0, 0, 0))
+    assert loop.decide() is not None
+    chunk_only_s = base.predict_hybrid([(64, 0)], [], 2)
+    load = _decode_load([100, 200, 300], 2 * chunk_only_s, 10**9, 64)
+    load.last_step_num_seqs = 0  # the step computed a prompt chunk and decoded nothing
+    loop.report(load)
+    assert loop.predictor.factor == pytest.approx(2.0)
