@@ -348,7 +348,7 @@ class StreamLimit:
       flight have come down to the cap (gaps measured while the old excess drains do not judge
       the new cap);
     - under ``low`` x SLO while the cap binds (in flight within one of it): the cap grows by one;
-      once it is ``release`` above what is in flight, there is no cap.
+      once it is ``release`` above what is in flight, or nothing is in flight, there is no cap.
 
     No cap until the first overload: a burst that fits is admitted whole. Pure, with the clock
     passed in; not thread-safe.
@@ -370,7 +370,10 @@ class StreamLimit:
         self._next_check_s = -math.inf
 
     def admits(self, in_flight: int) -> bool:
-        """Whether one more stream may start with ``in_flight`` already admitted and not ended."""
+        """Whether one more stream may start with ``in_flight`` already admitted and not ended.
+        With none in flight the cap is released: an idle decode has no overload to protect."""
+        if in_flight == 0:
+            self.limit = None
         return self.limit is None or in_flight < self.limit
 
     def observe(self, gap_s: float, now_s: float, in_flight: int) -> None:

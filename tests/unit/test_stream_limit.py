@@ -125,6 +125,12 @@ def test_the_router_refuses_over_the_cap_and_frees_a_slot_when_a_stream_ends() -
     c.ended("never-admitted")  # ignored
     c.ended("r2", now_s=3.0)
     assert c.try_admit("y", 10, now_s=3.0) is None
+    for rid in ["r3", "r4", "r5", "r6", "r7", "r8", "r9", "x", "y"]:
+        c.ended(rid, now_s=4.0)
+    assert c.num_in_flight == 0
+    # Idle: the cap of the last overload is gone, and a burst that follows is admitted whole.
+    assert all(c.try_admit(f"burst{i}", 10, now_s=5.0) is None for i in range(16))
+    assert c.streams.limit is None
 
 
 def test_with_admission_off_the_cap_is_learnt_but_never_refuses() -> None:
