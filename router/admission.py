@@ -30,7 +30,7 @@ missed its TBT SLO. ``StreamLimit`` caps the streams this router keeps in flight
 not ended), learnt from the gaps between its streams' updates: cut when their 90th percentile
 passes 0.9 x the TBT SLO, grown by one while it stays under 0.65 x. Above the cap a request is
 refused at once (``REASON_TBT``), retry hint: how often a stream has ended lately. No cap until
-the first overload.
+the first overload, and none while nothing is in flight.
 
 One exception to the rule (in ``admit_one``): a request too long to meet the TTFT SLO even on its
 own is admitted when nothing is queued ahead of it, since serving it late then delays nobody.
