@@ -6,7 +6,8 @@ online from the measured batches. With a 600 ms TTFT SLO a burst of short prompt
 served in time on this CPU: the first few are admitted, the rest are refused at once with 429 /
 RESOURCE_EXHAUSTED and a retry hint, and every KV block comes back. With the default 2 s SLO
 and no profile, a burst of 16 short chats, which prefill serves in two batches well within it,
-is admitted whole, before and after the online calibration.
+is admitted whole, before and after the online calibration. With a 20 ms TBT SLO, streams that
+arrive while a dozen run are refused over the stream cap, which is gone once the cell is idle.
 """
 
 from __future__ import annotations
@@ -153,3 +154,59 @@ def test_burst_of_short_chats_that_fits_the_slo_is_admitted_whole(default_stack:
                     f"{slowest_s:.2f} s); the calibrated round refused {len(refused)}")
     assert not refused, (f"calibrated: {len(refused)} of {CHAT_BURST} refused although the first burst's slowest "
                          f"TTFT was {slowest_s:.2f} s: {refused[:2]}\n" + default_stack.logs("router")[-3000:])
+
+
+@pytest.fixture(scope="module")
+def tight_tbt_stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A 20 ms TBT SLO: no step of a dozen streams makes it on this CPU, so the stream cap engages."""
+    with Stack(smollm2_dir, tmp_path_factory.mktemp("admission-tbt-logs"), num_blocks=512, admission="on",
+               extra_env={"TANDEM_TBT_SLO_MS": "20", "TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"}) as s:
+        yield s
+
+
+def test_streams_over_the_tbt_cap_are_refused_and_an_idle_cell_admits_again(tight_tbt_stack: Stack) -> None:
+    """Twelve long streams overload decode against its TBT SLO; the router learns a cap from their
+    token gaps and refuses what arrives while they run, with the TBT reason and a retry hint. Every
+    block comes back, and once nothing is in flight the cap is gone."""
+    base = tight_tbt_stack.http_address()
+
+    async def run() -> tuple[list[int], list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            started = asyncio.Event()
+            first_tokens = 0
+
+            async def stream(i: int) -> int:
+                nonlocal first_tokens
+                body = {"model": "default", "max_tokens": 160, "ignore_eos": True, "stream": True,
+                        "messages": [{"role": "user", "content": f"Stream {i}: count slowly."}]}
+                async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                    counted = False
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:") and not counted:
+                            counted, first_tokens = True, first_tokens + 1
+                            if first_tokens == 12:
+                                started.set()
+                    return r.status_code
+
+            streams = [asyncio.create_task(stream(i)) for i in range(12)]
+            await asyncio.wait_for(started.wait(), 120)
+            await asyncio.sleep(2.0)  # a few hundred gaps, each far over 20 ms
+            late = [await http.post(f"{base}/v1/chat/completions", json={
+                "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": f"Late {i}."}]})
+                for i in range(4)]
+            return list(await asyncio.gather(*streams)), late
+
+    codes, late = asyncio.run(run())
+    assert codes == [200] * 12
+    refused = [r for r in late if r.status_code == 429]
+    assert refused, [r.text for r in late]
+    for r in refused:
+        message = r.json()["error"]["message"]
+        assert "decode is at the most streams that keep the TBT SLO" in message, message
+        assert int(r.headers["retry-after"]) >= 1
+    stats = asyncio.run(_wait_all_blocks_free(tight_tbt_stack, 60))
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
+    with httpx.Client(timeout=120) as http:  # idle: the cap is released
+        r = http.post(f"{base}/v1/chat/completions", json={
+            "model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello again."}]})
+    assert r.status_code == 200, r.text
