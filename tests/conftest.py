@@ -56,3 +56,15 @@ def redis_client(redis_server: RedisServer) -> Iterator[aredis.Redis]:
         finally:
             asyncio.run(client.aclose())
             admin.flushdb()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA device: skipped, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

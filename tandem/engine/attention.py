@@ -114,6 +114,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> _TorchPlan:
         block_size = pool.spec.block_size
+        dev = pool.tensor.device  # plans are built on the host and copied once to the pool's device
         slots: list[int] = []
         decode: list[SeqSpan] = []
         prefill: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
@@ -123,20 +124,20 @@ class TorchPagedAttention(AttentionBackend):
             if span.q_len == 1:
                 decode.append(span)
             elif span.num_cached:
-                blocks = torch.tensor(span.block_ids[:num_blocks], dtype=torch.int64)
+                blocks = torch.tensor(span.block_ids[:num_blocks], dtype=torch.int64, device=dev)
                 # query i sits at absolute position num_cached + i and sees keys 0..num_cached + i
-                mask = torch.ones(span.q_len, span.kv_len, dtype=torch.bool).tril(diagonal=span.num_cached)
+                mask = torch.ones(span.q_len, span.kv_len, dtype=torch.bool, device=dev).tril(diagonal=span.num_cached)
                 prefill.append((span.q_start, span.q_len, span.num_cached, blocks, mask))
             else:
                 prefill.append((span.q_start, span.q_len, 0, None, None))
-        groups = [self._decode_group([decode[i] for i in members], block_size)
+        groups = [self._decode_group([decode[i] for i in members], block_size, dev)
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
         in_order = (not prefill and len(groups) == 1
                     and [s.q_start for s in decode] == list(range(len(decode))))
-        return _TorchPlan(torch.tensor(slots, dtype=torch.int64), groups, prefill, in_order)
+        return _TorchPlan(torch.tensor(slots, dtype=torch.int64, device=dev), groups, prefill, in_order)
 
     @staticmethod
-    def _decode_group(spans: list[SeqSpan], block_size: int) -> _DecodeGroup:
+    def _decode_group(spans: list[SeqSpan], block_size: int, dev: torch.device) -> _DecodeGroup:
         tables = [list(s.block_ids[: -(-s.kv_len // block_size)]) for s in spans]
         max_blocks = max(len(t) for t in tables)
         flat = [b for t in tables for b in t + [t[0]] * (max_blocks - len(t))]
@@ -144,9 +145,9 @@ class TorchPagedAttention(AttentionBackend):
         if len(spans) > 1:
             positions = torch.arange(max_blocks * block_size)
             lens = torch.tensor([s.kv_len for s in spans])
-            mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-        rows = torch.tensor([s.q_start for s in spans], dtype=torch.int64)
-        return _DecodeGroup(rows, len(spans), torch.tensor(flat, dtype=torch.int64), mask, spans[0].kv_len)
+            mask = (positions[None, :] < lens[:, None])[:, None, None, :].to(dev)
+        rows = torch.tensor([s.q_start for s in spans], dtype=torch.int64, device=dev)
+        return _DecodeGroup(rows, len(spans), torch.tensor(flat, dtype=torch.int64, device=dev), mask, spans[0].kv_len)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool

@@ -54,12 +54,12 @@ class RotaryCache:
     rope is ``x * cos + roll(x, d/2) * sin_signed``: three ops instead of a slice-negate-concat.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, d]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
         half = config.head_dim // 2
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
 
@@ -104,8 +104,9 @@ class LlamaModel:
         self.weights = weights
         self.attention = attention
         self.dtype = weights["embed_tokens"].dtype
-        self.rotary = RotaryCache(config, self.dtype)
-        if effective_format(weight_format, self.dtype) != WeightFormat.INT8:
+        self.device = weights["embed_tokens"].device  # every weight and the pool live there
+        self.rotary = RotaryCache(config, self.dtype, self.device)
+        if effective_format(weight_format, self.dtype, self.device) != WeightFormat.INT8:
             act_absmax = None
         self.smoothed = act_absmax is not None
         lm_head = weights["embed_tokens"] if config.tie_word_embeddings else weights["lm_head"]

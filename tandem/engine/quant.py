@@ -73,10 +73,11 @@ def best_format() -> WeightFormat:
     return WeightFormat.FP32
 
 
-def effective_format(fmt: WeightFormat, dtype: torch.dtype) -> WeightFormat:
-    """The format actually run for weights of ``dtype``: the derived formats need fp32 source
-    weights and a CPU build that has their kernels; otherwise the nearest one that runs."""
-    if dtype != torch.float32:
+def effective_format(fmt: WeightFormat, dtype: torch.dtype, device: torch.device | str = "cpu") -> WeightFormat:
+    """The format actually run for weights of ``dtype`` on ``device``: the derived formats are
+    CPU kernels (oneDNN, fbgemm) that need fp32 source weights; on a GPU, and for weights of
+    another dtype, the weights run as they are (``F.linear``, cuBLAS on CUDA)."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
         return WeightFormat.FP32
     runnable = {
         WeightFormat.FP32: True,
@@ -117,7 +118,7 @@ class Linear:
         a projection takes on the next layer's division."""
         self.weight = weight  # [out_features, in_features]
         self.bias = bias
-        self.format = effective_format(fmt, weight.dtype)
+        self.format = effective_format(fmt, weight.dtype, weight.device)
         self.derived_bytes = 0
         self._packed: object = None
         self._bias16: torch.Tensor | None = None

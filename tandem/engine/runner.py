@@ -114,16 +114,17 @@ class ModelRunner:
             positions.extend(range(seq.num_cached_tokens, end))
             if seq.need_logits:
                 logit_rows.append(len(token_ids) - 1)
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
+        if max(token_ids) >= self.config.vocab_size or min(token_ids) < 0:  # checked host-side: no device sync
             raise InvalidRequestError(f"token id out of range [0, {self.config.vocab_size})")
-        cos, sin = self.model.rotary.lookup(torch.tensor(positions, dtype=torch.int64))
+        device = self.model.device
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        cos, sin = self.model.rotary.lookup(torch.tensor(positions, dtype=torch.int64, device=device))
         return ForwardState(
             hidden=self.model.embed(ids),
             cos=cos,
             sin=sin,
             attn_meta=self.model.attention.plan(spans, self.pool),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device),
         )
 
     @torch.inference_mode()
@@ -172,7 +173,7 @@ def build_model(model_dir: str | Path, config: ModelConfig, weights: dict[str, t
     one fp32 pass over a fixed text measures what SmoothQuant needs (``tandem.engine.smoothing``;
     about a second for SmolLM2 on 2 cores)."""
     act_absmax = None
-    if effective_format(weight_format, weights["embed_tokens"].dtype) == WeightFormat.INT8:
+    if effective_format(weight_format, weights["embed_tokens"].dtype, weights["embed_tokens"].device) == WeightFormat.INT8:
         try:
             windows = calibration_windows(Tokenizer.from_dir(model_dir).encode)
         except ModelLoadError:  # no tokenizer (a test checkpoint): the text's bytes
@@ -190,7 +191,7 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
     prompt_tokens = min(prompt_tokens, cfg.max_position_embeddings - 1)
     blocks_per_seq = -(-(prompt_tokens + 1) // block_size)
     num_seqs = max(decode_batches, default=1)
-    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_per_seq * num_seqs, block_size, model.dtype))
+    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_per_seq * num_seqs, block_size, model.dtype), model.device)
     runner = ModelRunner(model, pool)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
     ids = [1 + i % (cfg.vocab_size - 1) for i in range(prompt_tokens)]

@@ -1,0 +1,180 @@
+"""SM partitions of one CUDA device: disjoint green contexts, one stream each.
+
+``SmPartitions`` pre-creates, for each prefill SM count it offers, one pair of green contexts
+that split the device's SMs between prefill and decode. The CUDA driver's
+``cuDevSmResourceSplitByCount`` cuts a group of the asked count out of the device's SM resource
+and returns the rest as the remainder, so the two contexts of a pair share no SM by
+construction (``tests/gpu`` checks it with the SMs' own ids, ``tandem.cuda.smid``). The driver
+rounds a group up to the device's granularity: SMs come in TPC pairs, and on compute capability
+9.x groups are multiples of 8 (SGLang's pdmux asks for the same; MuxWise stepped by 16 on H100),
+so the counts offered here are multiples of ``granularity``. Each context gets one non-blocking
+stream; the whole device (one phase alone) is an ordinary stream.
+
+A partition change is a change of the stream that a phase's next layer group or decode step is
+launched on (``PhaseStream.switch``): an event recorded on the old stream and waited on by the
+new one keeps that phase's work in order across the boundary, so a switch is a few host calls
+and no device synchronisation. Work already launched finishes on the SMs it was launched on;
+the next launch runs on the new ones. Contexts are created once (tens of ms each) and kept.
+
+Documented driver API only (cuda-bindings' ``cuDeviceGetDevResource``,
+``cuDevSmResourceSplitByCount``, ``cuDevResourceGenerateDesc``, ``cuGreenCtxCreate``,
+``cuGreenCtxStreamCreate``); torch sees each stream through ``torch.cuda.ExternalStream``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PHASES = ("prefill", "decode")
+
+
+def sm_granularity(major: int) -> int:
+    """The step of SM counts a green-context split honours: 8 on Hopper and later (compute
+    capability >= 9), a TPC (2 SMs) before."""
+    return 8 if major >= 9 else 2
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - CUDA machines only
+        raise RuntimeError("SM partitions need the cuda-bindings package (pip install cuda-bindings)") from exc
+    return driver
+
+
+def _check(result: Any) -> Any:
+    """Unwrap a cuda-bindings call's (CUresult, value...) tuple, raising on an error."""
+    driver = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"CUDA driver call failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclass
+class Partition:
+    """One split of the device: ``prefill_sms`` + ``decode_sms`` = the device's SMs (one side
+    may be 0: the other phase alone, on the whole device)."""
+
+    prefill_sms: int
+    decode_sms: int
+    prefill_stream: torch.cuda.Stream | None
+    decode_stream: torch.cuda.Stream | None
+
+    def stream(self, phase: str) -> torch.cuda.Stream:
+        s = self.prefill_stream if phase == "prefill" else self.decode_stream
+        if s is None:
+            raise ValueError(f"partition {self.prefill_sms}/{self.decode_sms} gives {phase} no SMs")
+        return s
+
+    def sms(self, phase: str) -> int:
+        return self.prefill_sms if phase == "prefill" else self.decode_sms
+
+
+class SmPartitions:
+    """Every prefill/decode split of one device that a policy may choose, made up front."""
+
+    def __init__(self, device: int = 0, prefill_counts: Iterable[int] | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("SM partitions need a CUDA device; none is visible")
+        props = torch.cuda.get_device_properties(device)
+        self.device = device
+        self.total_sms: int = props.multi_processor_count
+        self.granularity = sm_granularity(props.major)
+        step = self.granularity
+        wanted = sorted(set(prefill_counts)) if prefill_counts is not None else list(
+            range(step, self.total_sms - step + 1, step))
+        for k in wanted:
+            if k % step or not 0 < k < self.total_sms:
+                raise ValueError(f"prefill SM count {k} must be a multiple of {step} in (0, {self.total_sms})")
+        driver = _driver()
+        torch.cuda.init()
+        _check(driver.cuInit(0))
+        self._cu_dev = _check(driver.cuDeviceGet(device))
+        self._whole = _check(driver.cuDeviceGetDevResource(self._cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+        self._contexts: list[Any] = []
+        self._streams: list[Any] = []
+        self.partitions: dict[int, Partition] = {}
+        whole_stream = torch.cuda.Stream(device)
+        self.partitions[0] = Partition(0, self.total_sms, None, whole_stream)
+        self.partitions[self.total_sms] = Partition(self.total_sms, 0, whole_stream, None)
+        for k in wanted:
+            groups, _, rest = _check(driver.cuDevSmResourceSplitByCount(1, self._whole, 0, k))
+            group = groups[0]
+            got, left = int(group.sm.smCount), int(rest.sm.smCount)
+            self.partitions[k] = Partition(got, left, self._stream_for(group), self._stream_for(rest))
+
+    def _stream_for(self, resource: Any) -> torch.cuda.Stream:
+        driver = _driver()
+        desc = _check(driver.cuDevResourceGenerateDesc([resource], 1))
+        ctx = _check(driver.cuGreenCtxCreate(desc, self._cu_dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        raw = _check(driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        self._contexts.append(ctx)
+        self._streams.append(raw)
+        return torch.cuda.ExternalStream(int(raw), device=self.device)
+
+    @property
+    def prefill_counts(self) -> list[int]:
+        return sorted(self.partitions)
+
+    def nearest(self, prefill_sms: float) -> Partition:
+        """The offered split whose prefill side is closest to ``prefill_sms`` (ties: fewer)."""
+        key = min(self.partitions, key=lambda k: (abs(k - prefill_sms), k))
+        return self.partitions[key]
+
+    def close(self) -> None:
+        """Destroy the streams and contexts (torch must not use the streams afterwards)."""
+        driver = _driver()
+        torch.cuda.synchronize(self.device)
+        for raw in self._streams:
+            _check(driver.cuStreamDestroy(raw))
+        for ctx in self._contexts:
+            _check(driver.cuGreenCtxDestroy(ctx))
+        self._streams.clear()
+        self._contexts.clear()
+        self.partitions.clear()
+
+    def __enter__(self) -> SmPartitions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PhaseStream:
+    """Where one phase launches: its side of the partition in force. ``switch`` at a layer-group
+    or step boundary; what was launched before stays ordered before what is launched after."""
+
+    def __init__(self, phase: str, partition: Partition) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self.phase = phase
+        self.partition = partition
+        self.stream = partition.stream(phase)
+        self.switches = 0
+
+    def switch(self, partition: Partition) -> torch.cuda.Stream:
+        new = partition.stream(self.phase)
+        if new is not self.stream:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            new.wait_event(done)
+            self.switches += 1
+        self.partition, self.stream = partition, new
+        return new
+
+
+def split_counts(total_sms: int, granularity: int, step: int | None = None) -> Sequence[int]:
+    """Prefill SM counts ``step, 2 step, ...`` below ``total_sms`` (``step`` defaults to the
+    granularity; MuxWise's 16 on H100 is a coarser choice)."""
+    step = step or granularity
+    if step % granularity:
+        raise ValueError(f"step {step} is not a multiple of the granularity {granularity}")
+    return list(range(step, total_sms - granularity + 1, step))
