@@ -22,11 +22,21 @@ def build_parser() -> argparse.ArgumentParser:
     ask_cli.add_parser(sub)
     chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
-    profile_cli.add_parser(sub)
+    profile_cli.add_parser(sub).set_defaults(func=_profile)
     bench_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     place_cli.add_parser(sub)
     return parser
+
+
+def _profile(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        from tandem.cuda import profile_cli as cuda_profile_cli
+
+        return cuda_profile_cli.run(args)
+    from tandem.perf import profile_cli
+
+    return profile_cli.run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

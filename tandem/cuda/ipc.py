@@ -67,6 +67,9 @@ def _rebuild(d: dict[str, Any]) -> torch.Tensor:
 
 def export_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
     """Handles of named CUDA tensors, as bytes for a gRPC field (the caller keeps them alive)."""
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"only CUDA tensors are shared by IPC handle, got {name!r} on {t.device}")
     torch.cuda.synchronize()  # what was written before the export is visible to the importer
     return json.dumps({"format": _FORMAT, "tensors": {k: _describe(t) for k, t in tensors.items()}}).encode()
 

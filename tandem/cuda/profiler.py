@@ -85,7 +85,7 @@ def measure_device(parts: SmPartitions, progress: Progress) -> tuple[float, dict
     for u in sorted(parts.partitions):
         if u == 0:
             continue
-        bandwidth[u] = 2 * src.numel() / time_on(parts.partitions[u].prefill_stream, lambda: dst.copy_(src), 5)
+        bandwidth[u] = 2 * src.numel() / time_on(parts.partitions[u].stream("prefill"), lambda: dst.copy_(src), 5)
     progress(f"device: {flops / 1e12:.0f} TFLOP/s bf16, copy {bandwidth[parts.total_sms] / 1e12:.2f} TB/s "
              f"(r+w); on {min(bandwidth)} SMs {bandwidth[min(bandwidth)] / 1e12:.2f} TB/s")
     return flops, bandwidth
@@ -94,9 +94,9 @@ def measure_device(parts: SmPartitions, progress: Progress) -> tuple[float, dict
 def measured_spec(parts: SmPartitions, flops: float, bandwidth: dict[int, float]) -> HardwareSpec:
     name = torch.cuda.get_device_name()
     base = hardware_preset("H200" if "H200" in name else "H100-SXM" if "H100" in name else "A100-80G")
-    full = bandwidth[parts.total_sms] / 2  # bytes moved once: the roofline's convention
+    full = bandwidth[parts.total_sms]  # DRAM traffic, reads and writes together, as the roofline counts bytes
     smallest = min(bandwidth)
-    per_sm = bandwidth[smallest] / 2 / smallest
+    per_sm = bandwidth[smallest] / smallest
     knee = min(float(parts.total_sms), max(float(smallest), full / per_sm))
     return dataclasses.replace(
         base, num_units=parts.total_sms, num_sms=parts.total_sms, peak_flops_per_unit=flops / parts.total_sms,

@@ -9,10 +9,14 @@ any depth. Outputs are meaningless; run with ``ignore_eos`` and fixed lengths.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tandem.engine.config import ModelConfig
-from tandem.perf.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from tandem.perf.model_shape import ModelShape  # perf imports the engine: no runtime arrow back
 
 _STD = 0.02
 

@@ -1,5 +1,6 @@
-"""``tandem profile``: measure this CPU with the real engine and write the profile file that the
-agent and router load. One progress line per measurement goes to stderr; the summary (with the
+"""``tandem profile``: measure this CPU with the real engine (or, with ``--device cuda``, a GPU
+with the engine on random weights of a model shape, per SM partition: ``tandem.cuda.profiler``)
+and write the profile file that the agent and router load. One progress line per measurement goes to stderr; the summary (with the
 calibrated model's error on held-out shapes) goes to stdout."""
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="comma-separated core counts to profile (default: 1, 2, 4, ... and all available cores)",
     )
+    cmd.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (the real model, units are cores) or cuda (random weights of --shape on the GPU, "
+             "units are SMs in green-context partitions; default: %(default)s)",
+    )
+    cmd.add_argument(
+        "--shape",
+        default="Llama-3.1-8B",
+        help="--device cuda: the model preset whose shape is profiled on random weights (default: %(default)s)",
+    )
     cmd.set_defaults(func=run)
     return cmd
 
@@ -67,6 +80,7 @@ def default_profile_path(model_name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``--device cpu``; ``tandem.cli`` sends ``--device cuda`` to ``tandem.cuda.profile_cli``."""
     from tandem.engine.errors import TandemError
     from tandem.engine.model_cache import resolve_model
     from tandem.engine.weight_format import WeightFormat

@@ -1,0 +1,132 @@
+"""The CUDA backend on a machine without a GPU: everything imports, every entry point says what
+is missing, and what can be checked on a CPU is (the decode step a CUDA graph captures, random
+weights of any shape, the IPC description's parsing)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.engine.attention import make_backend
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.model import LlamaModel
+from tandem.engine.random_weights import config_for_shape, random_weights, tiny_config
+from tandem.engine.runner import ModelRunner, SeqInput
+
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+
+
+def test_the_cuda_package_imports_without_cuda() -> None:
+    code = "import tandem.cuda.partition, tandem.cuda.ipc, tandem.cuda.graphs, tandem.cuda.smid, tandem.cuda.profiler"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_no_gpu
+def test_entry_points_say_a_gpu_is_needed() -> None:
+    from tandem.cuda.partition import SmPartitions
+
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        SmPartitions()
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "profile", "--device", "cuda", "--quick"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
+
+
+def test_sm_granularity_and_split_counts() -> None:
+    from tandem.cuda.partition import sm_granularity, split_counts
+
+    assert sm_granularity(9) == 8 and sm_granularity(8) == 2
+    assert split_counts(132, 8) == list(range(8, 125, 8))
+    assert split_counts(132, 8, 16) == list(range(16, 125, 16))
+    with pytest.raises(ValueError, match="multiple"):
+        split_counts(132, 8, 12)
+
+
+def test_ipc_descriptions_are_checked_before_any_cuda_call() -> None:
+    from tandem.cuda.ipc import export_tensors, open_tensors
+
+    for bad in (b"\xff\x00", b"[1, 2]", json.dumps({"format": "x", "tensors": {}}).encode()):
+        with pytest.raises(ValueError, match="not a"):
+            open_tensors(bad)
+    with pytest.raises(ValueError, match="only CUDA tensors"):
+        export_tensors({"w": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("preset", ["Llama-3.1-8B", "Qwen3-8B"])
+def test_random_weights_have_the_shapes_the_model_expects(preset: str) -> None:
+    from tandem.perf.model_shape import model_preset
+
+    shape = model_preset(preset)
+    config = config_for_shape(shape)
+    # Two layers of the shape (a full 8B model would take 32 GB of RAM): every tensor's shape is
+    # what the model indexes, and a forward pass runs.
+    small = copy.copy(config)
+    object.__setattr__(small, "num_layers", 1)
+    object.__setattr__(small, "vocab_size", 1024)
+    weights = random_weights(small, torch.bfloat16, seed=1)
+    assert weights["0.qkv_proj"].shape == (shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim,
+                                           shape.hidden_size)
+    assert weights["0.gate_up_proj"].shape == (2 * shape.intermediate_size, shape.hidden_size)
+    runner = ModelRunner(LlamaModel(small, weights, make_backend("torch", small.num_heads)),
+                         KVPool.create(KVPoolSpec.for_model(small, 4, 16, torch.bfloat16)))
+    assert torch.isfinite(runner.forward([SeqInput(list(range(20)), 0, [0, 1])])).all()
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_the_step_a_graph_captures_equals_eager_decode(lookahead: int) -> None:
+    """GraphDecoder's device-side step (slots, masks and rope from positions; greedy feedback for
+    look-ahead), run eagerly on CPU, gives eager decode's tokens. Capture needs CUDA (tests/gpu)."""
+    from tandem.cuda.graphs import GraphDecoder, StaticDecodeAttention, _Graph
+
+    rng = random.Random(lookahead)
+    config = tiny_config()
+    weights = random_weights(config, seed=3, std=0.2)
+
+    def runner() -> ModelRunner:
+        pool = KVPool.create(KVPoolSpec.for_model(config, 96, 16))
+        return ModelRunner(LlamaModel(config, weights, make_backend("torch", config.num_heads)), pool)
+
+    eager, graphed = runner(), runner()
+    decoder = GraphDecoder.__new__(GraphDecoder)  # the capture itself needs CUDA; the step does not
+    decoder.pool, decoder.lookahead, decoder.scratch_block = graphed.pool, lookahead, 95
+    decoder._model = copy.copy(graphed.model)
+    decoder._model.attention = StaticDecodeAttention()
+    for _ in range(3):
+        n, rows, blocks = rng.randrange(1, 7), 8, 8
+        prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 100))] for _ in range(n)]
+        perm = rng.sample(range(88), n * blocks)
+        tables = [perm[i * blocks:(i + 1) * blocks] for i in range(n)]
+        for r in (eager, graphed):
+            firsts = [int(x) for x in r.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1)]
+        toks, want = list(firsts), []
+        for step in range(lookahead):
+            logits = eager.forward([SeqInput([t], len(p) + step, tab) for t, p, tab in zip(toks, prompts, tables)])
+            toks = [int(x) for x in logits.argmax(-1)]
+            want.append(toks)
+        g = _Graph(None, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),  # type: ignore[arg-type]
+                   torch.full((rows, blocks), 95, dtype=torch.int64), torch.zeros(lookahead, rows, dtype=torch.int64),
+                   torch.zeros(rows, config.vocab_size))
+        g.tokens[:n] = torch.tensor(firsts)
+        g.positions[:n] = torch.tensor([len(p) for p in prompts])
+        for i, t in enumerate(tables):
+            g.tables[i, : len(t)] = torch.tensor(t)
+        with torch.inference_mode():
+            decoder._step(g)
+        assert g.out_tokens[:, :n].tolist() == want
+
+
+def test_graph_decoder_refuses_a_cpu_model() -> None:
+    from tandem.cuda.graphs import GraphDecoder
+
+    config = tiny_config()
+    model = LlamaModel(config, random_weights(config), make_backend("torch", config.num_heads))
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphDecoder(model, KVPool.create(KVPoolSpec.for_model(config, 8, 16)), scratch_block=7)
