@@ -30,6 +30,10 @@ class AgentConfig:
     quantization: str = field(metadata=flag(
         "--quantization", "auto", f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the "
         "fastest format that keeps fp32's accuracy here; int8 is lossy)"))
+    device: str = field(metadata=flag(
+        "--device", "cpu", "where the weights and the KV pool live: cpu (shared-memory files) or cuda (this "
+        "process's GPU memory, opened by prefill and decode through CUDA IPC handles; one model per cell)",
+        choices=["cpu", "cuda"]))
     kv_cache_gb: float = field(metadata=flag("--kv-cache-gb", 1.0, "KV pool size in GiB", type=float))
     kv_split: str = field(metadata=flag(
         "--kv-split", "slab", "how several models share the KV pool: slab (FineServe's slabs, on demand) or "

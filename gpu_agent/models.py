@@ -14,7 +14,7 @@ the default model twice, the second with a bf16 KV cache.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.blocks import BlockLedger
@@ -36,13 +36,14 @@ class ServedModel:
     name: str
     model_dir: Path
     config: ModelConfig
-    weights: SharedTensorStore
+    weights: SharedTensorStore | None  # None on a CUDA cell: cuda_weights
     kv: KVPoolSpec  # this model's view of the pool
     kv_offset: int  # where the view starts in the pool, in bytes
     dtype: str
     kv_dtype: str
     weight_format: WeightFormat
     ledger: BlockLedger
+    cuda_weights: bytes = b""  # a CUDA cell: the weights' IPC handles (tandem.cuda.ipc)
 
 
 @dataclass
@@ -51,8 +52,11 @@ class Cell:
     shared KV store and, with several models, the slab table over it."""
 
     models: dict[str, ServedModel]
-    kv_store: SharedTensorStore
+    kv_store: SharedTensorStore | None  # None on a CUDA cell: cuda_kv
     slabs: KVSlabPool | None
+    cuda_kv: bytes = b""  # a CUDA cell: the pool's IPC handle
+    # A CUDA cell's weights and pool: the exporter keeps them alive while any service maps them.
+    device_tensors: list[object] = field(default_factory=list)
 
     @property
     def first(self) -> ServedModel:
@@ -117,6 +121,33 @@ class CellLedgers:
 
 
 KV_SPLITS = ("slab", "static")
+
+
+def build_cuda_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, block_size: int, kv_cache_bytes: int,
+                    num_blocks: int) -> Cell:
+    """A cell of one model on the CUDA device: weights and KV pool allocated here, in GPU memory,
+    and exported as CUDA IPC handles (``tandem.cuda.ipc``) that prefill and decode open. The
+    weights run as they are (cuBLAS): the CPU weight formats do not apply."""
+    import torch
+
+    from tandem.cuda.ipc import export_tensors
+
+    if len(specs) != 1:
+        raise ValueError("a CUDA cell serves one model; several models per cell run on --device cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    spec = specs[0]
+    model_dir = resolve_model(spec.path)
+    config = ModelConfig.from_dir(model_dir)
+    kv = spec.kv_dtype or kv_dtype or dtype
+    blocks = num_blocks or num_blocks_for_budget(config, kv_cache_bytes, block_size, parse_dtype(kv))
+    view = KVPoolSpec.for_model(config, blocks, block_size, parse_dtype(kv))
+    pool = KVPool.create(view, "cuda")
+    weights = {k: v.to("cuda") for k, v in load_checkpoint(model_dir, config, parse_dtype(dtype)).items()}
+    name = spec.served_name(model_dir)
+    model = ServedModel(name, model_dir, config, None, view, 0, dtype, kv, WeightFormat.FP32,
+                        BlockLedger(BlockAllocator(blocks, block_size)), cuda_weights=export_tensors(weights))
+    return Cell({name: model}, None, None, cuda_kv=export_tensors({"kv": pool.tensor}), device_tensors=[weights, pool])
 
 
 def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quantization: str, block_size: int,

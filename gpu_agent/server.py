@@ -15,7 +15,7 @@ import grpc
 from gpu_agent.blocks import BlockLedger
 from gpu_agent.config import AgentConfig
 from gpu_agent.leases import Leases
-from gpu_agent.models import Cell, build_cell
+from gpu_agent.models import Cell, build_cell, build_cuda_cell
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_slab import SlabBlockAllocator
@@ -83,9 +83,11 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         return agent_pb2.RegisterReply(
             cell_id=self.config.cell_id,
             model_dir=str(model.model_dir),
-            weights_shm_name=model.weights.name,
+            weights_shm_name=model.weights.name if model.weights is not None else "",
+            cuda_weights=model.cuda_weights,
+            cuda_kv=self.cell.cuda_kv,
             kv_pool=agent_pb2.KVPoolInfo(
-                shm_name=self.cell.kv_store.name, num_layers=spec.num_layers, num_blocks=spec.num_blocks,
+                shm_name=self.cell.kv_store.name if self.cell.kv_store is not None else "", num_layers=spec.num_layers, num_blocks=spec.num_blocks,
                 block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                 dtype=model.kv_dtype, layout=spec.layout, offset_bytes=model.kv_offset,
             ),
@@ -210,6 +212,9 @@ def cell_stats(cell: Cell, partition: common_pb2.Partition, leases: Leases) -> a
 
 def build_state(config: AgentConfig) -> Cell:
     """Load the weights into shared memory and create the shared KV pool (the slow part)."""
+    if config.device == "cuda":
+        return build_cuda_cell(config.models, dtype=config.dtype, kv_dtype=config.kv_dtype, block_size=config.block_size,
+                               kv_cache_bytes=int(config.kv_cache_gb * (1 << 30)), num_blocks=config.num_blocks)
     return build_cell(config.models, dtype=config.dtype, kv_dtype=config.kv_dtype, quantization=config.quantization,
                       block_size=config.block_size, kv_cache_bytes=int(config.kv_cache_gb * (1 << 30)),
                       num_blocks=config.num_blocks, shm_prefix=config.shm_prefix, kv_split=config.kv_split)

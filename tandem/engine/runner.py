@@ -67,6 +67,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.config = cfg
+        # Logits copied to the host by ``finish`` (a GPU runner whose caller samples on the CPU).
+        self.host_logits = False
 
     @classmethod
     def from_dir(
@@ -144,7 +146,8 @@ class ModelRunner:
         """Logits [num_seqs_with_need_logits, vocab] (fp32) of each such sequence's last token."""
         if state.next_layer != self.num_layers:
             raise ValueError(f"forward pass stopped at layer {state.next_layer} of {self.num_layers}")
-        return self.model.logits(state.hidden[state.logit_rows])
+        logits = self.model.logits(state.hidden[state.logit_rows])
+        return logits.cpu() if self.host_logits else logits
 
     # ---------------------------------------------------------------- whole passes
     @torch.inference_mode()

@@ -101,16 +101,27 @@ class CellMember:
 
     def _attach(self, reply: agent_pb2.RegisterReply) -> ModelRunner:
         config = ModelConfig.from_dir(self.model_dir)
-        store, weights = attach_weights(reply.weights_shm_name)
         info = reply.kv_pool
         spec = KVPoolSpec(info.num_layers, info.num_blocks, info.block_size, info.num_kv_heads, info.head_dim,
                           parse_dtype(info.dtype), info.layout or "layer")
-        pool = KVPool.attach(spec, info.shm_name, info.offset_bytes)
-        self._stores = [store] + ([pool.store] if pool.store is not None else [])
+        if reply.cuda_kv:
+            # A CUDA cell: the agent's GPU memory, mapped through its IPC handles (no copy).
+            from tandem.cuda.ipc import open_tensors
+
+            weights = open_tensors(reply.cuda_weights)
+            pool = KVPool(spec, open_tensors(reply.cuda_kv)["kv"])
+            log.info("%s mapped the agent's weights and KV pool on %s by CUDA IPC handle", self.service_id,
+                     pool.tensor.device)
+        else:
+            store, weights = attach_weights(reply.weights_shm_name)
+            pool = KVPool.attach(spec, info.shm_name, info.offset_bytes)
+            self._stores = [store] + ([pool.store] if pool.store is not None else [])
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
         model = build_model(self.model_dir, config, weights, "torch", fmt)
         warm_up(model)  # before the service says it is ready, not on its first request
-        return ModelRunner(model, pool)
+        runner = ModelRunner(model, pool)
+        runner.host_logits = pool.tensor.device.type != "cpu"  # the services sample on the host
+        return runner
 
     async def _follow_partition(self) -> None:
         while True:

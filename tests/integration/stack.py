@@ -73,6 +73,7 @@ class Stack:
     # Off unless a test is about admission: the others send bursts (16 to 200 streams) that
     # the CPU cannot serve within the default 2 s TTFT SLO, and must see every one served.
     admission: str = "off"
+    agent_args: list[str] = field(default_factory=list)  # more gpu_agent flags (``--device cuda``)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -116,7 +117,7 @@ class Stack:
         port = str(self.ports[name])
         return {
             "gpu_agent": ["--model", str(self.model_dir), "--port", port, "--num-blocks", str(self.num_blocks),
-                          "--block-size", str(self.block_size)],
+                          "--block-size", str(self.block_size), *self.agent_args],
             "decode_svc": [*agent, "--port", port],
             "prefill_svc": [*agent, "--port", port, "--decode-address", self.address("decode_svc")],
             "router": ["--model", str(self.model_dir), "--grpc-port", port, "--http-port", "0", "--admission", self.admission,
@@ -126,7 +127,8 @@ class Stack:
     def start_process(self, name: str, timeout_s: float = 120.0) -> None:
         assert self.redis is not None
         # extra_env may override the cell id (it names the shared-memory segments: one per stack)
-        env = {**os.environ, "REDIS_URL": self.redis.url, "PYTHONPATH": str(ROOT), "TANDEM_CELL_ID": "cell0",
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = {**os.environ, "REDIS_URL": self.redis.url, "PYTHONPATH": path, "TANDEM_CELL_ID": "cell0",
                **self.extra_env}
         log = open(self.log_dir / f"{name}.log", "ab")
         offset = len(self.logs(name))
