@@ -9,6 +9,9 @@ any depth. Outputs are meaningless; run with ``ignore_eos`` and fixed lengths.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,3 +72,41 @@ def tiny_config(vocab_size: int = 512, num_layers: int = 2) -> ModelConfig:
         num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True,
     )
+
+
+# A model directory whose weights are random carries this file instead of safetensors.
+MARKER = "random_weights.json"
+
+
+def random_seed_of(model_dir: str | Path) -> int | None:
+    """The seed of a random-weight model directory (``write_random_model``), else None."""
+    marker = Path(model_dir) / MARKER
+    if not marker.exists():
+        return None
+    return int(json.loads(marker.read_text()).get("seed", 0))
+
+
+def write_random_model(out_dir: str | Path, shape: ModelShape, *, tokenizer_dir: str | Path | None = None,
+                       vocab_size: int | None = None, seed: int = 0, max_position_embeddings: int = 8192) -> Path:
+    """A model directory of ``shape`` with random weights: config.json, the marker (no weight
+    files: loading draws them, on the device that loads them) and, from ``tokenizer_dir``, a
+    tokenizer. ``vocab_size`` overrides the shape's, so that every id the model emits is one the
+    tokenizer can decode."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = config_for_shape(shape, max_position_embeddings)
+    raw = {
+        "architectures": [c.architecture], "model_type": "qwen3" if c.qk_norm else "llama",
+        "vocab_size": vocab_size or c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
+    (out / MARKER).write_text(json.dumps({"seed": seed, "shape": shape.name}))
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return out

@@ -45,8 +45,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the Hugging Face checkpoint and return the engine's (fused) weights in ``dtype``."""
+    """Read the Hugging Face checkpoint and return the engine's (fused) weights in ``dtype``; a
+    random-weight directory (``random_weights.write_random_model``) gives its random weights."""
+    from tandem.engine.random_weights import random_seed_of, random_weights
+
     model_dir = Path(model_dir)
+    seed = random_seed_of(model_dir)
+    if seed is not None:
+        return random_weights(config, dtype, "cpu", seed=seed)
     raw: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:

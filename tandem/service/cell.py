@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -27,6 +27,9 @@ from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
 from tandem.rpc.tracing import service_client_interceptors
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+if TYPE_CHECKING:
+    from tandem.cuda.partition import PhaseStream, SmPartitions
 
 log = logging.getLogger("tandem.cell")
 T = TypeVar("T")
@@ -69,6 +72,8 @@ class CellMember:
         self._watch: asyncio.Task[None] | None = None
         self._report: asyncio.Task[None] | None = None
         self._pending_load: agent_pb2.PhaseLoad | None = None
+        self._sm_partitions: SmPartitions | None = None  # a CUDA cell: the green-context splits
+        self._phase_stream: PhaseStream | None = None
 
     @property
     def units(self) -> list[int]:
@@ -120,7 +125,11 @@ class CellMember:
         model = build_model(self.model_dir, config, weights, "torch", fmt)
         warm_up(model)  # before the service says it is ready, not on its first request
         runner = ModelRunner(model, pool)
-        runner.host_logits = pool.tensor.device.type != "cpu"  # the services sample on the host
+        if pool.tensor.device.type == "cuda":
+            runner.host_logits = True  # the services sample on the host
+            from tandem.cuda.partition import SmPartitions
+
+            self._sm_partitions = SmPartitions(pool.tensor.device.index or 0)
         return runner
 
     async def _follow_partition(self) -> None:
@@ -168,10 +177,37 @@ class CellMember:
         """Apply a newer partition; call only from the torch thread, at a boundary."""
         if self.partition.epoch == self._applied_epoch or not self.units:
             return False
-        apply_cpu_partition(self.units)
         self._applied_epoch = self.partition.epoch
+        if self._sm_partitions is not None:
+            self._apply_sm_partition(len(self.units))
+            assert self._phase_stream is not None
+            log.info("%s applied partition epoch %d: %d of %d SMs", self.service_id, self.partition.epoch,
+                     self._phase_stream.partition.sms(self._phase_stream.phase), self._sm_partitions.total_sms)
+            return True
+        apply_cpu_partition(self.units)
         log.info("%s applied partition epoch %d: cores %s", self.service_id, self.partition.epoch, self.units)
         return True
+
+    def _apply_sm_partition(self, sms: int) -> None:
+        """A CUDA cell: the partition's unit count is this phase's SM count. The torch thread's
+        current stream becomes this phase's side of the nearest green-context split (the whole
+        device when the phase has every unit), so everything launched from here on runs there
+        and stays ordered after what was launched before (``PhaseStream.switch``)."""
+        from tandem.cuda.partition import PhaseStream
+
+        parts = self._sm_partitions
+        assert parts is not None
+        total = parts.total_sms
+        phase = "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
+        if sms >= total:
+            part = parts.partitions[total if phase == "prefill" else 0]
+        else:
+            part = parts.nearest(sms if phase == "prefill" else total - sms)
+        if self._phase_stream is None:
+            self._phase_stream = PhaseStream(phase, part)
+            torch.cuda.set_stream(self._phase_stream.stream)
+        else:
+            torch.cuda.set_stream(self._phase_stream.switch(part))
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run torch work on the member's torch thread."""
