@@ -45,8 +45,8 @@ def _up(args: argparse.Namespace, model_dir: Path, policy: str, log_path: Path) 
     port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    env["TANDEM_DTYPE"] = args.dtype  # gpu_agent's --dtype (tandem up passes no flag of its own)
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--device", args.device,
+           "--dtype", args.dtype,
            "--policy", policy, "--port", str(port), "--grpc-port", str(grpc_port), "--admission", "off",
            "--tbt-slo-ms", str(args.tbt_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms),
            "--kv-cache-gb", str(args.kv_cache_gb), "--cell-id", f"live{policy}"]

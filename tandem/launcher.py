@@ -143,6 +143,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--cell-id", "cell0", "id of the cell")
     add_flag(parser, "--device", "cpu", "where the cell's weights and KV pool live: cpu, or cuda (the GPU's memory, "
              "SM partitions for the phases; one model per cell)", choices=["cpu", "cuda"])
+    add_flag(parser, "--dtype", "float32", "weight and KV dtype the agent loads (bfloat16 halves the bytes; "
+             "a GPU's tensor cores want it)", choices=["float32", "bfloat16"])
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
     add_flag(parser, "--kv-split", "slab", "with several --model: share the KV pool by slabs (slab) or give each "
              "model an equal range (static)", choices=["slab", "static"])
@@ -308,7 +310,7 @@ class Supervisor:
                 "--port", _port(cell.agent_address), "--instance-id", cell.instance_id,
                 "--kv-cache-gb", str(plan.kv_cache_gb), "--kv-split", args.kv_split,
                 "--quantization", args.quantization, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
-                "--device", args.device, *core_flags]
+                "--device", args.device, "--dtype", args.dtype, *core_flags]
 
     def cell_of(self, child: Child) -> CellProcs | None:
         return next((cell for cell in self.cells if child in cell.children), None)

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 PHASES = ("prefill", "decode")
+# The fewest SMs a service's phase is given on a split (see ``SmPartitions``).
+SERVICE_MIN_SMS = 32
 
 
 def sm_granularity(major: int) -> int:
@@ -81,7 +83,11 @@ class Partition:
 class SmPartitions:
     """Every prefill/decode split of one device that a policy may choose, made up front."""
 
-    def __init__(self, device: int = 0, prefill_counts: Iterable[int] | None = None) -> None:
+    def __init__(self, device: int = 0, prefill_counts: Iterable[int] | None = None, min_sms: int = 0) -> None:
+        """``min_sms``: leave out the splits that give either side fewer SMs (the default counts
+        only). cuBLAS failed on this H100 with CUBLAS_STATUS_EXECUTION_FAILED for bf16 GEMMs
+        launched on a 12-SM green context, while 32 SMs and more ran every shape measured; the
+        services ask for ``SERVICE_MIN_SMS``."""
         if not torch.cuda.is_available():
             raise RuntimeError("SM partitions need a CUDA device; none is visible")
         props = torch.cuda.get_device_properties(device)
@@ -89,8 +95,8 @@ class SmPartitions:
         self.total_sms: int = props.multi_processor_count
         self.granularity = sm_granularity(props.major)
         step = self.granularity
-        wanted = sorted(set(prefill_counts)) if prefill_counts is not None else list(
-            range(step, self.total_sms - step + 1, step))
+        wanted = sorted(set(prefill_counts)) if prefill_counts is not None else [
+            k for k in range(step, self.total_sms - step + 1, step) if min(k, self.total_sms - k) >= min_sms]
         for k in wanted:
             if k % step or not 0 < k < self.total_sms:
                 raise ValueError(f"prefill SM count {k} must be a multiple of {step} in (0, {self.total_sms})")

@@ -199,6 +199,15 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
     ids = [1 + i % (cfg.vocab_size - 1) for i in range(prompt_tokens)]
     runner.forward([SeqInput(ids, 0, tables[0])])
+    if model.device.type == "cuda":
+        # A GPU's first GEMM of each new shape pays cuBLAS's set-up (a 2048-token prompt's first
+        # step took 1.06 s on an H100 where it runs in 63 ms): run a long prompt too, in chunks
+        # over the small scratch pool's blocks.
+        long_ids = [1 + i % (cfg.vocab_size - 1) for i in range(min(2048, cfg.max_position_embeddings - 1))]
+        long_pool = KVPool.create(KVPoolSpec.for_model(cfg, -(-len(long_ids) // block_size), block_size, model.dtype),
+                                  model.device)
+        ModelRunner(model, long_pool).forward([SeqInput(long_ids, 0, list(range(long_pool.spec.num_blocks)))])
+        torch.cuda.synchronize(model.device)
     for batch in decode_batches:
         runner.forward([SeqInput((1,), prompt_tokens, tables[i]) for i in range(batch)])
 

@@ -127,9 +127,9 @@ class CellMember:
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":
             runner.host_logits = True  # the services sample on the host
-            from tandem.cuda.partition import SmPartitions
+            from tandem.cuda.partition import SERVICE_MIN_SMS, SmPartitions
 
-            self._sm_partitions = SmPartitions(pool.tensor.device.index or 0)
+            self._sm_partitions = SmPartitions(pool.tensor.device.index or 0, min_sms=SERVICE_MIN_SMS)
         return runner
 
     async def _follow_partition(self) -> None:
