@@ -81,7 +81,7 @@ def _bench(args: argparse.Namespace, port: int, model_dir: Path, out: Path) -> d
            "--workload", args.workload, "--rate", *map(str, args.rates), "--num-requests", str(args.num_requests),
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
            "--tbt-slo-ms", str(args.tbt_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms), "--tokenizer", str(model_dir),
-           "--seed", str(args.seed), "--warmup", "4", "--no-progress", "--out", str(out)]
+           "--seed", str(args.seed), "--warmup", "4", "--timeout-s", "90", "--no-progress", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
