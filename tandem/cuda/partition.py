@@ -135,6 +135,11 @@ class SmPartitions:
         key = min(self.partitions, key=lambda k: (abs(k - prefill_sms), k))
         return self.partitions[key]
 
+    def for_phase(self, phase: str, sms: int) -> Partition:
+        """The split that gives ``phase`` the SM count nearest ``sms`` and at least one SM."""
+        key = nearest_split({k: (p.prefill_sms, p.decode_sms) for k, p in self.partitions.items()}, phase, sms)
+        return self.partitions[key]
+
     def close(self) -> None:
         """Destroy the streams and contexts (torch must not use the streams afterwards)."""
         driver = _driver()
@@ -184,3 +189,15 @@ def split_counts(total_sms: int, granularity: int, step: int | None = None) -> S
     if step % granularity:
         raise ValueError(f"step {step} is not a multiple of the granularity {granularity}")
     return list(range(step, total_sms - granularity + 1, step))
+
+
+def nearest_split(splits: dict[int, tuple[int, int]], phase: str, sms: int) -> int:
+    """The key of the split (prefill SMs, decode SMs) that gives ``phase`` the count nearest
+    ``sms`` among those that give it any (ties: the smaller count). A policy's unit count need
+    not be an offered one: the whole device, a count under the fewest a split allows, or one
+    between two steps all map to the closest split that still runs the phase."""
+    side = 0 if phase == "prefill" else 1
+    keys = [k for k, pair in splits.items() if pair[side] > 0]
+    if not keys:
+        raise ValueError(f"no split gives {phase} any SM")
+    return min(keys, key=lambda k: (abs(splits[k][side] - sms), splits[k][side]))

@@ -197,12 +197,8 @@ class CellMember:
 
         parts = self._sm_partitions
         assert parts is not None
-        total = parts.total_sms
         phase = "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
-        if sms >= total:
-            part = parts.partitions[total if phase == "prefill" else 0]
-        else:
-            part = parts.nearest(sms if phase == "prefill" else total - sms)
+        part = parts.for_phase(phase, sms)
         if self._phase_stream is None:
             self._phase_stream = PhaseStream(phase, part)
             torch.cuda.set_stream(self._phase_stream.stream)

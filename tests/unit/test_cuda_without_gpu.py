@@ -50,6 +50,28 @@ def test_sm_granularity_and_split_counts() -> None:
         split_counts(132, 8, 12)
 
 
+def test_a_phase_gets_the_nearest_split_that_gives_it_sms() -> None:
+    """The live failure this guards: decode asked for 13 of 132 SMs with splits of 32..96 (decode 100..36), and
+    the nearest prefill count (132 - 13 = 119 -> 132, the whole device to prefill) gave decode none."""
+    from tandem.cuda.partition import nearest_split
+
+    total = 132
+    splits = {0: (0, total), total: (total, 0), **{k: (k, total - k) for k in range(32, 101, 8)}}
+    rng = random.Random(5)
+    for _ in range(300):
+        phase, sms = rng.choice(["prefill", "decode"]), rng.randrange(1, total + 1)
+        key = nearest_split(splits, phase, sms)
+        side = 0 if phase == "prefill" else 1
+        got = splits[key][side]
+        assert got > 0
+        assert all(abs(got - sms) <= abs(pair[side] - sms) for pair in splits.values() if pair[side] > 0)
+    assert splits[nearest_split(splits, "decode", 13)] == (96, 36)
+    assert splits[nearest_split(splits, "decode", total)] == (0, total)
+    assert splits[nearest_split(splits, "prefill", 131)] == (total, 0)
+    with pytest.raises(ValueError, match="no split"):
+        nearest_split({0: (0, total)}, "prefill", 8)
+
+
 def test_ipc_descriptions_are_checked_before_any_cuda_call() -> None:
     from tandem.cuda.ipc import export_tensors, open_tensors
 
