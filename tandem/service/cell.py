@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.cell")
 T = TypeVar("T")
 RPC_TIMEOUT_S = 10.0
+GPU_SERVICE_THREADS = 4  # torch's host threads in a service of a CUDA cell
 
 
 def apply_cpu_partition(cores: list[int]) -> None:
@@ -127,6 +128,10 @@ class CellMember:
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":
             runner.host_logits = True  # the services sample on the host
+            # The host's share of a GPU step is small (sampling, plans): a few threads. torch's
+            # default (every core) in each of the cell's processes oversubscribes the host, and
+            # OpenMP's spinning workers then stall each other.
+            torch.set_num_threads(GPU_SERVICE_THREADS)
             from tandem.cuda.partition import SERVICE_MIN_SMS, SmPartitions
 
             self._sm_partitions = SmPartitions(pool.tensor.device.index or 0, min_sms=SERVICE_MIN_SMS)
