@@ -43,3 +43,20 @@ def write_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **over
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def prefill_then_greedy(runners: list[Any], prompts: list[list[int]], tables: list[list[int]],
+                        steps: int) -> tuple[list[int], list[list[int]]]:
+    """Prefill ``prompts`` on every runner of ``runners`` (each its own pool, same blocks), then
+    ``steps`` eager greedy decode steps on the first: (first tokens, [step][row] tokens after)."""
+    from tandem.engine.runner import SeqInput
+
+    firsts: list[int] = []
+    for runner in runners:
+        firsts = [int(x) for x in runner.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1)]
+    toks, after = list(firsts), []
+    for step in range(steps):
+        logits = runners[0].forward([SeqInput([t], len(p) + step, tab) for t, p, tab in zip(toks, prompts, tables)])
+        toks = [int(x) for x in logits.argmax(-1)]
+        after.append(toks)
+    return firsts, after

@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from tests.tiny_models import prefill_then_greedy
+
 pytestmark = pytest.mark.gpu
 
 
@@ -77,7 +79,6 @@ def test_greedy_tokens_on_cuda_equal_the_cpu_path(seed: int) -> None:
 @pytest.mark.parametrize("lookahead", [1, 4])
 def test_graph_decode_equals_eager_decode(lookahead: int) -> None:
     from tandem.cuda.graphs import GraphDecoder
-    from tandem.engine.runner import SeqInput
 
     rng = random.Random(lookahead)
     eager, graph_runner = _runner("cuda", 3), _runner("cuda", 3)
@@ -86,17 +87,9 @@ def test_graph_decode_equals_eager_decode(lookahead: int) -> None:
     for trial in range(5):
         n = rng.randrange(1, 9)
         prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 90))] for _ in range(n)]
-        tables = [list(range(i * 8 + 8 * trial % 40, (i + 1) * 8 + 8 * trial % 40)) for i in range(n)]
-        tables = [[b % 88 for b in t] for t in tables]
-        firsts = []
-        for r in (eager, graph_runner):
-            firsts = [int(x) for x in r.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1)]
-        # eager: lookahead steps one by one
-        toks, want = list(firsts), []
-        for step in range(lookahead):
-            logits = eager.forward([SeqInput([t], len(p) + step, tab) for t, p, tab in zip(toks, prompts, tables)])
-            toks = [int(x) for x in logits.argmax(-1)]
-            want.append(toks)
+        perm = rng.sample(range(88), n * 8)
+        tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+        firsts, want = prefill_then_greedy([eager, graph_runner], prompts, tables, lookahead)
         got, _ = decoder.decode(firsts, [len(p) + 1 for p in prompts], tables)
         torch.cuda.synchronize()
         assert got.tolist() == want, trial
@@ -105,7 +98,6 @@ def test_graph_decode_equals_eager_decode(lookahead: int) -> None:
 def test_graph_decode_on_a_partition_stream_equals_eager() -> None:
     from tandem.cuda.graphs import GraphDecoder
     from tandem.cuda.partition import SmPartitions
-    from tandem.engine.runner import SeqInput
 
     eager = _runner("cuda", 5)
     with SmPartitions(prefill_counts=[64]) as parts:
@@ -114,12 +106,7 @@ def test_graph_decode_on_a_partition_stream_equals_eager() -> None:
                                block_buckets=(8,), stream=stream)
         prompts = [[1, 2, 3, 4, 5], list(range(40)), [7] * 70]
         tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
-        firsts = [int(x) for x in eager.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1)]
-        want, toks = [], firsts
-        for step in range(2):
-            logits = eager.forward([SeqInput([t], len(p) + step, tab) for t, p, tab in zip(toks, prompts, tables)])
-            toks = [int(x) for x in logits.argmax(-1)]
-            want.append(toks)
+        firsts, want = prefill_then_greedy([eager], prompts, tables, 2)
         # Recompute the same positions through the graph: same K/V written again, same tokens.
         got, _ = decoder.decode(firsts, [len(p) + 1 for p in prompts], tables)
         stream.synchronize()

@@ -18,6 +18,7 @@ from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.random_weights import config_for_shape, random_weights, tiny_config
 from tandem.engine.runner import ModelRunner, SeqInput
+from tests.tiny_models import prefill_then_greedy
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 
@@ -126,13 +127,7 @@ def test_the_step_a_graph_captures_equals_eager_decode(lookahead: int) -> None:
         prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 100))] for _ in range(n)]
         perm = rng.sample(range(88), n * blocks)
         tables = [perm[i * blocks:(i + 1) * blocks] for i in range(n)]
-        for r in (eager, graphed):
-            firsts = [int(x) for x in r.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1)]
-        toks, want = list(firsts), []
-        for step in range(lookahead):
-            logits = eager.forward([SeqInput([t], len(p) + step, tab) for t, p, tab in zip(toks, prompts, tables)])
-            toks = [int(x) for x in logits.argmax(-1)]
-            want.append(toks)
+        firsts, want = prefill_then_greedy([eager, graphed], prompts, tables, lookahead)
         g = _Graph(None, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),  # type: ignore[arg-type]
                    torch.full((rows, blocks), 95, dtype=torch.int64), torch.zeros(lookahead, rows, dtype=torch.int64),
                    torch.zeros(rows, config.vocab_size))
