@@ -90,6 +90,7 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self.last_step_num_seqs = 0
+        self._step_stats = _StepStats()
         # prefill done -> first step that includes the request (wall clock: two processes)
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
@@ -487,13 +488,20 @@ class DecodeWorker:
         chunk_reqs = [(a.req, n) for a, n in chunks]
         firsts: list[StepOutput | None] = []  # one per chunk: the first token when its prompt is done
 
+        compute_ns = 0
+
         def work() -> list[StepOutput]:
+            nonlocal compute_ns
+            began = time.perf_counter_ns()
             member.apply_partition()
-            if not chunk_reqs:
-                return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
-            outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
-            firsts.extend(chunk_outs)
-            return outs
+            try:
+                if not chunk_reqs:
+                    return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
+                outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
+                firsts.extend(chunk_outs)
+                return outs
+            finally:
+                compute_ns = time.perf_counter_ns() - began
 
         start = time.perf_counter_ns()
         start_unix_ns = time.time_ns()
@@ -507,6 +515,9 @@ class DecodeWorker:
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
         self.last_step_num_seqs = len(batch)
         self.num_steps += 1
+        summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens)
+        if summary:
+            log.info("%s %s", self.service_id, summary)
         for active in batch:
             if active.span is not None:
                 active.span.add_event("step", {"tandem.batch_size": len(batch), "tandem.step_ns": self.last_step_ns})
@@ -691,6 +702,36 @@ class DecodeWorker:
     async def _release(self, req: Request) -> None:
         """Give the request's blocks back, publishing the K/V written so far."""
         await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
+
+
+class _StepStats:
+    """Step times over a window, for one log line every ``every_s``: how long a step took from
+    the event loop's view, how much of it the torch thread computed (the rest is waiting: for the
+    executor, for the GIL held by the loop's own work), batch and chunk sizes. The first figure a
+    slow cell needs (the CUDA cell's steps ran ten times slower than its engine)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_ns = int(every_s * 1e9)
+        self._reset(time.perf_counter_ns())
+
+    def _reset(self, now: int) -> None:
+        self.since, self.steps, self.wall, self.compute, self.seqs, self.chunk = now, 0, 0, 0, 0, 0
+
+    def add(self, wall_ns: int, compute_ns: int, num_seqs: int, chunk_tokens: int) -> str:
+        self.steps += 1
+        self.wall += wall_ns
+        self.compute += compute_ns
+        self.seqs += num_seqs
+        self.chunk += chunk_tokens
+        now = time.perf_counter_ns()
+        if now - self.since < self.every_ns:
+            return ""
+        n = self.steps
+        line = (f"steps: {n} in {(now - self.since) / 1e9:.0f} s, mean {self.wall / n / 1e6:.1f} ms of which "
+                f"{self.compute / n / 1e6:.1f} ms computing; mean {self.seqs / n:.1f} sequences, "
+                f"{self.chunk / n:.0f} prompt tokens a step")
+        self._reset(now)
+        return line
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
