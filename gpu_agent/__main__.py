@@ -87,9 +87,11 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
             log.info(
-                "gpu_agent %s ready at %s (pid %d): %s, %s, loaded in %.1fs, shared memory %s",
+                "gpu_agent %s ready at %s (pid %d): %s, %s, loaded in %.1fs, %s",
                 config.cell_id, address, os.getpid(), ", ".join(cell.models), _describe_kv(cell),
-                time.perf_counter() - started, SHM_DIR / f"tandem-{config.shm_prefix}-*",
+                time.perf_counter() - started,
+                f"shared memory {SHM_DIR / f'tandem-{config.shm_prefix}-*'}" if cell.kv_store is not None
+                else "weights and KV pool in GPU memory, handed out as CUDA IPC handles",
             )
             await stop.wait()
     finally:
