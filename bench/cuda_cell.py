@@ -63,7 +63,7 @@ def bench_partitions() -> dict[str, Any]:
 
 
 def bench_repartition(parts: SmPartitions, n: int = 2000) -> dict[str, Any]:
-    a, b = parts.nearest(32), parts.nearest(96)
+    a, b = parts.for_phase("prefill", 32), parts.for_phase("prefill", 96)
     x = torch.zeros(1024, device="cuda")
     phase = PhaseStream("prefill", a)
     # host cost of a switch alone

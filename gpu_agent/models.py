@@ -25,7 +25,6 @@ from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
 from tandem.engine.kv_slab import KVSlabPool
 from tandem.engine.model_cache import resolve_model
 from tandem.engine.quant import WeightFormat, effective_format
-from tandem.engine.random_weights import random_seed_of, random_weights
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
 from tandem.service.model_spec import ModelSpec
@@ -144,11 +143,7 @@ def build_cuda_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, 
     blocks = num_blocks or num_blocks_for_budget(config, kv_cache_bytes, block_size, parse_dtype(kv))
     view = KVPoolSpec.for_model(config, blocks, block_size, parse_dtype(kv))
     pool = KVPool.create(view, "cuda")
-    seed = random_seed_of(model_dir)
-    if seed is not None:  # drawn on the GPU: an 8B model's random weights would take minutes on the host
-        weights = random_weights(config, parse_dtype(dtype), "cuda", seed=seed)
-    else:
-        weights = {k: v.to("cuda") for k, v in load_checkpoint(model_dir, config, parse_dtype(dtype)).items()}
+    weights = load_checkpoint(model_dir, config, parse_dtype(dtype), "cuda")
     name = spec.served_name(model_dir)
     model = ServedModel(name, model_dir, config, None, view, 0, dtype, kv, WeightFormat.FP32,
                         BlockLedger(BlockAllocator(blocks, block_size)), cuda_weights=export_tensors(weights))

@@ -96,7 +96,7 @@ class SmPartitions:
         self.granularity = sm_granularity(props.major)
         step = self.granularity
         wanted = sorted(set(prefill_counts)) if prefill_counts is not None else [
-            k for k in range(step, self.total_sms - step + 1, step) if min(k, self.total_sms - k) >= min_sms]
+            k for k in split_counts(self.total_sms, step) if min(k, self.total_sms - k) >= min_sms]
         for k in wanted:
             if k % step or not 0 < k < self.total_sms:
                 raise ValueError(f"prefill SM count {k} must be a multiple of {step} in (0, {self.total_sms})")
@@ -129,11 +129,6 @@ class SmPartitions:
     @property
     def prefill_counts(self) -> list[int]:
         return sorted(self.partitions)
-
-    def nearest(self, prefill_sms: float) -> Partition:
-        """The offered split whose prefill side is closest to ``prefill_sms`` (ties: fewer)."""
-        key = min(self.partitions, key=lambda k: (abs(k - prefill_sms), k))
-        return self.partitions[key]
 
     def for_phase(self, phase: str, sms: int) -> Partition:
         """The split that gives ``phase`` the SM count nearest ``sms`` and at least one SM."""

@@ -36,6 +36,7 @@ from tandem.perf.hardware import HardwareSpec, hardware_preset
 from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import ModelShape, model_preset
 from tandem.perf.profile import PerfProfile
+from tandem.perf.profiler import heldout_mape
 
 Progress = Callable[[str], None]
 _BLOCK = 16
@@ -154,15 +155,6 @@ class CudaWorkload:
         return lambda: dec.decode(tokens, lens, tables)
 
 
-def _mape(samples: Sequence[CalibrationSample], calibration: Calibration) -> dict[str, float]:
-    errors: dict[str, list[float]] = {}
-    for s in samples:
-        err = abs(s.predicted_s * calibration.factor(s.phase, s.num_tokens, s.units) - s.measured_s) / s.measured_s
-        errors.setdefault(s.phase, []).append(err)
-        errors.setdefault(f"{s.phase}@{s.units}", []).append(err)
-    return {k: statistics.fmean(v) for k, v in errors.items()}
-
-
 def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, contention: bool = True,
                  progress: Progress = lambda line: None) -> tuple[PerfProfile, dict[str, object]]:
     """Profile this GPU with the engine on random weights of preset ``model``. Returns the
@@ -197,7 +189,7 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
                     progress(f"{'held-out ' if heldout else ''}{phase} {size} on {u} SMs: {t * 1e3:.2f} ms "
                              f"(roofline {sample.predicted_s * 1e3:.2f} ms, ratio {sample.ratio:.2f})")
             calibration = Calibration.fit(fit, per_units=True)
-            heldout_error = _mape(held, calibration)
+            heldout_error = heldout_mape(held, calibration)
             progress("held-out error: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in sorted(heldout_error.items())))
             guard = None
             contention_raw: list[dict[str, object]] = []

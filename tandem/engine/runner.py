@@ -201,8 +201,8 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
     runner.forward([SeqInput(ids, 0, tables[0])])
     if model.device.type == "cuda":
         # A GPU's first GEMM of each new shape pays cuBLAS's set-up (a 2048-token prompt's first
-        # step took 1.06 s on an H100 where it runs in 63 ms): run a long prompt too, in chunks
-        # over the small scratch pool's blocks.
+        # step took 1.06 s on an H100 where it runs in 63 ms): run a 2048-token prompt too, on a
+        # scratch pool of its own.
         long_ids = [1 + i % (cfg.vocab_size - 1) for i in range(min(2048, cfg.max_position_embeddings - 1))]
         long_pool = KVPool.create(KVPoolSpec.for_model(cfg, -(-len(long_ids) // block_size), block_size, model.dtype),
                                   model.device)

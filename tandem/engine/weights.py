@@ -44,21 +44,23 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the Hugging Face checkpoint and return the engine's (fused) weights in ``dtype``; a
-    random-weight directory (``random_weights.write_random_model``) gives its random weights."""
+def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Read the Hugging Face checkpoint and return the engine's (fused) weights in ``dtype`` on
+    ``device``; a random-weight directory (``random_weights.write_random_model``) gives its random
+    weights, drawn on ``device`` (an 8B model's would take minutes on the host)."""
     from tandem.engine.random_weights import random_seed_of, random_weights
 
     model_dir = Path(model_dir)
     seed = random_seed_of(model_dir)
     if seed is not None:
-        return random_weights(config, dtype, "cpu", seed=seed)
+        return random_weights(config, dtype, device, seed=seed)
     raw: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 raw[key] = f.get_tensor(key)
-    return prepare_weights(raw, config, dtype)
+    return {name: tensor.to(device) for name, tensor in prepare_weights(raw, config, dtype).items()}
 
 
 def _take(raw: dict[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:

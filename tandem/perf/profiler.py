@@ -361,7 +361,7 @@ def _fit_op_overhead(hardware: HardwareSpec, shape: ModelShape, runs: Sequence[_
     return max(0.0, min(estimates)) if estimates else hardware.op_overhead_s
 
 
-def _mape(samples: Sequence[CalibrationSample], calibration: Calibration) -> dict[str, float]:
+def heldout_mape(samples: Sequence[CalibrationSample], calibration: Calibration) -> dict[str, float]:
     """Mean absolute percentage error (a fraction) per phase, and per phase and unit count under
     keys "<phase>@<units>" (where a shared calibration misfits one unit count)."""
     errors: dict[str, list[float]] = {}
@@ -469,7 +469,7 @@ def profile_cpu(
     heldout = [_sample(model, r, grid.decode_context, grid.hybrid_decode_batch) for r in runs if r.heldout]
 
     calibration = Calibration.fit(fit, per_units=True)
-    heldout_error = _mape(heldout, calibration)
+    heldout_error = heldout_mape(heldout, calibration)
     if heldout:
         progress(
             "held-out error of the calibrated model: "
