@@ -60,3 +60,19 @@ def prefill_then_greedy(runners: list[Any], prompts: list[list[int]], tables: li
         toks = [int(x) for x in logits.argmax(-1)]
         after.append(toks)
     return firsts, after
+
+
+def tiny_random_runner(device: str = "cpu", seed: int = 0, num_blocks: int = 96) -> Any:
+    """A ModelRunner of ``random_weights.tiny_config`` with wide random weights (std 0.2: logits
+    stand apart, so devices and kernels agree on every argmax), drawn on the host from ``seed``
+    and moved to ``device``, over a private pool of ``num_blocks`` blocks of 16 tokens."""
+    from tandem.engine.attention import make_backend
+    from tandem.engine.kv_pool import KVPool, KVPoolSpec
+    from tandem.engine.model import LlamaModel
+    from tandem.engine.random_weights import random_weights, tiny_config
+    from tandem.engine.runner import ModelRunner
+
+    config = tiny_config()
+    weights = {k: v.to(device) for k, v in random_weights(config, torch.float32, "cpu", seed=seed, std=0.2).items()}
+    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, 16), device)
+    return ModelRunner(LlamaModel(config, weights, make_backend("torch", config.num_heads)), pool)

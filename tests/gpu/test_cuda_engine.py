@@ -9,23 +9,9 @@ import random
 import pytest
 import torch
 
-from tests.tiny_models import prefill_then_greedy
+from tests.tiny_models import prefill_then_greedy, tiny_random_runner
 
 pytestmark = pytest.mark.gpu
-
-
-def _runner(device: str, seed: int, num_blocks: int = 96):  # type: ignore[no-untyped-def]
-    from tandem.engine.attention import make_backend
-    from tandem.engine.kv_pool import KVPool, KVPoolSpec
-    from tandem.engine.model import LlamaModel
-    from tandem.engine.random_weights import random_weights, tiny_config
-    from tandem.engine.runner import ModelRunner
-
-    config = tiny_config()
-    weights = random_weights(config, torch.float32, "cpu", seed=seed, std=0.2)
-    weights = {k: v.to(device) for k, v in weights.items()}
-    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, 16), device)
-    return ModelRunner(LlamaModel(config, weights, make_backend("torch", config.num_heads)), pool)
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +57,8 @@ def test_greedy_tokens_on_cuda_equal_the_cpu_path(seed: int) -> None:
     rng = random.Random(seed)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 70))] for _ in range(rng.randrange(2, 9))]
     chunk = rng.choice([8, 16, 32])
-    cpu = _serve(_runner("cpu", seed), prompts, 12, chunk, random.Random(seed))
-    gpu = _serve(_runner("cuda", seed), prompts, 12, chunk, random.Random(seed))
+    cpu = _serve(tiny_random_runner("cpu", seed), prompts, 12, chunk, random.Random(seed))
+    gpu = _serve(tiny_random_runner("cuda", seed), prompts, 12, chunk, random.Random(seed))
     assert gpu == cpu
 
 
@@ -81,7 +67,7 @@ def test_graph_decode_equals_eager_decode(lookahead: int) -> None:
     from tandem.cuda.graphs import GraphDecoder
 
     rng = random.Random(lookahead)
-    eager, graph_runner = _runner("cuda", 3), _runner("cuda", 3)
+    eager, graph_runner = tiny_random_runner("cuda", 3), tiny_random_runner("cuda", 3)
     decoder = GraphDecoder(graph_runner.model, graph_runner.pool, scratch_block=95, lookahead=lookahead,
                            batch_buckets=(1, 4, 8), block_buckets=(4, 8))
     for trial in range(5):
@@ -99,7 +85,7 @@ def test_graph_decode_on_a_partition_stream_equals_eager() -> None:
     from tandem.cuda.graphs import GraphDecoder
     from tandem.cuda.partition import SmPartitions
 
-    eager = _runner("cuda", 5)
+    eager = tiny_random_runner("cuda", 5)
     with SmPartitions(prefill_counts=[64]) as parts:
         stream = parts.partitions[64].decode_stream
         decoder = GraphDecoder(eager.model, eager.pool, scratch_block=95, lookahead=2, batch_buckets=(4,),

@@ -18,7 +18,7 @@ from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.random_weights import config_for_shape, random_weights, tiny_config
 from tandem.engine.runner import ModelRunner, SeqInput
-from tests.tiny_models import prefill_then_greedy
+from tests.tiny_models import prefill_then_greedy, tiny_random_runner
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 
@@ -111,13 +111,7 @@ def test_the_step_a_graph_captures_equals_eager_decode(lookahead: int) -> None:
 
     rng = random.Random(lookahead)
     config = tiny_config()
-    weights = random_weights(config, seed=3, std=0.2)
-
-    def runner() -> ModelRunner:
-        pool = KVPool.create(KVPoolSpec.for_model(config, 96, 16))
-        return ModelRunner(LlamaModel(config, weights, make_backend("torch", config.num_heads)), pool)
-
-    eager, graphed = runner(), runner()
+    eager, graphed = tiny_random_runner(seed=3), tiny_random_runner(seed=3)
     decoder = GraphDecoder.__new__(GraphDecoder)  # the capture itself needs CUDA; the step does not
     decoder.pool, decoder.lookahead, decoder.scratch_block = graphed.pool, lookahead, 95
     decoder._model = copy.copy(graphed.model)
