@@ -117,7 +117,8 @@ def main() -> int:
     model_dir = write_random_model(work / "model", shape, tokenizer_dir=args.tokenizer_dir, vocab_size=49152)
     result: dict[str, Any] = {"shape": shape.name, "device": args.device, "dtype": args.dtype, "workload": args.workload,
                               "tbt_slo_ms": args.tbt_slo_ms, "ttft_slo_ms": args.ttft_slo_ms, "rates": args.rates,
-                              "num_requests": args.num_requests, "profile": args.profile, "policies": {}}
+                              "num_requests": args.num_requests, "profile": args.profile,
+                              "cuda_graphs": os.environ.get("TANDEM_CUDA_GRAPHS", "on (default)"), "policies": {}}
     if args.device == "cuda":
         import torch
 

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from typing import TYPE_CHECKING
 
 import grpc
 
 from decode_svc.config import DecodeConfig, parse_args
 from decode_svc.server import DecodeServicer, DecodeWorker
 from tandem.engine.quant import WeightFormat
+from tandem.engine.runner import ModelRunner
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
 from tandem.service.runtime import VitalTasks, service_main, setup_logging, watch_agent
 from tandem.state.request_store import RequestStore
+
+if TYPE_CHECKING:
+    from tandem.cuda.graphs import ServiceGraphs
 
 
 async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
@@ -26,9 +32,10 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
                         weight_format=WeightFormat.parse(config.quantization) if config.quantization else None,
                         model=config.model)
     runner = await member.join()
+    graphs = await _graphs(config, member, runner, log)
     redis = open_redis(config.redis_url)
     records = RequestStore(redis) if redis is not None else None
-    worker = DecodeWorker(config, member, runner, records)
+    worker = DecodeWorker(config, member, runner, records, graphs)
     if config.resume:
         resumed = await worker.resume()
         if resumed:
@@ -59,6 +66,40 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
         if redis is not None:
             await redis.aclose()
         tasks.exit_if_failed()
+
+
+async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
+                  log: logging.Logger) -> ServiceGraphs | None:
+    """A CUDA cell's decode steps from CUDA graphs (``--cuda-graphs``), the common buckets of
+    the first partition's stream captured before the service says it is ready."""
+    if not config.cuda_graphs or runner.model.device.type != "cuda":
+        return None
+    if member.scratch_block is None:
+        log.warning("the cell's agent reserves no scratch block: decoding without CUDA graphs")
+        return None
+    from tandem.cuda.graphs import ServiceGraphs
+
+    def build() -> ServiceGraphs:
+        import torch
+
+        graphs = ServiceGraphs(runner.model, runner.pool, scratch_block=member.scratch_block or 0,
+                               max_rows=config.max_batch_requests,
+                               max_context=runner.config.max_position_embeddings)
+        # The stream in force gets the larger buckets; every other stream decode may be
+        # switched to gets the common ones (16 rows, 4096 tokens), so that a partition change
+        # rarely pays for a capture within a step.
+        for i, stream in enumerate(member.phase_streams()):
+            with torch.cuda.stream(stream):
+                if i == 0:
+                    graphs.warm(64, 512)
+                else:
+                    graphs.warm(16, -(-4096 // runner.pool.spec.block_size))
+        return graphs
+
+    graphs = await member.run(build)
+    log.info("%s captured %d CUDA graphs in %.1f s (batch buckets %s, context buckets %s blocks)",
+             config.service_id, graphs.num_graphs, graphs.capture_s, graphs.batch_buckets, graphs.block_buckets)
+    return graphs
 
 
 def main(argv: list[str] | None = None) -> None:

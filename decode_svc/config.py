@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
 from tandem.service.flags import flag, parse_bool, parse_config
 from tandem.service.member_config import MemberConfig
+from tandem.service.step_profile import parse_window
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class DecodeConfig(MemberConfig):
     quantization: str = field(metadata=flag(  # "": the format the cell's agent names
         "--quantization", "", f"run the linear layers in this format instead of the cell's ({FORMAT_NAMES}; "
         "see gpu_agent --quantization)"))
+    cuda_graphs: bool = field(metadata=flag(
+        "--cuda-graphs", True, "on a CUDA cell, replay decode steps from CUDA graphs (steps with prompt chunks run "
+        "eagerly)", type=parse_bool))
+    step_stats_s: float = field(metadata=flag(
+        "--step-stats-s", 30.0, "log the steps' mean times every this many seconds", type=float))
+    torch_profile_dir: str = field(metadata=flag(
+        "--torch-profile-dir", "", "write a torch.profiler trace of --torch-profile-steps steps here"))
+    torch_profile_steps: str = field(metadata=flag(
+        "--torch-profile-steps", "200:5", "START:COUNT, the steps --torch-profile-dir records"))
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
@@ -28,6 +38,9 @@ class DecodeConfig(MemberConfig):
     def __post_init__(self) -> None:
         if self.max_batch_requests <= 0:
             raise ValueError(f"--max-batch-requests must be positive, got {self.max_batch_requests}")
+        if self.step_stats_s <= 0:
+            raise ValueError(f"--step-stats-s must be positive, got {self.step_stats_s}")
+        parse_window(self.torch_profile_steps)
         if self.quantization:
             WeightFormat.parse(self.quantization)
         # Request records live in Redis: without it there is nothing to resume from.

@@ -23,8 +23,10 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
+import torch
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
@@ -32,13 +34,17 @@ from decode_svc.config import DecodeConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
-from tandem.engine.step import Request, StepOutput, forward_and_sample, hybrid_step
+from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, step_inputs
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+from tandem.service.step_profile import StepProfiler, parse_window
 from tandem.state.request_store import OutputUpdate, RequestExistsError, RequestStore
 from tandem.state.schema import LoadReport, RequestRecord, RequestState
+
+if TYPE_CHECKING:
+    from tandem.cuda.graphs import ServiceGraphs
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
@@ -72,7 +78,7 @@ class _Active:
 
 class DecodeWorker:
     def __init__(self, config: DecodeConfig, member: CellMember, runner: ModelRunner,
-                 records: RequestStore | None) -> None:
+                 records: RequestStore | None, graphs: ServiceGraphs | None = None) -> None:
         self.config = config
         self.member = member
         self.runner = runner
@@ -90,7 +96,12 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self.last_step_num_seqs = 0
-        self._step_stats = _StepStats()
+        self._step_stats = _StepStats(config.step_stats_s)
+        self._last_step_end_ns = 0  # perf_counter: the loop's time between steps
+        self._profiler = StepProfiler(config.torch_profile_dir, parse_window(config.torch_profile_steps),
+                                      config.service_id)
+        self.graphs = graphs
+        self._graph_failed = False
         # prefill done -> first step that includes the request (wall clock: two processes)
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
@@ -358,6 +369,7 @@ class DecodeWorker:
                 self._report_load()  # on every change of state, and every few steps
                 was_busy = busy
             if not busy:
+                self._last_step_end_ns = 0  # an idle wait is not time between steps
                 self._wake.clear()
                 if not self._unwritten_states:
                     await self._wake.wait()
@@ -376,6 +388,7 @@ class DecodeWorker:
                 await self._step(batch, chunks)
             elif self.preempted:
                 # Only requests waiting for blocks: others (prefill's) hold them for now.
+                self._last_step_end_ns = 0
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
@@ -482,26 +495,52 @@ class DecodeWorker:
             active.preempted_ns = 0
             self.running.append(active)
 
+    def _graph_logits(self, requests: list[Request]) -> torch.Tensor | None:
+        """A pure decode step's logits from a CUDA graph (torch thread), or None: no graphs, or a
+        request computes more than its last token (readmitted after a preemption). A failing
+        graph is logged once and the service decodes eagerly from then on."""
+        if self.graphs is None or self._graph_failed:
+            return None
+        lens = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests]
+        if any(r.num_computed_tokens != n - 1 for r, n in zip(requests, lens, strict=True)):
+            return None
+        try:
+            return self.graphs.logits([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                                       for r in requests], lens, [r.block_ids for r in requests])
+        except Exception:
+            self._graph_failed = True
+            log.exception("%s: a CUDA-graph decode step failed; decoding eagerly from now on", self.service_id)
+            return None
+
     async def _step(self, batch: list[_Active], chunks: list[tuple[_Active, int]]) -> None:
         requests = [a.req for a in batch]
         runner, member = self.runner, self.member
         chunk_reqs = [(a.req, n) for a, n in chunks]
         firsts: list[StepOutput | None] = []  # one per chunk: the first token when its prompt is done
 
-        compute_ns = 0
+        compute_ns = forward_ns = 0
+        graphed = False
+        step = self.num_steps
 
         def work() -> list[StepOutput]:
-            nonlocal compute_ns
+            nonlocal compute_ns, forward_ns, graphed
             began = time.perf_counter_ns()
             member.apply_partition()
+            self._profiler.before(step)
             try:
                 if not chunk_reqs:
-                    return forward_and_sample(runner, self.sampler, requests, self.eos_token_ids)
+                    logits = self._graph_logits(requests)
+                    graphed = logits is not None
+                    if logits is None:
+                        logits = runner.forward(step_inputs(requests))
+                    forward_ns = time.perf_counter_ns() - began
+                    return sample_step(runner, self.sampler, requests, logits, self.eos_token_ids)
                 outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
                 firsts.extend(chunk_outs)
                 return outs
             finally:
                 compute_ns = time.perf_counter_ns() - began
+                self._profiler.after(step)
 
         start = time.perf_counter_ns()
         start_unix_ns = time.time_ns()
@@ -509,13 +548,16 @@ class DecodeWorker:
             done_ns = self._prefill_done_unix_ns.pop(active.req.request_id, None)
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
+        gap_ns = start - self._last_step_end_ns if self._last_step_end_ns else 0
         outputs = await member.run(work)
-        self.last_step_ns = time.perf_counter_ns() - start
+        self._last_step_end_ns = time.perf_counter_ns()
+        self.last_step_ns = self._last_step_end_ns - start
         self.last_step_end_unix_ns = time.time_ns()
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
         self.last_step_num_seqs = len(batch)
         self.num_steps += 1
-        summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens)
+        summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens,
+                                       forward_ns=forward_ns, gap_ns=gap_ns, graph=graphed)
         if summary:
             log.info("%s %s", self.service_id, summary)
         for active in batch:
@@ -707,7 +749,9 @@ class DecodeWorker:
 class _StepStats:
     """Step times over a window, for one log line every ``every_s``: how long a step took from
     the event loop's view, how much of it the torch thread computed (the rest is waiting: for the
-    executor, for the GIL held by the loop's own work), batch and chunk sizes. The first figure a
+    executor, for the GIL held by the loop's own work) and of that the forward pass until the
+    logits are on the host (the rest is sampling), how long the loop spent between steps (blocks,
+    admissions), how many steps replayed CUDA graphs, batch and chunk sizes. The first figures a
     slow cell needs (the CUDA cell's steps ran ten times slower than its engine)."""
 
     def __init__(self, every_s: float = 30.0) -> None:
@@ -716,20 +760,26 @@ class _StepStats:
 
     def _reset(self, now: int) -> None:
         self.since, self.steps, self.wall, self.compute, self.seqs, self.chunk = now, 0, 0, 0, 0, 0
+        self.forward = self.gap = self.graph_steps = 0
 
-    def add(self, wall_ns: int, compute_ns: int, num_seqs: int, chunk_tokens: int) -> str:
+    def add(self, wall_ns: int, compute_ns: int, num_seqs: int, chunk_tokens: int, *, forward_ns: int = 0,
+            gap_ns: int = 0, graph: bool = False) -> str:
         self.steps += 1
         self.wall += wall_ns
         self.compute += compute_ns
         self.seqs += num_seqs
         self.chunk += chunk_tokens
+        self.forward += forward_ns
+        self.gap += gap_ns
+        self.graph_steps += graph
         now = time.perf_counter_ns()
         if now - self.since < self.every_ns:
             return ""
         n = self.steps
         line = (f"steps: {n} in {(now - self.since) / 1e9:.0f} s, mean {self.wall / n / 1e6:.1f} ms of which "
-                f"{self.compute / n / 1e6:.1f} ms computing; mean {self.seqs / n:.1f} sequences, "
-                f"{self.chunk / n:.0f} prompt tokens a step")
+                f"{self.compute / n / 1e6:.1f} ms computing ({self.forward / n / 1e6:.1f} ms forward), "
+                f"{self.gap / n / 1e6:.1f} ms between steps; {self.graph_steps} from CUDA graphs; "
+                f"mean {self.seqs / n:.1f} sequences, {self.chunk / n:.0f} prompt tokens a step")
         self._reset(now)
         return line
 

@@ -55,6 +55,9 @@ class Cell:
     kv_store: SharedTensorStore | None  # None on a CUDA cell: cuda_kv
     slabs: KVSlabPool | None
     cuda_kv: bytes = b""  # a CUDA cell: the pool's IPC handle
+    # A CUDA cell: the pool's last block, outside the allocator: decode's CUDA-graph steps write
+    # the K/V of their padding rows there (tandem.cuda.graphs). None elsewhere.
+    scratch_block: int | None = None
     # A CUDA cell's weights and pool: the exporter keeps them alive while any service maps them.
     device_tensors: list[object] = field(default_factory=list)
 
@@ -141,13 +144,15 @@ def build_cuda_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, 
     config = ModelConfig.from_dir(model_dir)
     kv = spec.kv_dtype or kv_dtype or dtype
     blocks = num_blocks or num_blocks_for_budget(config, kv_cache_bytes, block_size, parse_dtype(kv))
-    view = KVPoolSpec.for_model(config, blocks, block_size, parse_dtype(kv))
+    # One block more than the allocator hands out: the scratch block of decode's graph steps.
+    view = KVPoolSpec.for_model(config, blocks + 1, block_size, parse_dtype(kv))
     pool = KVPool.create(view, "cuda")
     weights = load_checkpoint(model_dir, config, parse_dtype(dtype), "cuda")
     name = spec.served_name(model_dir)
     model = ServedModel(name, model_dir, config, None, view, 0, dtype, kv, WeightFormat.FP32,
                         BlockLedger(BlockAllocator(blocks, block_size)), cuda_weights=export_tensors(weights))
-    return Cell({name: model}, None, None, cuda_kv=export_tensors({"kv": pool.tensor}), device_tensors=[weights, pool])
+    return Cell({name: model}, None, None, cuda_kv=export_tensors({"kv": pool.tensor}), scratch_block=blocks,
+                device_tensors=[weights, pool])
 
 
 def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quantization: str, block_size: int,

@@ -86,6 +86,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             weights_shm_name=model.weights.name if model.weights is not None else "",
             cuda_weights=model.cuda_weights,
             cuda_kv=self.cell.cuda_kv,
+            scratch_block=self.cell.scratch_block,
             kv_pool=agent_pb2.KVPoolInfo(
                 shm_name=self.cell.kv_store.name if self.cell.kv_store is not None else "", num_layers=spec.num_layers, num_blocks=spec.num_blocks,
                 block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,7 @@ class GraphDecoder:
 
     def __init__(self, model: LlamaModel, pool: KVPool, *, scratch_block: int, lookahead: int = 1,
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, block_buckets: Sequence[int] = (64,),
-                 stream: torch.cuda.Stream | None = None, mempool: Any = None) -> None:
+                 stream: torch.cuda.Stream | None = None, mempool: Any = None, capture_all: bool = True) -> None:
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         if not 0 <= scratch_block < pool.spec.num_blocks:
@@ -100,9 +101,24 @@ class GraphDecoder:
         self._model = copy.copy(model)  # shares the weights; only the attention differs
         self._model.attention = StaticDecodeAttention()
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        for rows in self.batch_buckets:
-            for blocks in self.block_buckets:
-                self._graphs[rows, blocks] = self._capture(rows, blocks)
+        self.capture_s = 0.0  # time spent capturing, all buckets so far
+        if capture_all:  # else each bucket is captured on its first use
+            for rows in self.batch_buckets:
+                for blocks in self.block_buckets:
+                    self.graph(rows, blocks)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def graph(self, rows: int, blocks: int) -> _Graph:
+        """The graph of bucket (rows, blocks), captured now if it was not yet."""
+        g = self._graphs.get((rows, blocks))
+        if g is None:
+            began = time.perf_counter()
+            g = self._graphs[rows, blocks] = self._capture(rows, blocks)
+            self.capture_s += time.perf_counter() - began
+        return g
 
     def _step(self, g: _Graph) -> None:
         m, bs = self._model, self.pool.spec.block_size
@@ -135,7 +151,9 @@ class GraphDecoder:
         )
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(self.stream):
-            for _ in range(2):  # warm-up outside capture (allocator, cuBLAS handles); scratch only
+            # Warm-up outside capture (allocator, cuBLAS handles, new kernels); scratch only. A
+            # stream's first capture takes two, its later ones (new shapes) one.
+            for _ in range(1 if self._graphs else 2):
                 g.positions.zero_()
                 self._step(g)
             g.positions.zero_()
@@ -163,18 +181,95 @@ class GraphDecoder:
         for length, table in zip(seq_lens, block_tables, strict=True):
             if -(-(length - 1 + k) // bs) > len(table):
                 raise ValueError(f"{len(table)} blocks cannot hold {length - 1 + k} tokens after {k} step(s)")
-        rows, blocks = self.bucket(n, max(len(t) for t in block_tables))
-        g = self._graphs[rows, blocks]
-        host_tables = torch.full((rows, blocks), self.scratch_block, dtype=torch.int64)
-        for i, table in enumerate(block_tables):
-            host_tables[i, : len(table)] = torch.tensor(table[:blocks], dtype=torch.int64)
-        host_tokens = torch.zeros(rows, dtype=torch.int64)
-        host_tokens[:n] = torch.tensor(list(tokens), dtype=torch.int64)
-        host_pos = torch.zeros(rows, dtype=torch.int64)
-        host_pos[:n] = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
+        rows, blocks = self.bucket(n, max(-(-(length - 1 + k) // bs) for length in seq_lens))
+        g = self.graph(rows, blocks)
+        scratch = self.scratch_block
+        # Rows and table entries past the real ones point at the scratch block, position 0.
+        host_tables = torch.tensor([list(t[:blocks]) + [scratch] * (blocks - len(t[:blocks])) for t in block_tables]
+                                   + [[scratch] * blocks] * (rows - n), dtype=torch.int64)
+        host_tokens = torch.tensor(list(tokens) + [0] * (rows - n), dtype=torch.int64)
+        host_pos = torch.tensor([s - 1 for s in seq_lens] + [0] * (rows - n), dtype=torch.int64)
         with torch.cuda.stream(self.stream):
             g.tokens.copy_(host_tokens, non_blocking=True)
             g.positions.copy_(host_pos, non_blocking=True)
             g.tables.copy_(host_tables, non_blocking=True)
             g.graph.replay()
             return g.out_tokens[:, :n].clone(), g.logits[:n].clone()
+
+
+def context_buckets(max_blocks: int, first: int = 16, growth: float = 1.5) -> tuple[int, ...]:
+    """Context buckets in blocks, from ``first`` up to ``max_blocks``, each at most ``growth``
+    times the one below (rounded up to a multiple of ``first``): a step pads its rows to the
+    bucket of its longest context, so the waste stays under ``growth``."""
+    if max_blocks < 1 or first < 1 or growth <= 1:
+        raise ValueError("context buckets need max_blocks >= 1, first >= 1 and growth > 1")
+    buckets = []
+    b = first
+    while b < max_blocks:
+        buckets.append(b)
+        b = max(b + first, -(-int(b * growth) // first) * first)
+    buckets.append(max_blocks)
+    return tuple(buckets)
+
+
+class ServiceGraphs:
+    """decode_svc's pure decode steps replayed from CUDA graphs.
+
+    One ``GraphDecoder`` per stream the steps are launched on (a green context's side of a split,
+    or the whole device), all sharing one memory pool (steps never overlap: they run one after
+    another on the service's torch thread); each (batch, context) bucket is captured on its first
+    use on a stream, ``warm`` captures the common ones of the current stream up front. A step the
+    graphs cannot serve returns None from ``logits`` and runs eagerly: a row computing more than
+    one token (readmitted after a preemption), more rows or a longer context than the buckets.
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, *, scratch_block: int, max_rows: int,
+                 max_context: int) -> None:
+        bs = pool.spec.block_size
+        self.model, self.pool, self.scratch_block = model, pool, scratch_block
+        self.batch_buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_rows) + (
+            min(max_rows, 256),)
+        self.block_buckets = context_buckets(-(-max_context // bs))
+        self.mempool = torch.cuda.graph_pool_handle()
+        self._decoders: dict[int, GraphDecoder] = {}
+        self.num_steps = 0
+
+    def decoder(self) -> GraphDecoder:
+        """The decoder of the current stream (created, capturing nothing, on first use)."""
+        stream = torch.cuda.current_stream(self.model.device)
+        decoder = self._decoders.get(stream.cuda_stream)
+        if decoder is None:
+            decoder = self._decoders[stream.cuda_stream] = GraphDecoder(
+                self.model, self.pool, scratch_block=self.scratch_block, batch_buckets=self.batch_buckets,
+                block_buckets=self.block_buckets, stream=stream, mempool=self.mempool, capture_all=False)
+        return decoder
+
+    def warm(self, max_rows: int = 64, max_blocks: int = 512) -> None:
+        """Capture the current stream's buckets up to the one that holds ``max_rows`` rows of
+        ``max_blocks`` blocks (or the largest)."""
+        decoder = self.decoder()
+        top_rows, top_blocks = decoder.bucket(min(max_rows, self.batch_buckets[-1]),
+                                              min(max_blocks, self.block_buckets[-1]))
+        for rows in self.batch_buckets:
+            for blocks in self.block_buckets:
+                if rows <= top_rows and blocks <= top_blocks:
+                    decoder.graph(rows, blocks)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(d.num_graphs for d in self._decoders.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(d.capture_s for d in self._decoders.values())
+
+    def logits(self, tokens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+               ) -> torch.Tensor | None:
+        """One decode step's logits ``[n, vocab]`` on the host (token ``i`` at position
+        ``seq_lens[i] - 1``), or None when the step is not one a graph serves."""
+        n, bs = len(tokens), self.pool.spec.block_size
+        if not n or n > self.batch_buckets[-1] or max(-(-s // bs) for s in seq_lens) > self.block_buckets[-1]:
+            return None
+        _, logits = self.decoder().decode(tokens, seq_lens, block_tables)
+        self.num_steps += 1
+        return logits.cpu()

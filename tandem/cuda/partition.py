@@ -32,6 +32,9 @@ import torch
 PHASES = ("prefill", "decode")
 # The fewest SMs a service's phase is given on a split (see ``SmPartitions``).
 SERVICE_MIN_SMS = 32
+# The services' splits step by 16 SMs, as MuxWise's on an H100: a handful of splits (five on 132
+# SMs), so decode's CUDA graphs, captured per stream, are captured on few streams.
+SERVICE_SPLIT_STEP = 16
 
 
 def sm_granularity(major: int) -> int:
@@ -83,23 +86,24 @@ class Partition:
 class SmPartitions:
     """Every prefill/decode split of one device that a policy may choose, made up front."""
 
-    def __init__(self, device: int = 0, prefill_counts: Iterable[int] | None = None, min_sms: int = 0) -> None:
+    def __init__(self, device: int = 0, prefill_counts: Iterable[int] | None = None, min_sms: int = 0,
+                 step: int | None = None) -> None:
         """``min_sms``: leave out the splits that give either side fewer SMs (the default counts
-        only). cuBLAS failed on this H100 with CUBLAS_STATUS_EXECUTION_FAILED for bf16 GEMMs
-        launched on a 12-SM green context, while 32 SMs and more ran every shape measured; the
-        services ask for ``SERVICE_MIN_SMS``."""
+        only); ``step``: the default counts' step (``split_counts``). cuBLAS failed on this H100
+        with CUBLAS_STATUS_EXECUTION_FAILED for bf16 GEMMs launched on a 12-SM green context,
+        while 32 SMs and more ran every shape measured; the services ask for ``SERVICE_MIN_SMS``
+        in steps of ``SERVICE_SPLIT_STEP``."""
         if not torch.cuda.is_available():
             raise RuntimeError("SM partitions need a CUDA device; none is visible")
         props = torch.cuda.get_device_properties(device)
         self.device = device
         self.total_sms: int = props.multi_processor_count
         self.granularity = sm_granularity(props.major)
-        step = self.granularity
         wanted = sorted(set(prefill_counts)) if prefill_counts is not None else [
-            k for k in split_counts(self.total_sms, step) if min(k, self.total_sms - k) >= min_sms]
+            k for k in split_counts(self.total_sms, self.granularity, step) if min(k, self.total_sms - k) >= min_sms]
         for k in wanted:
-            if k % step or not 0 < k < self.total_sms:
-                raise ValueError(f"prefill SM count {k} must be a multiple of {step} in (0, {self.total_sms})")
+            if k % self.granularity or not 0 < k < self.total_sms:
+                raise ValueError(f"prefill SM count {k} must be a multiple of {self.granularity} in (0, {self.total_sms})")
         driver = _driver()
         torch.cuda.init()
         _check(driver.cuInit(0))

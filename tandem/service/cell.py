@@ -75,6 +75,7 @@ class CellMember:
         self._pending_load: agent_pb2.PhaseLoad | None = None
         self._sm_partitions: SmPartitions | None = None  # a CUDA cell: the green-context splits
         self._phase_stream: PhaseStream | None = None
+        self.scratch_block: int | None = None  # a CUDA cell: the pool block graph padding writes to
 
     @property
     def units(self) -> list[int]:
@@ -100,6 +101,7 @@ class CellMember:
         self.model = reply.model or self.model
         self.model_dir = Path(reply.model_dir)
         self.partition = reply.partition
+        self.scratch_block = reply.scratch_block if reply.HasField("scratch_block") else None
         self.runner = await self.run(lambda: self._attach(reply))
         await self.run(self.apply_partition)  # joining is the first boundary
         self._watch = asyncio.create_task(self._follow_partition(), name="watch-partition")
@@ -132,9 +134,10 @@ class CellMember:
             # default (every core) in each of the cell's processes oversubscribes the host, and
             # OpenMP's spinning workers then stall each other.
             torch.set_num_threads(GPU_SERVICE_THREADS)
-            from tandem.cuda.partition import SERVICE_MIN_SMS, SmPartitions
+            from tandem.cuda.partition import SERVICE_MIN_SMS, SERVICE_SPLIT_STEP, SmPartitions
 
-            self._sm_partitions = SmPartitions(pool.tensor.device.index or 0, min_sms=SERVICE_MIN_SMS)
+            self._sm_partitions = SmPartitions(pool.tensor.device.index or 0, min_sms=SERVICE_MIN_SMS,
+                                               step=SERVICE_SPLIT_STEP)
         return runner
 
     async def _follow_partition(self) -> None:
@@ -209,6 +212,20 @@ class CellMember:
             torch.cuda.set_stream(self._phase_stream.stream)
         else:
             torch.cuda.set_stream(self._phase_stream.switch(part))
+
+    def phase_streams(self) -> list[torch.cuda.Stream]:
+        """A CUDA cell: every stream this member's phase may be switched to (its side of each
+        split, the whole device's included), the current one first; [] on a CPU cell."""
+        if self._sm_partitions is None:
+            return []
+        phase = "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
+        current = torch.cuda.current_stream()
+        streams = {current.cuda_stream: current}
+        for part in self._sm_partitions.partitions.values():
+            stream = part.prefill_stream if phase == "prefill" else part.decode_stream
+            if stream is not None:
+                streams.setdefault(stream.cuda_stream, stream)
+        return list(streams.values())
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run torch work on the member's torch thread."""

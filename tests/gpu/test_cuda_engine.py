@@ -97,3 +97,29 @@ def test_graph_decode_on_a_partition_stream_equals_eager() -> None:
         got, _ = decoder.decode(firsts, [len(p) + 1 for p in prompts], tables)
         stream.synchronize()
         assert got.tolist() == want
+
+
+def test_service_graphs_decode_as_eager_on_every_stream_and_decline_what_they_cannot_serve() -> None:
+    """decode_svc's graphs: per stream (the whole device, then a green context's side), buckets
+    captured on first use, a step's host logits giving eager decode's greedy tokens; more rows
+    than the largest bucket give None (the step then runs eagerly)."""
+    from tandem.cuda.graphs import ServiceGraphs
+    from tandem.cuda.partition import SmPartitions
+
+    rng = random.Random(11)
+    eager, graph_runner = tiny_random_runner("cuda", 7), tiny_random_runner("cuda", 7)
+    graphs = ServiceGraphs(graph_runner.model, graph_runner.pool, scratch_block=95, max_rows=6, max_context=8 * 16)
+    assert graphs.batch_buckets == (1, 2, 4, 6)
+    with SmPartitions(prefill_counts=[64]) as parts:
+        for trial, stream in enumerate([torch.cuda.current_stream(), parts.partitions[64].decode_stream] * 2):
+            with torch.cuda.stream(stream):
+                n = rng.randrange(1, 7)
+                prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 100))] for _ in range(n)]
+                perm = rng.sample(range(90), n * 8)
+                tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+                firsts, want = prefill_then_greedy([eager, graph_runner], prompts, tables, 1)
+                logits = graphs.logits(firsts, [len(p) + 1 for p in prompts], tables)
+                assert logits is not None and logits.device.type == "cpu"
+                assert logits.argmax(-1).tolist() == want[0], trial
+        assert graphs.logits([1] * 7, [5] * 7, [[0]] * 7) is None
+    assert graphs.num_steps == 4 and graphs.num_graphs >= 2

@@ -141,3 +141,65 @@ def test_graph_decoder_refuses_a_cpu_model() -> None:
     model = LlamaModel(config, random_weights(config), make_backend("torch", config.num_heads))
     with pytest.raises(ValueError, match="CUDA"):
         GraphDecoder(model, KVPool.create(KVPoolSpec.for_model(config, 8, 16)), scratch_block=7)
+
+
+def test_context_buckets_cover_every_length_with_bounded_padding() -> None:
+    from tandem.cuda.graphs import context_buckets
+
+    rng = random.Random(5)
+    for _ in range(200):
+        max_blocks, first = rng.randrange(1, 3000), rng.choice([1, 8, 16, 32])
+        buckets = context_buckets(max_blocks, first)
+        assert buckets[-1] == max_blocks and list(buckets) == sorted(set(buckets))
+        for need in rng.sample(range(1, max_blocks + 1), min(max_blocks, 20)):
+            b = next(b for b in buckets if b >= need)
+            assert b <= max(first, 1.5 * need + first), (need, b)  # the padding stays bounded
+    with pytest.raises(ValueError):
+        context_buckets(0)
+
+
+class _RecordingGraphs:
+    """Stands in for tandem.cuda.graphs.ServiceGraphs, which needs a GPU: records what decode_svc
+    hands a graph step, returns logits of the right shape, or raises when told to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[list[int], list[int], list[list[int]]]] = []
+        self.fail = fail
+
+    def logits(self, tokens, seq_lens, tables):  # type: ignore[no-untyped-def]
+        if self.fail:
+            raise RuntimeError("capture failed")
+        self.calls.append((list(tokens), list(seq_lens), [list(t) for t in tables]))
+        return torch.zeros(len(tokens), 8)
+
+
+def test_decode_svc_hands_only_single_token_rows_to_graphs_and_falls_back_for_good_on_a_failure() -> None:
+    from types import SimpleNamespace
+
+    from decode_svc.server import DecodeWorker
+    from tandem.engine.sampling import SamplingParams
+    from tandem.engine.step import Request
+
+    rng = random.Random(9)
+    for _ in range(30):
+        reqs = []
+        for i in range(rng.randrange(1, 6)):
+            req = Request(f"r{i}", [rng.randrange(100) for _ in range(rng.randrange(1, 20))], SamplingParams(), None)
+            req.output_token_ids = [rng.randrange(100) for _ in range(rng.randrange(1, 9))]
+            n = len(req.all_token_ids)
+            req.num_computed_tokens = n - 1 if rng.random() < 0.8 else rng.randrange(0, n - 1) if n > 1 else 0
+            req.block_ids = rng.sample(range(50), -(-n // 16))
+            reqs.append(req)
+        worker = SimpleNamespace(graphs=_RecordingGraphs(), _graph_failed=False, service_id="d")
+        out = DecodeWorker._graph_logits(worker, reqs)  # type: ignore[arg-type]
+        single = all(r.num_computed_tokens == len(r.all_token_ids) - 1 for r in reqs)
+        assert (out is not None) == single
+        if single:
+            assert worker.graphs.calls == [([r.output_token_ids[-1] for r in reqs], [len(r.all_token_ids) for r in reqs],
+                                            [r.block_ids for r in reqs])]
+    failing = SimpleNamespace(graphs=_RecordingGraphs(fail=True), _graph_failed=False, service_id="d")
+    req = Request("r", [1, 2], SamplingParams(), None)
+    req.output_token_ids, req.num_computed_tokens, req.block_ids = [3], 2, [0]
+    assert DecodeWorker._graph_logits(failing, [req]) is None and failing._graph_failed  # type: ignore[arg-type]
+    failing.graphs.fail = False
+    assert DecodeWorker._graph_logits(failing, [req]) is None and not failing.graphs.calls  # type: ignore[arg-type]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call of a borrowed GPU machine (docs/gpu.md), in stages, each under its own time limit, so a
+# stage that runs long still leaves the others' results: what comes back lies in $OUT (at most
+# eight files; the rest in $OUT/extra.tgz).
+#   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: all three)
+#     tests  the graph and engine GPU tests
+#     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
+#            TANDEM_LIVE_REQUESTS), decode's step log every 5 s, a torch profile of 4 steps
+#     stack  the whole stack on the GPU against the CPU path's greedy tokens
+# Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+work=/tmp/gpu-run && mkdir -p "$work"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TANDEM_GPU_TOKENIZER_DIR=$PWD/.gpucarry/tok
+stages=("${@:-tests live stack}")
+# shellcheck disable=SC2068
+for stage in ${stages[@]}; do
+    echo "== $stage $(date +%T)"
+    case $stage in
+    tests)
+        timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_engine.py tests/gpu/test_cuda_partition.py \
+            tests/unit/test_cuda_without_gpu.py -q -o addopts="" -x > "$OUT/gpu-tests.log" 2>&1
+        tail -3 "$OUT/gpu-tests.log" ;;
+    live)
+        TANDEM_STEP_STATS_S=5 TANDEM_TORCH_PROFILE_DIR=$work/prof TANDEM_TORCH_PROFILE_STEPS=300:4 \
+            timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
+            --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
+            --out "$work/cuda-live-h100.json" > "$work/cuda-live.log" 2>&1
+        echo "live rc=$?"; tail -20 "$work/cuda-live.log"
+        cp "$work/cuda-live-h100.json" "$OUT/" 2>/dev/null
+        for f in "$work"/cuda-live-h100-*-up.log; do grep -av '"POST \|"GET ' "$f" > "$OUT/$(basename "$f")"; done
+        grep -ah "steps:\|captured\|CUDA-graph\|Traceback\|Error" "$work"/cuda-live-h100-*-up.log | cut -c1-300 | tail -60 ;;
+    stack)
+        timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_stack.py -q -o addopts="" -x \
+            > "$OUT/gpu-stack.log" 2>&1
+        tail -3 "$OUT/gpu-stack.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
+tar czf "$OUT/extra.tgz" -C "$work" . 2>/dev/null
+ls -la "$OUT"
