@@ -110,6 +110,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cuda-live-h100.json")
     args = ap.parse_args()
+    # A time limit's SIGTERM unwinds like Ctrl-C: the running bench is killed and the stack stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     shape = TINY if args.shape == "tiny" else model_preset(args.shape)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
