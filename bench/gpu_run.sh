@@ -39,6 +39,6 @@ for stage in ${stages[@]}; do
         tail -3 "$OUT/gpu-stack.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
+    tar czf "$OUT/extra.tgz" -C "$work" . 2>/dev/null  # after every stage: a time limit may end the next
 done
-tar czf "$OUT/extra.tgz" -C "$work" . 2>/dev/null
 ls -la "$OUT"

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from tandem.engine.attention import AttentionBackend, SeqSpan
+from tandem.engine.attention import AttentionBackend, SeqSpan, sdpa
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model import LlamaModel
 
@@ -64,7 +63,7 @@ class StaticDecodeAttention(AttentionBackend):
         kvh, d = pool.spec.num_kv_heads, pool.spec.head_dim
         kv = pool.gather(layer, plan.tables.reshape(-1)).view(2, rows, max_blocks * pool.spec.block_size, kvh, d)
         kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, kvh, S, d]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=plan.mask,
+        out = sdpa(q.unsqueeze(2), kv[0], kv[1], attn_mask=plan.mask,
                                              scale=1.0 / math.sqrt(d), enable_gqa=True)
         return out.squeeze(2)
 
@@ -235,13 +234,15 @@ class ServiceGraphs:
         self.num_steps = 0
 
     def decoder(self) -> GraphDecoder:
-        """The decoder of the current stream (created, capturing nothing, on first use)."""
+        """The decoder of the current stream (created, capturing nothing, on first use). CUDA
+        cannot capture on the default stream: there the decoder has a side stream of its own."""
         stream = torch.cuda.current_stream(self.model.device)
         decoder = self._decoders.get(stream.cuda_stream)
         if decoder is None:
+            own = stream if stream != torch.cuda.default_stream(self.model.device) else None
             decoder = self._decoders[stream.cuda_stream] = GraphDecoder(
                 self.model, self.pool, scratch_block=self.scratch_block, batch_buckets=self.batch_buckets,
-                block_buckets=self.block_buckets, stream=stream, mempool=self.mempool, capture_all=False)
+                block_buckets=self.block_buckets, stream=own, mempool=self.mempool, capture_all=False)
         return decoder
 
     def warm(self, max_rows: int = 64, max_blocks: int = 512) -> None:
@@ -270,6 +271,11 @@ class ServiceGraphs:
         n, bs = len(tokens), self.pool.spec.block_size
         if not n or n > self.batch_buckets[-1] or max(-(-s // bs) for s in seq_lens) > self.block_buckets[-1]:
             return None
-        _, logits = self.decoder().decode(tokens, seq_lens, block_tables)
+        current, decoder = torch.cuda.current_stream(self.model.device), self.decoder()
+        if decoder.stream != current:  # a side stream: after what came before, and before what follows
+            decoder.stream.wait_stream(current)
+        _, logits = decoder.decode(tokens, seq_lens, block_tables)
+        if decoder.stream != current:
+            current.wait_stream(decoder.stream)
         self.num_steps += 1
         return logits.cpu()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.engine.kv_pool import KVPool, slot_ids
 
@@ -52,6 +53,21 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
         -> [num_tokens, num_heads, head_dim]; writes k/v into the pool first."""
+
+
+# cuDNN's attention builds an execution plan for every new shape, and a live batch's shapes change
+# every step (contexts grow by a token): on an H100 each call spent 2.1 ms of host time planning,
+# which made a decode step ten times slower in the service than in a benchmark that repeats one
+# shape. On CUDA the other backends run instead (flash, memory-efficient, math: chosen by torch).
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, without cuDNN's backend on CUDA (see above)."""
+    if query.is_cuda:
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
 
 # Decode rows are attended in groups of similar context length, each padded to its longest
@@ -169,13 +185,13 @@ class TorchPagedAttention(AttentionBackend):
                 # Nothing cached: the new K/V are the whole context, no gather needed.
                 keys = k[q_start:q_end].transpose(0, 1).unsqueeze(0)
                 values = v[q_start:q_end].transpose(0, 1).unsqueeze(0)
-                attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+                attn = sdpa(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kv_len = num_cached + q_len
                 # [2, n_blocks, bs, kvh, d] -> [2, 1, kvh, kv_len, d]
                 kv = pool.gather(layer, blocks).view(2, -1, num_kv_heads, head_dim)[:, :kv_len]
                 kv = kv.transpose(1, 2).unsqueeze(1).to(q.dtype)
-                attn = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
+                attn = sdpa(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
             out[q_start:q_end] = attn.squeeze(0).transpose(0, 1)
         return out
 
@@ -190,7 +206,7 @@ class TorchPagedAttention(AttentionBackend):
         kv = kv.transpose(2, 3)  # [2, n, kvh, S, d]
         if kv.dtype != queries.dtype:
             kv = kv.to(queries.dtype)
-        return F.scaled_dot_product_attention(
+        return sdpa(
             queries.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
         )
 
