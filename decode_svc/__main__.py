@@ -85,15 +85,13 @@ async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
         graphs = ServiceGraphs(runner.model, runner.pool, scratch_block=member.scratch_block or 0,
                                max_rows=config.max_batch_requests,
                                max_context=runner.config.max_position_embeddings)
-        # The stream in force gets the larger buckets; every other stream decode may be
-        # switched to gets the common ones (16 rows, 4096 tokens), so that a partition change
-        # rarely pays for a capture within a step.
+        # The stream in force gets the buckets up to 64 rows, every other stream decode may be
+        # switched to those up to 8 (contexts up to 4096 tokens), so that a partition change
+        # rarely pays for a capture within a step; larger ones are captured on first use.
+        blocks = -(-4096 // runner.pool.spec.block_size)
         for i, stream in enumerate(member.phase_streams()):
             with torch.cuda.stream(stream):
-                if i == 0:
-                    graphs.warm(64, 512)
-                else:
-                    graphs.warm(16, -(-4096 // runner.pool.spec.block_size))
+                graphs.warm(64 if i == 0 else 8, blocks)
         return graphs
 
     graphs = await member.run(build)

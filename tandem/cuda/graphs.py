@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.attention import AttentionBackend, SeqSpan, sdpa
+from tandem.engine.attention import AttentionBackend, SeqSpan, gqa_sdpa
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model import LlamaModel
 
@@ -63,8 +63,7 @@ class StaticDecodeAttention(AttentionBackend):
         kvh, d = pool.spec.num_kv_heads, pool.spec.head_dim
         kv = pool.gather(layer, plan.tables.reshape(-1)).view(2, rows, max_blocks * pool.spec.block_size, kvh, d)
         kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, kvh, S, d]
-        out = sdpa(q.unsqueeze(2), kv[0], kv[1], attn_mask=plan.mask,
-                                             scale=1.0 / math.sqrt(d), enable_gqa=True)
+        out = gqa_sdpa(q.unsqueeze(2), kv[0], kv[1], plan.mask, 1.0 / math.sqrt(d))
         return out.squeeze(2)
 
 

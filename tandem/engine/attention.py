@@ -70,6 +70,34 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: 
     return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
 
+def gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """Attention of ``query`` [B, H, L, d] over ``key``/``value`` [B, kvh, S, d] (H a multiple
+    of kvh: grouped-query attention) under a boolean ``attn_mask`` broadcast to [B, 1, L, S].
+
+    On CUDA with a mask, each group's H / kvh query heads become that many times the queries of
+    one head ([B, kvh, (H / kvh) L, d]), so no backend repeats K and V per query head (torch's
+    math backend does, for ``enable_gqa``: gigabytes for a large decode batch, which a CUDA graph
+    then keeps) and the memory-efficient kernel, which takes a mask, can run. Elsewhere, and
+    without a mask (flash attention groups natively), ``enable_gqa``."""
+    if not query.is_cuda or attn_mask is None:
+        return sdpa(query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    return grouped_sdpa(query, key, value, attn_mask, scale)
+
+
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """``gqa_sdpa``'s CUDA path (any device): each kv head's query heads as its queries."""
+    b, h, length, d = query.shape
+    kvh = key.shape[1]
+    group = h // kvh
+    mask = attn_mask.reshape(-1, 1, *attn_mask.shape[-2:])  # [B or 1, 1, L or 1, S]
+    if length > 1:
+        mask = mask.repeat(1, 1, group, 1)  # row j * L + l of a group is query l
+    out = sdpa(query.reshape(b, kvh, group * length, d), key, value, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, length, d)
+
+
 # Decode rows are attended in groups of similar context length, each padded to its longest
 # member: a group may hold at most this much padding over its real tokens, and a batch is cut
 # into at most _MAX_DECODE_GROUPS groups (ops per layer grow with the group count, padded work
@@ -191,7 +219,7 @@ class TorchPagedAttention(AttentionBackend):
                 # [2, n_blocks, bs, kvh, d] -> [2, 1, kvh, kv_len, d]
                 kv = pool.gather(layer, blocks).view(2, -1, num_kv_heads, head_dim)[:, :kv_len]
                 kv = kv.transpose(1, 2).unsqueeze(1).to(q.dtype)
-                attn = sdpa(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
+                attn = gqa_sdpa(queries, kv[0], kv[1], mask, scale)
             out[q_start:q_end] = attn.squeeze(0).transpose(0, 1)
         return out
 
@@ -206,9 +234,7 @@ class TorchPagedAttention(AttentionBackend):
         kv = kv.transpose(2, 3)  # [2, n, kvh, S, d]
         if kv.dtype != queries.dtype:
             kv = kv.to(queries.dtype)
-        return sdpa(
-            queries.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
-        )
+        return gqa_sdpa(queries.unsqueeze(2), kv[0], kv[1], group.mask, scale)
 
 
 def make_backend(name: str, num_qo_heads: int) -> AttentionBackend:
