@@ -86,12 +86,14 @@ async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
                                max_rows=config.max_batch_requests,
                                max_context=runner.config.max_position_embeddings)
         # The stream in force gets the buckets up to 64 rows, every other stream decode may be
-        # switched to those up to 8 (contexts up to 4096 tokens), so that a partition change
-        # rarely pays for a capture within a step; larger ones are captured on first use.
+        # switched to those up to 32 (contexts up to 4096 tokens), so that a partition change
+        # rarely pays for a capture within a step (on the H100, `dynamic` decoded on a side
+        # warmed to 8 rows only, and its steps of 9-16 rows captured there, under load, in the
+        # middle of the run); larger ones are captured on first use.
         blocks = -(-4096 // runner.pool.spec.block_size)
         for i, stream in enumerate(member.phase_streams()):
             with torch.cuda.stream(stream):
-                graphs.warm(64 if i == 0 else 8, blocks)
+                graphs.warm(64 if i == 0 else 32, blocks)
         return graphs
 
     graphs = await member.run(build)

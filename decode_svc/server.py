@@ -559,6 +559,8 @@ class DecodeWorker:
         summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens,
                                        forward_ns=forward_ns, gap_ns=gap_ns, graph=graphed)
         if summary:
+            if self.graphs is not None:  # captures within steps stall them: say how many so far
+                summary += f"; {self.graphs.num_graphs} graphs captured, {self.graphs.capture_s:.1f} s in all"
             log.info("%s %s", self.service_id, summary)
         for active in batch:
             if active.span is not None:
