@@ -71,13 +71,15 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
 async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
                   log: logging.Logger) -> ServiceGraphs | None:
     """A CUDA cell's decode steps from CUDA graphs (``--cuda-graphs``), the common buckets of
-    the first partition's stream captured before the service says it is ready."""
+    the first partition's stream captured before the service says it is ready; steps with
+    prompt tokens (hybrid, recomputing) through piecewise graphs (``tandem.cuda.piecewise``)."""
     if not config.cuda_graphs or runner.model.device.type != "cuda":
         return None
     if member.scratch_block is None:
         log.warning("the cell's agent reserves no scratch block: decoding without CUDA graphs")
         return None
     from tandem.cuda.graphs import ServiceGraphs
+    from tandem.cuda.piecewise import PiecewiseForward
 
     def build() -> ServiceGraphs:
         import torch
@@ -96,9 +98,23 @@ async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
                 graphs.warm(64 if i == 0 else 32, blocks)
         return graphs
 
+    def build_pieces() -> PiecewiseForward:
+        pieces = PiecewiseForward(runner.model, runner.pool)
+        pieces.warm()  # on the stream in force; steps with prompt tokens on others capture there
+        return pieces
+
     graphs = await member.run(build)
     log.info("%s captured %d CUDA graphs in %.1f s (batch buckets %s, context buckets %s blocks)",
              config.service_id, graphs.num_graphs, graphs.capture_s, graphs.batch_buckets, graphs.block_buckets)
+    try:
+        pieces = await member.run(build_pieces)
+    except Exception:  # decode still serves: steps with prompt tokens run op by op
+        log.exception("%s: capturing piecewise CUDA graphs failed; steps with prompt tokens run op by op",
+                      config.service_id)
+        return graphs
+    runner.piecewise = pieces
+    log.info("%s captured %d piecewise CUDA graphs for steps with prompt tokens in %.1f s (token buckets %s)",
+             config.service_id, pieces.num_graphs, pieces.capture_s, pieces.buckets)
     return graphs
 
 

@@ -561,6 +561,10 @@ class DecodeWorker:
         if summary:
             if self.graphs is not None:  # captures within steps stall them: say how many so far
                 summary += f"; {self.graphs.num_graphs} graphs captured, {self.graphs.capture_s:.1f} s in all"
+            pieces = self.runner.piecewise
+            if pieces is not None:
+                summary += (f"; {pieces.num_steps} piecewise steps so far, {pieces.num_graphs} piecewise graphs "
+                            f"({pieces.capture_s:.1f} s)")
             log.info("%s %s", self.service_id, summary)
         for active in batch:
             if active.span is not None:

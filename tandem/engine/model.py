@@ -137,6 +137,14 @@ class LlamaModel:
         attn_meta: object,
         pool: KVPool,
     ) -> torch.Tensor:
+        q, k, v = self.pre_attention(index, hidden, cos, sin)
+        attn = self.attention.forward(index, q, k, v, attn_meta, pool)  # [num_tokens, H, d]
+        return self.post_attention(index, hidden, attn)
+
+    def pre_attention(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's work before attention: q [T, H, d], k and v [T, kvh, d] (rope applied).
+        Dense and per row: what piecewise CUDA graphs capture (``tandem.cuda.piecewise``)."""
         c = self.config
         w = self._layers[index]
         num_tokens = hidden.shape[0]
@@ -151,8 +159,13 @@ class LlamaModel:
             k = rms_norm(qkv[:, c.q_size : c.q_size + c.kv_size].view(num_tokens, c.num_kv_heads, c.head_dim),
                          w.k_norm, c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = self.attention.forward(index, q, k, v, attn_meta, pool)  # [num_tokens, H, d]
-        hidden = hidden + w.o_proj(attn.reshape(num_tokens, c.q_size))
+        return q, k, v
+
+    def post_attention(self, index: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """A layer's work after attention (``attn`` [T, H, d]): output projection, residual, MLP."""
+        c = self.config
+        w = self._layers[index]
+        hidden = hidden + w.o_proj(attn.reshape(hidden.shape[0], c.q_size))
         gate_up = w.gate_up_proj(rms_norm(hidden, w.post_attn_norm, c.rms_norm_eps))  # [T, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         return hidden + w.down_proj(F.silu(gate) * up)

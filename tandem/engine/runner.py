@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from tandem.engine.quant import WeightFormat, effective_format
 from tandem.engine.smoothing import byte_windows, calibration_windows
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import load_checkpoint
+
+if TYPE_CHECKING:
+    from tandem.cuda.piecewise import PiecewiseForward
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class ModelRunner:
         self.config = cfg
         # Logits copied to the host by ``finish`` (a GPU runner whose caller samples on the CPU).
         self.host_logits = False
+        # A CUDA runner's piecewise graphs (tandem.cuda.piecewise): ``forward`` runs the layers of
+        # a batch of up to their largest bucket through them. None: op by op.
+        self.piecewise: PiecewiseForward | None = None
 
     @classmethod
     def from_dir(
@@ -153,7 +159,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Sequence[SeqInput]) -> torch.Tensor:
         state = self.begin(batch)
-        self.run_layers(state)
+        pieces = self.piecewise
+        if pieces is not None and pieces.ready(state.hidden.shape[0]):
+            state.hidden = pieces.run(state.hidden, state.cos, state.sin, state.attn_meta)
+            state.next_layer = self.num_layers
+        else:
+            self.run_layers(state)
         return self.finish(state)
 
     def prefill(self, batch: Sequence[SeqInput]) -> torch.Tensor:

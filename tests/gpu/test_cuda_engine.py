@@ -123,3 +123,25 @@ def test_service_graphs_decode_as_eager_on_every_stream_and_decline_what_they_ca
                 assert logits.argmax(-1).tolist() == want[0], trial
         assert graphs.logits([1] * 7, [5] * 7, [[0]] * 7) is None
     assert graphs.num_steps == 4 and graphs.num_graphs >= 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_piecewise_graphs_equal_eager_layers_on_hybrid_batches(seed: int) -> None:
+    """Piecewise CUDA graphs (dense work captured per token bucket, attention eager between):
+    the logits and greedy tokens of eager layers over random prefill, chunked, decode and
+    hybrid batches, on the default stream (a side stream captures) and on a green context's."""
+    from tandem.cuda.partition import SmPartitions
+    from tandem.cuda.piecewise import PiecewiseForward
+    from tests.unit.test_cuda_without_gpu import _hybrid_batches
+
+    rng = random.Random(seed)
+    eager, graphed = tiny_random_runner("cuda", seed), tiny_random_runner("cuda", seed)
+    graphed.piecewise = PiecewiseForward(graphed.model, graphed.pool, buckets=(8, 32, 64))
+    with SmPartitions(prefill_counts=[64]) as parts:
+        for stream in (torch.cuda.current_stream(), parts.partitions[64].decode_stream):
+            with torch.cuda.stream(stream):
+                for batch, _ in _hybrid_batches(rng, 96):
+                    want, got = eager.forward(batch), graphed.forward(batch)
+                    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+                    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert graphed.piecewise.num_graphs >= 2 * (graphed.config.num_layers + 1)

@@ -203,3 +203,76 @@ def test_decode_svc_hands_only_single_token_rows_to_graphs_and_falls_back_for_go
     assert DecodeWorker._graph_logits(failing, [req]) is None and failing._graph_failed  # type: ignore[arg-type]
     failing.graphs.fail = False
     assert DecodeWorker._graph_logits(failing, [req]) is None and not failing.graphs.calls  # type: ignore[arg-type]
+
+
+def _hybrid_batches(rng: random.Random, num_blocks: int):  # type: ignore[no-untyped-def]
+    """Random batches over one pool: prompts prefilled whole or in chunks, then decode rows and
+    chunks mixed (hybrid), each sequence on blocks of its own; yields (batch, note)."""
+    per_seq = 8
+    n = rng.randrange(1, 5)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(2, 100))] for _ in range(n)]
+    perm = rng.sample(range(num_blocks), n * per_seq)
+    tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(n)]
+    done = [0] * n
+    toks: list[list[int]] = [[] for _ in range(n)]
+    for _ in range(6):
+        batch, who = [], []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                take = min(rng.randrange(1, 40), len(p) - done[i])
+                batch.append(SeqInput(p[done[i]:done[i] + take], done[i], tables[i], done[i] + take == len(p)))
+                who.append((i, take))
+            elif len(p) + len(toks[i]) < per_seq * 16 - 1:
+                last = toks[i][-1] if toks[i] else p[-1]
+                batch.append(SeqInput([last], len(p) + len(toks[i]) - (0 if toks[i] else 1), tables[i]))
+                who.append((i, 0))
+        if not batch:
+            return
+        yield batch, who
+        for i, take in who:
+            if take:
+                done[i] += take
+            else:
+                toks[i].append(rng.randrange(512))
+
+
+def test_piecewise_pieces_equal_the_layers_run_whole_on_hybrid_batches() -> None:
+    """tandem.cuda.piecewise without graphs (the pieces run eagerly over the static buffers):
+    a runner whose forward goes through them gives the logits of one that runs its layers
+    whole, over random prefill, chunked, decode and hybrid batches; a batch over the largest
+    bucket runs op by op."""
+    from tandem.cuda.piecewise import PiecewiseForward
+
+    total_used = total_hybrid = 0
+    for seed in range(4):
+        rng = random.Random(seed)
+        whole, piecewise = tiny_random_runner("cpu", seed), tiny_random_runner("cpu", seed)
+        piecewise.piecewise = PiecewiseForward(piecewise.model, piecewise.pool, buckets=(8, 32, 64), capture=False)
+        used = hybrid = 0
+        for batch, who in _hybrid_batches(rng, 96):
+            tokens = sum(len(s.token_ids) for s in batch)
+            used += tokens <= 64
+            hybrid += any(take for _, take in who) and any(not take for _, take in who)
+            want, got = whole.forward(batch), piecewise.forward(batch)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        assert piecewise.piecewise.num_steps == used
+        total_used, total_hybrid = total_used + used, total_hybrid + hybrid
+    assert total_used and total_hybrid  # the seeds gave piecewise steps and hybrid batches
+    with pytest.raises(ValueError, match="CUDA device"):
+        PiecewiseForward(whole.model, whole.pool)
+
+
+def test_a_failing_piecewise_capture_turns_the_pieces_off_and_the_step_runs_op_by_op() -> None:
+    from tandem.cuda.piecewise import PiecewiseForward
+
+    whole, runner = tiny_random_runner("cpu", 2), tiny_random_runner("cpu", 2)
+    pieces = runner.piecewise = PiecewiseForward(runner.model, runner.pool, buckets=(64,), capture=False)
+
+    def fail(tokens, stream):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory while capturing")
+
+    pieces._make = fail  # type: ignore[method-assign]
+    batch = [SeqInput(list(range(1, 20)), 0, [0, 1])]
+    torch.testing.assert_close(runner.forward(batch), whole.forward(batch))
+    assert pieces.failed and pieces.num_steps == 0 and not pieces.ready(8)
