@@ -22,8 +22,9 @@ another model's prompt), so a decision naming another model's prompts pauses not
 Live calibration: while an aggregated decision is in force, each new step a decode service
 reports (its time, the prompt tokens it carried, the contexts it decoded) scales the decode and
 hybrid predictions the policy sees (``LiveStepPredictor``), so the chunk budget follows what a
-step costs here, with no profile. Split decisions do not feed it (their decode steps run under
-the other phase's contention on fewer cores).
+step costs here, with no profile. A split decision's decode steps beside a busy prefill feed a
+factor of their own, which scales the decode step predicted beside prefill (the split policies
+size decode's share by it); with prefill idle they feed neither.
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ class PolicyLoop:
         key = (load.role, model)
         self.loads[key] = load
         if (load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
+                and not self.last.aggregated and self.last.prefill_cores and self.last.decode_cores
+                and not load.last_step_chunk_tokens and load.last_step_num_seqs
+                and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
+            # A split decision's decode step beside a busy prefill: its own calibration.
+            self._last_step_end_ns[key] = load.last_step_end_unix_ns
+            first = self.predictor.num_split_samples == 0
+            ratio = self.predictor.observe_split(load.last_step_ns / 1e9,
+                                                 list(load.decode_context_lens[:load.last_step_num_seqs]),
+                                                 len(self.last.decode_cores), len(self.last.prefill_cores))
+            if first and ratio is not None:
+                log.info("policy calibration: a %.0f ms decode step (%d sequences) on %d units beside prefill on %d "
+                         "measured %.2f x the model; decode steps beside prefill now x%.2f", load.last_step_ns / 1e6,
+                         load.last_step_num_seqs, len(self.last.decode_cores), len(self.last.prefill_cores), ratio,
+                         self.predictor.split_factor)
+        elif (load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
                 and self.last.aggregated and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
             self._last_step_end_ns[key] = load.last_step_end_unix_ns
             first = self.predictor.num_samples == 0

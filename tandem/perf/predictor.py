@@ -70,6 +70,9 @@ class LiveStepPredictor:
         self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
         self.factor = 1.0
         self.num_samples = 0
+        # Decode steps of split decisions, beside a busy prefill: their own factor (``observe_split``).
+        self.split_factor = 1.0
+        self.num_split_samples = 0
 
     def observe(self, measured_s: float, chunk_tokens: int, context_lens: Sequence[int], units: int) -> float | None:
         """Fold in one measured step; returns its measured / predicted ratio (None: not usable)."""
@@ -82,13 +85,36 @@ class LiveStepPredictor:
         if not predicted > 0:
             return None
         ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted))
-        if self.num_samples == 0:
-            self.factor = ratio
-        else:
-            w = self.up if ratio > self.factor else self.down
-            self.factor = math.exp((1 - w) * math.log(self.factor) + w * math.log(ratio))
+        self.factor = self._fold(self.factor, ratio, self.num_samples)
         self.num_samples += 1
         return ratio
+
+    def observe_split(self, measured_s: float, context_lens: Sequence[int], decode_units: int,
+                      prefill_units: int) -> float | None:
+        """Fold in a decode step of a split decision, run on ``decode_units`` while prefill ran
+        on ``prefill_units``: it scales the predicted decode step beside prefill (its contention),
+        which the split policies size decode's share by. On the H100, ``dynamic``'s decode ran
+        2-4x the profile's time on its side of a split (fewer SMs than it asked for could not be
+        given, prefill took the memory bandwidth), and only this measures that. Returns its
+        measured / predicted ratio (None: not usable)."""
+        if not (measured_s > 0 and math.isfinite(measured_s)) or decode_units < 1 or prefill_units < 1 \
+                or not context_lens:
+            return None
+        predicted = self.base.predict_decode(context_lens, decode_units) * self.base.contention(
+            decode_units, prefill_units)
+        if not predicted > 0:
+            return None
+        ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted))
+        self.split_factor = self._fold(self.split_factor, ratio, self.num_split_samples)
+        self.num_split_samples += 1
+        return ratio
+
+    def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
+        """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
+        if num_samples == 0:
+            return ratio
+        w = self.up if ratio > factor else self.down
+        return math.exp((1 - w) * math.log(factor) + w * math.log(ratio))
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)
@@ -102,4 +128,9 @@ class LiveStepPredictor:
         return self.factor * self.base.predict_hybrid(prefill_seqs, decode_context_lens, units)
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
-        return self.base.contention(my_units, other_units, phase)
+        """The base model's contention; for decode beside a busy prefill, once split steps were
+        measured, scaled so that ``predict_decode`` x this = the split-calibrated step."""
+        guard = self.base.contention(my_units, other_units, phase)
+        if phase == "decode" and other_units > 0 and self.num_split_samples:
+            return guard * self.split_factor / self.factor
+        return guard

@@ -107,3 +107,56 @@ def test_a_step_of_chunks_alone_is_predicted_without_the_contexts_it_did_not_dec
     load.last_step_num_seqs = 0  # the step computed a prompt chunk and decoded nothing
     loop.report(load)
     assert loop.predictor.factor == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_steps_calibrate_decode_beside_prefill_and_nothing_else(seed: int) -> None:
+    from tandem.policy.policies import decode_step_s
+
+    rng = random.Random(seed)
+    true_ratio, sigma = math.exp(rng.uniform(-1.0, 1.5)), rng.uniform(0.05, 0.3)
+    base = LinearPredictor()
+    live = LiveStepPredictor(base)
+    for _ in range(300):
+        ctx = [rng.randint(1, 2000) for _ in range(rng.randint(1, 32))]
+        d = rng.randint(1, 15)
+        p = 16 - d
+        predicted = base.predict_decode(ctx, d) * base.contention(d, p)
+        live.observe_split(predicted * true_ratio * math.exp(rng.gauss(0, sigma)), ctx, d, p)
+    assert true_ratio <= live.split_factor <= true_ratio * math.exp(2.33 * sigma)
+    assert live.num_samples == 0 and live.factor == 1.0  # the aggregated calibration is untouched
+    ctx, d = [300, 1200], rng.randint(1, 15)
+    want = live.split_factor * base.predict_decode(ctx, d) * base.contention(d, 16 - d)
+    assert decode_step_s(live, ctx, d, 16 - d) == pytest.approx(want)
+    assert decode_step_s(live, ctx, 16, 0) == pytest.approx(base.predict_decode(ctx, 16))  # decode alone
+    assert live.contention(d, 16 - d, "prefill") == base.contention(d, 16 - d, "prefill")
+    # an aggregated factor learnt later does not change the step predicted beside prefill
+    live.observe(3 * base.predict_decode(ctx, 16), 0, ctx, 16)
+    assert decode_step_s(live, ctx, d, 16 - d) == pytest.approx(want)
+    assert live.observe_split(0.01, ctx, d, 0) is None and live.observe_split(0.01, [], d, 1) is None
+
+
+def test_dynamic_gives_decode_more_units_when_its_steps_beside_prefill_run_slow() -> None:
+    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), list(range(16)), 32, SLO)
+    now_ns = time.time_ns()
+    contexts = [400] * 12
+
+    def busy(i: int, step_s: float) -> None:
+        loop.report(agent_pb2.PhaseLoad(service_id="p", role=agent_pb2.ROLE_PREFILL, queued=[
+            agent_pb2.QueuedPrefill(request_id=f"q{i}", arrival_unix_ns=now_ns, prompt_tokens=3000)]))
+        loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts,
+                                        last_step_ns=int(step_s * 1e9), last_step_end_unix_ns=now_ns + i,
+                                        last_step_num_seqs=len(contexts)))
+
+    busy(0, 0.0)
+    first = loop.decide()
+    assert first is not None and not first[0].aggregated and first[0].prefill_cores and first[0].decode_cores
+    units_before = len(first[0].decode_cores)
+    predicted = LinearPredictor().predict_decode(contexts, units_before) * LinearPredictor().contention(
+        units_before, 16 - units_before)
+    for i in range(1, 30):
+        busy(i, 2.5 * predicted)
+        busy(i, 2.5 * predicted)  # the same step reported twice is folded in once
+    assert loop.predictor.num_split_samples == 29 and loop.predictor.split_factor == pytest.approx(2.5)
+    decided = loop.decide()
+    assert decided is not None and len(decided[0].decode_cores) > units_before
