@@ -9,7 +9,7 @@ profile (``tandem profile --device cuda``), the services on green-context SM par
 own JSON beside it. Run where a GPU is lent (DEVELOPERS.md); ``--device cpu --shape tiny`` runs
 the same driver on a CPU with a tiny shape, to check the driver itself.
 
-Usage: python bench/cuda_live.py --tokenizer-dir DIR [--profile FILE] [--policies chunked dynamic]
+Usage: python bench/cuda_live.py --tokenizer-dir DIR [--profile FILE] [--policies chunked dynamic] [--repeats N]
        [--rates 2 4] [--num-requests 150] [--out docs/results/cuda-live-h100.json]
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.bench.metrics import mean_ci95  # noqa: E402
 from tandem.engine.random_weights import write_random_model  # noqa: E402
 from tandem.perf.model_shape import ModelShape, model_preset  # noqa: E402
 from tandem.service.runtime import free_port  # noqa: E402
@@ -76,12 +77,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _bench(args: argparse.Namespace, port: int, model_dir: Path, out: Path) -> dict[str, Any]:
+def _bench(args: argparse.Namespace, port: int, model_dir: Path, out: Path, seed: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
            "--workload", args.workload, "--rate", *map(str, args.rates), "--num-requests", str(args.num_requests),
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
            "--tbt-slo-ms", str(args.tbt_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms), "--tokenizer", str(model_dir),
-           "--seed", str(args.seed), "--warmup", "4", "--timeout-s", "90", "--no-progress", "--out", str(out)]
+           "--seed", str(seed), "--warmup", "4", "--timeout-s", "90", "--no-progress", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -108,6 +109,7 @@ def main() -> int:
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--kv-cache-gb", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="each repeat runs every policy on arrivals of seed + repeat")
     ap.add_argument("--out", default="docs/results/cuda-live-h100.json")
     args = ap.parse_args()
     # A time limit's SIGTERM unwinds like Ctrl-C: the running bench is killed and the stack stopped.
@@ -125,18 +127,55 @@ def main() -> int:
         import torch
 
         result["gpu"] = torch.cuda.get_device_name()
-    for policy in args.policies:
-        log_path = out.parent / f"{out.stem}-{policy}-up.log"
-        _log(f"{policy}: starting tandem up")
-        proc, port = _up(args, model_dir, policy, log_path)
-        try:
-            run = _bench(args, port, model_dir, out.parent / f"{out.stem}-{policy}-bench.json")
-        finally:
-            _stop(proc)
-        result["policies"][policy] = run
-        out.write_text(json.dumps(result, indent=1, default=str))
+    result["repeats"] = args.repeats
+    for repeat in range(args.repeats):  # each repeat: every policy on the same arrivals (its seed)
+        for policy in args.policies:
+            tag = policy if args.repeats == 1 else f"{policy}-r{repeat}"
+            log_path = out.parent / f"{out.stem}-{tag}-up.log"
+            _log(f"{tag}: starting tandem up")
+            proc, port = _up(args, model_dir, policy, log_path)
+            try:
+                run = _bench(args, port, model_dir, out.parent / f"{out.stem}-{tag}-bench.json", args.seed + repeat)
+            finally:
+                _stop(proc)
+            if args.repeats > 1:  # a list of runs per policy; one run alone as before
+                result["policies"].setdefault(policy, []).append(run)
+            else:
+                result["policies"][policy] = run
+            result["goodput"] = _goodput_summary(result, args)
+            out.write_text(json.dumps(result, indent=1, default=str))
+    _log(f"goodput: {json.dumps(result['goodput'])}")
     _log(f"wrote {out}")
     return 0
+
+
+def _goodput_summary(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Per policy and rate: goodput's mean and 95 % interval over the repeats so far; with
+    ``chunked`` among the policies, each other's paired ratio to it (repeats where chunked had
+    any goodput)."""
+    def runs_of(policy: str) -> list[dict[str, Any]]:
+        got = result["policies"].get(policy, [])
+        return got if isinstance(got, list) else [got]
+
+    def goodput(run: dict[str, Any], rate: float) -> float | None:
+        return next((float(r["summary"]["goodput_rps"]) for r in run["runs"] if r["rate_rps"] == rate), None)
+
+    summary: dict[str, Any] = {}
+    for policy in result["policies"]:
+        for rate in args.rates:
+            values = [g for run in runs_of(policy) if (g := goodput(run, rate)) is not None]
+            if not values:
+                continue
+            mean, half = mean_ci95(values)
+            entry: dict[str, Any] = {"values": values, "mean": mean, "ci95": half}
+            if policy != "chunked" and "chunked" in result["policies"]:
+                pairs = [(goodput(a, rate), goodput(b, rate)) for a, b in zip(runs_of(policy), runs_of("chunked"))]
+                ratios = [a / b for a, b in pairs if a is not None and b]
+                if ratios:
+                    r_mean, r_half = mean_ci95(ratios)
+                    entry["ratio_to_chunked"] = {"values": ratios, "mean": r_mean, "ci95": r_half}
+            summary[f"{policy}@{rate:g}"] = entry
+    return summary
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: all three)
 #     tests  the graph and engine GPU tests
 #     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
-#            TANDEM_LIVE_REQUESTS), decode's step log every 5 s, a torch profile of 4 steps
+#            TANDEM_LIVE_REQUESTS, TANDEM_LIVE_REPEATS), decode's step log every 5 s, a torch
+#            profile of 4 steps
 #     stack  the whole stack on the GPU against the CPU path's greedy tokens
 # Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
 set -uo pipefail
@@ -28,10 +29,13 @@ for stage in ${stages[@]}; do
         TANDEM_STEP_STATS_S=5 TANDEM_TORCH_PROFILE_DIR=$work/prof TANDEM_TORCH_PROFILE_STEPS=300:4 \
             timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
+            --repeats "${TANDEM_LIVE_REPEATS:-1}" \
             --out "$work/cuda-live-h100.json" > "$work/cuda-live.log" 2>&1
         echo "live rc=$?"; tail -20 "$work/cuda-live.log"
         cp "$work/cuda-live-h100.json" "$OUT/" 2>/dev/null
-        for f in "$work"/cuda-live-h100-*-up.log; do grep -av '"POST \|"GET ' "$f" > "$OUT/$(basename "$f")"; done
+        for f in "$work"/cuda-live-h100-*-up.log; do  # one file however many stacks ran
+            echo "=== $(basename "$f")"; grep -av '"POST \|"GET ' "$f"
+        done > "$OUT/cuda-live-up-logs.txt"
         grep -ah "steps:\|captured\|CUDA-graph\|Traceback\|Error" "$work"/cuda-live-h100-*-up.log | cut -c1-300 | tail -60 ;;
     stack)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_stack.py -q -o addopts="" -x \
