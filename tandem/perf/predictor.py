@@ -82,11 +82,10 @@ class LiveStepPredictor:
             predicted = self.base.predict_hybrid([(chunk_tokens, 0)], context_lens, units)
         else:
             predicted = self.base.predict_decode(context_lens, units)
-        if not predicted > 0:
-            return None
-        ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted))
-        self.factor = self._fold(self.factor, ratio, self.num_samples)
-        self.num_samples += 1
+        ratio = self._ratio(measured_s, predicted)
+        if ratio is not None:
+            self.factor = self._fold(self.factor, ratio, self.num_samples)
+            self.num_samples += 1
         return ratio
 
     def observe_split(self, measured_s: float, context_lens: Sequence[int], decode_units: int,
@@ -102,12 +101,17 @@ class LiveStepPredictor:
             return None
         predicted = self.base.predict_decode(context_lens, decode_units) * self.base.contention(
             decode_units, prefill_units)
-        if not predicted > 0:
-            return None
-        ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted))
-        self.split_factor = self._fold(self.split_factor, ratio, self.num_split_samples)
-        self.num_split_samples += 1
+        ratio = self._ratio(measured_s, predicted)
+        if ratio is not None:
+            self.split_factor = self._fold(self.split_factor, ratio, self.num_split_samples)
+            self.num_split_samples += 1
         return ratio
+
+    def _ratio(self, measured_s: float, predicted_s: float) -> float | None:
+        """measured / predicted within [min_factor, max_factor]; None for no prediction."""
+        if not predicted_s > 0:
+            return None
+        return min(self.max_factor, max(self.min_factor, measured_s / predicted_s))
 
     def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
         """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
