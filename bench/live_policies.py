@@ -12,7 +12,7 @@ Admission is off by default so that the policies alone are compared (``--admissi
 measures Tandem as shipped). Writes one JSON with every ``tandem bench`` result and a
 goodput-vs-rate plot.
 
-Usage: python bench/live_policies.py [--rate 0.5 1 2] [--num-requests 30] [--repeats 3]
+Usage: python bench/live_policies.py [--rate 0.5 1 2] [--num-requests 30] [--repeats 3] [--variant L=P:ENV=V]
        [--workload sharegpt azure-code] [--out FILE] [--plots DIR]
 """
 
@@ -37,16 +37,33 @@ POLICIES = ("chunked", "static", "dynamic", "adaptive")
 BIN = Path(sys.executable).parent
 
 
-def start_stack(policy: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
+    """``LABEL=POLICY[:NAME=VALUE,...]`` → (label, policy, environment for its stack)."""
+    label, _, rest = text.partition("=")
+    policy, _, env_text = rest.partition(":")
+    env = dict(item.split("=", 1) for item in env_text.split(",") if item)
+    if not label or policy not in POLICIES:
+        raise argparse.ArgumentTypeError(f"--variant takes LABEL=POLICY[:NAME=VALUE,...] with a policy of "
+                                         f"{POLICIES}, got {text!r}")
+    return label, policy, env
+
+
+def start_stack(label: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``tandem up`` for a policy, or a ``--variant``'s label (its policy, its environment)."""
+    policy, env = label, dict(os.environ)
+    for name, variant_policy, variant_env in args.variant:
+        if name == label:
+            policy = variant_policy
+            env.update(variant_env)
     port = free_port()
     cmd = [str(BIN / "tandem"), "up", "--policy", policy, "--port", str(port), "--grpc-port", str(free_port()),
-           "--cell-id", f"live-{policy}-{os.getpid()}", "--admission", args.admission,
+           "--cell-id", f"live-{label}-{os.getpid()}", "--admission", args.admission,
            "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms),
            "--ttft-slo-ms-per-1k", str(args.ttft_slo_ms_per_1k)]
     if args.profile:
         cmd += ["--profile", args.profile]
     log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while "serving" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -118,6 +135,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--rate", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        help="LABEL=POLICY[:NAME=VALUE,...]: one more contender, a policy under environment "
+                             "overrides (e.g. dynamic-uncalibrated=dynamic:TANDEM_SPLIT_CALIBRATION=off)")
     parser.add_argument("--num-requests", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3, help="each with new requests (seed + repeat)")
     parser.add_argument("--workload", nargs="+", default=["sharegpt"],
@@ -141,6 +161,7 @@ def main() -> None:
         report(earlier["bench"], args, earlier["config"])
         return
 
+    args.policy = list(args.policy) + [label for label, _, _ in args.variant]
     # results[workload][policy]: one tandem bench result per repeat
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {p: [] for p in args.policy} for w in args.workload}
     with tempfile.TemporaryDirectory(prefix="live-policies-") as tmp:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
-from tandem.service.flags import env_or, flag, parse_config, parse_cores
+from tandem.service.flags import env_or, flag, parse_bool, parse_config, parse_cores
 from tandem.service.model_spec import ModelSpec, parse_models
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 
@@ -66,6 +66,9 @@ class AgentConfig:
         "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
     profile: str = field(metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
+    split_calibration: bool = field(metadata=flag(
+        "--split-calibration", True, "scale the decode steps predicted beside a busy prefill by those measured "
+        "(split decisions)", type=parse_bool))
 
     @property
     def shm_prefix(self) -> str:

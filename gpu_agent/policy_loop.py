@@ -73,8 +73,9 @@ def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, de
 
 class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
-                 num_layers: int, slo: Slo) -> None:
+                 num_layers: int, slo: Slo, calibrate_split: bool = True) -> None:
         self.policy_name = policy_name
+        self.calibrate_split = calibrate_split
         self.policy = policy
         self.predictor = LiveStepPredictor(predictor)
         self._last_step_end_ns: dict[tuple[int, str], int] = {}  # per decode service: the step last folded in
@@ -90,7 +91,7 @@ class PolicyLoop:
         """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
         key = (load.role, model)
         self.loads[key] = load
-        if (load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
+        if (self.calibrate_split and load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
                 and not self.last.aggregated and self.last.prefill_cores and self.last.decode_cores
                 and not load.last_step_chunk_tokens and load.last_step_num_seqs
                 and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):

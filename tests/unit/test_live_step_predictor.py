@@ -160,3 +160,17 @@ def test_dynamic_gives_decode_more_units_when_its_steps_beside_prefill_run_slow(
     assert loop.predictor.num_split_samples == 29 and loop.predictor.split_factor == pytest.approx(2.5)
     decided = loop.decide()
     assert decided is not None and len(decided[0].decode_cores) > units_before
+
+
+def test_split_calibration_off_leaves_the_split_predictions_alone() -> None:
+    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), list(range(16)), 32, SLO,
+                      calibrate_split=False)
+    now_ns = time.time_ns()
+    for i in range(10):
+        loop.report(agent_pb2.PhaseLoad(service_id="p", role=agent_pb2.ROLE_PREFILL, queued=[
+            agent_pb2.QueuedPrefill(request_id="q", arrival_unix_ns=now_ns, prompt_tokens=3000)]))
+        loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=[400] * 12,
+                                        last_step_ns=10**9, last_step_end_unix_ns=now_ns + i, last_step_num_seqs=12))
+        decided = loop.decide()
+        assert decided is None or not decided[0].aggregated
+    assert loop.predictor.num_split_samples == 0 and loop.predictor.num_samples == 0
