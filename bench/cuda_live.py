@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem.bench.metrics import mean_ci95  # noqa: E402
+from tandem.bench.variant import parse_variant, resolve  # noqa: E402
 from tandem.engine.random_weights import write_random_model  # noqa: E402
 from tandem.perf.model_shape import ModelShape, model_preset  # noqa: E402
 from tandem.service.runtime import free_port  # noqa: E402
@@ -42,15 +43,17 @@ def _log(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
-def _up(args: argparse.Namespace, model_dir: Path, policy: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _up(args: argparse.Namespace, model_dir: Path, label: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """``tandem up`` for a policy, or a ``--variant``'s label (its policy, its environment)."""
+    policy, overrides = resolve(label, args.variant)
     port, grpc_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **overrides}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--device", args.device,
            "--dtype", args.dtype,
            "--policy", policy, "--port", str(port), "--grpc-port", str(grpc_port), "--admission", "off",
            "--tbt-slo-ms", str(args.tbt_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms),
-           "--kv-cache-gb", str(args.kv_cache_gb), "--cell-id", f"live{policy}"]
+           "--kv-cache-gb", str(args.kv_cache_gb), "--cell-id", f"live-{label}"]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.units:
@@ -109,6 +112,9 @@ def main() -> int:
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--kv-cache-gb", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[],
+                    help="LABEL=POLICY[:NAME=VALUE,...]: one more contender, a policy under environment overrides "
+                         "(e.g. chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off)")
     ap.add_argument("--repeats", type=int, default=1, help="each repeat runs every policy on arrivals of seed + repeat")
     ap.add_argument("--out", default="docs/results/cuda-live-h100.json")
     args = ap.parse_args()
@@ -128,8 +134,10 @@ def main() -> int:
 
         result["gpu"] = torch.cuda.get_device_name()
     result["repeats"] = args.repeats
-    for repeat in range(args.repeats):  # each repeat: every policy on the same arrivals (its seed)
-        for policy in args.policies:
+    result["variants"] = [variant._asdict() for variant in args.variant]
+    contenders = list(args.policies) + [variant.label for variant in args.variant]
+    for repeat in range(args.repeats):  # each repeat: every contender on the same arrivals (its seed)
+        for policy in contenders:
             tag = policy if args.repeats == 1 else f"{policy}-r{repeat}"
             log_path = out.parent / f"{out.stem}-{tag}-up.log"
             _log(f"{tag}: starting tandem up")

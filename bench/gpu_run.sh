@@ -5,8 +5,8 @@
 #   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: all three)
 #     tests  the graph and engine GPU tests
 #     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
-#            TANDEM_LIVE_REQUESTS, TANDEM_LIVE_REPEATS), decode's step log every 5 s, a torch
-#            profile of 4 steps
+#            TANDEM_LIVE_REQUESTS, TANDEM_LIVE_REPEATS, TANDEM_LIVE_VARIANTS: LABEL=POLICY:ENV=VALUE
+#            contenders), decode's step log every 5 s, a torch profile of 4 steps
 #     stack  the whole stack on the GPU against the CPU path's greedy tokens
 # Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
 set -uo pipefail
@@ -26,10 +26,12 @@ for stage in ${stages[@]}; do
             tests/unit/test_cuda_without_gpu.py -q -o addopts="" -x > "$OUT/gpu-tests.log" 2>&1
         tail -3 "$OUT/gpu-tests.log" ;;
     live)
+        variants=()  # TANDEM_LIVE_VARIANTS="chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off ..."
+        for v in ${TANDEM_LIVE_VARIANTS:-}; do variants+=(--variant "$v"); done
         TANDEM_STEP_STATS_S=5 TANDEM_TORCH_PROFILE_DIR=$work/prof TANDEM_TORCH_PROFILE_STEPS=300:4 \
             timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
-            --repeats "${TANDEM_LIVE_REPEATS:-1}" \
+            --repeats "${TANDEM_LIVE_REPEATS:-1}" "${variants[@]}" \
             --out "$work/cuda-live-h100.json" > "$work/cuda-live.log" 2>&1
         echo "live rc=$?"; tail -20 "$work/cuda-live.log"
         cp "$work/cuda-live-h100.json" "$OUT/" 2>/dev/null

@@ -31,30 +31,17 @@ from typing import Any
 
 from tandem.bench.metrics import mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate
+from tandem.bench.variant import parse_variant, resolve
 from tandem.service.runtime import free_port
 
 POLICIES = ("chunked", "static", "dynamic", "adaptive")
 BIN = Path(sys.executable).parent
 
 
-def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
-    """``LABEL=POLICY[:NAME=VALUE,...]`` → (label, policy, environment for its stack)."""
-    label, _, rest = text.partition("=")
-    policy, _, env_text = rest.partition(":")
-    env = dict(item.split("=", 1) for item in env_text.split(",") if item)
-    if not label or policy not in POLICIES:
-        raise argparse.ArgumentTypeError(f"--variant takes LABEL=POLICY[:NAME=VALUE,...] with a policy of "
-                                         f"{POLICIES}, got {text!r}")
-    return label, policy, env
-
-
 def start_stack(label: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``tandem up`` for a policy, or a ``--variant``'s label (its policy, its environment)."""
-    policy, env = label, dict(os.environ)
-    for name, variant_policy, variant_env in args.variant:
-        if name == label:
-            policy = variant_policy
-            env.update(variant_env)
+    policy, overrides = resolve(label, args.variant)
+    env = {**os.environ, **overrides}
     port = free_port()
     cmd = [str(BIN / "tandem"), "up", "--policy", policy, "--port", str(port), "--grpc-port", str(free_port()),
            "--cell-id", f"live-{label}-{os.getpid()}", "--admission", args.admission,
@@ -161,7 +148,7 @@ def main() -> None:
         report(earlier["bench"], args, earlier["config"])
         return
 
-    args.policy = list(args.policy) + [label for label, _, _ in args.variant]
+    args.policy = list(args.policy) + [variant.label for variant in args.variant]
     # results[workload][policy]: one tandem bench result per repeat
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {p: [] for p in args.policy} for w in args.workload}
     with tempfile.TemporaryDirectory(prefix="live-policies-") as tmp:
