@@ -91,34 +91,40 @@ class PolicyLoop:
         """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
         key = (load.role, model)
         self.loads[key] = load
-        if (self.calibrate_split and load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
-                and not self.last.aggregated and self.last.prefill_cores and self.last.decode_cores
-                and not load.last_step_chunk_tokens and load.last_step_num_seqs
-                and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
+        last = self.last
+        if (load.role != agent_pb2.ROLE_DECODE or not load.last_step_ns or last is None
+                or load.last_step_end_unix_ns == self._last_step_end_ns.get(key)):
+            return  # only a decode step not yet folded in, under a decision, calibrates
+        if last.aggregated:
+            self._last_step_end_ns[key] = load.last_step_end_unix_ns
+            self._calibrate_aggregated(load)
+        elif (self.calibrate_split and last.prefill_cores and last.decode_cores
+                and not load.last_step_chunk_tokens and load.last_step_num_seqs):
             # A split decision's decode step beside a busy prefill: its own calibration.
             self._last_step_end_ns[key] = load.last_step_end_unix_ns
-            first = self.predictor.num_split_samples == 0
-            ratio = self.predictor.observe_split(load.last_step_ns / 1e9,
-                                                 list(load.decode_context_lens[:load.last_step_num_seqs]),
-                                                 len(self.last.decode_cores), len(self.last.prefill_cores))
-            if first and ratio is not None:
-                log.info("policy calibration: a %.0f ms decode step (%d sequences) on %d units beside prefill on %d "
-                         "measured %.2f x the model; decode steps beside prefill now x%.2f", load.last_step_ns / 1e6,
-                         load.last_step_num_seqs, len(self.last.decode_cores), len(self.last.prefill_cores), ratio,
-                         self.predictor.split_factor)
-        elif (load.role == agent_pb2.ROLE_DECODE and load.last_step_ns and self.last is not None
-                and self.last.aggregated and load.last_step_end_unix_ns != self._last_step_end_ns.get(key)):
-            self._last_step_end_ns[key] = load.last_step_end_unix_ns
-            first = self.predictor.num_samples == 0
-            # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
-            num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
-                        else len(load.decode_context_lens))
-            ratio = self.predictor.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
-                                           list(load.decode_context_lens[:num_seqs]), len(self.cores))
-            if first and ratio is not None:
-                log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
-                         "model; decode and hybrid predictions now x%.2f", load.last_step_ns / 1e6, num_seqs,
-                         load.last_step_chunk_tokens, ratio, self.predictor.factor)
+            self._calibrate_split(load, len(last.decode_cores), len(last.prefill_cores))
+
+    def _calibrate_aggregated(self, load: agent_pb2.PhaseLoad) -> None:
+        first = self.predictor.num_samples == 0
+        # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
+        num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
+                    else len(load.decode_context_lens))
+        ratio = self.predictor.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
+                                       list(load.decode_context_lens[:num_seqs]), len(self.cores))
+        if first and ratio is not None:
+            log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
+                     "model; decode and hybrid predictions now x%.2f", load.last_step_ns / 1e6, num_seqs,
+                     load.last_step_chunk_tokens, ratio, self.predictor.factor)
+
+    def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
+        first = self.predictor.num_split_samples == 0
+        ratio = self.predictor.observe_split(load.last_step_ns / 1e9,
+                                             list(load.decode_context_lens[:load.last_step_num_seqs]),
+                                             decode_units, prefill_units)
+        if first and ratio is not None:
+            log.info("policy calibration: a %.0f ms decode step (%d sequences) on %d units beside prefill on %d "
+                     "measured %.2f x the model; decode steps beside prefill now x%.2f", load.last_step_ns / 1e6,
+                     load.last_step_num_seqs, decode_units, prefill_units, ratio, self.predictor.split_factor)
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
         """The whole snapshot the policies were written for, from the services' last reports

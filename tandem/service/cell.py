@@ -78,6 +78,11 @@ class CellMember:
         self.scratch_block: int | None = None  # a CUDA cell: the pool block graph padding writes to
 
     @property
+    def phase(self) -> str:
+        """The phase this member computes: "prefill" or "decode"."""
+        return "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
+
+    @property
     def units(self) -> list[int]:
         p = self.partition
         return list(p.prefill_units if self.role == agent_pb2.ROLE_PREFILL else p.decode_units)
@@ -205,10 +210,9 @@ class CellMember:
 
         parts = self._sm_partitions
         assert parts is not None
-        phase = "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
-        part = parts.for_phase(phase, sms)
+        part = parts.for_phase(self.phase, sms)
         if self._phase_stream is None:
-            self._phase_stream = PhaseStream(phase, part)
+            self._phase_stream = PhaseStream(self.phase, part)
             torch.cuda.set_stream(self._phase_stream.stream)
         else:
             torch.cuda.set_stream(self._phase_stream.switch(part))
@@ -218,12 +222,11 @@ class CellMember:
         split, the whole device's included), the current one first; [] on a CPU cell."""
         if self._sm_partitions is None:
             return []
-        phase = "prefill" if self.role == agent_pb2.ROLE_PREFILL else "decode"
         current = torch.cuda.current_stream()
         streams = {current.cuda_stream: current}
         for part in self._sm_partitions.partitions.values():
-            stream = part.prefill_stream if phase == "prefill" else part.decode_stream
-            if stream is not None:
+            if part.sms(self.phase) > 0:
+                stream = part.stream(self.phase)
                 streams.setdefault(stream.cuda_stream, stream)
         return list(streams.values())
 
