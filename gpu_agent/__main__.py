@@ -69,7 +69,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),
-                            calibrate_split=config.split_calibration)
+                            calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free)
     servicer = GpuAgentServicer(config, cell, partition, policy)
     server = grpc.aio.server(interceptors=service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)

@@ -88,6 +88,13 @@ class Cell:
         return {name: m.ledger.allocator.num_used_blocks * m.kv.bytes_per_block / total if total else 0.0
                 for name, m in self.models.items()}
 
+    def kv_blocks_free(self) -> tuple[int, int]:
+        """(free, total) KV blocks of the cell, counted in its first model's blocks (the model its
+        policy predicts for): the pool's free share, whichever way it is split between models."""
+        total = self.first.ledger.allocator.num_blocks
+        used = sum(self.kv_used_by_model().values())
+        return max(0, min(total, round((1.0 - used) * total))), total
+
     def ledgers(self) -> CellLedgers:
         return CellLedgers({name: m.ledger for name, m in self.models.items()})
 

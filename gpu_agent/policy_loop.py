@@ -73,8 +73,11 @@ def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, de
 
 class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
-                 num_layers: int, slo: Slo, calibrate_split: bool = True) -> None:
+                 num_layers: int, slo: Slo, calibrate_split: bool = True,
+                 kv_blocks: Callable[[], tuple[int, int]] | None = None) -> None:
+        """``kv_blocks`` says the pool's (free, total) blocks for the snapshot; None: unknown."""
         self.policy_name = policy_name
+        self.kv_blocks = kv_blocks
         self.calibrate_split = calibrate_split
         self.policy = policy
         self.predictor = LiveStepPredictor(predictor)
@@ -147,9 +150,10 @@ class PolicyLoop:
         slack = min(slacks) if slacks else None
         paused = next((flight for load in prefills if load.HasField("paused")
                        if (flight := self._in_flight(load.paused)) is not None), None)
+        free, total = self.kv_blocks() if self.kv_blocks is not None else (None, None)
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
                                running_prefill=running, decode_context_lens=contexts, current=None, slo=self.slo,
-                               decode_slack_s=slack, paused_prefill=paused)
+                               decode_slack_s=slack, paused_prefill=paused, kv_free_blocks=free, kv_total_blocks=total)
 
     def _in_flight(self, batch: agent_pb2.PrefillBatchInFlight) -> RunningPrefill | None:
         """A prefill batch as one RunningPrefill: named by its first (earliest-deadline)

@@ -202,7 +202,7 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
         return cap
 
     def fits(tokens: int) -> bool:
-        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s
+        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slack_s
 
     if fits(cap):
         return cap
@@ -312,7 +312,14 @@ class DynamicConfig:
     `tbt_target` is the fraction of the TBT SLO the best-fit decode step must meet: a request
     joining decode waits for the step in flight, so its first gap spans up to two steps, and a
     share sized to the whole SLO breaks TBT on that gap (the simulator showed 45% of first
-    gaps over the SLO at 1.0); half the SLO keeps every gap within it."""
+    gaps over the SLO at 1.0); half the SLO keeps every gap within it.
+    `kv_aware`: while KV blocks bound the cell (requests wait for blocks, or fewer than
+    `kv_reserve` of the pool's blocks are free), time-share as chunked does. Best fit makes each
+    decode step as slow as the target allows, so a request holds its blocks longer than under
+    chunked's short hybrid steps (Little's law: blocks held = rate x blocks each x time in the
+    cell); where KV, not compute, is the limit (ShareGPT's long outputs) that filled the pool and
+    prompts queued for blocks (issue 13). An aggregated step reads the weights once for both
+    phases and drains the decode batch fastest."""
 
     layer_group: int | None = None
     max_layer_group: int = 8
@@ -322,10 +329,14 @@ class DynamicConfig:
     burst: bool = True
     risk_horizon: int = 16
     tbt_target: float = 0.5
+    kv_aware: bool = True
+    kv_reserve: float = 0.3
 
     def __post_init__(self) -> None:
         if not 0 < self.tbt_target <= 1:
             raise ValueError(f"tbt_target must be in (0, 1], got {self.tbt_target}")
+        if not 0 <= self.kv_reserve < 1:
+            raise ValueError(f"kv_reserve must be in [0, 1), got {self.kv_reserve}")
         if self.layer_group is not None and self.layer_group < 1:
             raise ValueError("layer_group must be >= 1")
         if min(self.max_layer_group, self.max_batch_tokens, self.max_lookahead, self.risk_horizon) < 1:
@@ -342,6 +353,15 @@ class _PrefillPlan:
     reason: str
 
 
+def _kv_short(snapshot: ClusterSnapshot, reserve: float) -> bool:
+    """Whether KV blocks bound the cell: requests wait for blocks, or fewer than `reserve` of
+    the pool's blocks are free."""
+    if snapshot.kv_bound:
+        return True
+    free, total = snapshot.kv_free_blocks, snapshot.kv_total_blocks
+    return free is not None and total is not None and free < reserve * total
+
+
 class DynamicPolicy:
     """Best-fit decode units, layer-group prefill, bursts and one-level preemption."""
 
@@ -354,6 +374,11 @@ class DynamicPolicy:
         tbt = snapshot.slo.tbt_s * self.config.tbt_target
         if not snapshot.has_prefill_work:
             return _decode_only(snapshot, "dynamic: no prefill work")
+        if ctx and self.config.kv_aware and _kv_short(snapshot, self.config.kv_reserve):
+            fallback = ChunkedPolicy()(snapshot, predictor)
+            return replace(fallback, reason=(f"dynamic: KV short ({snapshot.kv_free_blocks} of "
+                                             f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} "
+                                             f"waiting); {fallback.reason}"))
         if total < 2:
             # Nothing to split: share the single unit in time, as chunked does.
             fallback = ChunkedPolicy()(snapshot, predictor)

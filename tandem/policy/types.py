@@ -196,6 +196,9 @@ class ClusterSnapshot:
     SLO minus the predicted time accumulated since the last decode step; `None` means
     the snapshot is taken at a decode-step boundary (slack = the whole TBT SLO).
     `paused_prefill` is a prefill that was preempted and waits to resume.
+    `kv_waiting` counts requests that reached the cell but wait for KV blocks (the pool is
+    full): KV, not compute, bounds the cell then. `kv_free_blocks` / `kv_total_blocks` are the
+    pool's state when the caller knows it (None: unknown).
     """
 
     now_s: float
@@ -208,10 +211,24 @@ class ClusterSnapshot:
     slo: Slo
     decode_slack_s: float | None = None
     paused_prefill: RunningPrefill | None = None
+    kv_waiting: int = 0
+    kv_free_blocks: int | None = None
+    kv_total_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.total_units < 1 or self.num_layers < 1:
             raise ValueError("total_units and num_layers must be >= 1")
+        if self.kv_waiting < 0:
+            raise ValueError("kv_waiting must be >= 0")
+        if (self.kv_free_blocks is None) != (self.kv_total_blocks is None):
+            raise ValueError("kv_free_blocks and kv_total_blocks come together")
+        if self.kv_total_blocks is not None and not 0 <= (self.kv_free_blocks or 0) <= self.kv_total_blocks:
+            raise ValueError("need 0 <= kv_free_blocks <= kv_total_blocks")
+
+    @property
+    def kv_bound(self) -> bool:
+        """Whether requests wait for KV blocks: the pool, not compute, limits the cell now."""
+        return self.kv_waiting > 0
 
     @property
     def slack_s(self) -> float:

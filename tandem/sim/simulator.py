@@ -332,6 +332,9 @@ class _Cell:
             slo=self.sim.policy_slo,
             decode_slack_s=slack,
             paused_prefill=self.paused.view(layers) if self.paused is not None else None,
+            kv_waiting=len(self.kv_wait),
+            kv_free_blocks=self.allocator.num_free_blocks,
+            kv_total_blocks=self.allocator.num_blocks,
         )
 
     def schedule(self, now: float, *, at_decode_boundary: bool) -> None:

@@ -137,6 +137,10 @@ def test_each_models_share_of_the_pool_is_its_held_bytes(tiny: Path, prefix: str
         for m in (a, b):
             assert used[m.name] == m.ledger.allocator.num_used_blocks * m.kv.bytes_per_block / cell.kv_bytes
         assert 0 <= sum(used.values()) <= 1
+        # The policy's view: the pool's free share, in the first model's blocks.
+        free, total = cell.kv_blocks_free()
+        assert total == a.ledger.allocator.num_blocks
+        assert abs(free - (1 - sum(used.values())) * total) <= 0.5
     for m in (a, b):
         for rid, ids in held[m.name]:
             m.ledger.release(rid, ids)

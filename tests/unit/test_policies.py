@@ -13,11 +13,13 @@ import ast
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tandem.policy.policies as policies_module
 from tandem.policy.policies import (
@@ -517,3 +519,56 @@ def test_snapshot_and_decision_are_frozen_and_validated() -> None:
         QueuedRequest("x", 0.0, 10, 10)
     with pytest.raises(ValueError):
         Slo(ttft_s=0.0, tbt_s=0.1)
+
+
+# --------------------------------------------------------------------------- KV and slack
+
+
+def kv_snap(*, free: int | None, total: int | None, waiting: int = 0, **kw: object) -> ClusterSnapshot:
+    return replace(snap(**kw), kv_free_blocks=free, kv_total_blocks=total, kv_waiting=waiting)  # type: ignore[arg-type]
+
+
+def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
+    s = kv_snap(free=500, total=1000, waiting=2, queue=(q("a", 512), q("b", 700, arrival_s=NOW + 1)))
+    d = DynamicPolicy()(s, P)
+    chunked = ChunkedPolicy()(s, P)
+    assert d.aggregated and d.prefill_batch == chunked.prefill_batch
+    assert d.prefill_chunk_tokens == chunked.prefill_chunk_tokens
+    assert "KV short (500 of 1000 blocks free, 2 waiting)" in d.reason
+    # the same load with blocks to spare splits
+    assert not DynamicPolicy()(replace(s, kv_waiting=0), P).aggregated
+    # and the rule can be switched off
+    assert not DynamicPolicy(DynamicConfig(kv_aware=False))(s, P).aggregated
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 100_000), free_share=st.floats(0.0, 1.0), reserve=st.floats(0.0, 0.9))
+def test_dynamic_kv_reserve_decides_aggregation(total: int, free_share: float, reserve: float) -> None:
+    free = min(total, int(free_share * total))
+    s = kv_snap(free=free, total=total, queue=(q("a", 512),))
+    d = DynamicPolicy(DynamicConfig(kv_reserve=reserve))(s, P)
+    assert d.aggregated == (free < reserve * total)
+    # an unknown pool never aggregates on KV's account
+    assert not DynamicPolicy(DynamicConfig(kv_reserve=reserve))(kv_snap(free=None, total=None, queue=(q("a", 512),)), P).aggregated
+
+
+@settings(max_examples=60, deadline=None)
+@given(slack_ms=st.floats(10.0, 50.0), prompt=st.integers(100, 6000))
+def test_chunked_step_fits_the_remaining_slack(slack_ms: float, prompt: int) -> None:
+    s = snap(queue=(q("a", prompt),), slack_s=slack_ms / 1e3)
+    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=8192, min_chunk_tokens=0))(s, P)
+    tokens = sum(d.prefill_chunk_tokens)
+    assert P.predict_hybrid([(tokens, 0)] if tokens else [], DECODE, 16) <= s.slack_s
+    if tokens < prompt:
+        assert P.predict_hybrid([(tokens + 1, 0)], DECODE, 16) > s.slack_s
+
+
+def test_snapshot_kv_fields_are_validated() -> None:
+    with pytest.raises(ValueError):
+        kv_snap(free=10, total=None)
+    with pytest.raises(ValueError):
+        kv_snap(free=11, total=10)
+    with pytest.raises(ValueError):
+        kv_snap(free=1, total=10, waiting=-1)
+    assert kv_snap(free=0, total=10, waiting=3).kv_bound
+    assert not kv_snap(free=0, total=10).kv_bound

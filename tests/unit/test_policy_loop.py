@@ -124,3 +124,17 @@ def test_every_models_reports_merge_into_one_snapshot() -> None:
             assert s.decode_slack_s is None
         # One model with prompts waiting is prefill work, whatever the others report.
         assert s.has_prefill_work == bool(want_queued or batches)
+
+
+def test_snapshot_carries_the_pools_free_blocks() -> None:
+    rng = random.Random(7)
+    state = {"free": 0, "total": 1}
+    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO,
+                      kv_blocks=lambda: (state["free"], state["total"]))
+    for _ in range(20):
+        state["total"] = rng.randint(1, 10_000)
+        state["free"] = rng.randint(0, state["total"])
+        s = loop.snapshot(time.time())
+        assert (s.kv_free_blocks, s.kv_total_blocks) == (state["free"], state["total"])
+    unknown = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+    assert unknown.snapshot(time.time()).kv_total_blocks is None

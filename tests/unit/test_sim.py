@@ -284,3 +284,20 @@ def test_units_changes_the_unit_count_and_nothing_else(tmp_path: Path, units: in
     assert gpu.num_units == gpu.num_sms == 54
     with pytest.raises(ValueError, match="units must be positive"):
         build_predictor("cpu", shape, profile_path=path, units=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_snapshots_show_the_pool_and_dynamic_aggregates_when_kv_is_short(seed: int) -> None:
+    """A pool that holds a few requests at a time: each snapshot carries its free blocks and the
+    requests waiting for blocks, and dynamic never splits while one waits."""
+    cell = replace(CELL, num_blocks=600)
+    recording = Recording("dynamic")
+    sim, records = run_sim(sharegpt(20, 80, seed), recording, cell=cell, admission=False)
+    assert all(r.error is None for r in records)
+    snaps = [s for s, _ in recording.calls]
+    assert all(s.kv_total_blocks == 600 and s.kv_free_blocks is not None and 0 <= s.kv_free_blocks <= 600
+               for s in snaps)
+    waited = [(s, d) for s, d in recording.calls if s.kv_waiting and s.decode_context_lens and s.has_prefill_work]
+    assert waited, "the small pool should make requests wait for blocks"
+    assert all(d.aggregated for _, d in waited)
+    assert sim.cells[0].stats.num_kv_waits > 0
