@@ -231,6 +231,9 @@ class _Cell:
         self.num_steps = 0  # decode steps completed (G)
         self.step_times: list[float] = []  # end time of decode step i
         self.last_token_s: float | None = None
+        # Requests whose first token is out and whose first decode step has not ended, by the
+        # time of that first token (insertion order is time order): their gap is open too.
+        self.first_gaps: dict[str, float] = {}
         self._ctx_key: tuple[int, int] = (-1, -1)
         self._ctx: tuple[int, ...] = ()
         self._ctx_version = 0  # bumped when the decode batch changes
@@ -317,8 +320,16 @@ class _Cell:
 
     def snapshot(self, now: float, at_decode_boundary: bool) -> ClusterSnapshot:
         slack: float | None = None
+        gap_start: float | None = None
         if not at_decode_boundary and self.decoding and self.last_token_s is not None:
-            slack = max(0.0, self.sim.policy_slo.tbt_s - (now - self.last_token_s))
+            gap_start = self.last_token_s
+        if self.first_gaps:
+            # A request waiting for its first decode step (handed off, or joined at this boundary)
+            # has waited since its first token: decode's slack is the tightest open gap's.
+            first = next(iter(self.first_gaps.values()))
+            gap_start = first if gap_start is None else min(gap_start, first)
+        if gap_start is not None:
+            slack = max(0.0, self.sim.policy_slo.tbt_s - (now - gap_start))
         queued = tuple(r.queued for r in self.queue.values() if r.queued is not None)
         layers = self.cfg.num_layers
         return ClusterSnapshot(
@@ -567,6 +578,8 @@ class _Cell:
     def _decode_steps_done(self, now: float, k: int) -> None:
         self.num_steps += k
         self.last_token_s = now
+        for rid in [rid for rid in self.first_gaps if rid in self.decoding]:
+            del self.first_gaps[rid]  # stepped: its first gap is closed
         heap = self.finish_heap
         while heap and heap[0][0] <= self.num_steps:
             _, _, req = heapq.heappop(heap)
@@ -590,10 +603,12 @@ class _Cell:
             req.token_times = (now,)
             self._finish(req)
             self._drain_kv_wait()
-        elif self.cfg.handoff_s > 0:
-            self.sim.push(now + self.cfg.handoff_s, _HANDOFF, self, req)
         else:
-            self.joining.append(req)
+            self.first_gaps[req.request_id] = now
+            if self.cfg.handoff_s > 0:
+                self.sim.push(now + self.cfg.handoff_s, _HANDOFF, self, req)
+            else:
+                self.joining.append(req)
 
     def on_handoff(self, now: float, req: SimRequest) -> None:
         self.joining.append(req)
@@ -604,7 +619,7 @@ class _Cell:
         self.sim.done(req)
 
     def check_drained(self) -> None:
-        if self.queue or self.kv_wait or self.running or self.paused or self.decoding or self.joining:
+        if self.queue or self.kv_wait or self.running or self.paused or self.decoding or self.joining or self.first_gaps:
             raise SimError(f"cell {self.index}: requests left when the events ran out")
         if self.allocator.num_free_blocks != self.allocator.num_blocks:
             raise SimError(f"cell {self.index}: {self.allocator.num_used_blocks} KV blocks still held")

@@ -301,3 +301,22 @@ def test_snapshots_show_the_pool_and_dynamic_aggregates_when_kv_is_short(seed: i
     assert waited, "the small pool should make requests wait for blocks"
     assert all(d.aggregated for _, d in waited)
     assert sim.cells[0].stats.num_kv_waits > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_slack_counts_requests_waiting_for_their_first_decode_step(seed: int) -> None:
+    """A request handed to decode has waited since its first token: no snapshot may give decode
+    more slack than the oldest such gap leaves (else a burst pauses decode past the SLO for it)."""
+    recording = Recording("dynamic")
+    _, records = run_sim(workload_requests("azure-code", rate_rps=6, num_requests=150, seed=seed), recording,
+                         admission=False)
+    gaps = sorted((r.token_times_s[0], r.token_times_s[1]) for r in records if len(r.token_times_s) > 1)
+    checked = 0
+    for snapshot, _ in recording.calls:
+        now = snapshot.now_s
+        open_since = [first for first, second in gaps if first < now < second]
+        if not open_since:
+            continue
+        checked += 1
+        assert snapshot.slack_s <= max(0.0, SLO.tbt_s - (now - min(open_since))) + 1e-9
+    assert checked > 50
