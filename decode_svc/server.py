@@ -203,7 +203,9 @@ class DecodeWorker:
         active = _Active(req, msg.router_id, num_sent=len(req.output_token_ids),
                          logprobs_from=len(req.output_token_ids), span=span)
         self._admit(active)
-        self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
+        if msg.prefill_done_unix_ns:
+            self._prefill_done_unix_ns[req.request_id] = msg.prefill_done_unix_ns
+        self._report_load()  # the agent sees the new context and its open gap before the next step
         return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start), active
 
     async def _prefill_then_reply(self, active: _Active) -> decode_pb2.HandoffReply:
@@ -359,6 +361,7 @@ class DecodeWorker:
                     for a in self.prefilling],
             last_step_ns=self.last_step_ns, last_step_end_unix_ns=self.last_step_end_unix_ns,
             last_step_chunk_tokens=self.last_step_chunk_tokens, last_step_num_seqs=self.last_step_num_seqs,
+            oldest_waiting_first_token_unix_ns=min(self._prefill_done_unix_ns.values(), default=0),
         ))
 
     async def run(self) -> None:

@@ -133,7 +133,8 @@ class PolicyLoop:
         """The whole snapshot the policies were written for, from the services' last reports
         (every model's, merged: see the module docstring): prefill's queue, its running batch and
         the one paused under it, decode's contexts and its slack (the TBT SLO less the time since
-        its last step ended and that step's length: what the next token may still wait)."""
+        its last step ended and that step's length: what the next token may still wait; or less, from
+        the first token of a request handed to decode that no step has yet included)."""
         prefills = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_PREFILL]
         decodes = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_DECODE]
         # Prompts still to compute: prefill's queues, and decode's chunks in aggregated mode.
@@ -147,6 +148,9 @@ class PolicyLoop:
         contexts = tuple(n for load in decodes for n in load.decode_context_lens)
         slacks = [self.slo.tbt_s - max(0.0, now_s - load.last_step_end_unix_ns / 1e9) - load.last_step_ns / 1e9
                   for load in decodes if load.last_step_end_unix_ns and load.decode_context_lens]
+        # A request handed to decode and not yet stepped has waited since its first token.
+        slacks += [self.slo.tbt_s - max(0.0, now_s - load.oldest_waiting_first_token_unix_ns / 1e9)
+                   for load in decodes if load.oldest_waiting_first_token_unix_ns]
         slack = min(slacks) if slacks else None
         paused = next((flight for load in prefills if load.HasField("paused")
                        if (flight := self._in_flight(load.paused)) is not None), None)

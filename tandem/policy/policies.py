@@ -202,7 +202,7 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
         return cap
 
     def fits(tokens: int) -> bool:
-        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slack_s
+        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s
 
     if fits(cap):
         return cap

@@ -552,17 +552,6 @@ def test_dynamic_kv_reserve_decides_aggregation(total: int, free_share: float, r
     assert not DynamicPolicy(DynamicConfig(kv_reserve=reserve))(kv_snap(free=None, total=None, queue=(q("a", 512),)), P).aggregated
 
 
-@settings(max_examples=60, deadline=None)
-@given(slack_ms=st.floats(10.0, 50.0), prompt=st.integers(100, 6000))
-def test_chunked_step_fits_the_remaining_slack(slack_ms: float, prompt: int) -> None:
-    s = snap(queue=(q("a", prompt),), slack_s=slack_ms / 1e3)
-    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=8192, min_chunk_tokens=0))(s, P)
-    tokens = sum(d.prefill_chunk_tokens)
-    assert P.predict_hybrid([(tokens, 0)] if tokens else [], DECODE, 16) <= s.slack_s
-    if tokens < prompt:
-        assert P.predict_hybrid([(tokens + 1, 0)], DECODE, 16) > s.slack_s
-
-
 def test_snapshot_kv_fields_are_validated() -> None:
     with pytest.raises(ValueError):
         kv_snap(free=10, total=None)

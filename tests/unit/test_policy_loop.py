@@ -138,3 +138,21 @@ def test_snapshot_carries_the_pools_free_blocks() -> None:
         assert (s.kv_free_blocks, s.kv_total_blocks) == (state["free"], state["total"])
     unknown = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
     assert unknown.snapshot(time.time()).kv_total_blocks is None
+
+
+def test_decode_slack_counts_a_handed_off_request_waiting_for_its_first_step() -> None:
+    rng = random.Random(3)
+    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+    for _ in range(30):
+        now_ns = time.time_ns()
+        since_step_ms, step_ms, since_first_ms = rng.uniform(0, 60), rng.uniform(1, 40), rng.uniform(0, 80)
+        first_ns = now_ns - int(since_first_ms * 1e6) if rng.random() < 0.7 else 0
+        loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=[10],
+                                        last_step_ns=int(step_ms * 1e6),
+                                        last_step_end_unix_ns=now_ns - int(since_step_ms * 1e6),
+                                        oldest_waiting_first_token_unix_ns=first_ns))
+        s = loop.snapshot(now_ns / 1e9)
+        want = SLO.tbt_s - since_step_ms / 1e3 - step_ms / 1e3
+        if first_ns:
+            want = min(want, SLO.tbt_s - since_first_ms / 1e3)
+        assert s.decode_slack_s is not None and abs(s.decode_slack_s - want) < 1e-6
