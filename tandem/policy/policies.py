@@ -331,6 +331,7 @@ class DynamicConfig:
     tbt_target: float = 0.5
     kv_aware: bool = True
     kv_reserve: float = 0.3
+    whole_hybrid: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.tbt_target <= 1:
@@ -362,6 +363,22 @@ def _kv_short(snapshot: ClusterSnapshot, reserve: float) -> bool:
     return free is not None and total is not None and free < reserve * total
 
 
+def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: int) -> Decision | None:
+    """One aggregated step carrying every pending prompt token, when it lands within decode's
+    slack; None when it does not, or a split batch has layer groups done (they would be redone)."""
+    for rp in (snapshot.running_prefill, snapshot.paused_prefill):
+        if rp is not None and rp.layers_done:
+            return None
+    pending = _pending_prefill(snapshot)
+    ctx = snapshot.decode_context_lens
+    if sum(n for _, n, _ in pending) + len(ctx) > max_tokens:
+        return None
+    t = _hybrid_s(predictor, pending, ctx, snapshot.total_units)
+    if t > snapshot.slack_s:
+        return None
+    return _aggregated(snapshot, pending, f"dynamic: one hybrid step of {t * 1e3:.1f} ms takes all prefill")
+
+
 class DynamicPolicy:
     """Best-fit decode units, layer-group prefill, bursts and one-level preemption."""
 
@@ -379,6 +396,10 @@ class DynamicPolicy:
             return replace(fallback, reason=(f"dynamic: KV short ({snapshot.kv_free_blocks} of "
                                              f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} "
                                              f"waiting); {fallback.reason}"))
+        if ctx and self.config.whole_hybrid:
+            whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens)
+            if whole is not None:
+                return whole
         if total < 2:
             # Nothing to split: share the single unit in time, as chunked does.
             fallback = ChunkedPolicy()(snapshot, predictor)

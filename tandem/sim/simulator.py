@@ -387,7 +387,11 @@ class _Cell:
             # A phase launched while the other still holds units gets at most what is left.
             prefill_units = min(decision.prefill_units, total - self.decode_units_busy)
             decode_units = min(decision.decode_units, total - self.prefill_units_busy)
-            launch_prefill = prefill_can and bool(decision.prefill_batch) and prefill_units >= 1
+            # A burst takes decode's units too: it waits for decode's step in flight to end (its
+            # layers were sized for every unit, and on what decode leaves they would hold those
+            # units past decode's next boundary, stalling decode beyond its slack).
+            launch_prefill = (prefill_can and bool(decision.prefill_batch) and prefill_units >= 1
+                              and not (decision.burst and self.decode_busy))
             launch_decode = decode_can and decode_units >= 1
             job = self._apply_prefill(now, decision) if launch_prefill else None
             if job is not None:

@@ -77,6 +77,7 @@ P = LinearPredictor()
 SLO = Slo(ttft_s=1.0, tbt_s=0.05)
 NOW = 100.0
 DECODE = (1000,) * 8  # 8 sequences of 1000 tokens: 108 ms of work on one unit
+LONG = 4096  # a prompt no hybrid step within TBT takes whole (2.2 s of work on one unit)
 
 
 def q(request_id: str, tokens: int, *, arrival_s: float = NOW, deadline_s: float | None = None) -> QueuedRequest:
@@ -123,7 +124,7 @@ TARGET_S = SLO.tbt_s * DynamicConfig().tbt_target  # what the best-fit decode st
 
 
 def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
-    s = snap(queue=(q("a", 512),))
+    s = snap(queue=(q("a", LONG),))
     d = POLICIES["dynamic"](s, P)
     assert not d.aggregated
     assert d.decode_units + d.prefill_units == 16
@@ -141,7 +142,7 @@ def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
 @pytest.mark.parametrize("num_seqs", [1, 4, 8, 16, 32])
 def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
     ctx = (2000,) * num_seqs
-    d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=ctx), P)
+    d = DynamicPolicy()(snap(queue=(q("a", LONG),), decode=ctx), P)
     if d.aggregated:  # not even 15 of 16 units meet the SLO: time-share as chunked does
         assert decode_t(15, ctx=ctx) > SLO.tbt_s and "no split meets TBT" in d.reason
         return
@@ -156,7 +157,7 @@ def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
 
 
 def test_dynamic_contention_guard_costs_units() -> None:
-    s = snap(queue=(q("a", 512),))
+    s = snap(queue=(q("a", LONG),))
     plain = DynamicPolicy()(s, LinearPredictor(contention_gamma=0.0))
     guarded = DynamicPolicy()(s, LinearPredictor(contention_gamma=1.0))
     assert guarded.decode_units > plain.decode_units
@@ -529,7 +530,7 @@ def kv_snap(*, free: int | None, total: int | None, waiting: int = 0, **kw: obje
 
 
 def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
-    s = kv_snap(free=500, total=1000, waiting=2, queue=(q("a", 512), q("b", 700, arrival_s=NOW + 1)))
+    s = kv_snap(free=500, total=1000, waiting=2, queue=(q("a", LONG), q("b", 700, arrival_s=NOW + 1)))
     d = DynamicPolicy()(s, P)
     chunked = ChunkedPolicy()(s, P)
     assert d.aggregated and d.prefill_batch == chunked.prefill_batch
@@ -545,11 +546,11 @@ def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
 @given(total=st.integers(1, 100_000), free_share=st.floats(0.0, 1.0), reserve=st.floats(0.0, 0.9))
 def test_dynamic_kv_reserve_decides_aggregation(total: int, free_share: float, reserve: float) -> None:
     free = min(total, int(free_share * total))
-    s = kv_snap(free=free, total=total, queue=(q("a", 512),))
+    s = kv_snap(free=free, total=total, queue=(q("a", LONG),))
     d = DynamicPolicy(DynamicConfig(kv_reserve=reserve))(s, P)
     assert d.aggregated == (free < reserve * total)
     # an unknown pool never aggregates on KV's account
-    assert not DynamicPolicy(DynamicConfig(kv_reserve=reserve))(kv_snap(free=None, total=None, queue=(q("a", 512),)), P).aggregated
+    assert not DynamicPolicy(DynamicConfig(kv_reserve=reserve))(kv_snap(free=None, total=None, queue=(q("a", LONG),)), P).aggregated
 
 
 def test_snapshot_kv_fields_are_validated() -> None:
@@ -561,3 +562,35 @@ def test_snapshot_kv_fields_are_validated() -> None:
         kv_snap(free=1, total=10, waiting=-1)
     assert kv_snap(free=0, total=10, waiting=3).kv_bound
     assert not kv_snap(free=0, total=10).kv_bound
+
+
+def test_dynamic_runs_one_hybrid_step_when_it_takes_every_pending_prompt() -> None:
+    # 100 + 60 prompt tokens beside 4 short contexts: one step on all 16 units is 4.8 ms.
+    s = snap(queue=(q("a", 100), q("b", 60, arrival_s=NOW + 0.01)), decode=(10,) * 4)
+    d = DynamicPolicy()(s, P)
+    assert d.aggregated and d.prefill_batch == ("a", "b") and d.prefill_chunk_tokens == (100, 60)
+    assert P.predict_hybrid([(100, 0), (60, 0)], (10,) * 4, 16) <= s.slack_s
+    assert "takes all prefill" in d.reason
+    # a prompt too long for one step within TBT splits; so does a burst's shrunk slack
+    assert not DynamicPolicy()(snap(queue=(q("a", 4000),), decode=(10,) * 4), P).aggregated
+    assert not DynamicPolicy()(replace(s, decode_slack_s=0.001), P).aggregated
+    assert not DynamicPolicy(DynamicConfig(whole_hybrid=False))(s, P).aggregated
+    # a split batch with layers done is continued, not redone in a hybrid step
+    s2 = snap(running=rp("a", 100, deadline_s=NOW + 1, layers_done=3), decode=(10,) * 4)
+    d2 = DynamicPolicy()(s2, P)
+    assert not d2.aggregated and d2.prefill_batch == ("a",)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.integers(1, 3000), min_size=1, max_size=6), num_seqs=st.integers(1, 40),
+       ctx_len=st.integers(1, 3000))
+def test_dynamic_aggregates_exactly_when_one_step_fits(prompts: list[int], num_seqs: int, ctx_len: int) -> None:
+    queue = tuple(q(f"r{i}", n, arrival_s=NOW + i * 1e-3) for i, n in enumerate(prompts))
+    ctx = (ctx_len,) * num_seqs
+    d = DynamicPolicy(DynamicConfig(kv_aware=False))(snap(queue=queue, decode=ctx), P)
+    fits = (sum(prompts) + num_seqs <= DynamicConfig().max_batch_tokens
+            and P.predict_hybrid([(n, 0) for n in prompts], ctx, 16) <= SLO.tbt_s)
+    if fits:
+        assert d.aggregated and sum(d.prefill_chunk_tokens) == sum(prompts)
+    else:
+        assert not d.aggregated or "no split meets TBT" in d.reason
