@@ -16,7 +16,7 @@ exactly as `tandem bench` reports it.
 Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.png.
 
 Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag=-x]
-                                    [--seeds 0,1,2] [--policies chunked,dynamic]
+                                    [--seeds 0,1,2] [--policies chunked,dynamic,'dynamic[kv_reserve=0]']
                                     [--workloads azure-code,sharegpt] [--jobs 2] [--out-dir docs/results]
 
 With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
@@ -32,13 +32,19 @@ import multiprocessing
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.metrics import SloSpec, mean_ci95
+from tandem.bench.metrics import SloSpec, mean_ci95, summarize
 from tandem.bench.report import plot_goodput_vs_rate, write_json
+from tandem.policy.policies import DynamicConfig, DynamicPolicy, get_policy
+from tandem.policy.types import ClusterSnapshot, Decision, Predictor
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
-from tandem.sim.run import simulate, workload_requests
+from tandem.sim.run import workload_requests
+from tandem.sim.simulator import Simulator
+
+Policy = Callable[[ClusterSnapshot, Predictor], Decision]
 
 MODEL = "Llama-3.1-8B"
 POLICIES = ("chunked", "static", "dynamic", "adaptive")
@@ -64,6 +70,24 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
+def policy_variant(name: str) -> Policy:
+    """A policy by name, or ``dynamic[key=value,...]``: dynamic with those DynamicConfig fields
+    (numbers and booleans), e.g. ``dynamic[kv_reserve=0.3]``."""
+    if "[" not in name:
+        return get_policy(name)
+    base, _, fields = name.partition("[")
+    if base != "dynamic" or not fields.endswith("]"):
+        raise SystemExit(f"bad policy variant {name!r}: use dynamic[key=value,...]")
+    config: dict[str, Any] = {}
+    for item in filter(None, fields[:-1].split(",")):
+        key, _, value = item.partition("=")
+        if value in ("true", "false"):
+            config[key] = value == "true"
+        else:
+            config[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return DynamicPolicy(DynamicConfig(**config))
+
+
 def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
     hardware, workload, rate, policy, opts = job
     shape = load_shape(MODEL)
@@ -73,16 +97,17 @@ def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any
     requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
     start = time.process_time()
     policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
-    result = simulate(requests, policy=policy, predictor=predictor, cell_config=cell, slo=SLO, admission=False,
-                      rate_rps=rate, policy_tbt_s=policy_tbt_s)
-    s = result.summary
+    sim = Simulator(policy=policy_variant(policy), predictor=predictor, cell_config=cell, slo=SLO, admission=False,
+                    policy_tbt_s=policy_tbt_s)
+    run = sim.run(requests)
+    s = summarize(run.records, duration_s=run.duration_s, slo=SLO)
     return {
         "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "seed": opts["seed"],
         "num_requests": num,
         "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
         "ttft_attainment": s["ttft_attainment"], "tbt_attainment": s["tbt_attainment"],
         "duration_s": s["duration_s"], "ttft_p99_s": s["ttft_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
-        "cell": result.cells[0], "cpu_s": time.process_time() - start,
+        "cell": run.cells[0], "cpu_s": time.process_time() - start,
     }
 
 

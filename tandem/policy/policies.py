@@ -319,7 +319,10 @@ class DynamicConfig:
     chunked's short hybrid steps (Little's law: blocks held = rate x blocks each x time in the
     cell); where KV, not compute, is the limit (ShareGPT's long outputs) that filled the pool and
     prompts queued for blocks (issue 13). An aggregated step reads the weights once for both
-    phases and drains the decode batch fastest."""
+    phases and drains the decode batch fastest. The reserve is a parameter, chosen from a sweep
+    in the simulator (docs/results/sim-policies.md: goodput at 0 to 0.6 of the pool; on A100
+    ShareGPT at 25 req/s best-fit decode steps averaged 60-67 ms against chunked's 42 ms, so a
+    split holds blocks 1.4-1.6x longer; Azure code's short outputs never filled half the pool)."""
 
     layer_group: int | None = None
     max_layer_group: int = 8
@@ -330,7 +333,7 @@ class DynamicConfig:
     risk_horizon: int = 16
     tbt_target: float = 0.5
     kv_aware: bool = True
-    kv_reserve: float = 0.3
+    kv_reserve: float = 0.5
     whole_hybrid: bool = True
 
     def __post_init__(self) -> None:
