@@ -7,7 +7,9 @@
   times the contention factor, stays within TBT (best fit); prefill gets the rest and is
   launched a layer group at a time; a burst of at-risk prefill may take every unit while
   decode slack allows; a short request may preempt a long prefill that still meets its
-  deadline afterwards, never recursively.
+  deadline afterwards, never recursively. It time-shares as `chunked` while KV blocks bound
+  the cell (requests wait for blocks, or under half the pool is free), and takes every
+  pending prompt in one aggregated step when that step fits decode's slack.
 - `adaptive`: DuetServe. Aggregated while the predicted hybrid step meets TBT; otherwise a
   split (S_p, S_d, k) from a small grid maximising token throughput subject to TBT.
 
