@@ -32,19 +32,14 @@ import multiprocessing
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.metrics import SloSpec, mean_ci95, summarize
+from tandem.bench.metrics import SloSpec, mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
-from tandem.policy.policies import DynamicConfig, DynamicPolicy, get_policy
-from tandem.policy.types import ClusterSnapshot, Decision, Predictor
+from tandem.policy.policies import DynamicConfig, DynamicPolicy, Policy, get_policy
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
-from tandem.sim.run import workload_requests
-from tandem.sim.simulator import Simulator
-
-Policy = Callable[[ClusterSnapshot, Predictor], Decision]
+from tandem.sim.run import simulate, workload_requests
 
 MODEL = "Llama-3.1-8B"
 POLICIES = ("chunked", "static", "dynamic", "adaptive")
@@ -97,17 +92,16 @@ def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any
     requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
     start = time.process_time()
     policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
-    sim = Simulator(policy=policy_variant(policy), predictor=predictor, cell_config=cell, slo=SLO, admission=False,
-                    policy_tbt_s=policy_tbt_s)
-    run = sim.run(requests)
-    s = summarize(run.records, duration_s=run.duration_s, slo=SLO)
+    result = simulate(requests, policy=policy_variant(policy), predictor=predictor, cell_config=cell, slo=SLO,
+                      admission=False, rate_rps=rate, policy_tbt_s=policy_tbt_s)
+    s = result.summary
     return {
         "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "seed": opts["seed"],
         "num_requests": num,
         "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
         "ttft_attainment": s["ttft_attainment"], "tbt_attainment": s["tbt_attainment"],
         "duration_s": s["duration_s"], "ttft_p99_s": s["ttft_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
-        "cell": run.cells[0], "cpu_s": time.process_time() - start,
+        "cell": result.cells[0], "cpu_s": time.process_time() - start,
     }
 
 

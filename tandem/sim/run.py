@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.bench.metrics import RequestRecord, SloSpec, summarize
 from tandem.bench.workload import RequestSpec, WorkloadSpec, build_requests
-from tandem.policy.policies import get_policy
+from tandem.policy.policies import Policy, get_policy
 from tandem.policy.types import Predictor
 from tandem.sim.config import CellConfig
 from tandem.sim.simulator import SimResult, Simulator
@@ -56,7 +56,7 @@ def workload_requests(
 def simulate(
     requests: Sequence[RequestSpec],
     *,
-    policy: str,
+    policy: str | Policy,
     predictor: Predictor,
     cell_config: CellConfig,
     slo: SloSpec,
@@ -65,8 +65,11 @@ def simulate(
     rate_rps: float | None = None,
     policy_tbt_s: float | None = None,
 ) -> RunResult:
-    sim = Simulator(policy=get_policy(policy), predictor=predictor, cell_config=cell_config, slo=slo,
-                    num_cells=num_cells, admission=admission, policy_tbt_s=policy_tbt_s)
+    """``policy``: a name (``get_policy``) or a configured policy itself, named after its class."""
+    sim = Simulator(policy=get_policy(policy) if isinstance(policy, str) else policy, predictor=predictor,
+                    cell_config=cell_config, slo=slo, num_cells=num_cells, admission=admission,
+                    policy_tbt_s=policy_tbt_s)
     result: SimResult = sim.run(requests)
     summary = summarize(result.records, duration_s=result.duration_s, slo=slo)
-    return RunResult(policy, rate_rps, result.records, summary, result.cells, result.num_events)
+    name = policy if isinstance(policy, str) else type(policy).__name__
+    return RunResult(name, rate_rps, result.records, summary, result.cells, result.num_events)
