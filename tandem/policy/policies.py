@@ -238,6 +238,13 @@ class ChunkedPolicy:
         return _aggregated(snapshot, _chunks(pending, budget), reason)
 
 
+def _time_shared(snapshot: ClusterSnapshot, predictor: Predictor, why: str,
+                 config: ChunkedConfig = ChunkedConfig()) -> Decision:
+    """Chunked's decision, its reason prefixed by why another policy fell back to it."""
+    fallback = ChunkedPolicy(config)(snapshot, predictor)
+    return replace(fallback, reason=f"{why}; {fallback.reason}")
+
+
 # --------------------------------------------------------------------------- static
 
 
@@ -397,18 +404,15 @@ class DynamicPolicy:
         if not snapshot.has_prefill_work:
             return _decode_only(snapshot, "dynamic: no prefill work")
         if ctx and self.config.kv_aware and _kv_short(snapshot, self.config.kv_reserve):
-            fallback = ChunkedPolicy()(snapshot, predictor)
-            return replace(fallback, reason=(f"dynamic: KV short ({snapshot.kv_free_blocks} of "
-                                             f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} "
-                                             f"waiting); {fallback.reason}"))
+            return _time_shared(snapshot, predictor, f"dynamic: KV short ({snapshot.kv_free_blocks} of "
+                                f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} waiting)")
         if ctx and self.config.whole_hybrid:
             whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens)
             if whole is not None:
                 return whole
         if total < 2:
             # Nothing to split: share the single unit in time, as chunked does.
-            fallback = ChunkedPolicy()(snapshot, predictor)
-            return replace(fallback, reason=f"dynamic: one unit; {fallback.reason}")
+            return _time_shared(snapshot, predictor, "dynamic: one unit")
 
         if not ctx:
             decode_units, why = 0, "no decode"
@@ -427,8 +431,7 @@ class DynamicPolicy:
                 # balanced split here, Bullet's answer for true overload, halved decode's
                 # units and the simulator showed the decode batch then growing without bound
                 # on ShareGPT at half chunked's knee.)
-                fallback = ChunkedPolicy()(snapshot, predictor)
-                return replace(fallback, reason=f"dynamic: no split meets TBT; {fallback.reason}")
+                return _time_shared(snapshot, predictor, "dynamic: no split meets TBT")
             decode_units = best
         prefill_units = total - decode_units
 
@@ -639,14 +642,13 @@ class AdaptivePolicy:
         if t_hybrid <= snapshot.slo.tbt_s:
             return _aggregated(snapshot, chunks, f"adaptive: aggregated, hybrid {t_hybrid * 1e3:.2f}ms meets TBT")
         if total < 2:
-            fallback = ChunkedPolicy()(snapshot, predictor)
-            return replace(fallback, reason=f"adaptive: one unit; {fallback.reason}")
+            return _time_shared(snapshot, predictor, "adaptive: one unit")
 
         batch, seqs, fraction, layers = self._prefill_batch(snapshot, predictor)
         choice = self.best_split(snapshot, predictor, seqs, fraction)
         if choice is None:
-            fallback = ChunkedPolicy(ChunkedConfig(max_budget_tokens=self.config.token_budget))(snapshot, predictor)
-            return replace(fallback, reason=f"adaptive: no split meets TBT; {fallback.reason}")
+            return _time_shared(snapshot, predictor, "adaptive: no split meets TBT",
+                                ChunkedConfig(max_budget_tokens=self.config.token_budget))
         return Decision(
             prefill_units=choice.prefill_units,
             decode_units=choice.decode_units,
