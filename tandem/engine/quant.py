@@ -26,7 +26,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import ggml_kernels
 from tandem.engine.weight_format import WeightFormat
+
+# Largest number of rows the ggml format runs through ggml's kernels; larger calls (batched
+# decode, prefill) run fbgemm's fp16, faster there on AVX2 (bench/quant.py).
+GGML_MAX_ROWS = 2
+# The block types tried, in order, for a layer of the ggml format: the first that holds the
+# layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
+GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
 
 # Decode-sized batch the oneDNN packed layout is tuned for; it stays correct (and faster than the
 # plain layout in our measurements) from 1 to hundreds of rows.
@@ -85,9 +93,12 @@ def effective_format(fmt: WeightFormat, dtype: torch.dtype, device: torch.device
         WeightFormat.BF16: can_run_bf16(),
         WeightFormat.FP16: can_run_fp16(),
         WeightFormat.INT8: can_run_int8(),
+        WeightFormat.GGML: can_run_fp16() and ggml_kernels.load() is not None,
     }
     if runnable[fmt]:
         return fmt
+    if fmt == WeightFormat.GGML and runnable[WeightFormat.FP16]:
+        return WeightFormat.FP16  # kernels not built here (tandem models build-kernels): its large-batch half
     return WeightFormat.FP32_PACKED if runnable[WeightFormat.FP32_PACKED] else WeightFormat.FP32
 
 
@@ -122,15 +133,19 @@ class Linear:
         self.derived_bytes = 0
         self._packed: object = None
         self._bias16: torch.Tensor | None = None
-        if self.format == WeightFormat.FP32_PACKED:
+        self._blocks: torch.Tensor | None = None
+        self.ggml_type: ggml_kernels.GgmlType | None = None
+        if self.format == WeightFormat.GGML:
+            self._ggml_blocks(weight)
+        if self.format in (WeightFormat.FP16, WeightFormat.GGML):
+            self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+            self.derived_bytes += weight.numel() * 2
+        elif self.format == WeightFormat.FP32_PACKED:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
             self.derived_bytes = weight.numel() * 4
         elif self.format == WeightFormat.BF16:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), _PACK_BATCH_HINT)
             self._bias16 = None if bias is None else bias.to(torch.bfloat16)
-            self.derived_bytes = weight.numel() * 2
-        elif self.format == WeightFormat.FP16:
-            self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.derived_bytes = weight.numel() * 2
         elif self.format == WeightFormat.INT8:
             derived = weight.float()
@@ -151,15 +166,35 @@ class Linear:
                 self._packed = torch.ops.quantized.linear_prepack(qweight, None)
             self.derived_bytes = q.numel() + scale.numel() * 4
 
+    def _ggml_blocks(self, weight: torch.Tensor) -> None:
+        """The first of ``GGML_EXACT_TYPES`` whose blocks dequantize to ``weight`` bit for bit;
+        none (a layer not from a GGUF of those types) leaves the layer on fp16 alone."""
+        kernels = ggml_kernels.load()
+        assert kernels is not None  # effective_format checked
+        n, k = weight.shape
+        for gtype in GGML_EXACT_TYPES:
+            if k % 32:
+                break
+            blocks = kernels.quantize(weight, gtype)
+            if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
+                self._blocks, self.ggml_type = blocks, gtype
+                self.derived_bytes += blocks.numel()
+                return
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
+        if self._blocks is not None and x.shape[0] <= GGML_MAX_ROWS:
+            kernels = ggml_kernels.load()
+            assert kernels is not None and self.ggml_type is not None
+            out = kernels.linear(x, self._blocks, self.ggml_type, self.weight.shape[0])
+            return out if self.bias is None else out.add_(self.bias)
         if self.format == WeightFormat.BF16:
             out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")
             return out.float()
         if self.format == WeightFormat.FP32_PACKED:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return out
-        if self.format == WeightFormat.FP16:
+        if self.format in (WeightFormat.FP16, WeightFormat.GGML):
             out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
             return out
         if self.format == WeightFormat.INT8:

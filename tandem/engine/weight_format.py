@@ -14,6 +14,9 @@ class WeightFormat(str, Enum):
     BF16 = "bf16"  # oneDNN-packed bf16 weights, activations rounded to bf16, fp32 out (AVX512-BF16/AMX)
     FP16 = "fp16"  # fbgemm fp16 weights, fp32 activations and accumulation (any AVX2 + F16C CPU)
     INT8 = "int8"  # fbgemm int8, per-output-channel weight scales, dynamic per-token activations, SmoothQuant
+    # llama.cpp's block-quantized weights (Q4_1, Q8_0) through ggml's kernels where they hold a
+    # layer's weights exactly (a GGUF-imported model), for single-row steps; fp16 otherwise
+    GGML = "ggml"
 
     @classmethod
     def parse(cls, name: str) -> WeightFormat:

