@@ -4,9 +4,11 @@ Accuracy: perplexity of each format on windows of real English text (the Python 
 that ships with CPython as ``pydoc_data.topics``: no download), and top-1 agreement, the share
 of positions where the format's most likely next token is fp32's. Each window is one prefill,
 so per-tensor dynamic activation scales see a real prompt's spread (the first token's large
-activations included).
+activations included). A single-row pass (one token a step, as single-stream decode runs) of
+shorter windows measures the rows the ``ggml`` format runs on ggml's kernels, with fp32 and the
+default format run the same way.
 
-Speed: one decode step at batch 1 / 8 / 16 / 32 (contexts of 128 tokens) and one prefill of
+Speed: one decode step at batch 1 / 2 / 3 / 4 / 8 / 16 / 32 (contexts of 128 tokens) and one prefill of
 128 / 512 tokens, median of --repeats, formats interleaved so drift hits all alike.
 
 Usage: python bench/quant.py [--model DIR] [--windows 8] [--window-len 256] [--repeats 5]
@@ -33,12 +35,18 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
-from tandem.engine.quant import WeightFormat, best_format  # noqa: E402
+from tandem.engine.quant import WeightFormat, best_format, effective_format  # noqa: E402
 from tandem.engine.runner import ModelRunner, SeqInput, position_logits  # noqa: E402
 from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 
-FORMATS = (WeightFormat.FP32, WeightFormat.FP32_PACKED, WeightFormat.BF16, WeightFormat.FP16, WeightFormat.INT8)
+FORMATS = tuple(f for f in (WeightFormat.FP32, WeightFormat.FP32_PACKED, WeightFormat.BF16, WeightFormat.FP16,
+                            WeightFormat.INT8, WeightFormat.GGML)
+                if effective_format(f, torch.float32) == f)  # ggml: once tandem models build-kernels ran
 BLOCK = 16
+
+
+SINGLE_ROW_WINDOWS = 4
+SINGLE_ROW_LEN = 128
 
 
 def text_windows(tokenizer: Tokenizer, num: int, length: int) -> list[list[int]]:
@@ -108,15 +116,16 @@ def read_bandwidth_gb_s(repeats: int, mib: int = 512) -> float:
 
 
 def weight_bytes_per_step(runner: ModelRunner) -> int:
-    """Bytes of linear weights one decode step reads in this format (the embedding row reads
-    are negligible): fp32 4, fp16/bf16 2, int8 ~1 per parameter."""
+    """Bytes of linear weights a one-row decode step reads in this format (the embedding row
+    reads are negligible): fp32 4, fp16/bf16 2, int8 ~1 per parameter; ggml its blocks (Q4_1:
+    0.625, Q8_0: 1.0625 per parameter) where a layer has them."""
     model = runner.model
     per_param = {WeightFormat.FP32: 4.0, WeightFormat.FP32_PACKED: 4.0, WeightFormat.BF16: 2.0,
-                 WeightFormat.FP16: 2.0, WeightFormat.INT8: 1.0}[model.weight_format]
-    params = model.lm_head.weight.numel() + sum(
-        lin.weight.numel() for layer in model._layers
-        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
-    return int(params * per_param)
+                 WeightFormat.FP16: 2.0, WeightFormat.INT8: 1.0, WeightFormat.GGML: 2.0}[model.weight_format]
+    linears = [model.lm_head, *(lin for layer in model._layers
+                                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))]
+    return int(sum(lin._blocks.numel() if lin._blocks is not None else lin.weight.numel() * per_param
+                   for lin in linears))
 
 
 def main() -> None:
@@ -153,9 +162,16 @@ def main() -> None:
         result["kv_accuracy"] = {"weight_format": best_format().value, "chunk_tokens": 8} | accuracy(
             kv_runners, windows, chunk=8)
         print(json.dumps(result["kv_accuracy"], indent=1))
+        # One row a step, as single-stream decode runs: the rows the ggml format runs on ggml's
+        # kernels (a whole-window prefill runs its fp16 half). fp32 computed the same way.
+        row_runners = {f.value: runners[f] for f in (WeightFormat.FP32, best_format(), WeightFormat.GGML)
+                       if f in runners}
+        short = [ids[:SINGLE_ROW_LEN] for ids in windows[:SINGLE_ROW_WINDOWS]]
+        result["single_row_accuracy"] = {"chunk_tokens": 1} | accuracy(row_runners, short, chunk=1)
+        print(json.dumps(result["single_row_accuracy"], indent=1))
         if not args.skip_speed:
             speed: dict[str, dict[str, float]] = {f.value: {} for f in FORMATS}
-            for batch in (1, 8, 16, 32):
+            for batch in (1, 2, 3, 4, 8, 16, 32):
                 for f in FORMATS:
                     speed[f.value][f"decode_b{batch}_ms"] = round(decode_step_ms(runners[f], batch, 128, args.repeats), 2)
             for length in (128, 512):

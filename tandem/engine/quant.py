@@ -30,8 +30,10 @@ from tandem.engine import ggml_kernels
 from tandem.engine.weight_format import WeightFormat
 
 # Largest number of rows the ggml format runs through ggml's kernels; larger calls (batched
-# decode, prefill) run fbgemm's fp16, faster there on AVX2 (bench/quant.py).
-GGML_MAX_ROWS = 2
+# decode, prefill) run fbgemm's fp16, faster there on AVX2. Measured on SmolLM2, decode steps at
+# context 128, both paths interleaved (median of 6): 1.58x / 1.24x / 1.26x faster at 1 / 2 / 3
+# rows, even at 4, slower from 6 (ggml's Q4_1 kernel takes one row at a time).
+GGML_MAX_ROWS = 3
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)

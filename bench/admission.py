@@ -1,0 +1,155 @@
+"""Admission, judged request by request: what the default stack refused that would have met its
+SLO, and what it admitted that missed.
+
+Two ``tandem up`` stacks run side by side on the default model: A with the default admission, B
+with ``--admission off``. ``tandem bench`` A/B sends both the same requests, load by load (fixed
+concurrency 8 and 16 on 35-word chats with 64 output tokens, then Poisson rates on ShareGPT
+lengths), measuring one stack while the other idles. Requests are paired by their index in the
+load:
+- a **false refusal** is a request A refused (HTTP 429) that B, which admitted everything, served
+  within the SLO (TTFT and TBT, as goodput counts). B ran the extra load that A shed, so this
+  undercounts what A alone would have served: it is the issue's own measure (refused by the
+  default stack, met with admission off);
+- an **admitted miss** is a request A admitted and served outside the SLO.
+Both are reported per load, as shares of all requests and of the refused / admitted ones.
+
+Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4]
+                                 [--out bench/results/admission.json] [--tandem-args ARG...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer import BIN, CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running  # noqa: E402
+
+from tandem.bench.metrics import RequestRecord, SloSpec, meets_slo  # noqa: E402
+from tandem.bench.report import write_json  # noqa: E402
+from tandem.service.runtime import free_port  # noqa: E402
+
+LABEL_ON = "admission"
+LABEL_OFF = "admission-off"
+
+
+def refused(record: RequestRecord) -> bool:
+    return record.error is not None and record.error.startswith("HTTP 429")
+
+
+def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: SloSpec) -> dict[str, Any]:
+    """False refusals and admitted misses of one load, A's rows paired with B's by index."""
+    on = [RequestRecord.from_dict(r) for r in rows_on]
+    off = [RequestRecord.from_dict(r) for r in rows_off]
+    if len(on) != len(off):
+        raise ValueError(f"the two runs have {len(on)} and {len(off)} requests")
+    n = len(on)
+    refusals = [i for i, r in enumerate(on) if refused(r)]
+    admitted = [i for i, r in enumerate(on) if not refused(r)]
+    false_refusals = [i for i in refusals if meets_slo(off[i], slo)]
+    misses = [i for i in admitted if not meets_slo(on[i], slo)]
+    return {
+        "num_requests": n,
+        "num_refused": len(refusals),
+        "num_false_refusals": len(false_refusals),
+        "false_refusals_of_all": len(false_refusals) / n if n else None,
+        "false_refusals_of_refused": len(false_refusals) / len(refusals) if refusals else None,
+        "num_admitted": len(admitted),
+        "num_admitted_missed": len(misses),
+        "admitted_missed_of_all": len(misses) / n if n else None,
+        "admitted_missed_of_admitted": len(misses) / len(admitted) if admitted else None,
+        "met_with_admission": sum(meets_slo(r, slo) for r in on),
+        "met_without_admission": sum(meets_slo(r, slo) for r in off),
+    }
+
+
+def judge_result(result: dict[str, Any]) -> list[dict[str, Any]]:
+    slo = SloSpec(**result["slo"])
+    by_load: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for run in result["runs"]:
+        by_load.setdefault(run["load"], {})[run["label"]] = run["requests"]
+    return [{"load": load, **judge(rows[LABEL_ON], rows[LABEL_OFF], slo)} for load, rows in by_load.items()]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| load | refused | false refusals (of all / of refused) | admitted missed (of admitted) | "
+             "met: admission / off |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['load']} | {r['num_refused']}/{r['num_requests']} | {r['num_false_refusals']} "
+                     f"({_pct(r['false_refusals_of_all'])} / {_pct(r['false_refusals_of_refused'])}) | "
+                     f"{r['num_admitted_missed']}/{r['num_admitted']} ({_pct(r['admitted_missed_of_admitted'])}) | "
+                     f"{r['met_with_admission']} / {r['met_without_admission']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser.add_argument
+    p("--rate", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="Poisson rates, req/s (ShareGPT lengths)")
+    p("--concurrency", type=int, nargs="+", default=[8, 16])
+    p("--num-requests", type=int, default=60, help="requests per rate")
+    p("--rounds", type=int, default=4, help="requests per slot at each concurrency")
+    p("--ttft-slo-ms", type=float, default=2000.0)
+    p("--tbt-slo-ms", type=float, default=200.0)
+    p("--seed", type=int, default=0)
+    p("--ready-timeout-s", type=float, default=300.0)
+    p("--out", default="bench/results/admission.json")
+    p("--tandem-args", nargs=argparse.REMAINDER, default=[], help="everything after it goes to both `tandem up`s")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    log_dir = Path(args.out).with_suffix("")
+    log_dir = log_dir.parent / f"{log_dir.name}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def stack(label: str, extra: list[str]) -> Server:
+        port = free_port()
+        return Server(label, [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(free_port()),
+                              "--cell-id", f"{label}-{os.getpid()}", "--ttft-slo-ms", str(args.ttft_slo_ms),
+                              "--tbt-slo-ms", str(args.tbt_slo_ms), *extra, *args.tandem_args],
+                      f"http://127.0.0.1:{port}", "/ready", log_dir / f"{label}.log")
+
+    on, off = stack(LABEL_ON, []), stack(LABEL_OFF, ["--admission", "off"])
+    common = ["--base-url", on.base_url, "--label-a", LABEL_ON, "--base-url-b", off.base_url, "--label-b", LABEL_OFF,
+              "--endpoint", "chat", "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
+    started = time.time()
+    with ExitStack() as es:
+        for server in (on, off):
+            es.enter_context(running(server, args.ready_timeout_s))
+        results = [run_bench([*common, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
+                              "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
+                              "--num-requests", str(args.rounds * c), "--seed", str(args.seed + 1 + i)])
+                   for i, c in enumerate(args.concurrency)]
+        if args.rate:
+            results.append(run_bench([*common, "--workload", "sharegpt", "--max-input-len", "512",
+                                      "--max-output-len", "128", "--rate", *map(str, args.rate),
+                                      "--num-requests", str(args.num_requests), "--seed", str(args.seed)]))
+    rows = [row for result in results for row in judge_result(result)]
+    table = markdown(rows)
+    out = write_json({"config": dict(vars(args)), "duration_s": time.time() - started,
+                      "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+                      "commands": {LABEL_ON: on.cmd, LABEL_OFF: off.cmd},
+                      "judged": rows, "bench": results, "markdown": table}, args.out)
+    print(table)
+    print(f"\nresults: {out}; server logs: {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
