@@ -157,7 +157,8 @@ class PolicyLoop:
         free, total = self.kv_blocks() if self.kv_blocks is not None else (None, None)
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
                                running_prefill=running, decode_context_lens=contexts, current=None, slo=self.slo,
-                               decode_slack_s=slack, paused_prefill=paused, kv_free_blocks=free, kv_total_blocks=total)
+                               decode_slack_s=slack, paused_prefill=paused, kv_free_blocks=free, kv_total_blocks=total,
+                               kv_waiting=sum(load.kv_waiting for load in prefills))
 
     def _in_flight(self, batch: agent_pb2.PrefillBatchInFlight) -> RunningPrefill | None:
         """A prefill batch as one RunningPrefill: named by its first (earliest-deadline)

@@ -142,7 +142,8 @@ class PrefillWorker:
         # Requests taken for a batch that has not begun (allocating) count as queued.
         waiting = [*(p for rid, p in self.running.items() if rid not in in_flight), *self.queue]
         load = agent_pb2.PhaseLoad(service_id=self.config.service_id, role=agent_pb2.ROLE_PREFILL,
-                                   queued=[_queued_msg(p) for p in waiting])
+                                   queued=[_queued_msg(p) for p in waiting],
+                                   kv_waiting=sum(p.waiting_for_blocks for p in waiting))
         if self._in_flight:
             load.running.CopyFrom(self._flight_msg(self._in_flight[-1]))
         if len(self._in_flight) > 1:

@@ -140,6 +140,22 @@ def test_snapshot_carries_the_pools_free_blocks() -> None:
     assert unknown.snapshot(time.time()).kv_total_blocks is None
 
 
+def test_snapshot_counts_every_prefills_requests_waiting_for_blocks() -> None:
+    rng = random.Random(11)
+    for _ in range(20):
+        loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO,
+                          kv_blocks=lambda: (0, 100))
+        waiting = [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
+        for i, n in enumerate(waiting):
+            queued = [_q(f"{i}-{j}", rng.randint(1, 500), time.time_ns()) for j in range(n + rng.randint(0, 3))]
+            loop.report(agent_pb2.PhaseLoad(service_id=f"p{i}", role=agent_pb2.ROLE_PREFILL, queued=queued,
+                                            kv_waiting=n), model=f"m{i}")  # one prefill_svc per model
+        loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=[10]))
+        s = loop.snapshot(time.time())
+        assert s.kv_waiting == sum(waiting)
+        assert s.kv_bound == (sum(waiting) > 0)
+
+
 def test_decode_slack_counts_a_handed_off_request_waiting_for_its_first_step() -> None:
     rng = random.Random(3)
     loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
