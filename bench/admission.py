@@ -4,9 +4,11 @@ SLO, and what it admitted that missed.
 Two ``tandem up`` stacks run side by side on the default model: A with the default admission, B
 with ``--admission off``. ``tandem bench`` A/B sends both the same requests, load by load (fixed
 concurrency 8 and 16 on 35-word chats with 64 output tokens, then Poisson rates on ShareGPT
-lengths), measuring one stack while the other idles. Requests are paired by their index in the
-load:
-- a **false refusal** is a request A refused (HTTP 429) that B, which admitted everything, served
+lengths), measuring one stack while the other idles. The client retries a 429 after its
+Retry-After as the openai client does (``--retries-429``, default 2), so a refused request of a
+fixed-concurrency load holds its slot instead of letting the next one in at once, and its TTFT
+counts the wait. Requests are paired by their index in the load:
+- a **false refusal** is a request A refused (HTTP 429, every retry included) that B, which admitted everything, served
   within the SLO (TTFT and TBT, as goodput counts). B ran the extra load that A shed, so this
   undercounts what A alone would have served: it is the issue's own measure (refused by the
   default stack, met with admission off);
@@ -15,11 +17,13 @@ Both are reported per load, as shares of all requests and of the refused / admit
 
 Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4]
                                  [--out bench/results/admission.json] [--tandem-args ARG...]
+       python bench/admission.py --judge EARLIER.json --out NEW.json   (judge again, run nothing)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
@@ -59,7 +63,9 @@ def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: Sl
     return {
         "num_requests": n,
         "num_refused": len(refusals),
+        "refusal_reasons": _by_reason(on, refusals),
         "num_false_refusals": len(false_refusals),
+        "false_refusals_by_reason": _by_reason(on, false_refusals),
         "false_refusals_of_all": len(false_refusals) / n if n else None,
         "false_refusals_of_refused": len(false_refusals) / len(refusals) if refusals else None,
         "num_admitted": len(admitted),
@@ -69,6 +75,19 @@ def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: Sl
         "met_with_admission": sum(meets_slo(r, slo) for r in on),
         "met_without_admission": sum(meets_slo(r, slo) for r in off),
     }
+
+
+def _reason(record: RequestRecord) -> str:
+    """The admission's reason in a refusal's error: "HTTP 429: admission refused: REASON (...)"
+    or "...: REASON; retry after N s"."""
+    return (record.error or "").split("admission refused: ", 1)[-1].split(" (")[0].split(";")[0]
+
+
+def _by_reason(records: list[RequestRecord], indices: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for i in indices:
+        counts[_reason(records[i])] = counts.get(_reason(records[i]), 0) + 1
+    return counts
 
 
 def judge_result(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,15 +123,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p("--rounds", type=int, default=4, help="requests per slot at each concurrency")
     p("--ttft-slo-ms", type=float, default=2000.0)
     p("--tbt-slo-ms", type=float, default=200.0)
+    p("--retries-429", type=int, default=2,
+      help="the client retries a 429 this many times after its Retry-After (the openai client's default: 2)")
     p("--seed", type=int, default=0)
     p("--ready-timeout-s", type=float, default=300.0)
     p("--out", default="bench/results/admission.json")
+    p("--judge", default=None, help="judge the runs of an earlier --out JSON again (no stacks started)")
     p("--tandem-args", nargs=argparse.REMAINDER, default=[], help="everything after it goes to both `tandem up`s")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.judge:
+        earlier = json.loads(Path(args.judge).read_text())
+        rows = [row for result in earlier["bench"] for row in judge_result(result)]
+        earlier.update(judged=rows, markdown=markdown(rows))
+        write_json(earlier, args.out)
+        print(earlier["markdown"])
+        return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log_dir = Path(args.out).with_suffix("")
     log_dir = log_dir.parent / f"{log_dir.name}-logs"
@@ -127,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     on, off = stack(LABEL_ON, []), stack(LABEL_OFF, ["--admission", "off"])
     common = ["--base-url", on.base_url, "--label-a", LABEL_ON, "--base-url-b", off.base_url, "--label-b", LABEL_OFF,
-              "--endpoint", "chat", "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
+              "--endpoint", "chat", "--retries-429", str(args.retries_429), "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
     started = time.time()
     with ExitStack() as es:
         for server in (on, off):

@@ -63,6 +63,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--tbt-quantile", type=float, default=0.99, help="a request meets TBT when this quantile of its gaps does")
     p("--seed", type=int, default=0)
     p("--timeout-s", type=float, default=600.0, help="per request")
+    p("--retries-429", type=int, default=0,
+      help="retry a refused (429) request this many times after its Retry-After, as the openai client does "
+           "(TTFT counts from the first send); 0: a 429 fails it")
     p("--warmup", type=int, default=1, help="short unrecorded requests per server before the first run")
     p("--no-logprobs", action="store_true", help="do not ask for logprobs (then a chunk counts as one token)")
     p("--no-progress", action="store_true", help="no progress bar")
@@ -199,7 +202,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     systems = []
     for label, url in urls:
         target = Target(label, url.rstrip("/").removesuffix("/v1"), args.endpoint, args.api_key, args.model,
-                        args.timeout_s, not args.no_logprobs)
+                        args.timeout_s, not args.no_logprobs, args.retries_429)
         systems.append(await prepare(target, args.tokenizer, args.seed))
     for system in systems:
         await warm_up(system, args.warmup)

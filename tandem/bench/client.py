@@ -7,7 +7,9 @@ with ``stream: true``, ``stream_options.include_usage``, ``max_tokens = output_l
 ``ignore_eos`` and temperature 0. The time of every SSE chunk that carries tokens is recorded once
 per token it carries (counted from its logprobs when the server sends them; the final usage
 count is authoritative). Nothing raises out of a request: an HTTP error (429 included), a broken
-stream or a timeout becomes a failed ``RequestRecord`` with its error.
+stream or a timeout becomes a failed ``RequestRecord`` with its error. With ``retries_429`` a 429
+is retried after the server's ``Retry-After`` as the openai client does, the request keeping its
+first send time (its TTFT counts the wait) and, in a fixed-concurrency run, its slot.
 
 Prompts: against a Tandem server (``owned_by: tandem`` in ``/v1/models``) ``/v1/completions`` gets
 token-id prompts of exactly ``input_len`` ordinary (non-special) ids of the server's tokenizer;
@@ -76,10 +78,15 @@ class Target:
     model: str | None = None    # None: the first model /v1/models lists
     timeout_s: float = 600.0    # per request, whole stream
     request_logprobs: bool = True  # exact token counts per chunk
+    # 429s a request retries after the server's Retry-After (as the openai client does, max_retries
+    # 2): its TTFT still counts from the first send. 0: a 429 fails the request.
+    retries_429: int = 0
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.retries_429 < 0:
+            raise ValueError(f"retries_429 must be >= 0, got {self.retries_429}")
 
     @property
     def headers(self) -> dict[str, str]:
@@ -206,20 +213,64 @@ def _error_message(response_body: bytes) -> str:
 
 async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: RequestSpec,
                    prompt: list[int] | str, clock: Callable[[], float]) -> RequestRecord:
-    """Send one request now and stream it to its end; never raises (except CancelledError)."""
+    """Send one request now and stream it to its end; never raises (except CancelledError). A
+    429 is retried ``target.retries_429`` times after the server's Retry-After."""
     sent_s = clock()
+    chat = target.endpoint == "chat"
+    retries_left = target.retries_429
+    try:
+        body = request_body(target, model, spec, prompt)
+        while retries_left > 0:  # refused for now: wait as the server says, then ask again
+            async with http.stream("POST", ENDPOINTS[target.endpoint], json=body,
+                                   timeout=target.timeout_s) as response:
+                if response.status_code != 429:
+                    return await _read_stream(response, spec, sent_s, clock, chat)
+                await response.aread()
+            retries_left -= 1
+            await asyncio.sleep(_retry_after_s(response))
+        async with http.stream("POST", ENDPOINTS[target.endpoint], json=body, timeout=target.timeout_s) as response:
+            return await _read_stream(response, spec, sent_s, clock, chat)
+    except asyncio.CancelledError:
+        raise
+    except _StreamFailed as exc:
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, exc.times, None, exc.message)
+    except Exception as exc:  # every failure is a result, not a crash
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"{type(exc).__name__}: {exc}")
+
+
+# Bounds on a server's Retry-After that the client follows (seconds).
+RETRY_AFTER_MIN_S = 0.05
+RETRY_AFTER_MAX_S = 10.0
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """The server's Retry-After in seconds (bounded), or 1 s without a usable header."""
+    try:
+        value = float(response.headers.get("retry-after", "1"))
+    except ValueError:
+        value = 1.0
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, value))
+
+
+class _StreamFailed(Exception):
+    """A stream that broke after some tokens: they stay in the record."""
+
+    def __init__(self, message: str, times: tuple[float, ...]) -> None:
+        super().__init__(message)
+        self.message, self.times = message, times
+
+
+async def _read_stream(response: httpx.Response, spec: RequestSpec, sent_s: float, clock: Callable[[], float],
+                       chat: bool) -> RequestRecord:
+    """The record of one answered request: an error status, or its stream read to the end."""
+    if response.status_code != 200:
+        message = _error_message(await response.aread())
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"HTTP {response.status_code}: {message}")
     times: list[float] = []
     usage_tokens: int | None = None
     done = False
-    chat = target.endpoint == "chat"
     try:
-        body = request_body(target, model, spec, prompt)
-        async with http.stream("POST", ENDPOINTS[target.endpoint], json=body, timeout=target.timeout_s) as response:
-            if response.status_code != 200:
-                message = _error_message(await response.aread())
-                return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None,
-                                     f"HTTP {response.status_code}: {message}")
-            async for line in response.aiter_lines():
+        async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -236,18 +287,17 @@ async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: Re
                     usage_tokens = usage["completion_tokens"]
         if not done:
             raise RuntimeError("stream ended without [DONE]")
-        finish_s = clock()
-        if usage_tokens is not None and times:
-            # Usage is the server's own count: chunks without logprobs or text may hide tokens.
-            if usage_tokens > len(times):
-                times.extend([times[-1]] * (usage_tokens - len(times)))
-            del times[usage_tokens:]
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, tuple(times), finish_s)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # every failure is a result, not a crash
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, tuple(times), None,
-                             f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        raise _StreamFailed(f"{type(exc).__name__}: {exc}", tuple(times)) from exc
+    finish_s = clock()
+    if usage_tokens is not None and times:
+        # Usage is the server's own count: chunks without logprobs or text may hide tokens.
+        if usage_tokens > len(times):
+            times.extend([times[-1]] * (usage_tokens - len(times)))
+        del times[usage_tokens:]
+    return RequestRecord(spec.request_id, sent_s, spec.input_len, tuple(times), finish_s)
 
 
 @dataclass(frozen=True)

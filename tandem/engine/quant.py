@@ -17,10 +17,21 @@ before the call and the output multiplied back), so one outlier token no longer 
 other row of a batch, and SmoothQuant's per-channel factors (``tandem.engine.smoothing``) move
 the activations' outlier channels into the weights (perplexity on SmolLM2 from x2.7 to ~x1.04
 of fp32's; ``bench/quant.py``).
+
+``ggml`` runs llama.cpp's own kernels (``tandem.engine.ggml_kernels``) on the block-quantized
+types a GGUF stores (Q4_1, Q4_0, Q8_0), for the layers whose shared weights such a type holds
+exactly, i.e. a model imported from a GGUF of those types: the weights lose nothing, and each
+activation row is quantized to 8 bits per 32 values as llama.cpp does. It reads a quarter of
+fp16's bytes, so single-stream decode steps run ~1.6x faster here; ggml's kernel takes one
+activation row at a time, so calls of more than ``GGML_MAX_ROWS`` rows (batched decode, prefill)
+run the fp16 copy it also keeps. Greedy outputs therefore depend on how requests were batched,
+and ``auto`` never picks it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 
 import torch
@@ -28,6 +39,8 @@ import torch.nn.functional as F
 
 from tandem.engine import ggml_kernels
 from tandem.engine.weight_format import WeightFormat
+
+log = logging.getLogger(__name__)
 
 # Largest number of rows the ggml format runs through ggml's kernels; larger calls (batched
 # decode, prefill) run fbgemm's fp16, faster there on AVX2. Measured on SmolLM2, decode steps at
@@ -100,8 +113,15 @@ def effective_format(fmt: WeightFormat, dtype: torch.dtype, device: torch.device
     if runnable[fmt]:
         return fmt
     if fmt == WeightFormat.GGML and runnable[WeightFormat.FP16]:
-        return WeightFormat.FP16  # kernels not built here (tandem models build-kernels): its large-batch half
+        _warn_no_ggml()
+        return WeightFormat.FP16  # its large-batch half
     return WeightFormat.FP32_PACKED if runnable[WeightFormat.FP32_PACKED] else WeightFormat.FP32
+
+
+@functools.cache
+def _warn_no_ggml() -> None:
+    log.warning("weight format ggml: ggml's kernels are not built on this machine (tandem models "
+                "build-kernels, %s); running fp16", ggml_kernels.library_path())
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

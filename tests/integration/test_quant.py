@@ -10,6 +10,9 @@ Stated bounds (measured values in docs/results/quant-cpu.json):
 - int8 (fbgemm; per-token activation scales, SmoothQuant factors calibrated on CPython's
   docstrings) is lossy on real prompts; it is never picked by ``auto``, and its stated bound is
   perplexity within 8 % of fp32's and top-1 agreement >= 85 % (measured: +4 %, 89 %).
+- ggml (llama.cpp's kernels on the GGUF's own Q4_1 / Q8_0 blocks, single-row steps): perplexity
+  within 1.5 % of fp32's and top-1 agreement >= 94 % on rows computed one at a time (measured:
+  +0.4-0.7 %, 96.5-96.9 %); never picked by ``auto``.
 - KV cache precision (``--kv-dtype``), with the default weight format, against fp32 K/V on the
   same text: float16 keeps perplexity within 0.5 % and top-1 agreement >= 99 %; bfloat16
   within 2 % and >= 95 %.
@@ -67,7 +70,7 @@ def test_reduced_formats_stay_close_to_fp32_on_tiny_models(tmp_path: Path, famil
 
 
 def test_auto_never_picks_the_lossy_format() -> None:
-    assert best_format() != WeightFormat.INT8
+    assert best_format() not in (WeightFormat.INT8, WeightFormat.GGML)  # lossy; batch-dependent
     assert WeightFormat.parse("auto") == best_format()
     with pytest.raises(ValueError, match="choose one of auto"):
         WeightFormat.parse("int3")

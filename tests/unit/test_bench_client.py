@@ -128,3 +128,53 @@ def test_prompts_are_deterministic_and_sessions_share_prefixes_in_any_order() ->
     assert PromptBuilder(6, token_ids=list(range(50000))).prompt(single) != forward.prompt(single)
     assert forward.salted("load1").prompt(single) != forward.prompt(single)  # a fresh prompt per rate
     assert forward.salted("load1").prompt(single) == backward.salted("load1").prompt(single)
+
+
+class RefusingServer(FakeServer):
+    """Refuses each request's first ``refusals[request]`` attempts with 429 and a Retry-After."""
+
+    def __init__(self, refusals: dict[int, int], retry_after_s: float) -> None:
+        super().__init__()
+        self.refusals = dict(refusals)
+        self.retry_after_s = retry_after_s
+        self.attempts: dict[int, int] = {}
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        key = body["max_tokens"]  # each request of the test has its own
+        self.attempts[key] = self.attempts.get(key, 0) + 1
+        if self.refusals.get(key, 0) >= self.attempts[key]:
+            return httpx.Response(429, json={"error": {"message": "admission refused: busy"}},
+                                  headers={"retry-after": f"{self.retry_after_s:.2f}"})
+        return await super().__call__(request)
+
+
+def test_refused_requests_retry_after_the_servers_hint_and_keep_their_first_send() -> None:
+    import random
+
+    rng = random.Random(4)
+    for _ in range(6):
+        retries = rng.randint(0, 3)
+        refusals = {n: rng.randint(0, 3) for n in range(2, 8)}  # max_tokens 2..7: one request each
+        server = RefusingServer(refusals, retry_after_s=0.05)
+        specs = [RequestSpec(f"r{n}", 0.0, 5, n) for n in refusals]
+        target = Target("fake", "http://fake", "completions", retries_429=retries)
+        builder = PromptBuilder(0, token_ids=list(range(100, 200)))
+        result = asyncio.run(run_workload(target, "m", specs, [builder.prompt(s) for s in specs],
+                                          concurrency=rng.choice([None, 2]), transport=httpx.MockTransport(server)))
+        for spec, record in zip(specs, result.records, strict=True):
+            refused = refusals[spec.output_len]
+            assert server.attempts[spec.output_len] == min(refused, retries) + 1
+            if refused > retries:
+                assert not record.ok and record.error is not None and record.error.startswith("HTTP 429")
+            else:
+                assert record.ok and record.output_len == spec.output_len
+                ttft = record.ttft_s
+                assert ttft is not None and ttft >= 0.05 * refused - 1e-3  # the waits count
+
+
+def test_retries_must_not_be_negative() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="retries_429"):
+        Target("fake", "http://fake", retries_429=-1)

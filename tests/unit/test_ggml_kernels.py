@@ -104,3 +104,19 @@ def test_derived_bytes_count_both_copies() -> None:
     assert kern is not None
     assert lin.derived_bytes == 64 * kern.row_bytes(GgmlType.Q4_1, 128) + w.numel() * 2
     assert kern.row_bytes(GgmlType.Q4_1, 128) == 4 * 20  # 32 nibbles + fp16 scale and min per block
+
+
+def test_without_the_kernels_the_format_runs_as_fp16_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A machine where ``tandem models build-kernels`` never ran (``load()`` finds nothing)."""
+    from tandem.engine import quant
+
+    w = _exact(GgmlType.Q4_1, 8, 64, 5)
+    monkeypatch.setattr(ggml_kernels, "load", lambda: None)
+    quant._warn_no_ggml.cache_clear()
+    with caplog.at_level("WARNING", logger="tandem.engine.quant"):
+        assert effective_format(WeightFormat.GGML, torch.float32) == WeightFormat.FP16
+        lin = Linear(w, None, WeightFormat.GGML)
+    assert lin.format == WeightFormat.FP16 and lin.ggml_type is None
+    assert "not built" in caplog.text
+    quant._warn_no_ggml.cache_clear()

@@ -1,0 +1,79 @@
+"""bench/admission.py's judgement on random paired runs: a false refusal is a request the
+admitting stack refused (HTTP 429) that the stack without admission served within the SLO; an
+admitted miss is one it admitted and served outside it."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from tandem.bench.metrics import RequestRecord, SloSpec
+
+SLO = SloSpec(ttft_s=2.0, tbt_s=0.2)
+
+
+def _admission() -> ModuleType:
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))  # it imports its sibling peer.py
+    try:
+        spec = importlib.util.spec_from_file_location("bench_admission", bench / "admission.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(bench))
+
+
+def _record(rng: random.Random, i: int, outcome: str) -> RequestRecord:
+    """outcome: 'met', 'late' (TTFT 3 s), 'slow' (a 0.5 s gap), 'refused' (TTFT or TBT reason)."""
+    if outcome == "refused":
+        reason = rng.choice(["queue ahead pushes TTFT past the deadline (predicted TTFT 2500 ms, deadline 2000 ms)",
+                             "decode is at the most streams that keep the TBT SLO; retry after 1.20 s"])
+        return RequestRecord(f"r{i}", 0.0, 40, (), None, f"HTTP 429: admission refused: {reason}")
+    first = 3.0 if outcome == "late" else rng.uniform(0.1, 1.9)
+    gaps = [rng.uniform(0.01, 0.1) for _ in range(rng.randint(1, 30))]
+    if outcome == "slow":
+        gaps[rng.randrange(len(gaps))] = 0.5
+    times = [first]
+    for gap in gaps:
+        times.append(times[-1] + gap)
+    return RequestRecord(f"r{i}", 0.0, 40, tuple(times), times[-1])
+
+
+def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
+    admission = _admission()
+    rng = random.Random(5)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        on_kinds = [rng.choice(["met", "late", "slow", "refused"]) for _ in range(n)]
+        off_kinds = [rng.choice(["met", "late", "slow"]) for _ in range(n)]
+        on = [_record(rng, i, k).to_dict() for i, k in enumerate(on_kinds)]
+        off = [_record(rng, i, k).to_dict() for i, k in enumerate(off_kinds)]
+        got = admission.judge(on, off, SLO)
+        refused = [i for i, k in enumerate(on_kinds) if k == "refused"]
+        assert got["num_refused"] == len(refused)
+        assert got["num_false_refusals"] == sum(off_kinds[i] == "met" for i in refused)
+        assert got["num_admitted"] == n - len(refused)
+        assert got["num_admitted_missed"] == sum(k in ("late", "slow") for k in on_kinds)
+        assert got["met_with_admission"] == on_kinds.count("met")
+        assert got["met_without_admission"] == off_kinds.count("met")
+        assert sum(got["refusal_reasons"].values()) == len(refused)
+        assert set(got["refusal_reasons"]) <= {"queue ahead pushes TTFT past the deadline",
+                                                "decode is at the most streams that keep the TBT SLO"}
+        assert sum(got["false_refusals_by_reason"].values()) == got["num_false_refusals"]
+
+
+def test_runs_of_different_lengths_are_an_error() -> None:
+    admission = _admission()
+    rng = random.Random(1)
+    rows = [_record(rng, i, "met").to_dict() for i in range(3)]
+    try:
+        admission.judge(rows, rows[:2], SLO)
+    except ValueError as exc:
+        assert "3 and 2" in str(exc)
+    else:
+        raise AssertionError("expected a ValueError")
