@@ -1,0 +1,96 @@
+"""Where a token's CPU goes in the whole stack: CPU time of each process per output token.
+
+Starts ``tandem up`` (extra flags after ``--tandem-args``), lets it settle, then runs ``tandem
+bench`` at a fixed concurrency on 35-word chats with 64 output tokens and reads each of the
+stack's processes' user + system CPU time (Linux ``/proc``) before and after. Divided by the
+output tokens served, this says what the mesh costs per token beside decode's own compute: the
+router, the agent, prefill_svc and Redis run on the same cores as decode's OpenMP threads.
+
+Usage: python bench/stack_cpu.py [--concurrency 1] [--num-requests 6] [--out bench/results/stack-cpu.json]
+                                 [--tandem-args ARG...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer import BIN, CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running  # noqa: E402
+
+from tandem.bench.report import write_json  # noqa: E402
+from tandem.service.runtime import free_port  # noqa: E402
+
+# What each of the stack's processes has in its command line.
+ROLES = ("decode_svc", "prefill_svc", "gpu_agent", "router", "redis-server")
+
+
+def stack_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds of ``root_pid``'s descendants, summed per role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(entry.name), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick)
+    totals: dict[str, float] = {}
+    todo = list(children.get(root_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        cmd, cpu = info[pid]
+        role = next((r for r in ROLES if r in cmd), "other")
+        totals[role] = totals.get(role, 0.0) + cpu
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--num-requests", type=int, default=6)
+    parser.add_argument("--out", default="bench/results/stack-cpu.json")
+    parser.add_argument("--tandem-args", nargs=argparse.REMAINDER, default=[])
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    log_path = out.with_suffix(".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    server = Server("Tandem", [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(free_port()),
+                               "--cell-id", f"stack-cpu-{os.getpid()}", *args.tandem_args],
+                    f"http://127.0.0.1:{port}", "/ready", log_path)
+    with running(server, 300.0):
+        time.sleep(3.0)
+        assert server.proc is not None
+        before, start = stack_cpu_s(server.proc.pid), time.monotonic()
+        result = run_bench(["--base-url", server.base_url, "--endpoint", "chat", "--workload", "fixed",
+                            "--input-len", str(CHAT_INPUT_LEN), "--output-len", str(CHAT_OUTPUT_LEN),
+                            "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
+                            "--no-progress"])
+        after, wall_s = stack_cpu_s(server.proc.pid), time.monotonic() - start
+    (run,) = result["runs"]
+    tokens = sum(len(r["token_times_s"]) for r in run["requests"])
+    per_token: dict[str, Any] = {role: round(1000.0 * (after.get(role, 0.0) - before.get(role, 0.0)) / tokens, 2)
+                                 for role in sorted(set(after) | set(before))} if tokens else {}
+    write_json({"config": vars(args), "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+                "wall_s": wall_s, "output_tokens": tokens, "cpu_ms_per_token": per_token,
+                "summary": run["summary"], "command": server.cmd}, out)
+    print(f"{tokens} output tokens in {wall_s:.1f} s; CPU ms per token: {per_token}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
