@@ -271,20 +271,20 @@ async def _read_stream(response: httpx.Response, spec: RequestSpec, sent_s: floa
     done = False
     try:
         async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = clock()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"error in stream: {_error_message(data.encode())}")
-                times.extend([now] * _chunk_tokens(chunk, chat))
-                usage = chunk.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    usage_tokens = usage["completion_tokens"]
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            now = clock()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"error in stream: {_error_message(data.encode())}")
+            times.extend([now] * _chunk_tokens(chunk, chat))
+            usage = chunk.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                usage_tokens = usage["completion_tokens"]
         if not done:
             raise RuntimeError("stream ended without [DONE]")
     except asyncio.CancelledError:
