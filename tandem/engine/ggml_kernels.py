@@ -179,9 +179,10 @@ class Kernels:
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty(m, n_out, dtype=torch.float32)
-        scratch = torch.empty(int(self.lib.tg_scratch_bytes(int(gtype), m, k)), dtype=torch.uint8)
         rc = self.lib.tg_linear(int(gtype), blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
-                                scratch.data_ptr(), torch.get_num_threads())
+                                torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"ggml linear: no memory for {m} activation rows")
         if rc != 0:
             raise ValueError(f"ggml has no CPU dot product for {gtype.name}")
         return y
@@ -191,11 +192,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     i64, ptr, size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
     lib.tg_init.restype = ctypes.c_int
     lib.tg_row_size.restype, lib.tg_row_size.argtypes = size, [ctypes.c_int, i64]
-    lib.tg_scratch_bytes.restype, lib.tg_scratch_bytes.argtypes = size, [ctypes.c_int, i64, i64]
     lib.tg_quantize.restype, lib.tg_quantize.argtypes = size, [ctypes.c_int, ptr, ptr, i64, i64]
     lib.tg_dequantize.restype, lib.tg_dequantize.argtypes = ctypes.c_int, [ctypes.c_int, ptr, ptr, i64]
     lib.tg_linear.restype = ctypes.c_int
-    lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 

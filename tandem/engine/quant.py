@@ -157,6 +157,7 @@ class Linear:
         self._bias16: torch.Tensor | None = None
         self._blocks: torch.Tensor | None = None
         self.ggml_type: ggml_kernels.GgmlType | None = None
+        self._kernels: ggml_kernels.Kernels | None = None  # set with _blocks
         if self.format == WeightFormat.GGML:
             self._ggml_blocks(weight)
         if self.format in (WeightFormat.FP16, WeightFormat.GGML):
@@ -199,16 +200,15 @@ class Linear:
                 break
             blocks = kernels.quantize(weight, gtype)
             if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
-                self._blocks, self.ggml_type = blocks, gtype
+                self._blocks, self.ggml_type, self._kernels = blocks, gtype, kernels
                 self.derived_bytes += blocks.numel()
                 return
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         if self._blocks is not None and x.shape[0] <= GGML_MAX_ROWS:
-            kernels = ggml_kernels.load()
-            assert kernels is not None and self.ggml_type is not None
-            out = kernels.linear(x, self._blocks, self.ggml_type, self.weight.shape[0])
+            assert self._kernels is not None and self.ggml_type is not None
+            out = self._kernels.linear(x, self._blocks, self.ggml_type, self.weight.shape[0])
             return out if self.bias is None else out.add_(self.bias)
         if self.format == WeightFormat.BF16:
             out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")

@@ -8,6 +8,7 @@
 #include <ggml-cpu.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define TILE_ROWS 16
 
@@ -17,10 +18,6 @@ int tg_init(void) {
 }
 
 size_t tg_row_size(int type, int64_t k) { return ggml_row_size((enum ggml_type)type, k); }
-
-int tg_vec_dot_type(int type) { return (int)ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot_type; }
-
-int tg_is_quantized(int type) { return ggml_is_quantized((enum ggml_type)type) ? 1 : 0; }
 
 size_t tg_quantize(int type, const float *src, void *dst, int64_t nrows, int64_t k) {
     return ggml_quantize_chunk((enum ggml_type)type, src, dst, 0, nrows, k, NULL);
@@ -34,20 +31,17 @@ int tg_dequantize(int type, const void *src, float *dst, int64_t n) {
     return 0;
 }
 
-/* Bytes of scratch tg_linear needs for m activation rows of k values. */
-size_t tg_scratch_bytes(int type, int64_t m, int64_t k) {
-    enum ggml_type vt = ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot_type;
-    return (size_t)m * ggml_row_size(vt, k);
-}
-
-/* y [m, n_out] = x [m, k] @ W^T, W [n_out, k] as rows of `type`; scratch holds tg_scratch_bytes. */
+/* y [m, n_out] = x [m, k] @ W^T, W [n_out, k] as rows of `type`. Returns 0, -1 when ggml has no
+ * dot product for the type, -2 when the activation rows' scratch cannot be allocated. */
 int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
-              char *scratch, int nthreads) {
+              int nthreads) {
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
     const struct ggml_type_traits_cpu *tv = ggml_get_type_traits_cpu(t->vec_dot_type);
     if (t->vec_dot == NULL || (t->vec_dot_type != (enum ggml_type)type && tv->from_float == NULL)) return -1;
     const size_t wrow = ggml_row_size((enum ggml_type)type, k);
     const size_t xrow = ggml_row_size(t->vec_dot_type, k);
+    char *scratch = malloc((size_t)m * xrow + 1); /* the rows quantized to the dot product's type */
+    if (scratch == NULL) return -2;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -63,5 +57,6 @@ int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x,
             }
         }
     }
+    free(scratch);
     return 0;
 }
