@@ -217,19 +217,16 @@ async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: Re
     429 is retried ``target.retries_429`` times after the server's Retry-After."""
     sent_s = clock()
     chat = target.endpoint == "chat"
-    retries_left = target.retries_429
     try:
         body = request_body(target, model, spec, prompt)
-        while retries_left > 0:  # refused for now: wait as the server says, then ask again
+        for retries_left in range(target.retries_429, -1, -1):
             async with http.stream("POST", ENDPOINTS[target.endpoint], json=body,
                                    timeout=target.timeout_s) as response:
-                if response.status_code != 429:
+                if response.status_code != 429 or retries_left == 0:
                     return await _read_stream(response, spec, sent_s, clock, chat)
                 await response.aread()
-            retries_left -= 1
-            await asyncio.sleep(_retry_after_s(response))
-        async with http.stream("POST", ENDPOINTS[target.endpoint], json=body, timeout=target.timeout_s) as response:
-            return await _read_stream(response, spec, sent_s, clock, chat)
+            await asyncio.sleep(_retry_after_s(response))  # refused for now: ask again when told
+        raise AssertionError("the last attempt returns")
     except asyncio.CancelledError:
         raise
     except _StreamFailed as exc:
