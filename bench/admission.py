@@ -33,13 +33,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer import BIN, CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running  # noqa: E402
-
+from bench.peer import CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running, tandem_up  # noqa: E402
 from tandem.bench.metrics import RequestRecord, SloSpec, meets_slo  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
-from tandem.service.runtime import free_port  # noqa: E402
 
 LABEL_ON = "admission"
 LABEL_OFF = "admission-off"
@@ -148,11 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
 
     def stack(label: str, extra: list[str]) -> Server:
-        port = free_port()
-        return Server(label, [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(free_port()),
-                              "--cell-id", f"{label}-{os.getpid()}", "--ttft-slo-ms", str(args.ttft_slo_ms),
-                              "--tbt-slo-ms", str(args.tbt_slo_ms), *extra, *args.tandem_args],
-                      f"http://127.0.0.1:{port}", "/ready", log_dir / f"{label}.log")
+        return tandem_up(label, f"{label}-{os.getpid()}", ["--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms",
+                                                           str(args.tbt_slo_ms), *extra, *args.tandem_args],
+                         log_dir / f"{label}.log")
 
     on, off = stack(LABEL_ON, []), stack(LABEL_OFF, ["--admission", "off"])
     common = ["--base-url", on.base_url, "--label-a", LABEL_ON, "--base-url-b", off.base_url, "--label-b", LABEL_OFF,

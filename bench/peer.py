@@ -173,6 +173,14 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
 
 
+def tandem_up(label: str, cell_id: str, flags: list[str], log_path: Path, grpc_port: int | None = None) -> Server:
+    """``tandem up FLAGS`` on a free HTTP port (and gRPC port, unless the caller names the one it
+    needs to know), as cell ``cell_id``; ready when ``/ready`` answers."""
+    port = free_port()
+    return Server(label, [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(grpc_port or free_port()),
+                          "--cell-id", cell_id, *flags], f"http://127.0.0.1:{port}", "/ready", log_path)
+
+
 @contextmanager
 def running(server: Server, timeout_s: float) -> Iterator[Server]:
     try:
@@ -337,17 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = log_dir.parent / f"{log_dir.name}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    llama_port, tandem_port = free_port(), free_port()
+    llama_port = free_port()
     num_slots = max(CONCURRENCIES)
     llama = Server(LABEL_LLAMA, [str(llama_bin), "-m", str(gguf), "--alias", DEFAULT_MODEL_NAME, "-t", "2",
                                  "-np", str(num_slots), "-c", str(num_slots * LLAMA_CTX_PER_SLOT),
                                  "--host", "127.0.0.1", "--port", str(llama_port), *shlex.split(args.llama_args)],
                    f"http://127.0.0.1:{llama_port}", "/health", log_dir / "llama-server.log")
-    tandem = Server(LABEL_TANDEM, [str(BIN / "tandem"), "up", "--port", str(tandem_port),
-                                   "--grpc-port", str(free_port()), "--cell-id", f"peer-{os.getpid()}",
-                                   "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms),
-                                   *args.tandem_args],
-                    f"http://127.0.0.1:{tandem_port}", "/ready", log_dir / "tandem.log")
+    tandem = tandem_up(LABEL_TANDEM, f"peer-{os.getpid()}",
+                       ["--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms), *args.tandem_args],
+                       log_dir / "tandem.log")
     common = ["--base-url", llama.base_url, "--label-a", LABEL_LLAMA, "--base-url-b", tandem.base_url,
               "--label-b", LABEL_TANDEM, "--endpoint", "chat",
               "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms), "--plots", args.plots]

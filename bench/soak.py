@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.peer import BIN, Server, running
+from bench.peer import running, tandem_up
 from tandem.bench.report import write_json
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
@@ -184,13 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     seed = args.seed or random.SystemRandom().randrange(1, 2**31)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    port, grpc_port = free_port(), free_port()
+    grpc_port = free_port()
     cell_id = f"soak-{os.getpid()}"
     log_path = Path(args.out).with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = Server("tandem", [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(grpc_port),
-                               "--cell-id", cell_id, *args.tandem_args],
-                    f"http://127.0.0.1:{port}", "/ready", log_path)
+    server = tandem_up("tandem", cell_id, args.tandem_args, log_path, grpc_port=grpc_port)
     with running(server, timeout_s=600):
         match = re.search(r"gpu_agent ready at (\S+)", log_path.read_text(errors="replace"))
         if match is None:

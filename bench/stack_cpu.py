@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer import BIN, CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running  # noqa: E402
-
+from bench.peer import CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, run_bench, running, tandem_up  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
-from tandem.service.runtime import free_port  # noqa: E402
 
 # What each of the stack's processes has in its command line.
 ROLES = ("decode_svc", "prefill_svc", "gpu_agent", "router", "redis-server")
@@ -68,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     log_path = out.with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    server = Server("Tandem", [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(free_port()),
-                               "--cell-id", f"stack-cpu-{os.getpid()}", *args.tandem_args],
-                    f"http://127.0.0.1:{port}", "/ready", log_path)
+    server = tandem_up("Tandem", f"stack-cpu-{os.getpid()}", args.tandem_args, log_path)
     with running(server, 300.0):
         time.sleep(3.0)
         assert server.proc is not None

@@ -22,19 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peer import BIN, Server, run_bench, running  # noqa: E402
+from bench.peer import Server, run_bench, running, tandem_up  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
-from tandem.service.runtime import free_port  # noqa: E402
 
 LABEL_OFF, LABEL_ON = "cap off", "cap on"
 
 
 def stack(label: str, cap: str, log_dir: Path, args: argparse.Namespace) -> Server:
-    port = free_port()
-    return Server(label, [str(BIN / "tandem"), "up", "--port", str(port), "--grpc-port", str(free_port()),
-                          "--cell-id", f"cap-{cap}-{os.getpid()}", "--stream-cap", cap,
-                          "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)],
-                  f"http://127.0.0.1:{port}", "/ready", log_dir / f"tandem-cap-{cap}.log")
+    return tandem_up(label, f"cap-{cap}-{os.getpid()}", ["--stream-cap", cap, "--ttft-slo-ms", str(args.ttft_slo_ms),
+                                                         "--tbt-slo-ms", str(args.tbt_slo_ms)],
+                     log_dir / f"tandem-cap-{cap}.log")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,16 +15,12 @@ SLO = SloSpec(ttft_s=2.0, tbt_s=0.2)
 
 
 def _admission() -> ModuleType:
-    bench = Path(__file__).resolve().parents[2] / "bench"
-    sys.path.insert(0, str(bench))  # it imports its sibling peer.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_admission", bench / "admission.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(bench))
+    path = Path(__file__).resolve().parents[2] / "bench" / "admission.py"
+    spec = importlib.util.spec_from_file_location("bench_admission", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _record(rng: random.Random, i: int, outcome: str) -> RequestRecord:
