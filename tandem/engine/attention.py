@@ -11,7 +11,6 @@ attends causally over cached + new tokens. One call therefore serves prefill, de
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -163,10 +162,11 @@ class TorchPagedAttention(AttentionBackend):
     def __init__(self, c_decode: bool | None = None) -> None:
         """``c_decode``: decode rows of an fp32 pool on the CPU attend in Tandem's C kernel
         (``ggml_kernels.paged_decode_attention``: read in place, no gather, no padding). None:
-        when the kernels are built here and ``TANDEM_DECODE_ATTENTION`` is not ``torch``."""
+        when ``ggml_kernels.own_kernels()`` has them (built here, not turned off)."""
         if c_decode is None:
-            c_decode = os.environ.get("TANDEM_DECODE_ATTENTION", "c") != "torch"
-        self._kernels = ggml_kernels.load() if c_decode else None
+            self._kernels = ggml_kernels.own_kernels()
+        else:
+            self._kernels = ggml_kernels.load() if c_decode else None
 
     def _c_kernels(self, pool: KVPool) -> ggml_kernels.Kernels | None:
         if pool.spec.dtype != torch.float32 or pool.tensor.device.type != "cpu":

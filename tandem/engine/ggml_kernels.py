@@ -209,6 +209,16 @@ class Kernels:
             raise ValueError(f"paged decode attention cannot group {heads} query heads over {kvh} kv heads")
 
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of fp32 ``x`` with fp32 ``weight``, in one C call."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        k = x.shape[-1]
+        self.lib.tg_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // k, k, eps,
+                             torch.get_num_threads())
+        return out
+
+
 @dataclass(frozen=True)
 class DecodeTables:
     """Decode rows of a batch for ``paged_decode_attention``: int64 CPU tensors, made once per batch."""
@@ -242,6 +252,8 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ptr, ctypes.c_int]
+    lib.tg_rms_norm.restype = None
+    lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 
@@ -254,6 +266,14 @@ def load() -> Kernels | None:
     if not path.is_file():
         return None
     return _bind(ctypes.CDLL(str(path)))
+
+
+def own_kernels() -> Kernels | None:
+    """The built kernels for Tandem's own C paths on the CPU (decode attention, RMSNorm), unless
+    ``TANDEM_CPU_KERNELS=torch`` keeps those on torch (for A/B measurements); None when not built."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "c") == "torch":
+        return None
+    return load()
 
 
 def require() -> Kernels:

@@ -134,3 +134,20 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
     }
     return failed ? -2 : 0;
 }
+
+/* RMSNorm of m rows of k floats (Hugging Face's: x / sqrt(mean(x^2) + eps) * w, in fp32): one call
+ * where torch's CPU rms_norm runs several operators (about 18 us for one row of 576 here). */
+void tg_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t k, float eps, int nthreads) {
+    if (nthreads < 1 || m * k < 65536) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < m; i++) {
+        const float *xi = x + i * k;
+        float *yi = y + i * k;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t e = 0; e < k; e++) ss += xi[e] * xi[e];
+        const float r = 1.0f / sqrtf(ss / (float)k + eps);
+#pragma omp simd
+        for (int64_t e = 0; e < k; e++) yi[e] = xi[e] * r * w[e];
+    }
+}

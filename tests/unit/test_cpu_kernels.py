@@ -1,5 +1,6 @@
-"""Tandem's C paged decode attention (``ggml_kernels.paged_decode_attention``) against the torch
-backend's gather-and-SDPA path, on random batches: both pool layouts, grouped-query heads, block
+"""Tandem's own C kernels against torch. RMSNorm (``ggml_kernels.rms_norm``) against
+``F.rms_norm`` on random shapes. The paged decode attention (``ggml_kernels.paged_decode_attention``)
+against the torch backend's gather-and-SDPA path, on random batches: both pool layouts, grouped-query heads, block
 sizes, decode rows of mixed contexts beside prompt chunks (which stay on torch), rows in and out
 of batch order, and blocks scattered through the pool. Built here if ``./dev`` has not built it.
 """
@@ -10,12 +11,14 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine import ggml_kernels
 from tandem.engine.attention import SeqSpan, TorchPagedAttention
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.model import rms_norm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,7 +72,7 @@ def test_other_pools_and_the_switch_use_torch(monkeypatch: pytest.MonkeyPatch) -
     assert TorchPagedAttention(c_decode=True).plan(spans, bf16).c_decode is None  # fp32 pools only
     fp32 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.float32))
     assert TorchPagedAttention().plan(spans, fp32).c_decode is not None  # built here: on by default
-    monkeypatch.setenv("TANDEM_DECODE_ATTENTION", "torch")
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "torch")
     assert TorchPagedAttention().plan(spans, fp32).c_decode is None
 
 
@@ -80,3 +83,17 @@ def test_heads_that_do_not_group_are_refused() -> None:
     tables = ggml_kernels.DecodeTables.build([0], [[0]], [3])
     with pytest.raises(ValueError, match="cannot group 3 query heads over 2"):
         kern.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, 1.0, torch.zeros(1, 3, 8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from([1, 7, 64, 576, 2048]),
+       st.floats(1e-6, 1e-2), st.integers(0, 2**31))
+def test_rms_norm_equals_torch(lead: list[int], dim: int, eps: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, dim, generator=gen) * torch.rand(1, generator=gen).item() * 10
+    weight = torch.randn(dim, generator=gen)
+    if len(lead) > 1 and lead[0] > 1:
+        x = x[::2]  # a strided view: the kernel reads a contiguous copy
+    want = F.rms_norm(x, (dim,), weight, eps)
+    assert ggml_kernels.own_kernels() is not None  # the model's rms_norm below runs the C kernel
+    torch.testing.assert_close(rms_norm(x, weight, eps), want, atol=1e-5, rtol=1e-5)
