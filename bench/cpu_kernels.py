@@ -1,0 +1,124 @@
+"""Tandem's own C kernels on the CPU (paged decode attention, RMSNorm) against the torch path, paired.
+
+One engine process, one KV pool. For each case (weight format, decode rows, context) a decode
+step runs alternately with the C kernels on and off (``TANDEM_CPU_KERNELS``, the attention
+backend rebuilt to match), in ABAB / BABA order, so drift on this shared machine hits both sides
+of every pair; the figure is the median of the per-pair ratios with its interquartile range. A
+512-token prefill is paired the same way. Decode rows have contexts spread over 0.5-1.5x the
+given one. Writes JSON (default bench/results/cpu_kernels.json).
+
+Usage: python bench/cpu_kernels.py [--pairs 40] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.engine import ggml_kernels  # noqa: E402
+from tandem.engine.attention import TorchPagedAttention  # noqa: E402
+from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.quant import WeightFormat  # noqa: E402
+from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
+
+CASES = (("ggml", 1, 128), ("fp16", 1, 128), ("fp16", 16, 128), ("fp16", 16, 512))
+PREFILL_TOKENS = 512
+
+
+def _paired(run: Any, pairs: int) -> dict[str, Any]:
+    """``run(c: bool)`` -> seconds, alternated; per-pair ratios torch / C."""
+    run(True)  # warm both
+    run(False)
+    c_s, torch_s, ratios = [], [], []
+    for i in range(pairs):
+        first = i % 2 == 0
+        a = run(first)
+        b = run(not first)
+        c, t = (a, b) if first else (b, a)
+        c_s.append(c)
+        torch_s.append(t)
+        ratios.append(t / c)
+    ratios.sort()
+    q = len(ratios) // 4
+    return {"c_ms_median": statistics.median(c_s) * 1e3, "torch_ms_median": statistics.median(torch_s) * 1e3,
+            "torch_over_c_median": statistics.median(ratios), "torch_over_c_iqr": [ratios[q], ratios[-1 - q]],
+            "pairs": pairs}
+
+
+def _switch(runner: ModelRunner, on: bool, backends: dict[bool, TorchPagedAttention]) -> None:
+    os.environ["TANDEM_CPU_KERNELS"] = "c" if on else "torch"
+    runner.model.attention = backends[on]
+
+
+def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat(fmt), kv_cache_bytes=1 << 30)
+    runner, alloc = engine.runner, engine.allocator
+    lens = [ctx] if rows == 1 else [int(ctx * (0.5 + j / rows)) for j in range(rows)]
+    tables = [alloc.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
+    for j, n in enumerate(lens):
+        runner.forward([SeqInput(list(range(100 + j, 100 + j + n)), 0, tables[j])])
+    backends = {True: TorchPagedAttention(c_decode=True), False: TorchPagedAttention(c_decode=False)}
+
+    def decode(on: bool) -> float:
+        _switch(runner, on, backends)
+        start = time.perf_counter()
+        runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
+        return time.perf_counter() - start
+
+    prompt = list(range(1000, 1000 + PREFILL_TOKENS))
+    prompt_blocks = alloc.allocate(prompt).block_ids
+
+    def prefill(on: bool) -> float:
+        _switch(runner, on, backends)
+        start = time.perf_counter()
+        runner.forward([SeqInput(prompt, 0, prompt_blocks)])
+        return time.perf_counter() - start
+
+    result = {"format": fmt, "rows": rows, "context": ctx, "decode_step": _paired(decode, pairs)}
+    if rows == 16 and ctx == 128:
+        result["prefill_512"] = _paired(prefill, max(4, pairs // 5))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--out", default="bench/results/cpu_kernels.json")
+    args = parser.parse_args()
+    if ggml_kernels.load() is None:
+        sys.exit("Tandem's CPU kernels are not built here: run `tandem models build-kernels` first")
+    results = []
+    for fmt, rows, ctx in CASES:
+        r = case(fmt, rows, ctx, args.pairs)
+        d = r["decode_step"]
+        print(f"{fmt} rows={rows} ctx={ctx}: decode step C {d['c_ms_median']:.1f} ms, torch {d['torch_ms_median']:.1f} ms, "
+              f"torch/C {d['torch_over_c_median']:.3f} (IQR {d['torch_over_c_iqr'][0]:.3f}-{d['torch_over_c_iqr'][1]:.3f})",
+              flush=True)
+        if "prefill_512" in r:
+            p = r["prefill_512"]
+            print(f"  prefill {PREFILL_TOKENS}: C {p['c_ms_median']:.0f} ms, torch {p['torch_ms_median']:.0f} ms, "
+                  f"torch/C {p['torch_over_c_median']:.3f}", flush=True)
+        results.append(r)
+    out = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "machine": platform.platform(),
+           "processor": platform.processor(), "cases": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
