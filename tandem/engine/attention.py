@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.engine import ggml_kernels
-from tandem.engine.kv_pool import KVPool, slot_ids
+from tandem.engine.kv_pool import KVPool, PagedLayout, slot_ids
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,9 @@ class _TorchPlan:
     # multi-token rows, attended one sequence at a time: (q_start, q_len, num_cached, blocks, mask)
     prefill: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     only_rows_in_order: bool = False  # one decode group holding every row in order: no scatter
-    # every decode row for the C kernel (``decode`` then empty); None: the torch groups above
-    c_decode: ggml_kernels.DecodeTables | None = None
+    # every decode row for the C kernel (``decode`` then empty): their batch rows (int64) and
+    # block tables; None: the torch groups above
+    c_decode: tuple[torch.Tensor, PagedLayout] | None = None
 
 
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
@@ -193,10 +194,9 @@ class TorchPagedAttention(AttentionBackend):
                 prefill.append((span.q_start, span.q_len, 0, None, None))
         slot_tensor = torch.tensor(slots, dtype=torch.int64, device=dev)
         if decode and self._c_kernels(pool) is not None:
-            tables = ggml_kernels.DecodeTables.build(
-                [s.q_start for s in decode], [list(s.block_ids[: -(-s.kv_len // block_size)]) for s in decode],
-                [s.kv_len for s in decode])
-            return _TorchPlan(slot_tensor, [], prefill, c_decode=tables)
+            rows = torch.tensor([s.q_start for s in decode], dtype=torch.int64)
+            layout = PagedLayout.build([s.block_ids for s in decode], [s.kv_len for s in decode], block_size)
+            return _TorchPlan(slot_tensor, [], prefill, c_decode=(rows, layout))
         groups = [self._decode_group([decode[i] for i in members], block_size, dev)
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
         in_order = (not prefill and len(groups) == 1
@@ -227,13 +227,14 @@ class TorchPagedAttention(AttentionBackend):
             return self._attend_decode(plan.decode[0], q, pool, layer, scale).squeeze(2)
         out = torch.empty_like(q)
         if plan.c_decode is not None:
-            kernels = self._c_kernels(pool)
-            assert kernels is not None  # planned for this pool
+            assert self._kernels is not None  # planned with them
+            rows, layout = plan.c_decode
             q32 = q.float().contiguous()
             out32 = out if out.dtype == torch.float32 else torch.empty_like(q32)
-            kernels.paged_decode_attention(q32, pool.k_cache(layer), pool.v_cache(layer), plan.c_decode, scale, out32)
+            self._kernels.paged_decode_attention(q32, pool.k_cache(layer), pool.v_cache(layer), rows, layout, scale,
+                                                 out32)
             if out32 is not out:
-                out.index_copy_(0, plan.c_decode.rows, out32.index_select(0, plan.c_decode.rows).to(out.dtype))
+                out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
         for group in plan.decode:
             attn = self._attend_decode(group, q.index_select(0, group.rows), pool, layer, scale).squeeze(2)
             out.index_copy_(0, group.rows, attn)

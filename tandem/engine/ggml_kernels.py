@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.kv_pool import PagedLayout
 from tandem.engine.model_cache import cache_root
 
 # Pinned so that every machine builds the same llama.cpp.
@@ -191,18 +192,21 @@ class Kernels:
         return y
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               plan: DecodeTables, scale: float, out: torch.Tensor) -> None:
-        """Decode rows' attention over the pool, in place: for each row ``plan.rows[i]`` of ``q``
-        [T, H, d] (fp32, contiguous), attend over its first ``plan.kv_lens[i]`` tokens in blocks
-        ``plan.table[plan.indptr[i]:plan.indptr[i + 1]]`` of ``k_cache`` / ``v_cache`` ([num_blocks,
-        bs, kvh, d] fp32 views of one layer, each block contiguous) and write ``out``'s same row."""
+                               rows: torch.Tensor, layout: PagedLayout, scale: float, out: torch.Tensor) -> None:
+        """Decode rows' attention over the pool, in place: row ``rows[i]`` (int64) of ``q`` [T, H, d]
+        (fp32, contiguous) attends over sequence ``i`` of ``layout`` (its blocks and length) in
+        ``k_cache`` / ``v_cache`` ([num_blocks, bs, kvh, d] fp32 views of one layer, each block
+        contiguous), and the result goes to the same row of ``out``."""
         _, bs, kvh, d = k_cache.shape
         if v_cache.stride() != k_cache.stride() or k_cache.stride()[1:] != (kvh * d, d, 1):
             raise ValueError("K and V caches must be [num_blocks, bs, kvh, d] with contiguous blocks")
+        if layout.block_size != bs or layout.batch_size != rows.numel():
+            raise ValueError(f"a layout of {layout.batch_size} sequences in blocks of {layout.block_size} "
+                             f"does not fit {rows.numel()} rows over blocks of {bs}")
         heads = q.shape[1]
         rc = self.lib.tg_paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), plan.rows.data_ptr(),
-            plan.indptr.data_ptr(), plan.table.data_ptr(), plan.kv_lens.data_ptr(), plan.rows.numel(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), rows.data_ptr(),
+            layout.indptr.data_ptr(), layout.indices.data_ptr(), layout.last_page_len.data_ptr(), rows.numel(),
             heads, kvh, d, bs, scale, out.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("paged decode attention: no memory for its scores")
@@ -217,28 +221,6 @@ class Kernels:
         self.lib.tg_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // k, k, eps,
                              torch.get_num_threads())
         return out
-
-
-@dataclass(frozen=True)
-class DecodeTables:
-    """Decode rows of a batch for ``paged_decode_attention``: int64 CPU tensors, made once per batch."""
-
-    rows: torch.Tensor  # [n] each row's index in the batch's q / out
-    indptr: torch.Tensor  # [n + 1] row i's blocks are table[indptr[i]:indptr[i + 1]]
-    table: torch.Tensor  # [total blocks]
-    kv_lens: torch.Tensor  # [n] tokens attended (cached + the new one, already written)
-
-    @classmethod
-    def build(cls, rows: list[int], tables: list[list[int]], kv_lens: list[int]) -> DecodeTables:
-        indptr = [0]
-        for t in tables:
-            indptr.append(indptr[-1] + len(t))
-        flat = [b for t in tables for b in t]
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
-        return cls(i64(rows), i64(indptr), i64(flat), i64(kv_lens))
 
 
 def _bind(lib: ctypes.CDLL) -> Kernels:

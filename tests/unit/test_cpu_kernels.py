@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tandem.engine import ggml_kernels
 from tandem.engine.attention import SeqSpan, TorchPagedAttention
-from tandem.engine.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
 from tandem.engine.model import rms_norm
 
 
@@ -66,6 +66,28 @@ def test_c_decode_equals_torch_attention(layout: str, kv_heads: int, group: int,
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
 
 
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["layer", "block"]), st.integers(0, 2**31))
+def test_c_decode_serves_half_precision_queries_over_an_fp32_pool(layout: str, seed: int) -> None:
+    """A bf16 model over an fp32 KV pool (``--kv-dtype``): the kernel runs in fp32 and its rows
+    are cast back; the torch path attends in bf16, hence bf16's tolerance."""
+    rng = random.Random(seed)
+    spec = KVPoolSpec(1, 7 * 260 // 16 + 8, 16, 2, 64, torch.float32, layout)
+    pool = KVPool.create(spec)
+    gen = torch.Generator().manual_seed(seed)
+    pool.tensor.copy_(torch.randn(spec.shape, generator=gen))
+    spans = _batch(rng, 16, spec.num_blocks, decode_only=False)
+    tokens = sum(s.q_len for s in spans)
+    q, k, v = (torch.randn(tokens, heads, 64, generator=gen).to(torch.bfloat16) for heads in (6, 2, 2))
+    outs = []
+    for c_decode in (True, False):
+        backend = TorchPagedAttention(c_decode=c_decode)
+        own = KVPool(spec, pool.tensor.clone())
+        outs.append(backend.forward(0, q, k, v, backend.plan(spans, own), own))
+    assert outs[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=3e-2, rtol=3e-2)
+
+
 def test_other_pools_and_the_switch_use_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     spans = [SeqSpan(0, 1, 20, [0, 1])]
     bf16 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.bfloat16))
@@ -80,9 +102,9 @@ def test_heads_that_do_not_group_are_refused() -> None:
     kern = ggml_kernels.load()
     assert kern is not None
     cache = torch.zeros(2, 16, 2, 8)
-    tables = ggml_kernels.DecodeTables.build([0], [[0]], [3])
+    rows, layout = torch.zeros(1, dtype=torch.int64), PagedLayout.build([[0]], [3], 16)
     with pytest.raises(ValueError, match="cannot group 3 query heads over 2"):
-        kern.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, 1.0, torch.zeros(1, 3, 8))
+        kern.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, rows, layout, 1.0, torch.zeros(1, 3, 8))
 
 
 @settings(max_examples=40, deadline=None)

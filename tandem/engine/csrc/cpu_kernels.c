@@ -68,21 +68,23 @@ int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x,
 }
 
 /* Paged attention of decode rows (one new token each) over Tandem's KV pool, fp32. Row i's query
- * heads q[qrow[i]] ([H, d], contiguous) attend over its first kv_len[i] cached tokens, which
- * lie in blocks table[indptr[i] .. indptr[i + 1]) of `bs` tokens; a block's K (and V) is one
- * contiguous [bs, kv_heads, d] run, blocks `block_stride` floats apart (either pool layout).
+ * heads q[qrow[i]] ([H, d], contiguous) attend over its cached tokens, which lie in blocks
+ * table[indptr[i] .. indptr[i + 1]) of `bs` tokens, the last block holding last_len[i] of them
+ * (the pool's CSR block table, kv_pool.PagedLayout); a block's K (and V) is one contiguous
+ * [bs, kv_heads, d] run, blocks `block_stride` floats apart (either pool layout).
  * Query head h reads kv head h / (H / kv_heads). Output rows go to out[qrow[i]]. Work items are
  * (row, kv head) pairs: the group's scores over the whole context, an exact softmax, then the
  * weighted sum of V, so each K and V row is read once per group and nothing is gathered or
  * padded. Returns 0, -1 for heads that do not group evenly, -2 when scratch cannot be had. */
 int tg_paged_decode_attention(const float *q, const float *k, const float *v, int64_t block_stride,
-                              const int64_t *qrow, const int64_t *indptr, const int64_t *table,
-                              const int64_t *kv_len, int64_t n, int64_t heads, int64_t kv_heads,
+                              const int64_t *qrow, const int32_t *indptr, const int32_t *table,
+                              const int32_t *last_len, int64_t n, int64_t heads, int64_t kv_heads,
                               int64_t d, int64_t bs, float scale, float *out, int nthreads) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
     const int64_t group = heads / kv_heads;
+#define TG_SEQ_LEN(i) ((int64_t)(indptr[(i) + 1] - indptr[(i)] - 1) * bs + last_len[(i)])
     int64_t max_len = 1;
-    for (int64_t i = 0; i < n; i++) max_len = kv_len[i] > max_len ? kv_len[i] : max_len;
+    for (int64_t i = 0; i < n; i++) max_len = TG_SEQ_LEN(i) > max_len ? TG_SEQ_LEN(i) : max_len;
     if (nthreads < 1) nthreads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -95,12 +97,12 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n * kv_heads; item++) {
             if (scores == NULL) continue;
-            const int64_t i = item / kv_heads, g = item % kv_heads, len = kv_len[i];
+            const int64_t i = item / kv_heads, g = item % kv_heads, len = TG_SEQ_LEN(i);
             const float *qi = q + (qrow[i] * heads + g * group) * d;
             float *oi = out + (qrow[i] * heads + g * group) * d;
-            const int64_t *blocks = table + indptr[i];
+            const int32_t *blocks = table + indptr[i];
             for (int64_t t = 0; t < len; t++) {
-                const float *kt = k + blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
+                const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
                 for (int64_t h = 0; h < group; h++) {
                     const float *qh = qi + h * d;
                     float dot = 0.0f;
@@ -121,7 +123,7 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
                 for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
             }
             for (int64_t t = 0; t < len; t++) {
-                const float *vt = v + blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
+                const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
                 for (int64_t h = 0; h < group; h++) {
                     const float p = scores[h * len + t];
                     float *oh = oi + h * d;
@@ -133,6 +135,7 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
         free(scores);
     }
     return failed ? -2 : 0;
+#undef TG_SEQ_LEN
 }
 
 /* RMSNorm of m rows of k floats (Hugging Face's: x / sqrt(mean(x^2) + eps) * w, in fp32): one call
