@@ -55,6 +55,12 @@ class AttentionBackend(ABC):
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
         -> [num_tokens, num_heads, head_dim]; writes k/v into the pool first."""
 
+    def decode_tables(self, meta: Any) -> tuple[torch.Tensor, PagedLayout] | None:
+        """For a plan of decode rows alone, in batch order, whose attention runs in Tandem's C
+        kernel: their slots (int64) and the CSR block table, for ``ggml_kernels.DecodeLayers``,
+        which runs such a step's layers whole. None for any other plan or backend."""
+        return None
+
 
 # cuDNN's attention builds an execution plan for every new shape, and a live batch's shapes change
 # every step (contexts grow by a token): on an H100 each call spent 2.1 ms of host time planning,
@@ -128,6 +134,7 @@ class _TorchPlan:
     # every decode row for the C kernel (``decode`` then empty): their batch rows (int64) and
     # block tables; None: the torch groups above
     c_decode: tuple[torch.Tensor, PagedLayout] | None = None
+    rows_in_order: bool = False  # c_decode's rows are the batch's rows 0..n-1
 
 
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
@@ -196,12 +203,19 @@ class TorchPagedAttention(AttentionBackend):
         if decode and self._c_kernels(pool) is not None:
             rows = torch.tensor([s.q_start for s in decode], dtype=torch.int64)
             layout = PagedLayout.build([s.block_ids for s in decode], [s.kv_len for s in decode], block_size)
-            return _TorchPlan(slot_tensor, [], prefill, c_decode=(rows, layout))
+            in_order = [s.q_start for s in decode] == list(range(len(decode)))
+            return _TorchPlan(slot_tensor, [], prefill, c_decode=(rows, layout), rows_in_order=in_order)
         groups = [self._decode_group([decode[i] for i in members], block_size, dev)
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
         in_order = (not prefill and len(groups) == 1
                     and [s.q_start for s in decode] == list(range(len(decode))))
         return _TorchPlan(slot_tensor, groups, prefill, in_order)
+
+    def decode_tables(self, meta: Any) -> tuple[torch.Tensor, PagedLayout] | None:
+        plan: _TorchPlan = meta
+        if plan.c_decode is None or plan.prefill or not plan.rows_in_order:
+            return None
+        return plan.slots, plan.c_decode[1]
 
     @staticmethod
     def _decode_group(spans: list[SeqSpan], block_size: int, dev: torch.device) -> _DecodeGroup:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import math
 import os
 import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cache
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.kv_pool import PagedLayout
+from tandem.engine.kv_pool import KVPool, PagedLayout
 from tandem.engine.model_cache import cache_root
 
 # Pinned so that every machine builds the same llama.cpp.
@@ -223,6 +225,84 @@ class Kernels:
         return out
 
 
+class _Layer(ctypes.Structure):
+    """``tg_layer`` of the C file: one decoder layer's tensors, by address."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv_bias", "qkv", "o", "gate_up",
+                                                        "down")] + [
+        (name, ctypes.c_int32) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")]
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """One decoder layer as ``DecodeLayers`` runs it: fp32 norms (and qkv bias), the four
+    projections as ggml blocks with their types (q, k, v stacked; gate over up)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv: tuple[torch.Tensor, GgmlType]
+    o: tuple[torch.Tensor, GgmlType]
+    gate_up: tuple[torch.Tensor, GgmlType]
+    down: tuple[torch.Tensor, GgmlType]
+
+
+class DecodeLayers:
+    """A model's decoder layers run whole in C (``tg_decode_layers``) for a step of decode rows:
+    one call and one OpenMP region per step instead of ~15 torch ops and 4 ctypes calls per
+    layer. The layers' addresses are taken once here; the tensors are kept alive with them."""
+
+    def __init__(self, kernels: Kernels, layers: Sequence[LayerBlocks], hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float) -> None:
+        for t in (t for lb in layers for t in (lb.input_norm, lb.post_norm, lb.qkv_bias) if t is not None):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("DecodeLayers takes contiguous fp32 norms and biases")
+        self._kernels = kernels
+        self._layers = list(layers)
+        self._array = (_Layer * len(layers))(*[
+            _Layer(lb.input_norm.data_ptr(), lb.post_norm.data_ptr(),
+                   None if lb.qkv_bias is None else lb.qkv_bias.data_ptr(),
+                   lb.qkv[0].data_ptr(), lb.o[0].data_ptr(), lb.gate_up[0].data_ptr(), lb.down[0].data_ptr(),
+                   int(lb.qkv[1]), int(lb.o[1]), int(lb.gate_up[1]), int(lb.down[1]))
+            for lb in layers])
+        self._dims = (hidden, heads, kv_heads, head_dim, intermediate)
+        self._eps = eps
+
+    def run(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+            slots: torch.Tensor, pool: KVPool, layout: PagedLayout) -> None:
+        """Layers [start, stop) over ``x`` [m, hidden] (fp32, contiguous, updated in place): row i is
+        sequence i of ``layout`` at its last position, whose K/V go to ``slots[i]`` (int64) of
+        ``pool`` (fp32, either layout); ``cos`` / ``sin_signed`` [m, d] (``RotaryCache`` rows)."""
+        hidden, heads, kv_heads, d, inter = self._dims
+        m = x.shape[0]
+        if not (0 <= start <= stop <= len(self._layers)):
+            raise ValueError(f"cannot run layers [{start}, {stop}) of {len(self._layers)}")
+        if start == stop:
+            return
+        if x.dtype != torch.float32 or not x.is_contiguous() or tuple(x.shape) != (m, hidden):
+            raise ValueError(f"decode layers take contiguous fp32 rows of {hidden}")
+        if layout.batch_size != m or slots.numel() != m or slots.dtype != torch.int64:
+            raise ValueError(f"{m} rows need {m} sequences and int64 slots")
+        k = pool.k_cache(start)
+        bs = k.shape[1]
+        if (pool.spec.dtype != torch.float32 or pool.v_cache(start).stride() != k.stride()
+                or k.stride()[1:] != (kv_heads * d, d, 1) or layout.block_size != bs):
+            raise ValueError("decode layers need an fp32 pool of contiguous [bs, kvh, d] blocks")
+        cos, sin_signed = cos.reshape(m, d).contiguous(), sin_signed.reshape(m, d).contiguous()
+        itemsize = k.element_size()
+        layer_stride = (pool.k_cache(start + 1).data_ptr() - k.data_ptr()) // itemsize if stop - start > 1 else 0
+        v_offset = (pool.v_cache(start).data_ptr() - k.data_ptr()) // itemsize
+        rc = self._kernels.lib.tg_decode_layers(
+            ctypes.byref(self._array, start * ctypes.sizeof(_Layer)), stop - start, hidden, heads, kv_heads, d, inter,
+            self._eps, 1.0 / math.sqrt(d), x.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
+            k.data_ptr(), layer_stride, v_offset, k.stride(0), bs, layout.indptr.data_ptr(),
+            layout.indices.data_ptr(), layout.last_page_len.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"decode layers: no memory for {m} rows' scratch")
+        if rc != 0:
+            raise ValueError("decode layers: a projection's type has no ggml dot product, or heads do not group")
+
+
 def _bind(lib: ctypes.CDLL) -> Kernels:
     i64, ptr, size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
     lib.tg_init.restype = ctypes.c_int
@@ -236,6 +316,9 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                                               ctypes.c_float, ptr, ctypes.c_int]
     lib.tg_rms_norm.restype = None
     lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.tg_decode_layers.restype = ctypes.c_int
+    lib.tg_decode_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr, i64, ptr,
+                                     ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 
@@ -256,6 +339,13 @@ def own_kernels() -> Kernels | None:
     if os.environ.get("TANDEM_CPU_KERNELS", "c") == "torch":
         return None
     return load()
+
+
+def whole_layers_on() -> bool:
+    """Whether a decode step of the ``ggml`` format may run its layers whole in C
+    (``DecodeLayers``): yes unless ``TANDEM_CPU_KERNELS`` is ``torch`` or ``ops`` (the C kernels
+    one op at a time, for A/B measurements). Read per step, so a benchmark can flip it."""
+    return os.environ.get("TANDEM_CPU_KERNELS", "c") not in ("torch", "ops")
 
 
 def require() -> Kernels:

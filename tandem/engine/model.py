@@ -23,6 +23,13 @@ from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import Linear, WeightFormat, effective_format
 from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_factors
 
+# Most decode rows a step of the ggml format runs whole in C (``LlamaModel.decode_layers``); more
+# run op by op, their projections on fbgemm's fp16 (``quant.GGML_MAX_ROWS``). Measured on SmolLM2,
+# context 128, both paths interleaved (median of 12): whole layers 1.60x / 1.55x / 1.41x / 1.33x /
+# 1.08x faster at 1 / 2 / 3 / 4 / 6 rows, even at 8, slower from 12 (ggml's kernel takes one
+# activation row at a time).
+DECODE_LAYERS_MAX_ROWS = 6
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies [head_dim // 2], with llama3 scaling when configured."""
@@ -124,6 +131,38 @@ class LlamaModel:
         self.weight_format = self.lm_head.format
         # Per-layer weights, looked up once rather than by string on every call.
         self._layers = [_LayerWeights(weights, i, weight_format, config, act_absmax) for i in range(config.num_layers)]
+        self._whole_layers = self._c_decode_layers()
+
+    def _c_decode_layers(self) -> ggml_kernels.DecodeLayers | None:
+        """The ggml format's layers for ``decode_layers`` (one C call per decode step), when every
+        projection has ggml blocks and the layer is one the C code knows (no q/k norms)."""
+        kernels = ggml_kernels.load()
+        if self.weight_format != WeightFormat.GGML or kernels is None:
+            return None
+        layers = []
+        for w in self._layers:
+            qkv, o, gate_up, down = (lin.ggml_blocks for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj))
+            if qkv is None or o is None or gate_up is None or down is None or w.q_norm is not None:
+                return None
+            layers.append(ggml_kernels.LayerBlocks(w.input_norm.contiguous(), w.post_attn_norm.contiguous(),
+                                                   w.qkv_proj.bias, qkv, o, gate_up, down))
+        c = self.config
+        return ggml_kernels.DecodeLayers(kernels, layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.intermediate_size, c.rms_norm_eps)
+
+    def decode_layers(self, start: int, stop: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attn_meta: object, pool: KVPool) -> bool:
+        """Layers [start, stop) of a step of decode rows alone run whole in C, ``hidden`` updated in
+        place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows, attention planned on Tandem's C kernel (an fp32 pool on the CPU), not
+        turned off (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
+        fused = self._whole_layers
+        if fused is None or hidden.shape[0] > DECODE_LAYERS_MAX_ROWS or not ggml_kernels.whole_layers_on():
+            return False
+        tables = self.attention.decode_tables(attn_meta)
+        if tables is None:
+            return False
+        fused.run(start, stop, hidden, cos, sin, tables[0], pool, tables[1])
+        return True
 
     @property
     def derived_weight_bytes(self) -> int:

@@ -24,8 +24,9 @@ exactly, i.e. a model imported from a GGUF of those types: the weights lose noth
 activation row is quantized to 8 bits per 32 values as llama.cpp does. It reads a quarter of
 fp16's bytes, so single-stream decode steps run ~1.6x faster here; ggml's kernel takes one
 activation row at a time, so calls of more than ``GGML_MAX_ROWS`` rows (batched decode, prefill)
-run the fp16 copy it also keeps. Greedy outputs therefore depend on how requests were batched,
-and ``auto`` never picks it.
+run the fp16 copy it also keeps, except decode steps of up to ``model.DECODE_LAYERS_MAX_ROWS``
+rows, whose layers run whole in C on ggml's kernels (``LlamaModel.decode_layers``). Greedy
+outputs therefore depend on how requests were batched, and ``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -203,6 +204,14 @@ class Linear:
                 self._blocks, self.ggml_type, self._kernels = blocks, gtype, kernels
                 self.derived_bytes += blocks.numel()
                 return
+
+    @property
+    def ggml_blocks(self) -> tuple[torch.Tensor, ggml_kernels.GgmlType] | None:
+        """The ggml format's blocks and their type; None in other formats or for a layer no
+        exact type holds."""
+        if self._blocks is None or self.ggml_type is None:
+            return None
+        return self._blocks, self.ggml_type
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor

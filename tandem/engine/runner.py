@@ -142,8 +142,10 @@ class ModelRunner:
         if not state.next_layer <= stop <= self.num_layers:
             raise ValueError(f"cannot run layers [{state.next_layer}, {stop}) of {self.num_layers}")
         hidden = state.hidden
-        for index in range(state.next_layer, stop):
-            hidden = self.model.layer(index, hidden, state.cos, state.sin, state.attn_meta, self.pool)
+        if not self.model.decode_layers(state.next_layer, stop, hidden, state.cos, state.sin, state.attn_meta,
+                                        self.pool):
+            for index in range(state.next_layer, stop):
+                hidden = self.model.layer(index, hidden, state.cos, state.sin, state.attn_meta, self.pool)
         state.hidden = hidden
         state.next_layer = stop
 

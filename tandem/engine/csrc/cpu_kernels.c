@@ -8,7 +8,10 @@
  * in cache across the batch's activation rows.
  *
  * tg_paged_decode_attention: ours alone (no ggml): attention of decode rows read straight from
- * the paged KV pool, where the torch path gathers and pads every row's blocks per layer. */
+ * the paged KV pool, where the torch path gathers and pads every row's blocks per layer.
+ *
+ * tg_decode_layers: ours, over ggml's dot products: whole decoder layers of a decode step in one
+ * call, so a step is one C call instead of some 15 torch ops and 4 ctypes calls per layer. */
 #include <ggml.h>
 #include <ggml-cpu.h>
 #include <math.h>
@@ -37,34 +40,107 @@ int tg_dequantize(int type, const void *src, float *dst, int64_t n) {
     return 0;
 }
 
+/* Inside a parallel region: m rows of x (k floats each, `ldx` apart) quantized to the dot
+ * product's type of weights of `type`, each row `qrow` bytes apart in q. */
+static void quantize_rows(const struct ggml_type_traits_cpu *t, const float *x, int64_t ldx, int64_t m, int64_t k,
+                          char *q, size_t qrow) {
+    const struct ggml_type_traits_cpu *tv = ggml_get_type_traits_cpu(t->vec_dot_type);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) tv->from_float(x + i * ldx, q + i * qrow, k);
+}
+
+/* Inside a parallel region: y[i, r] (+)= row r of W (n_out rows of `type`) . activation row i (q,
+ * quantized by quantize_rows), for m rows; `accumulate` adds to y (a fused residual). Output rows
+ * are split over the threads in tiles that stay in cache across the activation rows. */
+static void matvec_rows(const struct ggml_type_traits_cpu *t, const char *w, size_t wrow, int64_t n_out, int64_t k,
+                        const char *q, size_t qrow, int64_t m, float *y, int64_t ldy, int accumulate) {
+#pragma omp for schedule(static)
+    for (int64_t r0 = 0; r0 < n_out; r0 += TILE_ROWS) {
+        const int64_t r1 = r0 + TILE_ROWS < n_out ? r0 + TILE_ROWS : n_out;
+        for (int64_t i = 0; i < m; i++) {
+            for (int64_t r = r0; r < r1; r++) {
+                float s;
+                t->vec_dot((int)k, &s, 0, w + r * wrow, 0, q + i * qrow, 0, 1);
+                y[i * ldy + r] = accumulate ? y[i * ldy + r] + s : s;
+            }
+        }
+    }
+}
+
+/* Whether ggml has a dot product for weights of `type` (and a way to quantize activations to it). */
+static int has_dot(int type) {
+    const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
+    const struct ggml_type_traits_cpu *tv = ggml_get_type_traits_cpu(t->vec_dot_type);
+    return t->vec_dot != NULL && (t->vec_dot_type == (enum ggml_type)type || tv->from_float != NULL);
+}
+
+static size_t act_row_size(int type, int64_t k) {
+    return ggml_row_size(ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot_type, k);
+}
+
 /* y [m, n_out] = x [m, k] @ W^T, W [n_out, k] as rows of `type`. Returns 0, -1 when ggml has no
  * dot product for the type, -2 when the activation rows' scratch cannot be allocated. */
 int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
               int nthreads) {
+    if (!has_dot(type)) return -1;
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
-    const struct ggml_type_traits_cpu *tv = ggml_get_type_traits_cpu(t->vec_dot_type);
-    if (t->vec_dot == NULL || (t->vec_dot_type != (enum ggml_type)type && tv->from_float == NULL)) return -1;
-    const size_t wrow = ggml_row_size((enum ggml_type)type, k);
-    const size_t xrow = ggml_row_size(t->vec_dot_type, k);
+    const size_t wrow = ggml_row_size((enum ggml_type)type, k), xrow = act_row_size(type, k);
     char *scratch = malloc((size_t)m * xrow + 1); /* the rows quantized to the dot product's type */
     if (scratch == NULL) return -2;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) tv->from_float(x + i * k, scratch + i * xrow, k);
-#pragma omp for schedule(static)
-        for (int64_t r0 = 0; r0 < n_out; r0 += TILE_ROWS) {
-            const int64_t r1 = r0 + TILE_ROWS < n_out ? r0 + TILE_ROWS : n_out;
-            for (int64_t i = 0; i < m; i++) {
-                for (int64_t r = r0; r < r1; r++) {
-                    t->vec_dot((int)k, &y[i * n_out + r], 0, w + r * wrow, 0, scratch + i * xrow, 0, 1);
-                }
-            }
-        }
+        quantize_rows(t, x, k, m, k, scratch, xrow);
+        matvec_rows(t, w, wrow, n_out, k, scratch, xrow, m, y, n_out, 0);
     }
     free(scratch);
     return 0;
+}
+
+/* One work item of the paged decode attention: query heads qi [group, d] (kv head g's group) of a
+ * row whose `len` cached tokens lie in `blocks` attend over them; the result goes to oi [group, d].
+ * scores: [group, len] scratch. */
+static void attend_group(const float *qi, const float *k, const float *v, int64_t block_stride,
+                         const int32_t *blocks, int64_t len, int64_t g, int64_t group, int64_t kv_heads,
+                         int64_t d, int64_t bs, float scale, float *scores, float *oi) {
+    for (int64_t t = 0; t < len; t++) {
+        const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = qi + h * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < d; e++) dot += qh[e] * kt[e];
+            scores[h * len + t] = dot * scale;
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *sh = scores + h * len, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
+        for (int64_t t = 0; t < len; t++) {
+            sh[t] = expf(sh[t] - mx);
+            sum += sh[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) sh[t] *= inv;
+        for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
+        for (int64_t h = 0; h < group; h++) {
+            const float p = scores[h * len + t];
+            float *oh = oi + h * d;
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) oh[e] += p * vt[e];
+        }
+    }
+}
+
+#define TG_SEQ_LEN(i) ((int64_t)(indptr[(i) + 1] - indptr[(i)] - 1) * bs + last_len[(i)])
+
+static int64_t longest(const int32_t *indptr, const int32_t *last_len, int64_t n, int64_t bs) {
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < n; i++) max_len = TG_SEQ_LEN(i) > max_len ? TG_SEQ_LEN(i) : max_len;
+    return max_len;
 }
 
 /* Paged attention of decode rows (one new token each) over Tandem's KV pool, fp32. Row i's query
@@ -81,10 +157,7 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
                               const int32_t *last_len, int64_t n, int64_t heads, int64_t kv_heads,
                               int64_t d, int64_t bs, float scale, float *out, int nthreads) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
-    const int64_t group = heads / kv_heads;
-#define TG_SEQ_LEN(i) ((int64_t)(indptr[(i) + 1] - indptr[(i)] - 1) * bs + last_len[(i)])
-    int64_t max_len = 1;
-    for (int64_t i = 0; i < n; i++) max_len = TG_SEQ_LEN(i) > max_len ? TG_SEQ_LEN(i) : max_len;
+    const int64_t group = heads / kv_heads, max_len = longest(indptr, last_len, n, bs);
     if (nthreads < 1) nthreads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -97,45 +170,22 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n * kv_heads; item++) {
             if (scores == NULL) continue;
-            const int64_t i = item / kv_heads, g = item % kv_heads, len = TG_SEQ_LEN(i);
-            const float *qi = q + (qrow[i] * heads + g * group) * d;
-            float *oi = out + (qrow[i] * heads + g * group) * d;
-            const int32_t *blocks = table + indptr[i];
-            for (int64_t t = 0; t < len; t++) {
-                const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
-                for (int64_t h = 0; h < group; h++) {
-                    const float *qh = qi + h * d;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t e = 0; e < d; e++) dot += qh[e] * kt[e];
-                    scores[h * len + t] = dot * scale;
-                }
-            }
-            for (int64_t h = 0; h < group; h++) {
-                float *sh = scores + h * len, mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
-                for (int64_t t = 0; t < len; t++) {
-                    sh[t] = expf(sh[t] - mx);
-                    sum += sh[t];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; t++) sh[t] *= inv;
-                for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
-                for (int64_t h = 0; h < group; h++) {
-                    const float p = scores[h * len + t];
-                    float *oh = oi + h * d;
-#pragma omp simd
-                    for (int64_t e = 0; e < d; e++) oh[e] += p * vt[e];
-                }
-            }
+            const int64_t i = item / kv_heads, g = item % kv_heads;
+            attend_group(q + (qrow[i] * heads + g * group) * d, k, v, block_stride, table + indptr[i], TG_SEQ_LEN(i),
+                         g, group, kv_heads, d, bs, scale, scores, out + (qrow[i] * heads + g * group) * d);
         }
         free(scores);
     }
     return failed ? -2 : 0;
-#undef TG_SEQ_LEN
+}
+
+static void rms_row(const float *xi, const float *w, float *yi, int64_t k, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t e = 0; e < k; e++) ss += xi[e] * xi[e];
+    const float r = 1.0f / sqrtf(ss / (float)k + eps);
+#pragma omp simd
+    for (int64_t e = 0; e < k; e++) yi[e] = xi[e] * r * w[e];
 }
 
 /* RMSNorm of m rows of k floats (Hugging Face's: x / sqrt(mean(x^2) + eps) * w, in fp32): one call
@@ -143,14 +193,123 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
 void tg_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t k, float eps, int nthreads) {
     if (nthreads < 1 || m * k < 65536) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < m; i++) {
-        const float *xi = x + i * k;
-        float *yi = y + i * k;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t e = 0; e < k; e++) ss += xi[e] * xi[e];
-        const float r = 1.0f / sqrtf(ss / (float)k + eps);
-#pragma omp simd
-        for (int64_t e = 0; e < k; e++) yi[e] = xi[e] * r * w[e];
-    }
+    for (int64_t i = 0; i < m; i++) rms_row(x + i * k, w, y + i * k, k, eps);
 }
+
+/* One decoder layer's weights for tg_decode_layers: norms fp32, projections as rows of ggml types
+ * (q, k, v stacked in qkv; gate over up in gate_up), qkv_bias fp32 or NULL. */
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias;
+    const char *qkv, *o, *gate_up, *down;
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+} tg_layer;
+
+/* Llama-family decoder layers [0, n_layers) of `layers` over m decode rows, in one call and one
+ * OpenMP region (threads meet at a barrier between phases instead of a fork and join per op):
+ * per layer, RMSNorm, the qkv projection (+ bias), rotate-half rope of q and k from the rows'
+ * cos / sin_signed tables ([m, d], sin_signed holding rotate-half's sign), K and V written to
+ * each row's slot, the paged attention above over its blocks (CSR table as for
+ * tg_paged_decode_attention), the output projection added to x, RMSNorm, gate_up, silu(gate) * up,
+ * and the down projection added to x. x [m, hidden] is updated in place. Layer l's K cache starts
+ * at k0 + l * layer_stride, its V cache v_offset floats after its K. Every op runs row by row, as
+ * the one-op-at-a-time path does, with the same ggml kernels. Returns 0, -1 when ggml has no dot
+ * product for a projection's type or the heads do not group, -2 when scratch cannot be had. */
+int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads, int64_t kv_heads,
+                     int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m, const float *cos,
+                     const float *sin_signed, const int64_t *slots, float *k0, int64_t layer_stride,
+                     int64_t v_offset, int64_t block_stride, int64_t bs, const int32_t *indptr,
+                     const int32_t *table, const int32_t *last_len, int nthreads) {
+    if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+    const int64_t group = heads / kv_heads, q_size = heads * d, kv_size = kv_heads * d;
+    const int64_t n_qkv = q_size + 2 * kv_size, half = d / 2, max_len = longest(indptr, last_len, m, bs);
+    size_t qrow = 0; /* bytes of one activation row quantized, the largest any projection needs */
+    for (int64_t l = 0; l < n_layers; l++) {
+        const tg_layer *w = &layers[l];
+        if (!has_dot(w->qkv_type) || !has_dot(w->o_type) || !has_dot(w->gate_up_type) || !has_dot(w->down_type))
+            return -1;
+        const size_t sizes[4] = {act_row_size(w->qkv_type, hidden), act_row_size(w->o_type, q_size),
+                                 act_row_size(w->gate_up_type, hidden), act_row_size(w->down_type, inter)};
+        for (int j = 0; j < 4; j++) qrow = sizes[j] > qrow ? sizes[j] : qrow;
+    }
+    /* normed [m, hidden] | qkv [m, n_qkv] | attn [m, q_size] | gate_up [m, 2 inter] | act [m, inter] */
+    const int64_t floats = m * (hidden + n_qkv + q_size + 3 * inter);
+    float *buf = malloc(sizeof(float) * (size_t)floats);
+    char *q8 = malloc((size_t)m * qrow + 1);
+    if (buf == NULL || q8 == NULL) {
+        free(buf);
+        free(q8);
+        return -2;
+    }
+    float *normed = buf, *qkv = normed + m * hidden, *attn = qkv + m * n_qkv, *gu = attn + m * q_size;
+    float *act = gu + m * 2 * inter;
+    if (nthreads < 1) nthreads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * max_len));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t l = 0; l < n_layers; l++) {
+            const tg_layer *w = &layers[l];
+            const struct ggml_type_traits_cpu *t_qkv = ggml_get_type_traits_cpu((enum ggml_type)w->qkv_type);
+            const struct ggml_type_traits_cpu *t_o = ggml_get_type_traits_cpu((enum ggml_type)w->o_type);
+            const struct ggml_type_traits_cpu *t_gu = ggml_get_type_traits_cpu((enum ggml_type)w->gate_up_type);
+            const struct ggml_type_traits_cpu *t_down = ggml_get_type_traits_cpu((enum ggml_type)w->down_type);
+            float *kc = k0 + l * layer_stride, *vc = kc + v_offset;
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->input_norm, normed + i * hidden, hidden, eps);
+            quantize_rows(t_qkv, normed, hidden, m, hidden, q8, qrow);
+            matvec_rows(t_qkv, w->qkv, ggml_row_size((enum ggml_type)w->qkv_type, hidden), n_qkv, hidden, q8, qrow,
+                        m, qkv, n_qkv, 0);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                float *row = qkv + i * n_qkv;
+                if (w->qkv_bias != NULL)
+                    for (int64_t e = 0; e < n_qkv; e++) row[e] += w->qkv_bias[e];
+                const float *c = cos + i * d, *s = sin_signed + i * d;
+                for (int64_t h = 0; h < heads + kv_heads; h++) { /* q heads, then k heads */
+                    float *xh = row + h * d, rot[d];
+                    for (int64_t e = 0; e < d; e++) rot[e] = xh[(e + half) % d];
+                    for (int64_t e = 0; e < d; e++) xh[e] = xh[e] * c[e] + rot[e] * s[e];
+                }
+                const int64_t block = slots[i] / bs, off = slots[i] % bs;
+                float *kd = kc + block * block_stride + off * kv_size, *vd = vc + block * block_stride + off * kv_size;
+                for (int64_t e = 0; e < kv_size; e++) {
+                    kd[e] = row[q_size + e];
+                    vd[e] = row[q_size + kv_size + e];
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < m * kv_heads; item++) {
+                if (scores == NULL) continue;
+                const int64_t i = item / kv_heads, g = item % kv_heads;
+                attend_group(qkv + i * n_qkv + g * group * d, kc, vc, block_stride, table + indptr[i], TG_SEQ_LEN(i),
+                             g, group, kv_heads, d, bs, scale, scores, attn + i * q_size + g * group * d);
+            }
+            quantize_rows(t_o, attn, q_size, m, q_size, q8, qrow);
+            matvec_rows(t_o, w->o, ggml_row_size((enum ggml_type)w->o_type, q_size), hidden, q_size, q8, qrow, m, x,
+                        hidden, 1);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->post_norm, normed + i * hidden, hidden, eps);
+            quantize_rows(t_gu, normed, hidden, m, hidden, q8, qrow);
+            matvec_rows(t_gu, w->gate_up, ggml_row_size((enum ggml_type)w->gate_up_type, hidden), 2 * inter, hidden,
+                        q8, qrow, m, gu, 2 * inter, 0);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                const float *g = gu + i * 2 * inter, *u = g + inter;
+                float *a = act + i * inter;
+                for (int64_t e = 0; e < inter; e++) a[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+            }
+            quantize_rows(t_down, act, inter, m, inter, q8, qrow);
+            matvec_rows(t_down, w->down, ggml_row_size((enum ggml_type)w->down_type, inter), hidden, inter, q8, qrow,
+                        m, x, hidden, 1);
+        }
+        free(scores);
+    }
+    free(buf);
+    free(q8);
+    return failed ? -2 : 0;
+}
+#undef TG_SEQ_LEN

@@ -1,0 +1,168 @@
+"""A decode step's layers run whole in C (``ggml_kernels.DecodeLayers``, the ``ggml`` format's
+decode rows) against the same layers run op by op (``TANDEM_CPU_KERNELS=ops``), on random tiny
+models whose projections Q4_1 / Q8_0 hold exactly: GQA shapes, qkv bias, both pool layouts,
+block sizes, 1-6 rows of mixed contexts, layer groups. Both paths run the same ggml dot products
+on activations quantized to 8 bits; rope and silu round differently in C (about 1e-7), which can
+move an activation across an 8-bit rounding boundary, so logits agree to a small fraction of
+their spread rather than bit for bit. The K/V written to the pool agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine import ggml_kernels, quant
+from tandem.engine.attention import make_backend
+from tandem.engine.config import ModelConfig
+from tandem.engine.ggml_kernels import GgmlType
+from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
+from tandem.engine.model import DECODE_LAYERS_MAX_ROWS, LlamaModel
+from tandem.engine.random_weights import random_weights
+from tandem.engine.runner import ModelRunner, SeqInput
+from tandem.engine.weight_format import WeightFormat
+
+
+SHAPES = [(3, 1, 32), (4, 2, 32), (2, 2, 48), (6, 3, 16)]  # query heads, kv heads, head dim
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> ggml_kernels.Kernels:
+    return ggml_kernels.require()
+
+
+def _model(heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, seed: int) -> LlamaModel:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=256, hidden_size=96, intermediate_size=160, num_layers=3,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=1024, tie_word_embeddings=False, qkv_bias=bias, qk_norm=qk_norm)
+    weights = random_weights(config, seed=seed, std=0.15)
+    kern = ggml_kernels.load()
+    assert kern is not None
+    for i, name in enumerate(n for n in weights if n.endswith("_proj") or n == "lm_head"):
+        gtype = (GgmlType.Q4_1, GgmlType.Q8_0)[i % 2]  # both kinds of activation blocks (Q8_1, Q8_0)
+        w = weights[name]
+        weights[name] = kern.dequantize(kern.quantize(w, gtype), gtype, *w.shape)
+    return LlamaModel(config, weights, make_backend("torch", heads), WeightFormat.GGML)
+
+
+def _step(runner: ModelRunner, batch: list[SeqInput], mode: str, monkeypatch: pytest.MonkeyPatch,
+          groups: list[int] | None = None) -> torch.Tensor:
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", mode)
+    # op by op, every row count of the comparison runs ggml's kernels (not the fp16 copy)
+    monkeypatch.setattr(quant, "GGML_MAX_ROWS", DECODE_LAYERS_MAX_ROWS)
+    state = runner.begin(batch)
+    for end in groups or [runner.num_layers]:
+        runner.run_layers(state, end)
+    return runner.finish(state)
+
+
+def _compare(heads_kv_d: tuple[int, int, int], bias: bool, layout: str, block_size: int, rows: int, groups: bool,
+             seed: int) -> tuple[float, float]:
+    """One random decode step both ways from the same pool; returns the largest difference of the
+    later layers' K/V and of the logits, each over its largest magnitude."""
+    monkeypatch = pytest.MonkeyPatch()
+    heads, kv_heads, head_dim = heads_kv_d
+    model = _model(heads, kv_heads, head_dim, bias, False, seed)
+    assert model._whole_layers is not None
+    rng = random.Random(seed)
+    num_blocks = rows * (300 // block_size + 2) + 3
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, num_blocks, block_size, layout=layout))
+    runner = ModelRunner(model, pool)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    batch = []
+    for _ in range(rows):
+        ctx = rng.randint(0, 250)
+        blocks = [free.pop() for _ in range(ctx // block_size + 1)]
+        if ctx:
+            runner.forward([SeqInput([rng.randrange(256) for _ in range(ctx)], 0, blocks)])
+        batch.append(SeqInput((rng.randrange(256),), ctx, blocks))
+    layer_groups = sorted({rng.randint(0, 3), 3}) if groups else None
+    snapshot = pool.tensor.clone()
+    try:
+        ops = _step(runner, batch, "ops", monkeypatch, layer_groups)
+        pool_ops = KVPool(pool.spec, pool.tensor.clone())
+        pool.tensor.copy_(snapshot)
+        calls = []
+        run = model._whole_layers.run
+        monkeypatch.setattr(model._whole_layers, "run", lambda *a: calls.append(a) or run(*a))
+        whole = _step(runner, batch, "c", monkeypatch, layer_groups)
+    finally:
+        monkeypatch.undo()
+    assert calls, "the whole-layer path did not run"
+    # layer 0's K/V come from the same inputs on both paths: equal to fp32 rounding (rope's)
+    torch.testing.assert_close(pool.k_cache(0), pool_ops.k_cache(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.v_cache(0), pool_ops.v_cache(0), atol=1e-5, rtol=1e-5)
+    layer_error = 0.0
+    for later in range(1, model.config.num_layers):
+        ours, ref = (torch.stack([p.k_cache(later), p.v_cache(later)]) for p in (pool, pool_ops))
+        layer_error = max(layer_error, float((ours - ref).abs().max() / ref.abs().max()))
+    return layer_error, float((whole - ops).abs().max() / ops.abs().max())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SHAPES), st.booleans(), st.sampled_from(["layer", "block"]), st.sampled_from([1, 5, 16]),
+       st.integers(1, DECODE_LAYERS_MAX_ROWS), st.booleans(), st.integers(0, 2**31))
+def test_whole_layers_equal_the_op_by_op_step(heads_kv_d: tuple[int, int, int], bias: bool, layout: str,
+                                              block_size: int, rows: int, groups: bool, seed: int) -> None:
+    """Within 5 % of the largest magnitude (measured over 400 examples: at most 1.1 % for K/V,
+    2 % for logits): an 8-bit rounding boundary crossed upstream moves them a little; a wrong
+    row, position or context moves them by about their size."""
+    layer_error, logit_error = _compare(heads_kv_d, bias, layout, block_size, rows, groups, seed)
+    assert layer_error <= 0.05 and logit_error <= 0.05, (layer_error, logit_error)
+
+
+def test_most_steps_agree_bit_for_bit() -> None:
+    """Rounding differences cross an 8-bit boundary rarely: over random steps, most logits are
+    bit-identical (measured: over 95 % of 400), which no systematic slip would leave."""
+    rng = random.Random(20261126)
+    exact = 0
+    for _ in range(40):
+        _, logit_error = _compare(rng.choice(SHAPES), rng.random() < 0.5, rng.choice(["layer", "block"]),
+                                  rng.choice([1, 5, 16]), rng.randint(1, DECODE_LAYERS_MAX_ROWS), rng.random() < 0.5,
+                                  rng.randrange(2**31))
+        exact += logit_error == 0.0
+    assert exact >= 30, exact
+
+
+def test_other_steps_and_models_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt rows in the step, more rows than the whole-layer path takes, the path turned off,
+    a model with q/k norms and formats other than ggml all keep the op-by-op layers."""
+    model = _model(4, 2, 32, False, False, 7)
+    whole = model._whole_layers
+    assert whole is not None
+    calls: list[object] = []
+    run = whole.run
+    monkeypatch.setattr(whole, "run", lambda *a: calls.append(a) or run(*a))
+    rows = DECODE_LAYERS_MAX_ROWS + 1
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, 4 * rows, 16))
+    runner = ModelRunner(model, pool)
+    decode = [SeqInput((3,), 20, [4 * i, 4 * i + 1]) for i in range(rows)]
+    runner.forward(decode[:1] + [SeqInput((1, 2, 3), 0, [4 * rows - 1])])  # a prompt beside a decode row
+    runner.forward(decode)  # one row too many
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "ops")
+    runner.forward(decode[:2])
+    assert not calls
+    monkeypatch.delenv("TANDEM_CPU_KERNELS")
+    runner.forward(decode[:2])
+    assert len(calls) == 1
+    assert _model(4, 2, 32, False, True, 7)._whole_layers is None  # Qwen3's per-head q/k norms
+    fp16 = LlamaModel(model.config, model.weights, make_backend("torch", 4), WeightFormat.FP16)
+    assert fp16._whole_layers is None
+
+
+def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
+    model = _model(4, 2, 32, False, False, 3)
+    assert model._whole_layers is not None
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, 4, 16, torch.bfloat16))
+    layout = PagedLayout.build([[0]], [5], 16)
+    cos = sin = torch.zeros(1, 32)
+    with pytest.raises(ValueError, match="fp32 pool"):
+        model._whole_layers.run(0, 3, torch.zeros(1, 96), cos, sin, torch.tensor([4]), pool, layout)
+    with pytest.raises(ValueError, match="layers"):
+        model._whole_layers.run(0, 4, torch.zeros(1, 96), cos, sin, torch.tensor([4]), pool, layout)
