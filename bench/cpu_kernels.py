@@ -1,13 +1,15 @@
-"""Tandem's own C kernels on the CPU (paged decode attention, RMSNorm) against the torch path, paired.
+"""Tandem's own C kernels on the CPU (paged decode attention, RMSNorm, whole decode layers) against the torch path, paired.
 
 One engine process, one KV pool. For each case (weight format, decode rows, context) a decode
 step runs alternately with the C kernels on and off (``TANDEM_CPU_KERNELS``, the attention
 backend rebuilt to match), in ABAB / BABA order, so drift on this shared machine hits both sides
 of every pair; the figure is the median of the per-pair ratios with its interquartile range. A
 512-token prefill is paired the same way. Decode rows have contexts spread over 0.5-1.5x the
-given one. Writes JSON (default bench/results/cpu_kernels.json).
+given one. Then the ``ggml`` format's decode steps with their layers run whole in C
+(``TANDEM_CPU_KERNELS=c``) against the same C kernels one op at a time (``ops``), at 1-8 rows,
+paired the same way (``ops_over_whole``). Writes JSON (default bench/results/cpu_kernels.json).
 
-Usage: python bench/cpu_kernels.py [--pairs 40] [--out FILE]
+Usage: python bench/cpu_kernels.py [--pairs 40] [--whole-layers-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -93,16 +95,49 @@ def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
     return result
 
 
+WHOLE_LAYER_ROWS = (1, 2, 3, 4, 6, 8)
+
+
+def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
+    """ggml decode steps, layers whole in C vs op by op (both on the C attention and RMSNorm)."""
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
+    runner, alloc = engine.runner, engine.allocator
+    rows_max = max(WHOLE_LAYER_ROWS)
+    lens = [int(ctx * (0.5 + j / rows_max)) for j in range(rows_max)]
+    tables = [alloc.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
+    for j, n in enumerate(lens):
+        runner.forward([SeqInput(list(range(100 + j, 100 + j + n)), 0, tables[j])])
+    results = []
+    for rows in WHOLE_LAYER_ROWS:
+        def decode(whole: bool, rows: int = rows) -> float:
+            os.environ["TANDEM_CPU_KERNELS"] = "c" if whole else "ops"
+            start = time.perf_counter()
+            runner.forward([SeqInput((5,), n, t) for n, t in zip(lens[:rows], tables[:rows], strict=True)])
+            return time.perf_counter() - start
+
+        d = _paired(decode, pairs)
+        d = {"whole_ms_median": d["c_ms_median"], "ops_ms_median": d["torch_ms_median"],
+             "ops_over_whole_median": d["torch_over_c_median"], "ops_over_whole_iqr": d["torch_over_c_iqr"],
+             "pairs": pairs}
+        print(f"ggml rows={rows} ctx~{ctx}: whole layers {d['whole_ms_median']:.1f} ms, op by op "
+              f"{d['ops_ms_median']:.1f} ms, ops/whole {d['ops_over_whole_median']:.3f} "
+              f"(IQR {d['ops_over_whole_iqr'][0]:.3f}-{d['ops_over_whole_iqr'][1]:.3f})", flush=True)
+        results.append({"format": "ggml", "rows": rows, "context": ctx, "decode_step": d})
+    os.environ.pop("TANDEM_CPU_KERNELS", None)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--whole-layers-only", action="store_true", help="only the whole-layer pairs")
     parser.add_argument("--out", default="bench/results/cpu_kernels.json")
     args = parser.parse_args()
     if ggml_kernels.load() is None:
         sys.exit("Tandem's CPU kernels are not built here: run `tandem models build-kernels` first")
     results = []
-    for fmt, rows, ctx in CASES:
+    for fmt, rows, ctx in () if args.whole_layers_only else CASES:
         r = case(fmt, rows, ctx, args.pairs)
         d = r["decode_step"]
         print(f"{fmt} rows={rows} ctx={ctx}: decode step C {d['c_ms_median']:.1f} ms, torch {d['torch_ms_median']:.1f} ms, "
@@ -114,7 +149,7 @@ def main() -> None:
                   f"torch/C {p['torch_over_c_median']:.3f}", flush=True)
         results.append(r)
     out = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "machine": platform.platform(),
-           "processor": platform.processor(), "cases": results}
+           "processor": platform.processor(), "cases": results, "whole_layers": whole_layers(128, args.pairs)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"results: {args.out}")

@@ -7,9 +7,11 @@ backend (``ggml-base`` and ``ggml-cpu`` only, about a minute on 2 cores) from th
 (``csrc/cpu_kernels.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
 torch's OpenMP threads, and two kernels of ours for any weight format: a paged decode attention
 that reads the KV pool in place (``paged_decode_attention``) and RMSNorm (both reached through
-``own_kernels()``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
+``own_kernels()``), and for the ``ggml`` format, a decode step's decoder layers whole in one call
+(``DecodeLayers``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
 only loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``
-and the other two run in torch.
+and the other two run in torch. ``TANDEM_CPU_KERNELS`` chooses for A/B runs: ``c`` (default) all
+of them, ``ops`` all but the whole layers, ``torch`` none of ours.
 
 The build is keyed by the sdist's version, the C file's hash and this CPU's flags (ggml compiles
 with ``-march=native``), so another CPU or a changed C file builds afresh.

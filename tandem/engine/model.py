@@ -25,9 +25,9 @@ from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_facto
 
 # Most decode rows a step of the ggml format runs whole in C (``LlamaModel.decode_layers``); more
 # run op by op, their projections on fbgemm's fp16 (``quant.GGML_MAX_ROWS``). Measured on SmolLM2,
-# context 128, both paths interleaved (median of 12): whole layers 1.60x / 1.55x / 1.41x / 1.33x /
-# 1.08x faster at 1 / 2 / 3 / 4 / 6 rows, even at 8, slower from 12 (ggml's kernel takes one
-# activation row at a time).
+# contexts around 128, both paths alternated (bench/cpu_kernels.py, median of 40 pairs): whole
+# layers 1.60x / 1.49x / 1.33x / 1.33x / 1.02x faster at 1 / 2 / 3 / 4 / 6 rows, even at 8 (a
+# scratch run: 1.08x at 6 rows, slower from 12; ggml's kernel takes one activation row at a time).
 DECODE_LAYERS_MAX_ROWS = 6
 
 
