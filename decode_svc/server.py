@@ -758,37 +758,53 @@ class DecodeWorker:
 class _StepStats:
     """Step times over a window, for one log line every ``every_s``: how long a step took from
     the event loop's view, how much of it the torch thread computed (the rest is waiting: for the
-    executor, for the GIL held by the loop's own work) and of that the forward pass until the
-    logits are on the host (the rest is sampling), how long the loop spent between steps (blocks,
-    admissions), how many steps replayed CUDA graphs, batch and chunk sizes. The first figures a
-    slow cell needs (the CUDA cell's steps ran ten times slower than its engine)."""
+    executor, for the GIL held by the loop's own work) and, for decode-only steps, of that the
+    forward pass until the logits are on the host (the rest is sampling); steps that carried
+    prompt tokens (hybrid) apart, since one of them can take as long as dozens of decode-only
+    steps and their forward is not timed on its own; how long the loop spent between steps
+    (blocks, admissions), how many steps replayed CUDA graphs, batch and chunk sizes. The first
+    figures a slow cell needs (the CUDA cell's steps ran ten times slower than its engine)."""
 
     def __init__(self, every_s: float = 30.0) -> None:
         self.every_ns = int(every_s * 1e9)
         self._reset(time.perf_counter_ns())
 
     def _reset(self, now: int) -> None:
-        self.since, self.steps, self.wall, self.compute, self.seqs, self.chunk = now, 0, 0, 0, 0, 0
-        self.forward = self.gap = self.graph_steps = 0
+        self.since, self.steps, self.seqs, self.chunk, self.gap, self.graph_steps = now, 0, 0, 0, 0, 0
+        # decode-only steps: count, wall, compute, forward; steps with prompt tokens: count, wall, compute
+        self.decode_steps = self.decode_wall = self.decode_compute = self.forward = 0
+        self.hybrid_steps = self.hybrid_wall = self.hybrid_compute = 0
 
     def add(self, wall_ns: int, compute_ns: int, num_seqs: int, chunk_tokens: int, *, forward_ns: int = 0,
             gap_ns: int = 0, graph: bool = False) -> str:
         self.steps += 1
-        self.wall += wall_ns
-        self.compute += compute_ns
         self.seqs += num_seqs
         self.chunk += chunk_tokens
-        self.forward += forward_ns
         self.gap += gap_ns
         self.graph_steps += graph
+        if chunk_tokens:
+            self.hybrid_steps += 1
+            self.hybrid_wall += wall_ns
+            self.hybrid_compute += compute_ns
+        else:
+            self.decode_steps += 1
+            self.decode_wall += wall_ns
+            self.decode_compute += compute_ns
+            self.forward += forward_ns
         now = time.perf_counter_ns()
         if now - self.since < self.every_ns:
             return ""
-        n = self.steps
-        line = (f"steps: {n} in {(now - self.since) / 1e9:.0f} s, mean {self.wall / n / 1e6:.1f} ms of which "
-                f"{self.compute / n / 1e6:.1f} ms computing ({self.forward / n / 1e6:.1f} ms forward), "
-                f"{self.gap / n / 1e6:.1f} ms between steps; {self.graph_steps} from CUDA graphs; "
-                f"mean {self.seqs / n:.1f} sequences, {self.chunk / n:.0f} prompt tokens a step")
+        n, d, h = self.steps, self.decode_steps, self.hybrid_steps
+        line = f"steps: {n} in {(now - self.since) / 1e9:.0f} s; {d} decode-only"
+        if d:
+            line += (f", mean {self.decode_wall / d / 1e6:.1f} ms of which {self.decode_compute / d / 1e6:.1f} ms "
+                     f"computing ({self.forward / d / 1e6:.1f} ms forward)")
+        line += f"; {h} with prompt tokens"
+        if h:
+            line += (f", mean {self.hybrid_wall / h / 1e6:.1f} ms of which {self.hybrid_compute / h / 1e6:.1f} ms "
+                     f"computing, {self.chunk / h:.0f} prompt tokens each")
+        line += (f"; {self.gap / n / 1e6:.1f} ms between steps; {self.graph_steps} from CUDA graphs; "
+                 f"mean {self.seqs / n:.1f} sequences a step")
         self._reset(now)
         return line
 

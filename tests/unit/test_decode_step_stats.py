@@ -9,28 +9,39 @@ from decode_svc.server import _StepStats
 
 def test_the_line_gives_the_windows_means_and_starts_a_new_window() -> None:
     rng = random.Random(3)
-    stats = _StepStats(every_s=3600)
-    walls, computes, seqs, chunks, forwards, gaps, graphs = [], [], [], [], [], [], []
-    for _ in range(rng.randrange(5, 50)):
-        w = rng.randrange(1_000_000, 90_000_000)
-        c = rng.randrange(0, w)
-        f, g = rng.randrange(0, c + 1), rng.randrange(0, 5_000_000)
-        n, k = rng.randrange(1, 33), rng.randrange(0, 300)
-        graph = rng.random() < 0.5
-        walls.append(w), computes.append(c), seqs.append(n), chunks.append(k)
-        forwards.append(f), gaps.append(g), graphs.append(graph)
-        assert stats.add(w, c, n, k, forward_ns=f, gap_ns=g, graph=graph) == ""  # the window is an hour long
-    stats.every_ns = 0
-    line = stats.add(10_000_000, 4_000_000, 2, 0)
-    walls.append(10_000_000), computes.append(4_000_000), seqs.append(2), chunks.append(0)
-    forwards.append(0), gaps.append(0), graphs.append(False)
-    n = len(walls)
-    assert line.startswith(f"steps: {n} in ")
-    assert (f"mean {sum(walls) / n / 1e6:.1f} ms of which {sum(computes) / n / 1e6:.1f} ms computing "
-            f"({sum(forwards) / n / 1e6:.1f} ms forward), {sum(gaps) / n / 1e6:.1f} ms between steps; "
-            f"{sum(graphs)} from CUDA graphs;") in line
-    assert f"mean {sum(seqs) / n:.1f} sequences, {sum(chunks) / n:.0f} prompt tokens a step" in line
-    assert stats.steps == 0 and stats.wall == 0 and stats.forward == 0 and stats.graph_steps == 0
+    for _ in range(20):
+        stats = _StepStats(every_s=3600)
+        steps = []  # (wall, compute, seqs, chunk, forward, gap, graph)
+        for _ in range(rng.randrange(0, 50)):
+            w = rng.randrange(1_000_000, 90_000_000)
+            c = rng.randrange(0, w)
+            k = rng.choice([0, 0, rng.randrange(1, 300)])
+            f = rng.randrange(0, c + 1) if not k else 0  # a step with prompt tokens times no forward
+            steps.append((w, c, rng.randrange(1, 33), k, f, rng.randrange(0, 5_000_000), rng.random() < 0.5))
+            w, c, n, k, f, g, graph = steps[-1]
+            assert stats.add(w, c, n, k, forward_ns=f, gap_ns=g, graph=graph) == ""  # the window is an hour long
+        stats.every_ns = 0
+        steps.append((10_000_000, 4_000_000, 2, 0, 3_000_000, 0, False))
+        line = stats.add(10_000_000, 4_000_000, 2, 0, forward_ns=3_000_000)
+        n = len(steps)
+        decode = [s for s in steps if not s[3]]
+        hybrid = [s for s in steps if s[3]]
+        d, h = len(decode), len(hybrid)
+
+        def mean_ms(rows: list[tuple[int, int, int, int, int, int, bool]], i: int) -> str:
+            return f"{sum(r[i] for r in rows) / len(rows) / 1e6:.1f}"
+
+        assert line.startswith(f"steps: {n} in ")
+        assert (f"; {d} decode-only, mean {mean_ms(decode, 0)} ms of which {mean_ms(decode, 1)} ms computing "
+                f"({mean_ms(decode, 4)} ms forward); {h} with prompt tokens") in line
+        if h:
+            assert (f"{h} with prompt tokens, mean {mean_ms(hybrid, 0)} ms of which {mean_ms(hybrid, 1)} ms "
+                    f"computing, {sum(r[3] for r in hybrid) / h:.0f} prompt tokens each;") in line
+        else:
+            assert "0 with prompt tokens;" in line
+        assert (f"; {mean_ms(steps, 5)} ms between steps; {sum(r[6] for r in steps)} from CUDA graphs; "
+                f"mean {sum(r[2] for r in steps) / n:.1f} sequences a step") in line
+        assert stats.steps == 0 and stats.decode_wall == 0 and stats.forward == 0 and stats.hybrid_steps == 0
 
 
 def test_the_step_profiler_records_its_window_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
