@@ -40,8 +40,9 @@ CASES = (("ggml", 1, 128), ("fp16", 1, 128), ("fp16", 16, 128), ("fp16", 16, 512
 PREFILL_TOKENS = 512
 
 
-def _paired(run: Any, pairs: int) -> dict[str, Any]:
-    """``run(c: bool)`` -> seconds, alternated; per-pair ratios torch / C."""
+def _paired(run: Any, pairs: int, on: str = "c", off: str = "torch") -> dict[str, Any]:
+    """``run(on: bool)`` -> seconds, alternated; per-pair ratios off / on, keys named by ``on``
+    and ``off``."""
     run(True)  # warm both
     run(False)
     c_s, torch_s, ratios = [], [], []
@@ -55,8 +56,8 @@ def _paired(run: Any, pairs: int) -> dict[str, Any]:
         ratios.append(t / c)
     ratios.sort()
     q = len(ratios) // 4
-    return {"c_ms_median": statistics.median(c_s) * 1e3, "torch_ms_median": statistics.median(torch_s) * 1e3,
-            "torch_over_c_median": statistics.median(ratios), "torch_over_c_iqr": [ratios[q], ratios[-1 - q]],
+    return {f"{on}_ms_median": statistics.median(c_s) * 1e3, f"{off}_ms_median": statistics.median(torch_s) * 1e3,
+            f"{off}_over_{on}_median": statistics.median(ratios), f"{off}_over_{on}_iqr": [ratios[q], ratios[-1 - q]],
             "pairs": pairs}
 
 
@@ -65,13 +66,20 @@ def _switch(runner: ModelRunner, on: bool, backends: dict[bool, TorchPagedAttent
     runner.model.attention = backends[on]
 
 
-def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
+def _sequences(fmt: str, rows: int, ctx: int) -> tuple[LLMEngine, list[int], list[list[int]]]:
+    """An engine of ``fmt`` holding ``rows`` prefilled sequences, contexts spread over 0.5-1.5x
+    ``ctx`` (one sequence: ``ctx``); their lengths and block tables."""
     engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat(fmt), kv_cache_bytes=1 << 30)
-    runner, alloc = engine.runner, engine.allocator
     lens = [ctx] if rows == 1 else [int(ctx * (0.5 + j / rows)) for j in range(rows)]
-    tables = [alloc.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
+    tables = [engine.allocator.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
     for j, n in enumerate(lens):
-        runner.forward([SeqInput(list(range(100 + j, 100 + j + n)), 0, tables[j])])
+        engine.runner.forward([SeqInput(list(range(100 + j, 100 + j + n)), 0, tables[j])])
+    return engine, lens, tables
+
+
+def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
+    engine, lens, tables = _sequences(fmt, rows, ctx)
+    runner, alloc = engine.runner, engine.allocator
     backends = {True: TorchPagedAttention(c_decode=True), False: TorchPagedAttention(c_decode=False)}
 
     def decode(on: bool) -> float:
@@ -100,13 +108,8 @@ WHOLE_LAYER_ROWS = (1, 2, 3, 4, 6, 8)
 
 def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
     """ggml decode steps, layers whole in C vs op by op (both on the C attention and RMSNorm)."""
-    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
-    runner, alloc = engine.runner, engine.allocator
-    rows_max = max(WHOLE_LAYER_ROWS)
-    lens = [int(ctx * (0.5 + j / rows_max)) for j in range(rows_max)]
-    tables = [alloc.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
-    for j, n in enumerate(lens):
-        runner.forward([SeqInput(list(range(100 + j, 100 + j + n)), 0, tables[j])])
+    engine, lens, tables = _sequences("ggml", max(WHOLE_LAYER_ROWS), ctx)
+    runner = engine.runner
     results = []
     for rows in WHOLE_LAYER_ROWS:
         def decode(whole: bool, rows: int = rows) -> float:
@@ -115,10 +118,7 @@ def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
             runner.forward([SeqInput((5,), n, t) for n, t in zip(lens[:rows], tables[:rows], strict=True)])
             return time.perf_counter() - start
 
-        d = _paired(decode, pairs)
-        d = {"whole_ms_median": d["c_ms_median"], "ops_ms_median": d["torch_ms_median"],
-             "ops_over_whole_median": d["torch_over_c_median"], "ops_over_whole_iqr": d["torch_over_c_iqr"],
-             "pairs": pairs}
+        d = _paired(decode, pairs, on="whole", off="ops")
         print(f"ggml rows={rows} ctx~{ctx}: whole layers {d['whole_ms_median']:.1f} ms, op by op "
               f"{d['ops_ms_median']:.1f} ms, ops/whole {d['ops_over_whole_median']:.3f} "
               f"(IQR {d['ops_over_whole_iqr'][0]:.3f}-{d['ops_over_whole_iqr'][1]:.3f})", flush=True)

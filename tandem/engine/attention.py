@@ -200,16 +200,15 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 prefill.append((span.q_start, span.q_len, 0, None, None))
         slot_tensor = torch.tensor(slots, dtype=torch.int64, device=dev)
+        starts = [s.q_start for s in decode]
+        in_order = starts == list(range(len(decode)))  # the decode rows are the batch's first rows
         if decode and self._c_kernels(pool) is not None:
-            rows = torch.tensor([s.q_start for s in decode], dtype=torch.int64)
+            rows = torch.tensor(starts, dtype=torch.int64)
             layout = PagedLayout.build([s.block_ids for s in decode], [s.kv_len for s in decode], block_size)
-            in_order = [s.q_start for s in decode] == list(range(len(decode)))
             return _TorchPlan(slot_tensor, [], prefill, c_decode=(rows, layout), rows_in_order=in_order)
         groups = [self._decode_group([decode[i] for i in members], block_size, dev)
                   for members in group_by_length([s.kv_len for s in decode], block_size)]
-        in_order = (not prefill and len(groups) == 1
-                    and [s.q_start for s in decode] == list(range(len(decode))))
-        return _TorchPlan(slot_tensor, groups, prefill, in_order)
+        return _TorchPlan(slot_tensor, groups, prefill, not prefill and len(groups) == 1 and in_order)
 
     def decode_tables(self, meta: Any) -> tuple[torch.Tensor, PagedLayout] | None:
         plan: _TorchPlan = meta

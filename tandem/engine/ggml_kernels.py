@@ -335,10 +335,15 @@ def load() -> Kernels | None:
     return _bind(ctypes.CDLL(str(path)))
 
 
+def _kernels_mode() -> str:
+    """``TANDEM_CPU_KERNELS``: ``c`` (default), ``ops`` or ``torch`` (see the module docstring)."""
+    return os.environ.get("TANDEM_CPU_KERNELS", "c")
+
+
 def own_kernels() -> Kernels | None:
     """The built kernels for Tandem's own C paths on the CPU (decode attention, RMSNorm), unless
     ``TANDEM_CPU_KERNELS=torch`` keeps those on torch (for A/B measurements); None when not built."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "c") == "torch":
+    if _kernels_mode() == "torch":
         return None
     return load()
 
@@ -347,7 +352,7 @@ def whole_layers_on() -> bool:
     """Whether a decode step of the ``ggml`` format may run its layers whole in C
     (``DecodeLayers``): yes unless ``TANDEM_CPU_KERNELS`` is ``torch`` or ``ops`` (the C kernels
     one op at a time, for A/B measurements). Read per step, so a benchmark can flip it."""
-    return os.environ.get("TANDEM_CPU_KERNELS", "c") not in ("torch", "ops")
+    return _kernels_mode() not in ("torch", "ops")
 
 
 def require() -> Kernels:
