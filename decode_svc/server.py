@@ -378,7 +378,8 @@ class DecodeWorker:
                     await self._wake.wait()
                     continue
                 with contextlib.suppress(TimeoutError):  # retry the states Redis missed meanwhile
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self._wake.wait()
                 await self._record_step(self.num_steps, [], [])
                 continue
             self.running.extend(self.pending)
@@ -394,7 +395,8 @@ class DecodeWorker:
                 self._last_step_end_ns = 0
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                    async with asyncio.timeout(0.05):
+                        await self._wake.wait()
 
     def _plan_chunks(self) -> list[tuple[_Active, int]]:
         """Prompt chunks for this step: first come first served within the token budget the

@@ -356,7 +356,7 @@ class RouterCore:
                 last_update_s = time.monotonic()
                 yield first
                 while not generation.finished:
-                    update = await self._next_update(queue, deadline_s)
+                    update = await next_update(queue, deadline_s, self._config.stall_timeout_s)
                     if admission is not None:
                         now_s = time.monotonic()
                         admission.token_gap(now_s - last_update_s, now_s)
@@ -489,23 +489,28 @@ class RouterCore:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-    async def _next_update(self, queue: asyncio.Queue[decode_pb2.TokenUpdate],
-                           deadline_s: float) -> decode_pb2.TokenUpdate:
-        if not queue.empty():
-            return queue.get_nowait()
-        loop = asyncio.get_running_loop()
-        remaining_s = deadline_s - loop.time()
-        stall_s = self._config.stall_timeout_s
-        try:
-            if remaining_s <= 0:
-                raise TimeoutError
-            return await asyncio.wait_for(queue.get(), timeout=min(stall_s, remaining_s))
-        except TimeoutError:
-            if loop.time() >= deadline_s:
-                raise RequestError(Status.DEADLINE_EXCEEDED,
-                                   "the request ran out of time (request timeout or client deadline)") from None
-            raise RequestError(Status.UNAVAILABLE,
-                               f"decode service stopped producing tokens (no update for {stall_s:g}s)") from None
-
     # Cancellation -----------------------------------------------------------------------------
 
+
+async def next_update(queue: asyncio.Queue[decode_pb2.TokenUpdate], deadline_s: float,
+                      stall_s: float) -> decode_pb2.TokenUpdate:
+    """The request's next update from its queue. RequestError DEADLINE_EXCEEDED once the loop
+    time passes ``deadline_s``, UNAVAILABLE when nothing came for ``stall_s``. A cancellation
+    always propagates, even one that arrives as the update does."""
+    if not queue.empty():
+        return queue.get_nowait()
+    loop = asyncio.get_running_loop()
+    remaining_s = deadline_s - loop.time()
+    try:
+        if remaining_s <= 0:
+            raise TimeoutError
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as the
+        # queue yields an update, and a request whose client left would run on to its end.
+        async with asyncio.timeout(min(stall_s, remaining_s)):
+            return await queue.get()
+    except TimeoutError:
+        if loop.time() >= deadline_s:
+            raise RequestError(Status.DEADLINE_EXCEEDED,
+                               "the request ran out of time (request timeout or client deadline)") from None
+        raise RequestError(Status.UNAVAILABLE,
+                           f"decode service stopped producing tokens (no update for {stall_s:g}s)") from None

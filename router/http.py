@@ -504,7 +504,8 @@ class Gateway:
         reports: list[LoadReport] = []
         if self._read_cell is not None:
             try:
-                reports = await asyncio.wait_for(self._read_cell(), 2.0)
+                async with asyncio.timeout(2.0):
+                    reports = await self._read_cell()
             except Exception as exc:  # Redis down: the request metrics are still worth serving
                 log.debug("load board read failed: %s", exc)
         self._metrics.set_cell(next((r for r in reports if r.role == "agent"), None))

@@ -126,7 +126,8 @@ class Upstream:
             # A prefill_svc that is restarting is back within seconds: wait for it a little
             # rather than fail the request at once.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(channel.channel_ready(), UPSTREAM_CONNECT_WAIT_S)
+                async with asyncio.timeout(UPSTREAM_CONNECT_WAIT_S):
+                    await channel.channel_ready()
         timeout_s = deadline_s - asyncio.get_running_loop().time()
         stub = prefill_pb2_grpc.PrefillStub(channel)
         message = prefill_pb2.PrefillRequest(
@@ -204,7 +205,8 @@ class Upstream:
 
         async def probe(address: str) -> bool:
             try:
-                await asyncio.wait_for(self._channels.get(address).channel_ready(), HEALTH_PROBE_TIMEOUT_S)
+                async with asyncio.timeout(HEALTH_PROBE_TIMEOUT_S):
+                    await self._channels.get(address).channel_ready()
             except TimeoutError:
                 return False
             return True

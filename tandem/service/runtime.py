@@ -79,7 +79,8 @@ async def watch_agent(store_name: str, stop: asyncio.Event, interval_s: float = 
                 return
             raise AgentGoneError(f"the gpu_agent's shared memory {manifest} was removed: its agent is gone")
         try:
-            await asyncio.wait_for(stop.wait(), interval_s)
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
         except TimeoutError:
             pass
 

@@ -1,0 +1,97 @@
+"""The router's wait for a request's next decode update: a client that leaves cancels the wait
+even while updates keep arriving, and the stall and deadline timeouts say which one fired.
+
+The regression: on Python 3.11 ``asyncio.wait_for`` swallowed a cancellation that arrived as the
+queue yielded an update, so a non-streaming request whose client had gone ran on to its end
+(seen in CI as a 1900-token request holding its blocks for 33 s)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core import next_update
+from tandem.rpc.v1 import decode_pb2
+from tandem.protocol import RequestError, Status
+
+
+def _update(i: int) -> decode_pb2.TokenUpdate:
+    return decode_pb2.TokenUpdate(request_id="r", first_index=i)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cadence=st.sampled_from([0, 1, 2, 5]), cancel_after=st.integers(0, 60), backlog=st.booleans())
+def test_cancel_propagates_while_updates_keep_arriving(cadence: int, cancel_after: int, backlog: bool) -> None:
+    """A producer puts an update every ``cadence`` loop turns (0: every turn, racing the
+    cancellation); the consumer must end cancelled within a few turns of ``cancel()``."""
+
+    async def main() -> tuple[bool, int]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[decode_pb2.TokenUpdate] = asyncio.Queue()
+        stop = asyncio.Event()
+        consumed = 0
+
+        async def producer() -> None:
+            i = 0
+            while not stop.is_set():
+                if backlog or queue.empty():
+                    queue.put_nowait(_update(i))
+                    i += 1
+                for _ in range(cadence + 1):
+                    await asyncio.sleep(0)
+
+        async def consumer() -> None:
+            nonlocal consumed
+            while True:
+                await next_update(queue, loop.time() + 30, stall_s=30)
+                consumed += 1
+
+        feeding = asyncio.create_task(producer())
+        reading = asyncio.create_task(consumer())
+        for _ in range(cancel_after):
+            await asyncio.sleep(0)
+        reading.cancel()
+        for _ in range(20):  # generous: the fixed wait ends within two turns
+            if reading.done():
+                break
+            await asyncio.sleep(0)
+        ended = reading.done() and reading.cancelled()
+        stop.set()
+        feeding.cancel()
+        if not reading.done():  # do not leave it running: cancel until it takes
+            while not reading.done():
+                reading.cancel()
+                await asyncio.sleep(0.001)
+        await asyncio.gather(feeding, reading, return_exceptions=True)
+        return ended, consumed
+
+    ended, _ = asyncio.run(main())
+    assert ended
+
+
+def test_queued_update_is_returned_without_waiting() -> None:
+    async def main() -> int:
+        queue: asyncio.Queue[decode_pb2.TokenUpdate] = asyncio.Queue()
+        queue.put_nowait(_update(7))
+        # even past the deadline: what already came is delivered
+        return (await next_update(queue, asyncio.get_running_loop().time() - 1, stall_s=0.01)).first_index
+
+    assert asyncio.run(main()) == 7
+
+
+@pytest.mark.parametrize(("stall_s", "deadline_in_s", "status"), [
+    (0.05, 10.0, Status.UNAVAILABLE),  # decode went quiet
+    (10.0, 0.05, Status.DEADLINE_EXCEEDED),  # the request's own time ran out
+    (10.0, -1.0, Status.DEADLINE_EXCEEDED),  # already past it
+])
+def test_timeouts_name_which_one_fired(stall_s: float, deadline_in_s: float, status: Status) -> None:
+    async def main() -> None:
+        queue: asyncio.Queue[decode_pb2.TokenUpdate] = asyncio.Queue()
+        await next_update(queue, asyncio.get_running_loop().time() + deadline_in_s, stall_s=stall_s)
+
+    with pytest.raises(RequestError) as err:
+        asyncio.run(main())
+    assert err.value.status == status
