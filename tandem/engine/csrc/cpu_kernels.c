@@ -7,8 +7,9 @@
  * threads (the same libgomp as torch's, so one thread pool), in tiles of weight rows that stay
  * in cache across the batch's activation rows.
  *
- * tg_paged_decode_attention: ours alone (no ggml): attention of decode rows read straight from
- * the paged KV pool, where the torch path gathers and pads every row's blocks per layer.
+ * tg_paged_decode_attention: ours (ggml's only for its vectorized softmax): attention of decode
+ * rows read straight from the paged KV pool, where the torch path gathers and pads every row's
+ * blocks per layer.
  *
  * tg_decode_layers: ours, over ggml's dot products: whole decoder layers of a decode step in one
  * call, so a step is one C call instead of some 15 torch ops and 4 ctypes calls per layer. */
@@ -20,6 +21,10 @@
 #include <stdlib.h>
 
 #define TILE_ROWS 16
+
+/* ggml-cpu's vectorized softmax numerator (exported by libggml-cpu, declared in its internal
+ * vec.h, not in a public header): y[i] = exp(x[i] - max) for i < n, returns their sum. */
+double ggml_vec_soft_max_f32(const int n, float *y, const float *x, float max);
 
 int tg_init(void) {
     ggml_cpu_init();
@@ -97,42 +102,47 @@ int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x,
     return 0;
 }
 
-/* One work item of the paged decode attention: query heads qi [group, d] (kv head g's group) of a
- * row whose `len` cached tokens lie in `blocks` attend over them; the result goes to oi [group, d].
- * scores: [group, len] scratch. */
+/* One work item of the paged decode attention: the query heads of kv heads [g0, g0 + ng) of a row,
+ * qi [ng * group, d], whose `len` cached tokens lie in `blocks`, attend over them; the result goes
+ * to oi [ng * group, d]. Tokens are the outer loop, so a block's rows of those kv heads are read
+ * in address order (all of a token's kv heads are one contiguous run when ng = kv_heads), which
+ * is what streams well once the KV pool no longer fits in cache. scores: [ng * group, len]. */
 static void attend_group(const float *qi, const float *k, const float *v, int64_t block_stride,
-                         const int32_t *blocks, int64_t len, int64_t g, int64_t group, int64_t kv_heads,
-                         int64_t d, int64_t bs, float scale, float *scores, float *oi) {
+                         const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
+                         int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *oi) {
+    const int64_t nh = ng * group;
     for (int64_t t = 0; t < len; t++) {
-        const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
-        for (int64_t h = 0; h < group; h++) {
-            const float *qh = qi + h * d;
+        const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d;
+        for (int64_t h = 0; h < nh; h++) {
+            const float *qh = qi + h * d, *kh = kt + (h / group) * d;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < d; e++) dot += qh[e] * kt[e];
+            for (int64_t e = 0; e < d; e++) dot += qh[e] * kh[e];
             scores[h * len + t] = dot * scale;
         }
     }
-    for (int64_t h = 0; h < group; h++) {
-        float *sh = scores + h * len, mx = -INFINITY, sum = 0.0f;
+    for (int64_t h = 0; h < nh; h++) {
+        float *sh = scores + h * len, mx = -INFINITY;
         for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
-        for (int64_t t = 0; t < len; t++) {
-            sh[t] = expf(sh[t] - mx);
-            sum += sh[t];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = (float)(1.0 / ggml_vec_soft_max_f32((int)len, sh, sh, mx));
         for (int64_t t = 0; t < len; t++) sh[t] *= inv;
         for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
     }
     for (int64_t t = 0; t < len; t++) {
-        const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g) * d;
-        for (int64_t h = 0; h < group; h++) {
-            const float p = scores[h * len + t];
+        const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d;
+        for (int64_t h = 0; h < nh; h++) {
+            const float p = scores[h * len + t], *vh = vt + (h / group) * d;
             float *oh = oi + h * d;
 #pragma omp simd
-            for (int64_t e = 0; e < d; e++) oh[e] += p * vt[e];
+            for (int64_t e = 0; e < d; e++) oh[e] += p * vh[e];
         }
     }
+}
+
+/* Work items of the decode attention of n rows: a whole row (all its kv heads, read in address
+ * order) when there are rows enough to keep every thread busy, else (row, kv head) pairs. */
+static int64_t heads_per_item(int64_t n, int64_t kv_heads, int nthreads) {
+    return n >= 2 * (int64_t)nthreads ? kv_heads : 1;
 }
 
 #define TG_SEQ_LEN(i) ((int64_t)(indptr[(i) + 1] - indptr[(i)] - 1) * bs + last_len[(i)])
@@ -149,9 +159,10 @@ static int64_t longest(const int32_t *indptr, const int32_t *last_len, int64_t n
  * (the pool's CSR block table, kv_pool.PagedLayout); a block's K (and V) is one contiguous
  * [bs, kv_heads, d] run, blocks `block_stride` floats apart (either pool layout).
  * Query head h reads kv head h / (H / kv_heads). Output rows go to out[qrow[i]]. Work items are
- * (row, kv head) pairs: the group's scores over the whole context, an exact softmax, then the
- * weighted sum of V, so each K and V row is read once per group and nothing is gathered or
- * padded. Returns 0, -1 for heads that do not group evenly, -2 when scratch cannot be had. */
+ * whole rows, or (row, kv head) pairs when rows are few (heads_per_item): their heads' scores over
+ * the whole context, an exact softmax, then the weighted sum of V, so each K and V row is read
+ * once per item, in address order, and nothing is gathered or padded. Returns 0, -1 for heads
+ * that do not group evenly, -2 when scratch cannot be had. */
 int tg_paged_decode_attention(const float *q, const float *k, const float *v, int64_t block_stride,
                               const int64_t *qrow, const int32_t *indptr, const int32_t *table,
                               const int32_t *last_len, int64_t n, int64_t heads, int64_t kv_heads,
@@ -159,20 +170,21 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
     const int64_t group = heads / kv_heads, max_len = longest(indptr, last_len, n, bs);
     if (nthreads < 1) nthreads = 1;
+    const int64_t ng = heads_per_item(n, kv_heads, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_len)); /* [group, len] */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len)); /* [heads, len] */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n * kv_heads; item++) {
+        for (int64_t item = 0; item < n * (kv_heads / ng); item++) {
             if (scores == NULL) continue;
-            const int64_t i = item / kv_heads, g = item % kv_heads;
+            const int64_t i = item / (kv_heads / ng), g = item % (kv_heads / ng) * ng;
             attend_group(q + (qrow[i] * heads + g * group) * d, k, v, block_stride, table + indptr[i], TG_SEQ_LEN(i),
-                         g, group, kv_heads, d, bs, scale, scores, out + (qrow[i] * heads + g * group) * d);
+                         g, ng, group, kv_heads, d, bs, scale, scores, out + (qrow[i] * heads + g * group) * d);
         }
         free(scores);
     }
@@ -243,10 +255,11 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
     float *normed = buf, *qkv = normed + m * hidden, *attn = qkv + m * n_qkv, *gu = attn + m * q_size;
     float *act = gu + m * 2 * inter;
     if (nthreads < 1) nthreads = 1;
+    const int64_t ng = heads_per_item(m, kv_heads, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_len));
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len)); /* [heads, len] */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -282,11 +295,11 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                 }
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < m * kv_heads; item++) {
+            for (int64_t item = 0; item < m * (kv_heads / ng); item++) {
                 if (scores == NULL) continue;
-                const int64_t i = item / kv_heads, g = item % kv_heads;
+                const int64_t i = item / (kv_heads / ng), g = item % (kv_heads / ng) * ng;
                 attend_group(qkv + i * n_qkv + g * group * d, kc, vc, block_stride, table + indptr[i], TG_SEQ_LEN(i),
-                             g, group, kv_heads, d, bs, scale, scores, attn + i * q_size + g * group * d);
+                             g, ng, group, kv_heads, d, bs, scale, scores, attn + i * q_size + g * group * d);
             }
             quantize_rows(t_o, attn, q_size, m, q_size, q8, qrow);
             matvec_rows(t_o, w->o, ggml_row_size((enum ggml_type)w->o_type, q_size), hidden, q_size, q8, qrow, m, x,
