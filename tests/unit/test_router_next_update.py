@@ -8,14 +8,15 @@ queue yielded an update, so a non-streaming request whose client had gone ran on
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core import next_update
-from tandem.rpc.v1 import decode_pb2
 from tandem.protocol import RequestError, Status
+from tandem.rpc.v1 import decode_pb2
 
 
 def _update(i: int) -> decode_pb2.TokenUpdate:
@@ -95,3 +96,15 @@ def test_timeouts_name_which_one_fired(stall_s: float, deadline_in_s: float, sta
     with pytest.raises(RequestError) as err:
         asyncio.run(main())
     assert err.value.status == status
+
+
+def test_no_service_waits_with_asyncio_wait_for() -> None:
+    """The services' code uses ``asyncio.timeout``: ``wait_for`` on this Python loses a
+    cancellation that lands as its awaitable completes (the bug above), anywhere it is used."""
+    root = Path(__file__).resolve().parents[2]
+    offenders = [f"{path.relative_to(root)}:{n}"
+                 for package in ("router", "decode_svc", "prefill_svc", "gpu_agent", "tandem")
+                 for path in sorted((root / package).rglob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if "asyncio.wait_for(" in line and not line.lstrip().startswith("#")]
+    assert not offenders, offenders
