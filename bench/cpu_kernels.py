@@ -7,9 +7,12 @@ of every pair; the figure is the median of the per-pair ratios with its interqua
 512-token prefill is paired the same way. Decode rows have contexts spread over 0.5-1.5x the
 given one. Then the ``ggml`` format's decode steps with their layers run whole in C
 (``TANDEM_CPU_KERNELS=c``) against the same C kernels one op at a time (``ops``), at 1-8 rows,
-paired the same way (``ops_over_whole``). Writes JSON (default bench/results/cpu_kernels.json).
+paired the same way (``ops_over_whole``). Last, ``ggml`` decode steps over an fp16 KV pool against
+the same steps over an fp32 pool (two engines, the same sequences, both on the C paths), at 1 and
+16 rows (``fp32_over_fp16``), and the fp16 pool's steps with the C kernels against torch's
+(``torch_over_c``: the path an fp16 pool took before the kernels read it). Writes JSON (default bench/results/cpu_kernels.json).
 
-Usage: python bench/cpu_kernels.py [--pairs 40] [--whole-layers-only] [--out FILE]
+Usage: python bench/cpu_kernels.py [--pairs 40] [--whole-layers-only | --kv-dtypes-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -66,10 +69,13 @@ def _switch(runner: ModelRunner, on: bool, backends: dict[bool, TorchPagedAttent
     runner.model.attention = backends[on]
 
 
-def _sequences(fmt: str, rows: int, ctx: int) -> tuple[LLMEngine, list[int], list[list[int]]]:
-    """An engine of ``fmt`` holding ``rows`` prefilled sequences, contexts spread over 0.5-1.5x
-    ``ctx`` (one sequence: ``ctx``); their lengths and block tables."""
-    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat(fmt), kv_cache_bytes=1 << 30)
+def _sequences(fmt: str, rows: int, ctx: int,
+               kv_dtype: torch.dtype | None = None) -> tuple[LLMEngine, list[int], list[tuple[int, ...]]]:
+    """An engine of ``fmt`` (KV pool of ``kv_dtype``, default the model's) holding ``rows``
+    prefilled sequences, contexts spread over 0.5-1.5x ``ctx`` (one sequence: ``ctx``); their
+    lengths and block tables."""
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat(fmt), kv_cache_bytes=1 << 30,
+                                kv_dtype=kv_dtype)
     lens = [ctx] if rows == 1 else [int(ctx * (0.5 + j / rows)) for j in range(rows)]
     tables = [engine.allocator.allocate(list(range(100 + j, 101 + j + n))).block_ids for j, n in enumerate(lens)]
     for j, n in enumerate(lens):
@@ -127,17 +133,58 @@ def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
     return results
 
 
+KV_DTYPE_CASES = ((1, 512), (16, 128), (16, 512))
+
+
+def kv_dtypes(pairs: int) -> list[dict[str, Any]]:
+    """ggml decode steps over an fp16 pool against an fp32 pool, the same sequences in each."""
+    results = []
+    for rows, ctx in KV_DTYPE_CASES:
+        sides = {half: _sequences("ggml", rows, ctx, torch.float16 if half else torch.float32)
+                 for half in (True, False)}
+
+        def decode(half: bool) -> float:
+            engine, lens, tables = sides[half]
+            start = time.perf_counter()
+            engine.runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
+            return time.perf_counter() - start
+
+        d = _paired(decode, pairs, on="fp16", off="fp32")
+        print(f"ggml rows={rows} ctx~{ctx}: fp16 KV {d['fp16_ms_median']:.1f} ms, fp32 KV {d['fp32_ms_median']:.1f} ms, "
+              f"fp32/fp16 {d['fp32_over_fp16_median']:.3f} (IQR {d['fp32_over_fp16_iqr'][0]:.3f}-"
+              f"{d['fp32_over_fp16_iqr'][1]:.3f})", flush=True)
+        engine, lens, tables = sides[True]
+        backends = {True: TorchPagedAttention(c_decode=True), False: TorchPagedAttention(c_decode=False)}
+
+        def half_decode(on: bool) -> float:
+            _switch(engine.runner, on, backends)
+            start = time.perf_counter()
+            engine.runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
+            return time.perf_counter() - start
+
+        h = _paired(half_decode, pairs)
+        os.environ.pop("TANDEM_CPU_KERNELS", None)
+        print(f"  fp16 KV: C {h['c_ms_median']:.1f} ms, torch {h['torch_ms_median']:.1f} ms, torch/C "
+              f"{h['torch_over_c_median']:.3f} (IQR {h['torch_over_c_iqr'][0]:.3f}-{h['torch_over_c_iqr'][1]:.3f})",
+              flush=True)
+        results.append({"format": "ggml", "rows": rows, "context": ctx, "decode_step": d, "fp16_kv_c_vs_torch": h})
+        del sides, engine
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--whole-layers-only", action="store_true", help="only the whole-layer pairs")
+    parser.add_argument("--kv-dtypes-only", action="store_true", help="only the fp16-vs-fp32 KV pool pairs")
     parser.add_argument("--out", default="bench/results/cpu_kernels.json")
     args = parser.parse_args()
     if ggml_kernels.load() is None:
         sys.exit("Tandem's CPU kernels are not built here: run `tandem models build-kernels` first")
     results = []
-    for fmt, rows, ctx in () if args.whole_layers_only else CASES:
+    only = args.whole_layers_only or args.kv_dtypes_only
+    for fmt, rows, ctx in () if only else CASES:
         r = case(fmt, rows, ctx, args.pairs)
         d = r["decode_step"]
         print(f"{fmt} rows={rows} ctx={ctx}: decode step C {d['c_ms_median']:.1f} ms, torch {d['torch_ms_median']:.1f} ms, "
@@ -149,7 +196,9 @@ def main() -> None:
                   f"torch/C {p['torch_over_c_median']:.3f}", flush=True)
         results.append(r)
     out = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "machine": platform.platform(),
-           "processor": platform.processor(), "cases": results, "whole_layers": whole_layers(128, args.pairs)}
+           "processor": platform.processor(), "cases": results,
+           "whole_layers": [] if args.kv_dtypes_only else whole_layers(128, args.pairs),
+           "kv_dtypes": [] if args.whole_layers_only else kv_dtypes(args.pairs)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"results: {args.out}")

@@ -168,7 +168,7 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def __init__(self, c_decode: bool | None = None) -> None:
-        """``c_decode``: decode rows of an fp32 pool on the CPU attend in Tandem's C kernel
+        """``c_decode``: decode rows of an fp32, fp16 or bf16 pool on the CPU attend in Tandem's C kernel
         (``ggml_kernels.paged_decode_attention``: read in place, no gather, no padding). None:
         when ``ggml_kernels.own_kernels()`` has them (built here, not turned off)."""
         if c_decode is None:
@@ -177,7 +177,7 @@ class TorchPagedAttention(AttentionBackend):
             self._kernels = ggml_kernels.load() if c_decode else None
 
     def _c_kernels(self, pool: KVPool) -> ggml_kernels.Kernels | None:
-        if pool.spec.dtype != torch.float32 or pool.tensor.device.type != "cpu":
+        if pool.spec.dtype not in ggml_kernels.KV_TYPES or pool.tensor.device.type != "cpu":
             return None
         return self._kernels
 

@@ -53,6 +53,10 @@ class GgmlType(IntEnum):
     Q8_0 = 8
 
 
+# The KV pool dtypes the C attention reads (and the whole-layer path writes), as ggml's type ids.
+KV_TYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
 def _cpu_key() -> str:
     flags = ""
     try:
@@ -199,11 +203,13 @@ class Kernels:
                                rows: torch.Tensor, layout: PagedLayout, scale: float, out: torch.Tensor) -> None:
         """Decode rows' attention over the pool, in place: row ``rows[i]`` (int64) of ``q`` [T, H, d]
         (fp32, contiguous) attends over sequence ``i`` of ``layout`` (its blocks and length) in
-        ``k_cache`` / ``v_cache`` ([num_blocks, bs, kvh, d] fp32 views of one layer, each block
-        contiguous), and the result goes to the same row of ``out``."""
+        ``k_cache`` / ``v_cache`` ([num_blocks, bs, kvh, d] views of one layer, each block
+        contiguous; fp32, fp16 or bf16, read as fp32), and the result goes to the same row of ``out``."""
         _, bs, kvh, d = k_cache.shape
         if v_cache.stride() != k_cache.stride() or k_cache.stride()[1:] != (kvh * d, d, 1):
             raise ValueError("K and V caches must be [num_blocks, bs, kvh, d] with contiguous blocks")
+        if k_cache.dtype not in KV_TYPES or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"the C attention reads fp32, fp16 or bf16 caches, not {k_cache.dtype}")
         if layout.block_size != bs or layout.batch_size != rows.numel():
             raise ValueError(f"a layout of {layout.batch_size} sequences in blocks of {layout.block_size} "
                              f"does not fit {rows.numel()} rows over blocks of {bs}")
@@ -211,7 +217,7 @@ class Kernels:
         rc = self.lib.tg_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), rows.data_ptr(),
             layout.indptr.data_ptr(), layout.indices.data_ptr(), layout.last_page_len.data_ptr(), rows.numel(),
-            heads, kvh, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+            heads, kvh, d, bs, scale, out.data_ptr(), KV_TYPES[k_cache.dtype], torch.get_num_threads())
         if rc == -2:
             raise MemoryError("paged decode attention: no memory for its scores")
         if rc != 0:
@@ -274,7 +280,7 @@ class DecodeLayers:
             slots: torch.Tensor, pool: KVPool, layout: PagedLayout) -> None:
         """Layers [start, stop) over ``x`` [m, hidden] (fp32, contiguous, updated in place): row i is
         sequence i of ``layout`` at its last position, whose K/V go to ``slots[i]`` (int64) of
-        ``pool`` (fp32, either layout); ``cos`` / ``sin_signed`` [m, d] (``RotaryCache`` rows)."""
+        ``pool`` (fp32, fp16 or bf16; either layout); ``cos`` / ``sin_signed`` [m, d] (``RotaryCache`` rows)."""
         hidden, heads, kv_heads, d, inter = self._dims
         m = x.shape[0]
         if not (0 <= start <= stop <= len(self._layers)):
@@ -287,9 +293,9 @@ class DecodeLayers:
             raise ValueError(f"{m} rows need {m} sequences and int64 slots")
         k = pool.k_cache(start)
         bs = k.shape[1]
-        if (pool.spec.dtype != torch.float32 or pool.v_cache(start).stride() != k.stride()
+        if (pool.spec.dtype not in KV_TYPES or pool.v_cache(start).stride() != k.stride()
                 or k.stride()[1:] != (kv_heads * d, d, 1) or layout.block_size != bs):
-            raise ValueError("decode layers need an fp32 pool of contiguous [bs, kvh, d] blocks")
+            raise ValueError("decode layers need an fp32, fp16 or bf16 pool of contiguous [bs, kvh, d] blocks")
         cos, sin_signed = cos.reshape(m, d).contiguous(), sin_signed.reshape(m, d).contiguous()
         itemsize = k.element_size()
         layer_stride = (pool.k_cache(start + 1).data_ptr() - k.data_ptr()) // itemsize if stop - start > 1 else 0
@@ -298,7 +304,8 @@ class DecodeLayers:
             ctypes.byref(self._array, start * ctypes.sizeof(_Layer)), stop - start, hidden, heads, kv_heads, d, inter,
             self._eps, 1.0 / math.sqrt(d), x.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
             k.data_ptr(), layer_stride, v_offset, k.stride(0), bs, layout.indptr.data_ptr(),
-            layout.indices.data_ptr(), layout.last_page_len.data_ptr(), torch.get_num_threads())
+            layout.indices.data_ptr(), layout.last_page_len.data_ptr(), KV_TYPES[pool.spec.dtype],
+            torch.get_num_threads())
         if rc == -2:
             raise MemoryError(f"decode layers: no memory for {m} rows' scratch")
         if rc != 0:
@@ -315,12 +322,12 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                              ctypes.c_float, ptr, ctypes.c_int]
+                                              ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.tg_rms_norm.restype = None
     lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.tg_decode_layers.restype = ctypes.c_int
     lib.tg_decode_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr, i64, ptr,
-                                     ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+                                     ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 

@@ -153,8 +153,9 @@ class LlamaModel:
     def decode_layers(self, start: int, stop: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attn_meta: object, pool: KVPool) -> bool:
         """Layers [start, stop) of a step of decode rows alone run whole in C, ``hidden`` updated in
-        place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows, attention planned on Tandem's C kernel (an fp32 pool on the CPU), not
-        turned off (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
+        place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows, attention
+        planned on Tandem's C kernel (an fp32, fp16 or bf16 pool on the CPU), not turned off
+        (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
         fused = self._whole_layers
         if fused is None or hidden.shape[0] > DECODE_LAYERS_MAX_ROWS or not ggml_kernels.whole_layers_on():
             return False

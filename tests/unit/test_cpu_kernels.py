@@ -42,14 +42,16 @@ def _batch(rng: random.Random, block_size: int, num_blocks: int, decode_only: bo
     return spans
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.sampled_from(["layer", "block"]), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 3, 4]),
-       st.sampled_from([8, 64, 80, 128]), st.sampled_from([1, 5, 16]), st.booleans(), st.integers(0, 2**31))
+       st.sampled_from([8, 64, 80, 128]), st.sampled_from([1, 5, 16]), st.booleans(),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.integers(0, 2**31))
 def test_c_decode_equals_torch_attention(layout: str, kv_heads: int, group: int, head_dim: int, block_size: int,
-                                         decode_only: bool, seed: int) -> None:
+                                         decode_only: bool, kv_dtype: torch.dtype, seed: int) -> None:
+    """Over a pool of any of the three KV dtypes: the kernel reads fp16 / bf16 as fp32, exactly."""
     rng = random.Random(seed)
     num_blocks = 20 * 260 // block_size + 8
-    spec = KVPoolSpec(2, num_blocks, block_size, kv_heads, head_dim, torch.float32, layout)
+    spec = KVPoolSpec(2, num_blocks, block_size, kv_heads, head_dim, kv_dtype, layout)
     pool = KVPool.create(spec)
     gen = torch.Generator().manual_seed(seed)
     pool.tensor.copy_(torch.randn(spec.shape, generator=gen))
@@ -89,14 +91,23 @@ def test_c_decode_serves_half_precision_queries_over_an_fp32_pool(layout: str, s
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=3e-2, rtol=3e-2)
 
 
-def test_other_pools_and_the_switch_use_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_half_precision_pools_plan_on_c_and_the_switch_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     spans = [SeqSpan(0, 1, 20, [0, 1])]
-    bf16 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.bfloat16))
-    assert TorchPagedAttention(c_decode=True).plan(spans, bf16).c_decode is None  # fp32 pools only
-    fp32 = KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, torch.float32))
-    assert TorchPagedAttention().plan(spans, fp32).c_decode is not None  # built here: on by default
+    pools = [KVPool.create(KVPoolSpec(1, 4, 16, 2, 8, dtype)) for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    for pool in pools:  # built here: on by default, for each KV dtype
+        assert TorchPagedAttention().plan(spans, pool).c_decode is not None
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "torch")
-    assert TorchPagedAttention().plan(spans, fp32).c_decode is None
+    for pool in pools:
+        assert TorchPagedAttention().plan(spans, pool).c_decode is None
+
+
+def test_other_cache_dtypes_are_refused(kernels: ggml_kernels.Kernels) -> None:
+    k = torch.zeros(2, 16, 2, 8, dtype=torch.float64)
+    layout = PagedLayout(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                         torch.tensor([3], dtype=torch.int32), 16)
+    q, out = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match="fp32, fp16 or bf16"):
+        kernels.paged_decode_attention(q, k, k.clone(), torch.zeros(1, dtype=torch.int64), layout, 1.0, out)
 
 
 def test_heads_that_do_not_group_are_refused() -> None:

@@ -19,12 +19,44 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TILE_ROWS 16
 
 /* ggml-cpu's vectorized softmax numerator (exported by libggml-cpu, declared in its internal
  * vec.h, not in a public header): y[i] = exp(x[i] - max) for i < n, returns their sum. */
 double ggml_vec_soft_max_f32(const int n, float *y, const float *x, float max);
+
+/* The KV pool's element types: ggml's ids of fp32, fp16 and bf16. */
+static int kv_type_ok(int kv_type) {
+    return kv_type == GGML_TYPE_F32 || kv_type == GGML_TYPE_F16 || kv_type == GGML_TYPE_BF16;
+}
+
+static size_t kv_elem_size(int kv_type) { return kv_type == GGML_TYPE_F32 ? 4 : 2; }
+
+/* n pool elements from element `at` of `base`, as fp32: in place for an fp32 pool, else
+ * converted into tmp (ggml's row converters). */
+static const float *kv_load(const char *base, int64_t at, int kv_type, int64_t n, float *tmp) {
+    if (kv_type == GGML_TYPE_F16) {
+        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *)base + at, tmp, n);
+        return tmp;
+    }
+    if (kv_type == GGML_TYPE_BF16) {
+        ggml_cpu_bf16_to_fp32((const ggml_bf16_t *)base + at, tmp, n);
+        return tmp;
+    }
+    return (const float *)base + at;
+}
+
+/* n fp32 values to the pool from element `at` of `base`, rounded to its type. */
+static void kv_store(char *base, int64_t at, int kv_type, const float *src, int64_t n) {
+    if (kv_type == GGML_TYPE_F16)
+        ggml_cpu_fp32_to_fp16(src, (ggml_fp16_t *)base + at, n);
+    else if (kv_type == GGML_TYPE_BF16)
+        ggml_cpu_fp32_to_bf16(src, (ggml_bf16_t *)base + at, n);
+    else
+        memcpy((float *)base + at, src, sizeof(float) * (size_t)n);
+}
 
 int tg_init(void) {
     ggml_cpu_init();
@@ -106,13 +138,16 @@ int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x,
  * qi [ng * group, d], whose `len` cached tokens lie in `blocks`, attend over them; the result goes
  * to oi [ng * group, d]. Tokens are the outer loop, so a block's rows of those kv heads are read
  * in address order (all of a token's kv heads are one contiguous run when ng = kv_heads), which
- * is what streams well once the KV pool no longer fits in cache. scores: [ng * group, len]. */
-static void attend_group(const float *qi, const float *k, const float *v, int64_t block_stride,
+ * is what streams well once the KV pool no longer fits in cache. K and V are pool elements of
+ * kv_type (block_stride counts elements). scores: [ng * group, len]; tmp: [ng * d]. */
+static void attend_group(const float *qi, const char *k, const char *v, int kv_type, int64_t block_stride,
                          const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
-                         int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *oi) {
+                         int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *tmp,
+                         float *oi) {
     const int64_t nh = ng * group;
     for (int64_t t = 0; t < len; t++) {
-        const float *kt = k + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d;
+        const float *kt = kv_load(k, (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d,
+                                  kv_type, ng * d, tmp);
         for (int64_t h = 0; h < nh; h++) {
             const float *qh = qi + h * d, *kh = kt + (h / group) * d;
             float dot = 0.0f;
@@ -129,7 +164,8 @@ static void attend_group(const float *qi, const float *k, const float *v, int64_
         for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
     }
     for (int64_t t = 0; t < len; t++) {
-        const float *vt = v + (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d;
+        const float *vt = kv_load(v, (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d,
+                                  kv_type, ng * d, tmp);
         for (int64_t h = 0; h < nh; h++) {
             const float p = scores[h * len + t], *vh = vt + (h / group) * d;
             float *oh = oi + h * d;
@@ -153,28 +189,30 @@ static int64_t longest(const int32_t *indptr, const int32_t *last_len, int64_t n
     return max_len;
 }
 
-/* Paged attention of decode rows (one new token each) over Tandem's KV pool, fp32. Row i's query
+/* Paged attention of decode rows (one new token each) over Tandem's KV pool (fp32 math). Row i's query
  * heads q[qrow[i]] ([H, d], contiguous) attend over its cached tokens, which lie in blocks
  * table[indptr[i] .. indptr[i + 1]) of `bs` tokens, the last block holding last_len[i] of them
  * (the pool's CSR block table, kv_pool.PagedLayout); a block's K (and V) is one contiguous
- * [bs, kv_heads, d] run, blocks `block_stride` floats apart (either pool layout).
+ * [bs, kv_heads, d] run, blocks `block_stride` elements apart (either pool layout), the elements
+ * of kv_type: fp32, fp16 or bf16 (read as fp32).
  * Query head h reads kv head h / (H / kv_heads). Output rows go to out[qrow[i]]. Work items are
  * whole rows, or (row, kv head) pairs when rows are few (heads_per_item): their heads' scores over
  * the whole context, an exact softmax, then the weighted sum of V, so each K and V row is read
  * once per item, in address order, and nothing is gathered or padded. Returns 0, -1 for heads
- * that do not group evenly, -2 when scratch cannot be had. */
-int tg_paged_decode_attention(const float *q, const float *k, const float *v, int64_t block_stride,
+ * that do not group evenly, -2 when scratch cannot be had, -3 for another kv_type. */
+int tg_paged_decode_attention(const float *q, const void *k, const void *v, int64_t block_stride,
                               const int64_t *qrow, const int32_t *indptr, const int32_t *table,
                               const int32_t *last_len, int64_t n, int64_t heads, int64_t kv_heads,
-                              int64_t d, int64_t bs, float scale, float *out, int nthreads) {
+                              int64_t d, int64_t bs, float scale, float *out, int kv_type, int nthreads) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+    if (!kv_type_ok(kv_type)) return -3;
     const int64_t group = heads / kv_heads, max_len = longest(indptr, last_len, n, bs);
     if (nthreads < 1) nthreads = 1;
     const int64_t ng = heads_per_item(n, kv_heads, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len)); /* [heads, len] */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + kv_heads * d)); /* [heads, len] | tmp */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -183,8 +221,9 @@ int tg_paged_decode_attention(const float *q, const float *k, const float *v, in
         for (int64_t item = 0; item < n * (kv_heads / ng); item++) {
             if (scores == NULL) continue;
             const int64_t i = item / (kv_heads / ng), g = item % (kv_heads / ng) * ng;
-            attend_group(q + (qrow[i] * heads + g * group) * d, k, v, block_stride, table + indptr[i], TG_SEQ_LEN(i),
-                         g, ng, group, kv_heads, d, bs, scale, scores, out + (qrow[i] * heads + g * group) * d);
+            attend_group(q + (qrow[i] * heads + g * group) * d, k, v, kv_type, block_stride, table + indptr[i],
+                         TG_SEQ_LEN(i), g, ng, group, kv_heads, d, bs, scale, scores, scores + heads * max_len,
+                         out + (qrow[i] * heads + g * group) * d);
         }
         free(scores);
     }
@@ -222,16 +261,21 @@ typedef struct {
  * cos / sin_signed tables ([m, d], sin_signed holding rotate-half's sign), K and V written to
  * each row's slot, the paged attention above over its blocks (CSR table as for
  * tg_paged_decode_attention), the output projection added to x, RMSNorm, gate_up, silu(gate) * up,
- * and the down projection added to x. x [m, hidden] is updated in place. Layer l's K cache starts
- * at k0 + l * layer_stride, its V cache v_offset floats after its K. Every op runs row by row, as
+ * and the down projection added to x. x [m, hidden] is updated in place. The pool holds kv_type
+ * elements (fp32, fp16 or bf16; new K and V are rounded to it): layer l's K cache starts
+ * layer_stride elements after layer l - 1's, at k0 for layer 0, its V cache v_offset elements
+ * after its K. Every op runs row by row, as
  * the one-op-at-a-time path does, with the same ggml kernels. Returns 0, -1 when ggml has no dot
- * product for a projection's type or the heads do not group, -2 when scratch cannot be had. */
+ * product for a projection's type or the heads do not group, -2 when scratch cannot be had, -3 for
+ * a kv_type other than fp32, fp16 or bf16. */
 int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads, int64_t kv_heads,
                      int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m, const float *cos,
-                     const float *sin_signed, const int64_t *slots, float *k0, int64_t layer_stride,
+                     const float *sin_signed, const int64_t *slots, void *k0, int64_t layer_stride,
                      int64_t v_offset, int64_t block_stride, int64_t bs, const int32_t *indptr,
-                     const int32_t *table, const int32_t *last_len, int nthreads) {
+                     const int32_t *table, const int32_t *last_len, int kv_type, int nthreads) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+    if (!kv_type_ok(kv_type)) return -3;
+    const size_t esize = kv_elem_size(kv_type);
     const int64_t group = heads / kv_heads, q_size = heads * d, kv_size = kv_heads * d;
     const int64_t n_qkv = q_size + 2 * kv_size, half = d / 2, max_len = longest(indptr, last_len, m, bs);
     size_t qrow = 0; /* bytes of one activation row quantized, the largest any projection needs */
@@ -259,7 +303,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len)); /* [heads, len] */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + kv_heads * d)); /* [heads, len] | tmp */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -270,7 +314,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
             const struct ggml_type_traits_cpu *t_o = ggml_get_type_traits_cpu((enum ggml_type)w->o_type);
             const struct ggml_type_traits_cpu *t_gu = ggml_get_type_traits_cpu((enum ggml_type)w->gate_up_type);
             const struct ggml_type_traits_cpu *t_down = ggml_get_type_traits_cpu((enum ggml_type)w->down_type);
-            float *kc = k0 + l * layer_stride, *vc = kc + v_offset;
+            char *kc = (char *)k0 + (size_t)(l * layer_stride) * esize, *vc = kc + (size_t)v_offset * esize;
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->input_norm, normed + i * hidden, hidden, eps);
             quantize_rows(t_qkv, normed, hidden, m, hidden, q8, qrow);
@@ -288,18 +332,17 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                     for (int64_t e = 0; e < d; e++) xh[e] = xh[e] * c[e] + rot[e] * s[e];
                 }
                 const int64_t block = slots[i] / bs, off = slots[i] % bs;
-                float *kd = kc + block * block_stride + off * kv_size, *vd = vc + block * block_stride + off * kv_size;
-                for (int64_t e = 0; e < kv_size; e++) {
-                    kd[e] = row[q_size + e];
-                    vd[e] = row[q_size + kv_size + e];
-                }
+                const int64_t at = block * block_stride + off * kv_size;
+                kv_store(kc, at, kv_type, row + q_size, kv_size);
+                kv_store(vc, at, kv_type, row + q_size + kv_size, kv_size);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < m * (kv_heads / ng); item++) {
                 if (scores == NULL) continue;
                 const int64_t i = item / (kv_heads / ng), g = item % (kv_heads / ng) * ng;
-                attend_group(qkv + i * n_qkv + g * group * d, kc, vc, block_stride, table + indptr[i], TG_SEQ_LEN(i),
-                             g, ng, group, kv_heads, d, bs, scale, scores, attn + i * q_size + g * group * d);
+                attend_group(qkv + i * n_qkv + g * group * d, kc, vc, kv_type, block_stride, table + indptr[i],
+                             TG_SEQ_LEN(i), g, ng, group, kv_heads, d, bs, scale, scores, scores + heads * max_len,
+                             attn + i * q_size + g * group * d);
             }
             quantize_rows(t_o, attn, q_size, m, q_size, q8, qrow);
             matvec_rows(t_o, w->o, ggml_row_size((enum ggml_type)w->o_type, q_size), hidden, q_size, q8, qrow, m, x,
