@@ -83,6 +83,13 @@ def _sequences(fmt: str, rows: int, ctx: int,
     return engine, lens, tables
 
 
+def _decode_seconds(runner: ModelRunner, lens: list[int], tables: list[tuple[int, ...]]) -> float:
+    """One decode step of the sequences ``lens`` / ``tables`` (one new token each), timed."""
+    start = time.perf_counter()
+    runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
+    return time.perf_counter() - start
+
+
 def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
     engine, lens, tables = _sequences(fmt, rows, ctx)
     runner, alloc = engine.runner, engine.allocator
@@ -90,9 +97,7 @@ def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
 
     def decode(on: bool) -> float:
         _switch(runner, on, backends)
-        start = time.perf_counter()
-        runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
-        return time.perf_counter() - start
+        return _decode_seconds(runner, lens, tables)
 
     prompt = list(range(1000, 1000 + PREFILL_TOKENS))
     prompt_blocks = alloc.allocate(prompt).block_ids
@@ -120,9 +125,7 @@ def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
     for rows in WHOLE_LAYER_ROWS:
         def decode(whole: bool, rows: int = rows) -> float:
             os.environ["TANDEM_CPU_KERNELS"] = "c" if whole else "ops"
-            start = time.perf_counter()
-            runner.forward([SeqInput((5,), n, t) for n, t in zip(lens[:rows], tables[:rows], strict=True)])
-            return time.perf_counter() - start
+            return _decode_seconds(runner, lens[:rows], tables[:rows])
 
         d = _paired(decode, pairs, on="whole", off="ops")
         print(f"ggml rows={rows} ctx~{ctx}: whole layers {d['whole_ms_median']:.1f} ms, op by op "
@@ -145,9 +148,7 @@ def kv_dtypes(pairs: int) -> list[dict[str, Any]]:
 
         def decode(half: bool) -> float:
             engine, lens, tables = sides[half]
-            start = time.perf_counter()
-            engine.runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
-            return time.perf_counter() - start
+            return _decode_seconds(engine.runner, lens, tables)
 
         d = _paired(decode, pairs, on="fp16", off="fp32")
         print(f"ggml rows={rows} ctx~{ctx}: fp16 KV {d['fp16_ms_median']:.1f} ms, fp32 KV {d['fp32_ms_median']:.1f} ms, "
@@ -158,9 +159,7 @@ def kv_dtypes(pairs: int) -> list[dict[str, Any]]:
 
         def half_decode(on: bool) -> float:
             _switch(engine.runner, on, backends)
-            start = time.perf_counter()
-            engine.runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, tables, strict=True)])
-            return time.perf_counter() - start
+            return _decode_seconds(engine.runner, lens, tables)
 
         h = _paired(half_decode, pairs)
         os.environ.pop("TANDEM_CPU_KERNELS", None)

@@ -489,9 +489,6 @@ class RouterCore:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-    # Cancellation -----------------------------------------------------------------------------
-
-
 async def next_update(queue: asyncio.Queue[decode_pb2.TokenUpdate], deadline_s: float,
                       stall_s: float) -> decode_pb2.TokenUpdate:
     """The request's next update from its queue. RequestError DEADLINE_EXCEEDED once the loop
