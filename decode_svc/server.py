@@ -74,6 +74,7 @@ class _Active:
     handed_ns: int = 0
     arrival_unix_ns: int = 0
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
+    rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
 
 
 class DecodeWorker:
@@ -148,7 +149,7 @@ class DecodeWorker:
         if accepting.cancelled() or accepting.exception() is not None:
             return
         _, active = accepting.result()
-        if active is not None:
+        if active is not None and not active.rehanded:
             active.cancelled = True
             self._wake.set()
 
@@ -157,7 +158,13 @@ class DecodeWorker:
         """Take the request over: (the reply, None) when refused or handed over computed,
         (None, the request) when its prompt is to be computed here (aggregated mode); either
         way an accepted request is in ``by_id``."""
-        if msg.request_id in self.by_id:
+        held = self.by_id.get(msg.request_id)
+        if held is not None:
+            if not msg.needs_prefill and not held.cancelled and held.router_id == msg.router_id:
+                # prefill_svc handing it over again: its first call broke after the request was
+                # taken over (by this service, or by a predecessor whose record this one resumed).
+                held.rehanded = True
+                return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start), None
             return decode_pb2.HandoffReply(accepted=False, message=f"request {msg.request_id} is already decoding"), None
         try:
             params = sampling_from_proto(msg.sampling)

@@ -42,8 +42,8 @@ from tandem.state.schema import LoadReport
 AGGREGATED_TIMEOUT_S = 600.0
 # How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
 HANDOFF_TIMEOUT_S = 30.0
-# Aggregated mode: a prompt whose decode_svc dies before its first token is forwarded again, to
-# the successor, up to this many times in all. Taking its blocks back waits up to
+# A handoff that breaks (decode_svc died) goes again, to the successor, up to this many times in
+# all; in aggregated mode, where decode computes the prompt, after its blocks are taken back. Taking its blocks back waits up to
 # TAKE_BACK_WAIT_S for the agent to see the dead service's lease end.
 MAX_FORWARDS = 3
 TAKE_BACK_WAIT_S = 5.0
@@ -546,13 +546,26 @@ class PrefillWorker:
     async def _handoff(self, pending: _Pending, msg: decode_pb2.HandoffRequest,
                        timeout_s: float) -> decode_pb2.HandoffReply | None:
         """Decode's answer, or None when the call failed (the request's blocks are then
-        released and its Submit failed with UNAVAILABLE)."""
-        try:
-            return await self._call_handoff(msg, timeout_s)
-        except (grpc.aio.AioRpcError, LookupError) as exc:
-            await self.member.release(msg.request_id)
-            _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
-            return None
+        released and its Submit failed with UNAVAILABLE).
+
+        A call that breaks (decode_svc died, or its connection did) goes again, to the successor,
+        up to MAX_FORWARDS times in all: the dead service may have taken the request over before
+        it died (claimed its blocks, recorded it), and then its successor resumed it from Redis and
+        answers the repeated handoff as accepted; otherwise the successor claims the blocks
+        itself, from prefill or from the dead service, whichever holds them."""
+        for attempt in range(1, MAX_FORWARDS + 1):
+            try:
+                return await self._call_handoff(msg, timeout_s)
+            except (grpc.aio.AioRpcError, LookupError) as exc:
+                broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                if broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done():
+                    log.warning("handoff of %s to decode_svc broke (%s); handing it over again",
+                                msg.request_id, _detail(exc))
+                    continue
+                await self.member.release(msg.request_id)
+                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
+                return None
+        raise AssertionError("unreachable")
 
     async def _call_handoff(self, msg: decode_pb2.HandoffRequest, timeout_s: float) -> decode_pb2.HandoffReply:
         # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)

@@ -200,18 +200,34 @@ def say(message: str, error: bool = False) -> None:
 
 def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False) -> None:
     """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out."""
-    with grpc.insecure_channel(child.address) as channel:
-        while True:
-            if stopping():
-                raise StackStopping
-            if not child.alive():
-                raise RuntimeError(f"{child.name} exited with code {child.returncode}")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.5)
-                return
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{child.name} did not come up at {child.address} in time") from None
+    def check() -> None:
+        if stopping():
+            raise StackStopping
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited with code {child.returncode}")
+
+    if not wait_channel_ready(child.address, deadline, check):
+        raise RuntimeError(f"{child.name} did not come up at {child.address} in time")
+
+
+def wait_channel_ready(address: str, deadline: float, check: Callable[[], None], poll_s: float = 0.5) -> bool:
+    """Whether a gRPC channel to ``address`` became ready before ``deadline`` (monotonic), calling
+    ``check`` (which raises to give up) every ``poll_s``. One readiness future for the whole wait,
+    cancelled at its end: a future left behind keeps a thread polling the channel, which then
+    fails with "Channel closed" once the channel is."""
+    with grpc.insecure_channel(address) as channel:
+        ready = grpc.channel_ready_future(channel)
+        try:
+            while True:
+                check()
+                try:
+                    ready.result(timeout=poll_s)
+                    return True
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        return False
+        finally:
+            ready.cancel()
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.launcher import wait_channel_ready
 from tandem.service.runtime import free_port
 from tandem.state.redis_server import RedisServer
 from tests.tiny_models import write_tiny_model
@@ -138,16 +138,12 @@ class Stack:
 
     def wait_ready(self, name: str, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address(name)) as channel:
-            while True:
-                if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited: {self.logs(name)[-3000:]}")
-                try:
-                    grpc.channel_ready_future(channel).result(timeout=0.5)
-                    break
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}") from None
+        def check() -> None:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.logs(name)[-3000:]}")
+
+        if not wait_channel_ready(self.address(name), deadline, check):
+            raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}")
         if name in ("prefill_svc", "decode_svc", "router"):
             self.wait_log(name, "ready at", timeout_s, log_offset)
 
