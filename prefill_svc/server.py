@@ -43,8 +43,8 @@ AGGREGATED_TIMEOUT_S = 600.0
 # How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
 HANDOFF_TIMEOUT_S = 30.0
 # A handoff that breaks (decode_svc died) goes again, to the successor, up to this many times in
-# all; in aggregated mode, where decode computes the prompt, after its blocks are taken back. Taking its blocks back waits up to
-# TAKE_BACK_WAIT_S for the agent to see the dead service's lease end.
+# all; in aggregated mode, where decode computes the prompt, after its blocks are taken back,
+# which waits up to TAKE_BACK_WAIT_S for the agent to see the dead service's lease end.
 MAX_FORWARDS = 3
 TAKE_BACK_WAIT_S = 5.0
 TAKE_BACK_RETRY_S = 0.05

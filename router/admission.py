@@ -213,13 +213,16 @@ class AdmissionController:
         self._agent = report
 
     def prefill_units(self) -> int:
-        """Units prefill will run on: what it holds now, or, when it holds none because it is
-        idle and lent them to decode, what the policy gives it back (all but one when decode
-        is busy: decode keeps at least one)."""
+        """Units prompts will run on: in aggregated mode decode's (it computes them in its
+        steps); else what prefill holds now, or, when it holds none because it is idle and
+        lent them to decode, what the policy gives it back (all but one when decode is busy:
+        decode keeps at least one)."""
         agent = self._agent
         if agent is None:
             return self._default_units
         total = len(set(agent.prefill_units) | set(agent.decode_units)) or self._default_units
+        if agent.aggregated:
+            return len(agent.decode_units) or total
         if agent.prefill_units:
             return len(agent.prefill_units)
         return max(1, total - 1) if agent.decode_units else total

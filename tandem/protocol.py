@@ -310,6 +310,9 @@ class PartitionView(Protocol):
     @property
     def decode_units(self) -> Sequence[int]: ...
 
+    @property
+    def aggregated(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class LoadReport:
@@ -327,6 +330,7 @@ class LoadReport:
     agent, or a writer that predates it: the cell's first model). ``kv_used_by_model`` (the
     agent's) is the fraction of the cell's KV bytes each model's held blocks take; the fractions
     sum to the cell's use, whatever the split (one slab pool or a fixed share per model).
+    ``aggregated``: the partition in force runs prompts in decode's steps, on decode's units.
     """
 
     service_id: str
@@ -348,6 +352,7 @@ class LoadReport:
     num_preemptions: int = 0
     model: str = ""
     kv_used_by_model: dict[str, float] = field(default_factory=dict)
+    aggregated: bool = False
 
     @classmethod
     def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
@@ -355,7 +360,8 @@ class LoadReport:
         """A report stamped now under ``partition``; ``counts`` are the other fields by name."""
         return cls(service_id=service_id, cell_id=cell_id, role=role, partition_epoch=partition.epoch,
                    prefill_units=list(partition.prefill_units), decode_units=list(partition.decode_units),
-                   kv_total_blocks=kv_total_blocks, updated_unix_ns=time.time_ns(), **counts)
+                   kv_total_blocks=kv_total_blocks, updated_unix_ns=time.time_ns(),
+                   aggregated=partition.aggregated, **counts)
 
     def __post_init__(self) -> None:
         if not self.service_id:

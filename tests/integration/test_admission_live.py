@@ -29,7 +29,10 @@ pytestmark = pytest.mark.slow
 
 TTFT_SLO_MS = 600
 BURST = 16
-# About 45 tokens: ~0.1 s of predicted prefill even on both cores, so a burst of 16 needs ~1.6 s.
+# About 28 tokens: ~2 ms a token of prefill on both cores (the perf model, uncalibrated, agrees
+# within ~10 % on this CPU), so the last of 32 needs ~2 s, over the uncalibrated model's refusal
+# threshold (2 x the SLO) even on a machine twice as fast as predicted.
+HTTP_BURST = 32
 STORY = "tell me a short story about a cat who lives in a lighthouse by the sea and keeps the lamp"
 
 
@@ -46,14 +49,14 @@ def test_http_burst_is_partly_refused_with_retry_after_and_blocks_come_back(stac
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as http:
             bodies = [{"model": "default", "prompt": f"Request {i}: {STORY}, please.",
-                       "max_tokens": 4, "ignore_eos": True} for i in range(BURST)]
+                       "max_tokens": 4, "ignore_eos": True} for i in range(HTTP_BURST)]
             return list(await asyncio.gather(*(http.post(f"{base}/v1/completions", json=b) for b in bodies)))
 
     responses = asyncio.run(run())
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429}, [r.text for r in responses if r.status_code not in (200, 429)]
     assert codes.count(200) >= 1, "admission refused even the first request of an idle cell"
-    assert codes.count(429) >= 1, "a 16-request burst cannot meet a 600 ms TTFT on this CPU, yet none was refused"
+    assert codes.count(429) >= 1, f"a {HTTP_BURST}-request burst cannot meet a 600 ms TTFT on this CPU, yet none was refused"
     for r in responses:
         if r.status_code == 429:
             error = r.json()["error"]

@@ -16,8 +16,8 @@ from tests.unit.test_admission import BatchPredictor, TokenPredictor
 SLO = Slo(ttft_s=1.0, tbt_s=0.1)
 
 
-def agent_report(prefill: list[int], decode: list[int]) -> LoadReport:
-    return LoadReport(service_id="agent", cell_id="c", role="agent", num_queued_requests=0, num_queued_tokens=0,
+def agent_report(prefill: list[int], decode: list[int], aggregated: bool = False) -> LoadReport:
+    return LoadReport(aggregated=aggregated, service_id="agent", cell_id="c", role="agent", num_queued_requests=0, num_queued_tokens=0,
                       num_running=0, batch_size=0, predicted_ttft_ms=0, last_step_ms=0, partition_epoch=1,
                       prefill_units=prefill, decode_units=decode, kv_free_blocks=1, kv_total_blocks=1,
                       updated_unix_ns=1)
@@ -32,6 +32,11 @@ def test_units_follow_the_partition_in_force() -> None:
     assert c.prefill_units() == 3  # decode keeps one when prefill takes work back
     c.set_agent_load(agent_report([0, 1, 2, 3], []))
     assert c.prefill_units() == 4
+    # Aggregated mode: decode computes the prompts in its steps, on all its units.
+    c.set_agent_load(agent_report([], [0, 1, 2, 3], aggregated=True))
+    assert c.prefill_units() == 4
+    c.set_agent_load(agent_report([], [1, 2], aggregated=True))
+    assert c.prefill_units() == 2
 
 
 def test_queue_grows_until_refusal_and_shrinks_on_done() -> None:
