@@ -35,6 +35,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
 from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, step_inputs
+from tandem.policy.policies import ChunkedConfig
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -51,6 +52,7 @@ _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not r
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
+MIN_CHUNK_TOKENS = ChunkedConfig().min_chunk_tokens
 # A router whose token stream stays away this long is gone: its requests are cancelled.
 ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
@@ -407,9 +409,17 @@ class DecodeWorker:
 
     def _plan_chunks(self) -> list[tuple[_Active, int]]:
         """Prompt chunks for this step: first come first served within the token budget the
-        partition gives (its aggregated decision), a whole default budget otherwise."""
+        partition gives (its aggregated decision), a whole default budget otherwise.
+
+        An aggregated partition with no budget was decided before these prompts arrived (the
+        agent decides again once their load report reaches it, a few ms later, while this loop
+        steps at once): with streams decoding, only the chunked policy's progress floor rides
+        this step, as the policy gives when their TBT leaves no room, not a whole default budget
+        that would stall every stream for it."""
         partition = self.member.partition
-        budget = (partition.prefill_token_budget if partition.aggregated else 0) or DEFAULT_PREFILL_TOKEN_BUDGET
+        budget = partition.prefill_token_budget if partition.aggregated else 0
+        if not budget:
+            budget = MIN_CHUNK_TOKENS if partition.aggregated and self.running else DEFAULT_PREFILL_TOKEN_BUDGET
         chunks: list[tuple[_Active, int]] = []
         for active in self.prefilling:
             if budget <= 0:
