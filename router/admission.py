@@ -23,7 +23,14 @@ admission made it, from whole prompts on the units it assumed when it admitted t
 factor also corrects those assumptions and absorbs the workload's usual share of prefix-cache
 hits. The first batch this router measures only warms up (a fresh prefill_svc pays one-time
 costs in it: first touches of the shared weights, kernel set-up); until a batch has been
-folded in the model is uncalibrated and the margin is wider (``cold_margin``).
+folded in the model is uncalibrated and the margin is wider (``cold_margin``). Each regime
+(``PromptRegime``: the prefill units, and in aggregated mode whether streams of this router were
+decoding when the request came) keeps its own factor besides the one over all measurements: a
+prompt beside running streams gets the TBT budget's small chunks, one that comes to an idle
+decode whole steps, and a factor learnt from the first refused most of a burst of the second. In
+aggregated mode there is no prefill batch to time: the first tokens one of decode's hybrid steps
+gave (replies close together) are measured by the request among them predicted last, whose
+prediction counted every prompt the step computed (``_StepGroup``).
 
 The TBT side: TTFT admission alone let the decode batch grow until every admitted stream
 missed its TBT SLO. ``StreamLimit`` caps the streams this router keeps in flight (admitted and
@@ -74,6 +81,7 @@ ReadAgentLoad = Callable[[], Awaitable[LoadReport | None]]
 DEFAULT_MARGIN = 0.25  # refuse only a predicted TTFT over 1.25 x the SLO
 DEFAULT_COLD_MARGIN = 1.0  # ... over 2 x the SLO until a batch has been measured
 WARMUP_BATCHES = 1  # measured batches not folded into the calibration
+STEP_GROUP_S = 0.03  # first tokens from decode's hybrid steps this close after another came from its step
 SUMMARY_INTERVAL_S = 30.0
 _CLOSED_BATCHES_KEPT = 64
 
@@ -117,11 +125,14 @@ class AdmissionStats:
     calibration_factor: float
     num_calibration_batches: int
     calibration_by_units: tuple[tuple[int, float], ...] = ()  # (prefill units, factor) measured
+    # (units, factor) of aggregated prompts admitted while streams of this router were decoding
+    calibration_beside_streams: tuple[tuple[int, float], ...] = ()
     num_tbt_refusals: int = 0  # of num_refused: over the stream cap (never judged false or confirmed)
     stream_limit: int | None = None  # the cap on streams in flight now (None: none)
 
     def summary(self) -> str:
-        by_units = ", ".join(f"x{f:.2f} on {u}" for u, f in self.calibration_by_units)
+        by_units = ", ".join([f"x{f:.2f} on {u}" for u, f in self.calibration_by_units]
+                             + [f"x{f:.2f} on {u} beside streams" for u, f in self.calibration_beside_streams])
         limit = f"streams capped at {self.stream_limit}" if self.stream_limit is not None else "no stream cap"
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
@@ -139,6 +150,44 @@ class _MeasuredBatch:
     seqs: list[tuple[int, int]] = field(default_factory=list)
     max_handoff_ns: int = 0
     usable: bool = True  # False once a reply of it came from decode's hybrid steps
+
+
+@dataclass
+class _StepGroup:
+    """First tokens from decode's hybrid steps (aggregated mode) that came together, each within
+    ``STEP_GROUP_S`` of the one before: one step computed their prompts. Each request's TTFT was
+    predicted at its admission from the prompts ahead of it, but a prompt admitted first, alone,
+    gets its first token with the whole burst that joined it in decode's step; measured against
+    its own prediction a burst of eight calibrated the model 1.4-1.7x slow, and the next burst of
+    sixteen, which fitted the SLO, was refused. The request predicted last (largest prediction:
+    every prompt of the step was ahead of it or it) measures the step, as a batch does in split
+    mode."""
+
+    last_reply_s: float
+    size: int = 0
+    last: tuple[PromptRegime, float, float, int] | None = None  # (regime, measured, predicted, prompt tokens)
+
+    def add(self, regime: PromptRegime, measured_s: float, predicted_s: float, prompt_tokens: int) -> None:
+        self.size += 1
+        if self.last is None or predicted_s > self.last[2]:
+            self.last = (regime, measured_s, predicted_s, prompt_tokens)
+
+
+@dataclass(frozen=True, order=True)
+class PromptRegime:
+    """Where admission predicts a prompt to run, one calibration each: on ``units`` prefill
+    units, and, in aggregated mode, whether beside streams decoding (their steps leave the
+    prompt the TBT budget's chunks) or on an idle decode."""
+
+    units: int
+    beside_streams: bool = False
+
+    @classmethod
+    def of(cls, regime: PromptRegime | int) -> PromptRegime:
+        return regime if isinstance(regime, PromptRegime) else cls(regime)
+
+    def __str__(self) -> str:
+        return f"on {self.units} units" + (" beside running streams" if self.beside_streams else "")
 
 
 @dataclass(frozen=True)
@@ -175,11 +224,15 @@ class AdmissionController:
         self.calibration = calibration or PrefillCalibration()  # every measured batch, all units
         # One calibration per prefill unit count: the model's error depends on the units (on two
         # cores of this CPU a second core speeds prefill up far less than the model predicts), so
-        # a factor learnt on 2 units over-predicts 1 unit's batches about twice as much.
-        self.calibration_by_units: dict[int, PrefillCalibration] = {}
+        # a factor learnt on 2 units over-predicts 1 unit's batches about twice as much. In
+        # aggregated mode also one per regime (``PromptRegime``): decode computes a prompt that comes
+        # while streams run in small chunks beside them, and one that comes to an idle decode
+        # (a burst) in whole steps; a factor learnt on the first (x1.4 at 8 streams on this CPU)
+        # refused most of a 16-prompt burst that met its SLO.
+        self.calibration_by_units: dict[PromptRegime, PrefillCalibration] = {}
         self._initial_calibration = self.calibration  # where each unit count's starts
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
-        self._units: dict[str, int] = {}  # the prefill units each pending request was admitted on
+        self._regimes: dict[str, PromptRegime] = {}  # the regime each pending request was admitted in
         self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
         self._num_measured = 0
         self._default_units = default_units or len(os.sched_getaffinity(0))
@@ -189,6 +242,7 @@ class AdmissionController:
         self._running_since_s: float | None = None
         self._prefilled: set[str] = set()
         self._measuring: _MeasuredBatch | None = None
+        self._step_group: _StepGroup | None = None  # first tokens from one of decode's hybrid steps
         self._closed_batches: deque[int] = deque(maxlen=_CLOSED_BATCHES_KEPT)
         self._shadows: dict[str, list[_Shadow]] = {}
         self.num_admitted = 0
@@ -227,19 +281,27 @@ class AdmissionController:
             return len(agent.prefill_units)
         return max(1, total - 1) if agent.decode_units else total
 
-    def scale(self, units: int) -> tuple[float, bool]:
-        """The calibration factor for predictions on ``units`` prefill units, and whether it was
-        measured on that many: a unit count not measured yet borrows the factor of all measured
-        batches, and admission then refuses only with the cold margin."""
-        own = self.calibration_by_units.get(units)
+    def regime(self) -> PromptRegime:
+        """Where a prompt admitted now will run: on how many units, and whether beside running
+        streams (aggregated mode, and a stream of this router's is decoding)."""
+        agent = self._agent
+        beside = agent is not None and agent.aggregated and any(r not in self._pending for r in self._in_flight)
+        return PromptRegime(self.prefill_units(), beside)
+
+    def scale(self, regime: PromptRegime | int) -> tuple[float, bool]:
+        """The calibration factor for predictions in ``regime`` (or on that many prefill units,
+        no streams beside), and whether it was measured there: a regime not measured yet
+        borrows the factor of all measurements, and admission then refuses only with the cold
+        margin."""
+        own = self.calibration_by_units.get(PromptRegime.of(regime))
         if own is not None and own.calibrated:
             return own.factor, True
         return self.calibration.factor, False
 
-    def _observe(self, units: int, measured_s: float, predicted_s: float) -> None:
+    def _observe(self, regime: PromptRegime, measured_s: float, predicted_s: float) -> None:
         self.calibration = self.calibration.observe(measured_s, predicted_s)
-        own = self.calibration_by_units.get(units) or self._initial_calibration
-        self.calibration_by_units[units] = own.observe(measured_s, predicted_s)
+        own = self.calibration_by_units.get(regime) or self._initial_calibration
+        self.calibration_by_units[regime] = own.observe(measured_s, predicted_s)
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
@@ -247,10 +309,14 @@ class AdmissionController:
             num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,
             num_confirmed_refusals=self.num_confirmed_refusals, calibration_factor=self.calibration.factor,
             num_calibration_batches=self.calibration.num_samples,
-            calibration_by_units=tuple((u, c.factor) for u, c in sorted(self.calibration_by_units.items())
-                                       if c.calibrated),
+            calibration_by_units=self._factors(beside=False),
+            calibration_beside_streams=self._factors(beside=True),
             num_tbt_refusals=self.num_tbt_refusals, stream_limit=self.streams.limit,
         )
+
+    def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
+        return tuple((r.units, c.factor) for r, c in sorted(self.calibration_by_units.items())
+                     if c.calibrated and r.beside_streams == beside)
 
     @property
     def num_in_flight(self) -> int:
@@ -264,13 +330,14 @@ class AdmissionController:
         now_s = time.monotonic() if now_s is None else now_s
         request = QueuedRequest(request_id, now_s, max(prompt_tokens, 1))
         ahead = self._queued()
-        units = self.prefill_units()
+        regime = self.regime()
+        units = regime.units
         if self.enabled and self.stream_cap and not self.streams.admits(len(self._in_flight)):
             self.num_refused += 1
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
         if self.enabled:
-            scale, calibrated = self.scale(units)
+            scale, calibrated = self.scale(regime)
             margin = self.margin if calibrated else self.cold_margin
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin)
@@ -292,7 +359,7 @@ class AdmissionController:
             ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s,
             slo=self.slo).ttft_s
         self._pending[request_id] = request
-        self._units[request_id] = units
+        self._regimes[request_id] = regime
         self._in_flight.add(request_id)
         self.num_admitted += 1
         return None
@@ -319,8 +386,8 @@ class AdmissionController:
         ``prefill_ns`` and ``handoff_ns`` are the reply's; ``finished`` says the first token
         ended the request (then there was no handoff). A reply from decode's hybrid steps
         (aggregated mode: no handoff after the first token, yet not finished) is no prefill
-        batch and does not move the running batch; it calibrates the model with its own TTFT
-        against the TTFT predicted when it was admitted.
+        batch and does not move the running batch; the replies of one hybrid step calibrate
+        the model together (``_StepGroup``).
         """
         now_s = time.monotonic() if now_s is None else now_s
         request = self._pending.get(request_id)
@@ -333,15 +400,19 @@ class AdmissionController:
             self._batch_ended(prefill_ns)
         del self._pending[request_id]
         predicted_ttft_s = self._predicted_ttft_s.pop(request_id, 0.0)
-        units = self._units.pop(request_id)
+        regime = self._regimes.pop(request_id)
         if not from_prefill and predicted_ttft_s > 0:
-            self._measured(units, now_s - request.arrival_s, predicted_ttft_s,
-                           f"first token of a {request.prompt_tokens}-token prompt from decode's hybrid steps")
+            group = self._step_group
+            if group is not None and now_s - group.last_reply_s > STEP_GROUP_S:
+                self._close_step_group()
+            self._step_group = group = self._step_group or _StepGroup(now_s)
+            group.last_reply_s = now_s
+            group.add(regime, now_s - request.arrival_s, predicted_ttft_s, request.prompt_tokens)
         self._prefilled.discard(request_id)
         self._judge(request, now_s)
         measuring = self._measuring
         if measuring is not None and measuring.prefill_ns == prefill_ns:
-            measuring.units = measuring.units or units
+            measuring.units = measuring.units or regime.units
             measuring.seqs.append(request.seq)
             measuring.max_handoff_ns = max(measuring.max_handoff_ns, handoff_ns)
             measuring.usable = measuring.usable and from_prefill
@@ -351,6 +422,7 @@ class AdmissionController:
             self._running_since_s = now_s if self._queued() else None
         if not self._pending:
             self._close_measurement()  # every request of ours in that batch has replied
+            self._close_step_group()
 
     def _batch_ended(self, prefill_ns: int) -> None:
         """A reply of a batch not seen before: the batch taken as running has ended (all of it:
@@ -381,7 +453,7 @@ class AdmissionController:
         queues; a refusal judged by it stays unjudged."""
         if self._pending.pop(request_id, None) is None:
             return
-        self._units.pop(request_id, None)
+        self._regimes.pop(request_id, None)
         self._predicted_ttft_s.pop(request_id, None)
         self._prefilled.discard(request_id)
         self._shadows.pop(request_id, None)
@@ -389,6 +461,17 @@ class AdmissionController:
             self._running_since_s = None
         if not self._pending:
             self._close_measurement()
+            self._close_step_group()
+
+    def _close_step_group(self) -> None:
+        """Measure the hybrid step whose first tokens were gathered: by its request predicted
+        last (see ``_StepGroup``)."""
+        group, self._step_group = self._step_group, None
+        if group is not None and group.last is not None:
+            regime, measured_s, predicted_s, prompt_tokens = group.last
+            self._measured(regime, measured_s, predicted_s,
+                           f"first tokens of {group.size} prompts from one of decode's hybrid steps, the last "
+                           f"admitted of {prompt_tokens} tokens")
 
     def _close_measurement(self) -> None:
         measuring, self._measuring = self._measuring, None
@@ -403,22 +486,22 @@ class AdmissionController:
         except ValueError as exc:  # units the model does not know: skip it, never fail the request
             log.debug("admission: cannot predict a measured batch: %s", exc)
             return
-        self._measured(measuring.units, measured_s, predicted_s,
+        self._measured(PromptRegime(measuring.units), measured_s, predicted_s,
                        f"prefill batch of {len(measuring.seqs)} requests, {sum(n for n, _ in measuring.seqs)} tokens "
                        f"(handoffs {measuring.max_handoff_ns / 1e6:.0f} ms)")
 
-    def _measured(self, units: int, measured_s: float, predicted_s: float, what: str) -> None:
+    def _measured(self, regime: PromptRegime, measured_s: float, predicted_s: float, what: str) -> None:
         """Fold a measurement into the calibration (prefill batches in split mode, each request's
-        TTFT in aggregated mode), after the warm-up; the first on a unit count is logged."""
+        TTFT in aggregated mode), after the warm-up; the first in a regime is logged."""
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
-        first = not warmup and not self.scale(units)[1]  # this unit count's first measurement
+        first = not warmup and not self.scale(regime)[1]  # this regime's first measurement
         if not warmup:
-            self._observe(units, measured_s, predicted_s)
+            self._observe(regime, measured_s, predicted_s)
         (log.info if first else log.debug)(
-            "admission %s: %s on %d units: measured %.0f ms, model %.0f ms; calibration on %d units x%.2f, "
-            "over all %d measurements x%.2f", "warm-up, not used" if warmup else "calibrated", what, units,
-            measured_s * 1000, predicted_s * 1000, units, self.scale(units)[0], self.calibration.num_samples,
+            "admission %s: %s %s: measured %.0f ms, model %.0f ms; calibration there x%.2f, "
+            "over all %d measurements x%.2f", "warm-up, not used" if warmup else "calibrated", what, regime,
+            measured_s * 1000, predicted_s * 1000, self.scale(regime)[0], self.calibration.num_samples,
             self.calibration.factor)
 
     async def follow(self, read_agent_load: ReadAgentLoad, interval_s: float = 0.25) -> None:

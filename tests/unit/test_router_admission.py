@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.admission import AdmissionController
+from router.admission import AdmissionController, PromptRegime
 from tandem.policy.types import Slo
 from tandem.state.schema import LoadReport
 from tests.unit.test_admission import BatchPredictor, TokenPredictor
@@ -98,8 +98,9 @@ def test_replies_of_one_batch_calibrate_the_model_once_per_batch() -> None:
 
 
 def test_aggregated_replies_calibrate_from_their_ttft() -> None:
-    """Aggregated mode times no prefill batch: each first token's TTFT against the TTFT predicted
-    at admission calibrates instead, so a model far too slow for the engine stops refusing."""
+    """Aggregated mode times no prefill batch: the TTFT of the first tokens one hybrid step gave
+    (replies close together), of the request predicted last, against the TTFT predicted at its
+    admission calibrates instead, so a model far too slow for the engine stops refusing."""
     p = BatchPredictor()
     c = AdmissionController(p, SLO, enabled=True, default_units=1)
     c.try_admit("warm", 100, now_s=0.0)
@@ -111,12 +112,12 @@ def test_aggregated_replies_calibrate_from_their_ttft() -> None:
     # Aggregated mode: decode computed the prompts in its steps; no handoff followed the first token.
     for i, rid in enumerate(("r0", "r1", "r2")):
         c.first_token(rid, prefill_ns=(i + 1) * 7_000_000, handoff_ns=0, finished=False, now_s=1.0 + 0.01 * (i + 1))
-    assert c.calibration.num_samples == 3 and c.num_pending == 0
-    assert c.calibration.factor < 0.03 / predicted[0] * 1.01  # moved to the measured (faster) ratios
+    assert c.calibration.num_samples == 1 and c.num_pending == 0  # one step: one measurement
+    assert c.calibration.factor < 0.03 / predicted[0] * 1.01  # moved to the measured (faster) ratio
     # A first token that ends the request has no handoff, and is a prefill batch all the same.
     c.try_admit("x", 100, now_s=2.0)
     c.first_token("x", prefill_ns=52_000_000, handoff_ns=0, finished=True, now_s=2.05)
-    assert c.calibration.num_samples == 4  # a prefill batch of one, measured as such
+    assert c.calibration.num_samples == 2  # a prefill batch of one, measured as such
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -232,3 +233,82 @@ def test_each_prefill_unit_count_is_calibrated_apart(seed: int) -> None:
     assert c.scale(3) == (c.calibration.factor, False)
     assert c.calibration.num_samples == 49  # every batch but the warm-up, whatever its units
     assert dict(c.stats().calibration_by_units) == {1: c.scale(1)[0], 2: c.scale(2)[0]}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_aggregated_prompts_beside_running_streams_are_calibrated_apart(seed: int) -> None:
+    """In aggregated mode a prompt that comes while streams decode is computed in small chunks
+    beside them, one that comes to an idle decode (a burst) in whole steps: each regime learns
+    its own factor from its requests' TTFTs, so a factor learnt beside 8 streams does not refuse
+    the next burst. In split mode running streams do not change the regime. Random true ratios,
+    prompt lengths and regime order."""
+    rng = random.Random(seed)
+    p = TokenPredictor()
+    true_ratio = {False: rng.uniform(0.5, 3.0), True: rng.uniform(0.5, 3.0)}
+    c = AdmissionController(p, SLO, enabled=False, default_units=2)
+    c.set_agent_load(agent_report([], [0, 1], aggregated=True))
+    now_s = 0.0
+    stream: str | None = None  # a request of ours decoding (first token out, not ended)
+
+    def serve(rid: str) -> None:
+        nonlocal now_s
+        n = rng.randint(10, 3000)
+        regime = c.regime()
+        assert c.try_admit(rid, n, now_s=now_s) is None
+        now_s += true_ratio[regime.beside_streams] * p.predict_prefill([(n, 0)], 2)
+        c.first_token(rid, prefill_ns=1, handoff_ns=0, finished=False, now_s=now_s)  # from decode's steps
+
+    for i in range(80):
+        beside = rng.random() < 0.5
+        if beside and stream is None:
+            stream = f"stream{i}"
+            serve(stream)
+        elif not beside and stream is not None:
+            c.ended(stream, now_s=now_s)
+            stream = None
+        assert c.regime().beside_streams == beside and c.regime().units == 2
+        serve(f"r{i}")
+        c.ended(f"r{i}", now_s=now_s)
+    for beside in (False, True):
+        factor, calibrated = c.scale(PromptRegime(2, beside))
+        assert calibrated and factor == pytest.approx(true_ratio[beside], rel=0.02)
+    stats = c.stats()
+    assert dict(stats.calibration_by_units) == {2: pytest.approx(true_ratio[False], rel=0.02)}
+    assert dict(stats.calibration_beside_streams) == {2: pytest.approx(true_ratio[True], rel=0.02)}
+    assert "beside streams" in stats.summary()
+    # Split mode: prefill computes prompts on its own units, whatever decode runs.
+    if stream is None:
+        serve("last")
+        stream = "last"
+    c.set_agent_load(agent_report([0], [1]))
+    assert not c.regime().beside_streams
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_burst_computed_in_one_hybrid_step_calibrates_as_one_batch(seed: int) -> None:
+    """Aggregated mode: decode computes a burst's prompts in one step, so every one of them gets
+    its first token when the whole burst is done, the first admitted too, though its TTFT was
+    predicted from itself alone. The step is measured by the request predicted last, and the
+    factor learnt is the step's true ratio, not the first request's (a burst of eight had made
+    it 1.4-1.7x and refused the next burst of sixteen). Random burst sizes, lengths and ratios;
+    replies of one step a few ms apart."""
+    rng = random.Random(seed)
+    p = TokenPredictor()
+    true_ratio = rng.uniform(0.5, 2.0)
+    c = AdmissionController(p, Slo(ttft_s=100.0, tbt_s=0.1), enabled=True, default_units=2)
+    c.set_agent_load(agent_report([], [0, 1], aggregated=True))
+    now_s = 0.0
+    for burst in range(30):
+        lengths = [rng.randint(200, 3000) for _ in range(rng.randint(1, 16))]
+        ids = [f"b{burst}-{i}" for i in range(len(lengths))]
+        for rid, n in zip(ids, lengths, strict=True):
+            assert c.try_admit(rid, n, now_s=now_s) is None
+            now_s += rng.uniform(0.0, 0.002)
+        now_s += true_ratio * p.predict_prefill([(n, 0) for n in lengths], 2)
+        for rid in rng.sample(ids, len(ids)):  # replies of one step, in any order
+            c.first_token(rid, prefill_ns=1, handoff_ns=0, finished=False, now_s=now_s)
+            now_s += rng.uniform(0.0, 0.003)
+        now_s += 1.0
+    factor, calibrated = c.scale(c.regime())
+    assert calibrated and factor == pytest.approx(true_ratio, rel=0.05)
+    assert c.calibration.num_samples == 29  # one measurement a step, the first a warm-up
