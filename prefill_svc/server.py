@@ -282,16 +282,14 @@ class PrefillWorker:
                     # The reply comes with the first token: as long as the prompt's turn takes.
                     answer = await self._call_handoff(msg, AGGREGATED_TIMEOUT_S)
                 except (grpc.aio.AioRpcError, LookupError) as exc:
-                    broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-                    if broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done():
+                    if _goes_again(exc, attempt, pending):
                         # decode_svc died (or its connection did) before the first token: the
                         # prompt goes again, to its successor, on the blocks it had.
                         log.warning("decode_svc broke off %s before its first token (%s); forwarding it again",
                                     rid, _detail(exc))
                         req = await self._take_back(pending, req)
                         continue
-                    await self.member.release(rid)
-                    _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
+                    await self._handoff_failed(pending, exc)
                     return
                 if not answer.accepted:
                     await self.member.release(rid)
@@ -557,15 +555,18 @@ class PrefillWorker:
             try:
                 return await self._call_handoff(msg, timeout_s)
             except (grpc.aio.AioRpcError, LookupError) as exc:
-                broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-                if broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done():
+                if _goes_again(exc, attempt, pending):
                     log.warning("handoff of %s to decode_svc broke (%s); handing it over again",
                                 msg.request_id, _detail(exc))
                     continue
-                await self.member.release(msg.request_id)
-                _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
+                await self._handoff_failed(pending, exc)
                 return None
         raise AssertionError("unreachable")
+
+    async def _handoff_failed(self, pending: _Pending, exc: Exception) -> None:
+        """A handoff that will not go again: the request's blocks back, its Submit failed."""
+        await self.member.release(pending.msg.request_id)
+        _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
 
     async def _call_handoff(self, msg: decode_pb2.HandoffRequest, timeout_s: float) -> decode_pb2.HandoffReply:
         # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)
@@ -605,6 +606,13 @@ def _in_trace(pending: _Pending) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def _goes_again(exc: Exception, attempt: int, pending: _Pending) -> bool:
+    """Whether a handoff call that raised ``exc`` on try ``attempt`` goes again: decode_svc (or
+    its connection) broke, tries are left, and the client still waits."""
+    broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+    return broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done()
 
 
 def _detail(exc: Exception) -> str:

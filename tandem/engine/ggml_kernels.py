@@ -46,15 +46,20 @@ SHIM_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 
 
 class GgmlType(IntEnum):
-    """ggml's tensor type ids (``enum ggml_type`` in ggml.h) of the block formats used here."""
+    """ggml's tensor type ids (``enum ggml_type`` in ggml.h) of the formats used here: the weights'
+    block formats and the KV pool's element types."""
 
+    F32 = 0
+    F16 = 1
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    BF16 = 30
 
 
 # The KV pool dtypes the C attention reads (and the whole-layer path writes), as ggml's type ids.
-KV_TYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+KV_TYPES: dict[torch.dtype, GgmlType] = {torch.float32: GgmlType.F32, torch.float16: GgmlType.F16,
+                                         torch.bfloat16: GgmlType.BF16}
 
 
 def _cpu_key() -> str:
