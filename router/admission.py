@@ -163,11 +163,13 @@ class _StepGroup:
     every prompt of the step was ahead of it or it) measures the step, as a batch does in split
     mode."""
 
-    last_reply_s: float
+    last_reply_s: float = 0.0
     size: int = 0
     last: tuple[PromptRegime, float, float, int] | None = None  # (regime, measured, predicted, prompt tokens)
 
-    def add(self, regime: PromptRegime, measured_s: float, predicted_s: float, prompt_tokens: int) -> None:
+    def add(self, reply_s: float, regime: PromptRegime, measured_s: float, predicted_s: float,
+            prompt_tokens: int) -> None:
+        self.last_reply_s = reply_s
         self.size += 1
         if self.last is None or predicted_s > self.last[2]:
             self.last = (regime, measured_s, predicted_s, prompt_tokens)
@@ -229,8 +231,8 @@ class AdmissionController:
         # while streams run in small chunks beside them, and one that comes to an idle decode
         # (a burst) in whole steps; a factor learnt on the first (x1.4 at 8 streams on this CPU)
         # refused most of a 16-prompt burst that met its SLO.
-        self.calibration_by_units: dict[PromptRegime, PrefillCalibration] = {}
-        self._initial_calibration = self.calibration  # where each unit count's starts
+        self.calibration_by_regime: dict[PromptRegime, PrefillCalibration] = {}
+        self._initial_calibration = self.calibration  # where each regime's starts
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
         self._regimes: dict[str, PromptRegime] = {}  # the regime each pending request was admitted in
         self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
@@ -293,15 +295,15 @@ class AdmissionController:
         no streams beside), and whether it was measured there: a regime not measured yet
         borrows the factor of all measurements, and admission then refuses only with the cold
         margin."""
-        own = self.calibration_by_units.get(PromptRegime.of(regime))
+        own = self.calibration_by_regime.get(PromptRegime.of(regime))
         if own is not None and own.calibrated:
             return own.factor, True
         return self.calibration.factor, False
 
     def _observe(self, regime: PromptRegime, measured_s: float, predicted_s: float) -> None:
         self.calibration = self.calibration.observe(measured_s, predicted_s)
-        own = self.calibration_by_units.get(regime) or self._initial_calibration
-        self.calibration_by_units[regime] = own.observe(measured_s, predicted_s)
+        own = self.calibration_by_regime.get(regime) or self._initial_calibration
+        self.calibration_by_regime[regime] = own.observe(measured_s, predicted_s)
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
@@ -315,7 +317,7 @@ class AdmissionController:
         )
 
     def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
-        return tuple((r.units, c.factor) for r, c in sorted(self.calibration_by_units.items())
+        return tuple((r.units, c.factor) for r, c in sorted(self.calibration_by_regime.items())
                      if c.calibrated and r.beside_streams == beside)
 
     @property
@@ -405,9 +407,8 @@ class AdmissionController:
             group = self._step_group
             if group is not None and now_s - group.last_reply_s > STEP_GROUP_S:
                 self._close_step_group()
-            self._step_group = group = self._step_group or _StepGroup(now_s)
-            group.last_reply_s = now_s
-            group.add(regime, now_s - request.arrival_s, predicted_ttft_s, request.prompt_tokens)
+            self._step_group = group = self._step_group or _StepGroup()
+            group.add(now_s, regime, now_s - request.arrival_s, predicted_ttft_s, request.prompt_tokens)
         self._prefilled.discard(request_id)
         self._judge(request, now_s)
         measuring = self._measuring
@@ -491,8 +492,8 @@ class AdmissionController:
                        f"(handoffs {measuring.max_handoff_ns / 1e6:.0f} ms)")
 
     def _measured(self, regime: PromptRegime, measured_s: float, predicted_s: float, what: str) -> None:
-        """Fold a measurement into the calibration (prefill batches in split mode, each request's
-        TTFT in aggregated mode), after the warm-up; the first in a regime is logged."""
+        """Fold a measurement into the calibration (prefill batches in split mode, hybrid steps in
+        aggregated mode), after the warm-up; the first in a regime is logged."""
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
         first = not warmup and not self.scale(regime)[1]  # this regime's first measurement
