@@ -128,7 +128,10 @@ def main() -> int:
     result: dict[str, Any] = {"shape": shape.name, "device": args.device, "dtype": args.dtype, "workload": args.workload,
                               "tbt_slo_ms": args.tbt_slo_ms, "ttft_slo_ms": args.ttft_slo_ms, "rates": args.rates,
                               "num_requests": args.num_requests, "profile": args.profile,
-                              "cuda_graphs": os.environ.get("TANDEM_CUDA_GRAPHS", "on (default)"), "policies": {}}
+                              "cuda_graphs": os.environ.get("TANDEM_CUDA_GRAPHS", "on (default)"),
+                              # a torch profile's start stalls decode for seconds: a run with one measures it too
+                              "torch_profile_steps": os.environ.get("TANDEM_TORCH_PROFILE_STEPS") if
+                              os.environ.get("TANDEM_TORCH_PROFILE_DIR") else None, "policies": {}}
     if args.device == "cuda":
         import torch
 

@@ -6,7 +6,8 @@
 #     tests  the graph and engine GPU tests
 #     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
 #            TANDEM_LIVE_REQUESTS, TANDEM_LIVE_REPEATS, TANDEM_LIVE_VARIANTS: LABEL=POLICY:ENV=VALUE
-#            contenders), decode's step log every 5 s, a torch profile of 4 steps
+#            contenders), decode's step log every 5 s; TANDEM_LIVE_PROFILE=START:COUNT adds a torch profile
+#            of those decode steps (its start stalls decode for seconds: the goodput of that run is not one)
 #     stack  the whole stack on the GPU against the CPU path's greedy tokens
 # Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
 set -uo pipefail
@@ -28,7 +29,10 @@ for stage in ${stages[@]}; do
     live)
         variants=()  # TANDEM_LIVE_VARIANTS="chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off ..."
         for v in ${TANDEM_LIVE_VARIANTS:-}; do variants+=(--variant "$v"); done
-        TANDEM_STEP_STATS_S=5 TANDEM_TORCH_PROFILE_DIR=$work/prof TANDEM_TORCH_PROFILE_STEPS=300:4 \
+        profile=()  # a torch profile stalls decode 3-6 s when it starts (CUPTI): never inside a measured run
+        [ -n "${TANDEM_LIVE_PROFILE:-}" ] && profile=(TANDEM_TORCH_PROFILE_DIR=$work/prof \
+            TANDEM_TORCH_PROFILE_STEPS=$TANDEM_LIVE_PROFILE)
+        env TANDEM_STEP_STATS_S=5 "${profile[@]}" \
             timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
             --repeats "${TANDEM_LIVE_REPEATS:-1}" "${variants[@]}" \
