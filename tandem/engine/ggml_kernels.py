@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,22 @@ class GgmlType(IntEnum):
     Q4_1 = 3
     Q8_0 = 8
     BF16 = 30
+    # Not ggml's: Q4_0 or Q4_1 rows repacked 8 at a time for ggml's AVX2 gemm (``Kernels.repack_x8``),
+    # the id the C file's tg_layer gives such a projection.
+    Q4_X8 = 1000
+
+
+# Bytes of one block of 8 rows in that layout: 8 fp16 scales and 8 rows' 16 bytes of nibbles.
+_X8_GROUP_BYTES = 144
+
+
+class Projection(NamedTuple):
+    """A linear layer's weights as the C kernels take them: ggml blocks of ``gtype`` (or repacked,
+    ``GgmlType.Q4_X8``, with ``corr``: the Q4_1 blocks' offsets, None for Q4_0)."""
+
+    blocks: torch.Tensor
+    gtype: GgmlType
+    corr: torch.Tensor | None = None
 
 
 # The KV pool dtypes the C attention reads (and the whole-layer path writes), as ggml's type ids.
@@ -191,13 +208,32 @@ class Kernels:
             raise ValueError(f"ggml cannot dequantize {gtype.name}")
         return out
 
-    def linear(self, x: torch.Tensor, blocks: torch.Tensor, gtype: GgmlType, n_out: int) -> torch.Tensor:
-        """``x`` [m, k] fp32 @ W^T with W [n_out, k] in ``blocks``: [m, n_out] fp32."""
+    def repack_x8(self, blocks: torch.Tensor, gtype: GgmlType, n: int, k: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Rows of Q4_0 or Q4_1 ``blocks`` ([n, k] weights) in the 8-row layout of ggml's AVX2 gemm,
+        with the Q4_1 blocks' offsets [k / 32, n] (None for Q4_0); None for another type, n not a
+        multiple of 8, or a CPU without AVX2 (the C file says how)."""
+        if gtype not in (GgmlType.Q4_0, GgmlType.Q4_1) or n % 8 or k % 32:
+            return None
+        x8 = torch.empty(n // 8 * k // 32 * _X8_GROUP_BYTES, dtype=torch.uint8)
+        corr = torch.empty(k // 32, n, dtype=torch.float32) if gtype == GgmlType.Q4_1 else None
+        rc = self.lib.tg_repack_x8(int(gtype), blocks.data_ptr(), n, k, x8.data_ptr(),
+                                   None if corr is None else corr.data_ptr())
+        return None if rc != 0 else (x8, corr)
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, gtype: GgmlType, n_out: int,
+               corr: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [m, k] fp32 @ W^T with W [n_out, k] in ``blocks`` (of ``gtype``, or repacked by
+        ``repack_x8``: ``GgmlType.Q4_X8`` and its ``corr``): [m, n_out] fp32."""
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty(m, n_out, dtype=torch.float32)
-        rc = self.lib.tg_linear(int(gtype), blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
-                                torch.get_num_threads())
+        if gtype == GgmlType.Q4_X8:
+            rc = self.lib.tg_linear_x8(blocks.data_ptr(), None if corr is None else corr.data_ptr(), n_out, k,
+                                       x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
+        else:
+            rc = self.lib.tg_linear(int(gtype), blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
+                                    torch.get_num_threads())
         if rc == -2:
             raise MemoryError(f"ggml linear: no memory for {m} activation rows")
         if rc != 0:
@@ -243,21 +279,22 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv_bias", "qkv", "o", "gate_up",
                                                         "down")] + [
-        (name, ctypes.c_int32) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")]
+        (name, ctypes.c_int32) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")] + [
+        (name, ctypes.c_void_p) for name in ("qkv_corr", "o_corr", "gate_up_corr", "down_corr")]
 
 
 @dataclass(frozen=True)
 class LayerBlocks:
     """One decoder layer as ``DecodeLayers`` runs it: fp32 norms (and qkv bias), the four
-    projections as ggml blocks with their types (q, k, v stacked; gate over up)."""
+    projections (q, k, v stacked; gate over up)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
-    qkv: tuple[torch.Tensor, GgmlType]
-    o: tuple[torch.Tensor, GgmlType]
-    gate_up: tuple[torch.Tensor, GgmlType]
-    down: tuple[torch.Tensor, GgmlType]
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
 
 
 class DecodeLayers:
@@ -272,13 +309,18 @@ class DecodeLayers:
                 raise ValueError("DecodeLayers takes contiguous fp32 norms and biases")
         self._kernels = kernels
         self._layers = list(layers)
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
         self._array = (_Layer * len(layers))(*[
-            _Layer(lb.input_norm.data_ptr(), lb.post_norm.data_ptr(),
-                   None if lb.qkv_bias is None else lb.qkv_bias.data_ptr(),
-                   lb.qkv[0].data_ptr(), lb.o[0].data_ptr(), lb.gate_up[0].data_ptr(), lb.down[0].data_ptr(),
-                   int(lb.qkv[1]), int(lb.o[1]), int(lb.gate_up[1]), int(lb.down[1]))
+            _Layer(lb.input_norm.data_ptr(), lb.post_norm.data_ptr(), address(lb.qkv_bias),
+                   *(p.blocks.data_ptr() for p in (lb.qkv, lb.o, lb.gate_up, lb.down)),
+                   *(int(p.gtype) for p in (lb.qkv, lb.o, lb.gate_up, lb.down)),
+                   *(address(p.corr) for p in (lb.qkv, lb.o, lb.gate_up, lb.down)))
             for lb in layers])
         self._dims = (hidden, heads, kv_heads, head_dim, intermediate)
+        # every projection repacked for ggml's gemm: the model lets more rows through (model.py)
+        self.repacked = all(p.gtype == GgmlType.Q4_X8 for lb in layers for p in (lb.qkv, lb.o, lb.gate_up, lb.down))
         self._eps = eps
 
     def run(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -325,6 +367,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_dequantize.restype, lib.tg_dequantize.argtypes = ctypes.c_int, [ctypes.c_int, ptr, ptr, i64]
     lib.tg_linear.restype = ctypes.c_int
     lib.tg_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tg_repack_x8.restype = ctypes.c_int
+    lib.tg_repack_x8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
+    lib.tg_linear_x8.restype = ctypes.c_int
+    lib.tg_linear_x8.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
@@ -358,6 +404,12 @@ def own_kernels() -> Kernels | None:
     if _kernels_mode() == "torch":
         return None
     return load()
+
+
+def repack_on() -> bool:
+    """Whether the ``ggml`` format repacks Q4_0 / Q4_1 layers for ggml's gemm (``Kernels.repack_x8``):
+    yes unless ``TANDEM_GGML_REPACK=off`` (for A/B measurements). Read when a model is loaded."""
+    return os.environ.get("TANDEM_GGML_REPACK", "on") != "off"
 
 
 def whole_layers_on() -> bool:

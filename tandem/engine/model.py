@@ -29,6 +29,11 @@ from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_facto
 # layers 1.60x / 1.49x / 1.33x / 1.33x / 1.02x faster at 1 / 2 / 3 / 4 / 6 rows, even at 8 (a
 # scratch run: 1.08x at 6 rows, slower from 12; ggml's kernel takes one activation row at a time).
 DECODE_LAYERS_MAX_ROWS = 6
+# The same for layers repacked for ggml's gemm (``quant.GGML_X8_MAX_ROWS``), which unpacks each weight
+# block once per 4 rows: against the plain rows' default path (whole in C up to 6 rows, fbgemm's
+# fp16 above), alternated in one process (bench/ggml_repack.py, median of 20 pairs, 2026-11-27):
+# 1.05x / 1.26x / 1.49x / 1.30x / 1.22x / 1.04x / 1.00x at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows.
+DECODE_LAYERS_X8_MAX_ROWS = 32
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -141,7 +146,8 @@ class LlamaModel:
             return None
         layers = []
         for w in self._layers:
-            qkv, o, gate_up, down = (lin.ggml_blocks for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj))
+            qkv, o, gate_up, down = (lin.ggml_projection for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj,
+                                                                      w.down_proj))
             if qkv is None or o is None or gate_up is None or down is None or w.q_norm is not None:
                 return None
             layers.append(ggml_kernels.LayerBlocks(w.input_norm.contiguous(), w.post_attn_norm.contiguous(),
@@ -153,11 +159,14 @@ class LlamaModel:
     def decode_layers(self, start: int, stop: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attn_meta: object, pool: KVPool) -> bool:
         """Layers [start, stop) of a step of decode rows alone run whole in C, ``hidden`` updated in
-        place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows, attention
+        place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows
+        (``DECODE_LAYERS_X8_MAX_ROWS`` for repacked layers), attention
         planned on Tandem's C kernel (an fp32, fp16 or bf16 pool on the CPU), not turned off
         (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
         fused = self._whole_layers
-        if fused is None or hidden.shape[0] > DECODE_LAYERS_MAX_ROWS or not ggml_kernels.whole_layers_on():
+        if fused is None or not ggml_kernels.whole_layers_on():
+            return False
+        if hidden.shape[0] > (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS):
             return False
         tables = self.attention.decode_tables(attn_meta)
         if tables is None:

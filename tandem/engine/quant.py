@@ -22,11 +22,16 @@ of fp32's; ``bench/quant.py``).
 types a GGUF stores (Q4_1, Q4_0, Q8_0), for the layers whose shared weights such a type holds
 exactly, i.e. a model imported from a GGUF of those types: the weights lose nothing, and each
 activation row is quantized to 8 bits per 32 values as llama.cpp does. It reads a quarter of
-fp16's bytes, so single-stream decode steps run ~1.6x faster here; ggml's kernel takes one
-activation row at a time, so calls of more than ``GGML_MAX_ROWS`` rows (batched decode, prefill)
-run the fp16 copy it also keeps, except decode steps of up to ``model.DECODE_LAYERS_MAX_ROWS``
-rows, whose layers run whole in C on ggml's kernels (``LlamaModel.decode_layers``). Greedy
-outputs therefore depend on how requests were batched, and ``auto`` never picks it.
+fp16's bytes, so single-stream decode steps run ~1.6x faster here; ggml's vec_dot kernel takes
+one activation row at a time, so calls of more than ``GGML_MAX_ROWS`` rows (batched decode,
+prefill) run the fp16 copy it also keeps, except decode steps of up to
+``model.DECODE_LAYERS_MAX_ROWS`` rows, whose layers run whole in C on ggml's kernels
+(``LlamaModel.decode_layers``). On an AVX2 CPU, Q4_0 and Q4_1 layers of whole 8-row groups are
+repacked at load for ggml's gemm (``Kernels.repack_x8``; Q4_1 exactly, its offsets added apart),
+which unpacks a weight block once per 4 rows: calls of up to ``GGML_X8_MAX_ROWS`` rows and
+decode steps of up to ``model.DECODE_LAYERS_X8_MAX_ROWS`` run on it (``TANDEM_GGML_REPACK=off``
+keeps the plain rows). Greedy outputs therefore depend on how requests were batched, and
+``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ log = logging.getLogger(__name__)
 # context 128, both paths interleaved (median of 6): 1.58x / 1.24x / 1.26x faster at 1 / 2 / 3
 # rows, even at 4, slower from 6 (ggml's Q4_1 kernel takes one row at a time).
 GGML_MAX_ROWS = 3
+# The same for weights repacked for ggml's gemm (Q4_0 / Q4_1 layers of n % 8 == 0 rows, an AVX2 CPU),
+# which unpacks a weight block once per 4 rows. Prompt chunks against fbgemm's fp16, alternated
+# in one process (bench/ggml_repack.py, SmolLM2, 2026-11-27): 1.04x at 16 tokens, 0.81-0.89x from
+# 64; decode steps: model.DECODE_LAYERS_X8_MAX_ROWS.
+GGML_X8_MAX_ROWS = 16
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
@@ -157,7 +167,9 @@ class Linear:
         self._packed: object = None
         self._bias16: torch.Tensor | None = None
         self._blocks: torch.Tensor | None = None
-        self.ggml_type: ggml_kernels.GgmlType | None = None
+        self.ggml_type: ggml_kernels.GgmlType | None = None  # the blocks' type (as the GGUF stored them)
+        self._corr: torch.Tensor | None = None
+        self.ggml_repacked = False  # _blocks in ggml's 8-row layout (Kernels.repack_x8), _corr their offsets
         self._kernels: ggml_kernels.Kernels | None = None  # set with _blocks
         if self.format == WeightFormat.GGML:
             self._ggml_blocks(weight)
@@ -202,22 +214,29 @@ class Linear:
             blocks = kernels.quantize(weight, gtype)
             if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
                 self._blocks, self.ggml_type, self._kernels = blocks, gtype, kernels
-                self.derived_bytes += blocks.numel()
+                repacked = kernels.repack_x8(blocks, gtype, n, k) if ggml_kernels.repack_on() else None
+                if repacked is not None:  # the plain rows are not kept
+                    (self._blocks, self._corr), self.ggml_repacked = repacked, True
+                    self.derived_bytes += 0 if self._corr is None else self._corr.numel() * 4
+                self.derived_bytes += self._blocks.numel()
                 return
 
     @property
-    def ggml_blocks(self) -> tuple[torch.Tensor, ggml_kernels.GgmlType] | None:
-        """The ggml format's blocks and their type; None in other formats or for a layer no
-        exact type holds."""
+    def ggml_projection(self) -> ggml_kernels.Projection | None:
+        """The ggml format's weights as the C kernels take them (repacked where they can be); None
+        in other formats or for a layer no exact type holds."""
         if self._blocks is None or self.ggml_type is None:
             return None
-        return self._blocks, self.ggml_type
+        if self.ggml_repacked:
+            return ggml_kernels.Projection(self._blocks, ggml_kernels.GgmlType.Q4_X8, self._corr)
+        return ggml_kernels.Projection(self._blocks, self.ggml_type)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
-        if self._blocks is not None and x.shape[0] <= GGML_MAX_ROWS:
-            assert self._kernels is not None and self.ggml_type is not None
-            out = self._kernels.linear(x, self._blocks, self.ggml_type, self.weight.shape[0])
+        projection = self.ggml_projection
+        if projection is not None and x.shape[0] <= (GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS):
+            assert self._kernels is not None
+            out = self._kernels.linear(x, *projection[:2], self.weight.shape[0], projection.corr)
             return out if self.bias is None else out.add_(self.bias)
         if self.format == WeightFormat.BF16:
             out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")

@@ -21,7 +21,7 @@ from tandem.engine.attention import make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.ggml_kernels import GgmlType
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
-from tandem.engine.model import DECODE_LAYERS_MAX_ROWS, LlamaModel
+from tandem.engine.model import DECODE_LAYERS_MAX_ROWS, DECODE_LAYERS_X8_MAX_ROWS, LlamaModel
 from tandem.engine.random_weights import random_weights
 from tandem.engine.runner import ModelRunner, SeqInput
 from tandem.engine.weight_format import WeightFormat
@@ -35,7 +35,8 @@ def kernels() -> ggml_kernels.Kernels:
     return ggml_kernels.require()
 
 
-def _model(heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, seed: int) -> LlamaModel:
+def _model(heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, seed: int,
+           gtypes: tuple[GgmlType, ...] = (GgmlType.Q4_1, GgmlType.Q8_0)) -> LlamaModel:
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=256, hidden_size=96, intermediate_size=160, num_layers=3,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -44,7 +45,7 @@ def _model(heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, 
     kern = ggml_kernels.load()
     assert kern is not None
     for i, name in enumerate(n for n in weights if n.endswith("_proj") or n == "lm_head"):
-        gtype = (GgmlType.Q4_1, GgmlType.Q8_0)[i % 2]  # both kinds of activation blocks (Q8_1, Q8_0)
+        gtype = gtypes[i % len(gtypes)]  # by default both kinds of activation blocks (Q8_1, Q8_0)
         w = weights[name]
         weights[name] = kern.dequantize(kern.quantize(w, gtype), gtype, *w.shape)
     return LlamaModel(config, weights, make_backend("torch", heads), WeightFormat.GGML)
@@ -55,6 +56,7 @@ def _step(runner: ModelRunner, batch: list[SeqInput], mode: str, monkeypatch: py
     monkeypatch.setenv("TANDEM_CPU_KERNELS", mode)
     # op by op, every row count of the comparison runs ggml's kernels (not the fp16 copy)
     monkeypatch.setattr(quant, "GGML_MAX_ROWS", DECODE_LAYERS_MAX_ROWS)
+    monkeypatch.setattr(quant, "GGML_X8_MAX_ROWS", DECODE_LAYERS_X8_MAX_ROWS)
     state = runner.begin(batch)
     for end in groups or [runner.num_layers]:
         runner.run_layers(state, end)
@@ -62,12 +64,13 @@ def _step(runner: ModelRunner, batch: list[SeqInput], mode: str, monkeypatch: py
 
 
 def _compare(heads_kv_d: tuple[int, int, int], bias: bool, layout: str, block_size: int, rows: int, groups: bool,
-             seed: int, kv_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+             seed: int, kv_dtype: torch.dtype = torch.float32,
+             gtypes: tuple[GgmlType, ...] = (GgmlType.Q4_1, GgmlType.Q8_0)) -> tuple[float, float]:
     """One random decode step both ways from the same pool; returns the largest difference of the
     later layers' K/V and of the logits, each over its largest magnitude."""
     monkeypatch = pytest.MonkeyPatch()
     heads, kv_heads, head_dim = heads_kv_d
-    model = _model(heads, kv_heads, head_dim, bias, False, seed)
+    model = _model(heads, kv_heads, head_dim, bias, False, seed, gtypes)
     assert model._whole_layers is not None
     rng = random.Random(seed)
     num_blocks = rows * (300 // block_size + 2) + 3
@@ -133,6 +136,24 @@ def test_most_steps_agree_bit_for_bit() -> None:
                                   rng.randrange(2**31))
         exact += logit_error == 0.0
     assert exact >= 30, exact
+
+
+def test_repacked_layers_run_whole_at_more_rows_and_agree() -> None:
+    """A model whose projections are all Q4 (repacked for ggml's gemm: 4-row groups and single
+    rows both) runs whole layers up to DECODE_LAYERS_X8_MAX_ROWS rows, within the same bound of
+    the op-by-op step and mostly bit for bit (both run the same gemm on the same 8-bit rows)."""
+    assert _model(4, 2, 32, False, False, 1, (GgmlType.Q4_1, GgmlType.Q4_0))._whole_layers.repacked
+    assert not _model(4, 2, 32, False, False, 1)._whole_layers.repacked  # Q8_0 projections stay plain
+    rng = random.Random(20261127)
+    exact = 0
+    for trial in range(12):
+        rows = rng.choice([1, 3, 4, 7, 13, DECODE_LAYERS_X8_MAX_ROWS]) if trial else DECODE_LAYERS_X8_MAX_ROWS
+        layer_error, logit_error = _compare(rng.choice(SHAPES), rng.random() < 0.5, rng.choice(["layer", "block"]),
+                                            rng.choice([1, 5, 16]), rows, rng.random() < 0.5, rng.randrange(2**31),
+                                            gtypes=(GgmlType.Q4_1, GgmlType.Q4_0))
+        assert layer_error <= 0.05 and logit_error <= 0.05, (rows, layer_error, logit_error)
+        exact += logit_error == 0.0
+    assert exact >= 8, exact
 
 
 def test_other_steps_and_models_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,8 @@
 """ggml's block kernels through Tandem's C loop, and the ``ggml`` weight format's rules.
 
 The kernels are built here if this machine has not built them (``./dev`` builds them before the
-tests; about a minute). Stated bound: each output of a single-row linear over exact Q4_1 / Q4_0 /
-Q8_0 weights is within 2 % of ``sum_i |x_i| |w_i|`` of fp32's ``x @ W^T`` (the scale a dot
+tests; about a minute). Stated bound: each output of a linear over exact Q4_1 / Q4_0 / Q8_0
+weights, plain rows or repacked for ggml's gemm, is within 2 % of ``sum_i |x_i| |w_i|`` of fp32's ``x @ W^T`` (the scale a dot
 product's rounding is measured on, since outputs may cancel to near zero); llama.cpp quantizes
 the activations to 8 bits per 32-value block (Q8_1 / Q8_0), which is the whole error.
 """
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tandem.engine import ggml_kernels
 from tandem.engine.ggml_kernels import GgmlType
-from tandem.engine.quant import GGML_MAX_ROWS, Linear, effective_format
+from tandem.engine.quant import GGML_MAX_ROWS, GGML_X8_MAX_ROWS, Linear, effective_format
 from tandem.engine.weight_format import WeightFormat
 
 REL_ABS_DOT = 0.02
@@ -55,8 +55,9 @@ def test_blocks_round_trip_exactly(gtype: GgmlType, n: int, kblocks: int, seed: 
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0, GgmlType.Q8_0]), st.integers(1, 90),
-       st.integers(1, 12), st.integers(1, 6), st.booleans(), st.integers(0, 2**31))
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0, GgmlType.Q8_0]),
+       st.one_of(st.integers(1, 90), st.integers(1, 12).map(lambda g: 8 * g)),  # whole 8-row groups often
+       st.integers(1, 12), st.integers(1, 20), st.booleans(), st.integers(0, 2**31))
 def test_linear_over_exact_weights(gtype: GgmlType, n: int, kblocks: int, m: int, bias: bool, seed: int) -> None:
     k = 32 * kblocks
     w = _exact(gtype, n, k, seed)
@@ -68,13 +69,59 @@ def test_linear_over_exact_weights(gtype: GgmlType, n: int, kblocks: int, m: int
     # Q4_1 is tried first; another type's weights are Q4_1 only by (measure-zero) chance
     assert lin.ggml_type == (gtype if gtype != GgmlType.Q4_0 else lin.ggml_type)
     assert lin.ggml_type is not None
+    # Q4 layers of whole 8-row groups are repacked for ggml's gemm on an AVX2 CPU (this one)
+    assert lin.ggml_repacked == (lin.ggml_type in (GgmlType.Q4_1, GgmlType.Q4_0) and n % 8 == 0)
     ref = torch.nn.functional.linear(x, w, b)
     out = lin(x)
-    if m <= GGML_MAX_ROWS:
+    if m <= (GGML_X8_MAX_ROWS if lin.ggml_repacked else GGML_MAX_ROWS):
         scale = x.abs() @ w.abs().T
         assert bool(((out - ref).abs() <= REL_ABS_DOT * scale + 1e-6).all()), (out - ref).abs() / scale
     else:  # larger calls run fbgemm's fp16 copy, exactly as the fp16 format does
         assert torch.equal(out, Linear(w, b, WeightFormat.FP16)(x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0]), st.integers(1, 16), st.integers(1, 20), st.integers(1, 23),
+       st.integers(0, 2**31))
+def test_repacked_rows_compute_what_the_plain_rows_do(gtype: GgmlType, groups: int, kblocks: int, m: int,
+                                                      seed: int) -> None:
+    """The 8-row layout through ggml's gemm (4-row groups) and gemv (the other rows), with Q4_1's
+    offsets added apart, against ggml's vec_dot over the same blocks: within the stated bound of
+    the exact product, and within rounding of vec_dot (both see the same 8-bit activations, a tenth
+    of the bound)."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    n, k = 8 * groups, 32 * kblocks
+    w = _exact(gtype, n, k, seed)
+    blocks = kern.quantize(w, gtype)
+    repacked = kern.repack_x8(blocks, gtype, n, k)
+    assert repacked is not None
+    x8, corr = repacked
+    assert x8.numel() == n * kblocks * 18 and (corr is None) == (gtype == GgmlType.Q4_0)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+    out = kern.linear(x, x8, GgmlType.Q4_X8, n, corr)
+    plain = kern.linear(x, blocks, gtype, n)
+    scale = x.abs() @ w.abs().T
+    assert bool(((out - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
+    # vec_dot keeps Q4_1's activation sums in fp16 (Q8_1's s), the repacked path in fp32: 0.12 % of the
+    # scale seen at most over 40 examples
+    assert bool(((out - plain).abs() <= 5e-3 * scale + 1e-6).all()), ((out - plain).abs() / scale).max()
+
+
+def test_only_q4_rows_in_whole_groups_of_8_repack() -> None:
+    kern = ggml_kernels.load()
+    assert kern is not None
+    for gtype, n in ((GgmlType.Q8_0, 16), (GgmlType.Q4_1, 12), (GgmlType.Q4_0, 4)):
+        assert kern.repack_x8(kern.quantize(_exact(gtype, n, 64, 1), gtype), gtype, n, 64) is None
+    w = _exact(GgmlType.Q4_1, 16, 64, 2)
+    assert Linear(w, None, WeightFormat.GGML).ggml_repacked
+
+
+def test_repacking_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _exact(GgmlType.Q4_1, 16, 64, 3)
+    monkeypatch.setenv("TANDEM_GGML_REPACK", "off")
+    lin = Linear(w, None, WeightFormat.GGML)
+    assert not lin.ggml_repacked and lin.ggml_type == GgmlType.Q4_1
 
 
 @settings(max_examples=15, deadline=None)
@@ -102,8 +149,11 @@ def test_derived_bytes_count_both_copies() -> None:
     lin = Linear(w, None, WeightFormat.GGML)
     kern = ggml_kernels.load()
     assert kern is not None
-    assert lin.derived_bytes == 64 * kern.row_bytes(GgmlType.Q4_1, 128) + w.numel() * 2
     assert kern.row_bytes(GgmlType.Q4_1, 128) == 4 * 20  # 32 nibbles + fp16 scale and min per block
+    if lin.ggml_repacked:  # 8-row layout: 16 bytes of nibbles and an fp16 scale a block, the fp32 offsets apart
+        assert lin.derived_bytes == 64 * 4 * (18 + 4) + w.numel() * 2
+    else:
+        assert lin.derived_bytes == 64 * kern.row_bytes(GgmlType.Q4_1, 128) + w.numel() * 2
 
 
 def test_without_the_kernels_the_format_runs_as_fp16_and_says_so(monkeypatch: pytest.MonkeyPatch,

@@ -12,7 +12,16 @@
  * blocks per layer.
  *
  * tg_decode_layers: ours, over ggml's dot products: whole decoder layers of a decode step in one
- * call, so a step is one C call instead of some 15 torch ops and 4 ctypes calls per layer. */
+ * call, so a step is one C call instead of some 15 torch ops and 4 ctypes calls per layer.
+ *
+ * tg_repack_x8 / tg_linear_x8: Q4_0 and Q4_1 weights in ggml's 8-row interleaved layout for its AVX2
+ * gemm and gemv (llama.cpp's CPU "repack" of Q4_0), which unpack each weight block once for 4
+ * activation rows instead of once per row and vec_dot call. Q4_1 is not one of llama.cpp's repacked
+ * types; ours is the decomposition: a Q4_1 value d * q + m is the Q4_0 value d * (q - 8) (the same d
+ * and nibbles, so ggml's Q4_0 kernel runs them unchanged) plus the block's offset m + 8 d, whose
+ * part of a dot product is that offset times the sum of the block's activations, added after the
+ * gemm from a [rows, k / 32] table of offsets. No weight is quantized again: the result is the
+ * Q4_1 weights' own, to float rounding and the activations' 8-bit rounding (as in vec_dot). */
 #include <ggml.h>
 #include <ggml-cpu.h>
 #include <math.h>
@@ -20,12 +29,27 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #define TILE_ROWS 16
 
 /* ggml-cpu's vectorized softmax numerator (exported by libggml-cpu, declared in its internal
  * vec.h, not in a public header): y[i] = exp(x[i] - max) for i < n, returns their sum. */
 double ggml_vec_soft_max_f32(const int n, float *y, const float *x, float max);
+
+/* ggml-cpu's repacked Q4_0 kernels and their activation quantizer (exported by libggml-cpu,
+ * declared in its internal repack.h): 4 activation rows of k floats to Q8_0 blocks interleaved 8
+ * bytes at a time; y [nr, nc] (rows bs floats apart) = those rows (nr a multiple of 4) against nc
+ * weight rows (a multiple of 8) in the 8-row layout; the gemv takes one row of plain Q8_0 blocks. */
+void ggml_quantize_mat_q8_0_4x8(const float *x, void *vy, int64_t k);
+void ggml_gemm_q4_0_8x8_q8_0(int n, float *s, size_t bs, const void *vx, const void *vy, int nr, int nc);
+void ggml_gemv_q4_0_8x8_q8_0(int n, float *s, size_t bs, const void *vx, const void *vy, int nr, int nc);
+
+/* Tandem's type id (beyond ggml's) of weights repacked by tg_repack_x8, as tg_layer names it. */
+#define TG_Q4_X8 1000
+#define QK 32                    /* values per Q4_0 / Q4_1 / Q8_0 block */
+#define X8_GROUP_BYTES 144       /* 8 rows of one Q4_0 block: 8 fp16 scales, 8 x 16 bytes of nibbles */
+#define Q8_ROW_BLOCK_BYTES 34    /* one Q8_0 block: fp16 scale, 32 int8 */
 
 /* The KV pool's element types: ggml's ids of fp32, fp16 and bf16. */
 static int kv_type_ok(int kv_type) {
@@ -106,12 +130,14 @@ static void matvec_rows(const struct ggml_type_traits_cpu *t, const char *w, siz
 
 /* Whether ggml has a dot product for weights of `type` (and a way to quantize activations to it). */
 static int has_dot(int type) {
+    if (type == TG_Q4_X8) return 1;
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
     const struct ggml_type_traits_cpu *tv = ggml_get_type_traits_cpu(t->vec_dot_type);
     return t->vec_dot != NULL && (t->vec_dot_type == (enum ggml_type)type || tv->from_float != NULL);
 }
 
 static size_t act_row_size(int type, int64_t k) {
+    if (type == TG_Q4_X8) return ggml_row_size(GGML_TYPE_Q8_0, k);
     return ggml_row_size(ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot_type, k);
 }
 
@@ -131,6 +157,130 @@ int tg_linear(int type, const char *w, int64_t n_out, int64_t k, const float *x,
         matvec_rows(t, w, wrow, n_out, k, scratch, xrow, m, y, n_out, 0);
     }
     free(scratch);
+    return 0;
+}
+
+/* The 8-row layout of n rows of Q4_0 or Q4_1 blocks (k values each; n a multiple of 8, k of 32) into
+ * dst (n / 8 * k / 32 groups of X8_GROUP_BYTES): group (g, b) holds block b of rows 8 g .. 8 g + 7,
+ * their scales, then their nibble bytes 8 at a time, row by row (bytes 0-7 of each row's 16, then
+ * bytes 8-15), each nibble XOR 8 so that ggml's kernel reads it as the signed q - 8. For Q4_1,
+ * corr [k / 32, n] gets each block's offset m + 8 d, block-major (tg_linear_x8 adds its term, a
+ * block's offsets for a run of outputs at a time); NULL for Q4_0.
+ * Returns 0, -1 for another type or shape, or where ggml's kernels for this layout are not the
+ * AVX2 ones (this build's CPU lacks AVX2: the plain rows are faster there). */
+int tg_repack_x8(int type, const char *src, int64_t n, int64_t k, char *dst, float *corr) {
+#if !defined(__AVX2__)
+    return -1;
+#endif
+    if ((type != GGML_TYPE_Q4_0 && type != GGML_TYPE_Q4_1) || n % 8 || k % QK) return -1;
+    if ((type == GGML_TYPE_Q4_1) != (corr != NULL)) return -1;
+    const int64_t nb = k / QK;
+    const size_t block = ggml_type_size((enum ggml_type)type), scale_at = 0, qs_at = type == GGML_TYPE_Q4_1 ? 4 : 2;
+    for (int64_t g = 0; g < n / 8; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            char *out = dst + (g * nb + b) * X8_GROUP_BYTES;
+            for (int j = 0; j < 8; j++) {
+                const char *in = src + ((g * 8 + j) * nb + b) * block;
+                memcpy(out + 2 * j, in + scale_at, 2);
+                for (int half = 0; half < 2; half++)
+                    for (int e = 0; e < 8; e++)
+                        out[16 + half * 64 + j * 8 + e] = (char)(in[qs_at + half * 8 + e] ^ 0x88);
+                if (corr != NULL) {
+                    ggml_fp16_t d16, m16;
+                    memcpy(&d16, in, 2);
+                    memcpy(&m16, in + 2, 2);
+                    corr[b * n + g * 8 + j] = ggml_fp16_to_fp32(m16) + 8.0f * ggml_fp16_to_fp32(d16);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The sum of activation block b of row j as quantized for the gemm, the rows' blocks from `at`: 4
+ * rows' Q8_0 blocks interleaved 8 bytes at a time (`four`: chunk c of a block's 16 is row c % 4's),
+ * else rows of nb plain Q8_0 blocks. */
+static float q8_block_sum(const char *at, int64_t j, int four, int64_t b, int64_t nb) {
+    ggml_fp16_t d16;
+    int sum = 0;
+    if (four) {
+        const char *blk = at + b * (4 * Q8_ROW_BLOCK_BYTES);
+        memcpy(&d16, blk + 2 * j, 2);
+        for (int64_t c = j; c < 16; c += 4)
+            for (int e = 0; e < 8; e++) sum += (int8_t)blk[8 + c * 8 + e];
+    } else {
+        const char *blk = at + (j * nb + b) * Q8_ROW_BLOCK_BYTES;
+        memcpy(&d16, blk, 2);
+        for (int e = 0; e < QK; e++) sum += (int8_t)blk[2 + e];
+    }
+    return ggml_fp16_to_fp32(d16) * (float)sum;
+}
+
+/* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
+ * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm,
+ * the m % 4 others one by one for its gemv; m * k / 32 * 34 bytes), the block sums of x go to xs
+ * [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of outputs for every
+ * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. */
+static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
+                    char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+    const int64_t nb = k / QK, m4 = m / 4 * 4;
+    const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
+    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i += 4) {
+        if (i < m4) {
+            ggml_quantize_mat_q8_0_4x8(x + i * k, q + i * row_q8, k);
+        } else {
+            for (int64_t r = i; r < m; r++) q8->from_float(x + r * k, q + r * row_q8, k);
+        }
+        if (corr != NULL) /* the offsets' term sees the activations as the gemm does: quantized */
+            for (int64_t r = i; r < i + 4 && r < m; r++)
+                for (int64_t b = 0; b < nb; b++) xs[r * nb + b] = q8_block_sum(q + i * row_q8, r - i, i < m4, b, nb);
+    }
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t groups = n_out / 8, g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    if (g1 > g0) {
+        const int64_t c0 = g0 * 8, c1 = g1 * 8;
+        const char *w = w8 + g0 * nb * X8_GROUP_BYTES;
+        float *out = accumulate ? tmp : y;
+        const int64_t ldo = accumulate ? n_out : ldy;
+        if (m4) ggml_gemm_q4_0_8x8_q8_0((int)k, out + c0, (size_t)ldo, w, q, (int)m4, (int)(c1 - c0));
+        for (int64_t r = m4; r < m; r++)
+            ggml_gemv_q4_0_8x8_q8_0((int)k, out + r * ldo + c0, (size_t)ldo, w, q + r * row_q8, 1, (int)(c1 - c0));
+        for (int64_t r = 0; r < m; r++) {
+            float *o = out + r * ldo;
+            if (corr != NULL)
+                for (int64_t b = 0; b < nb; b++) {
+                    const float sum = xs[r * nb + b], *cb = corr + b * n_out;
+#pragma omp simd
+                    for (int64_t c = c0; c < c1; c++) o[c] += cb[c] * sum;
+                }
+            if (accumulate) {
+                float *yo = y + r * ldy;
+#pragma omp simd
+                for (int64_t c = c0; c < c1; c++) yo[c] += o[c];
+            }
+        }
+    }
+#pragma omp barrier
+}
+
+/* y [m, n_out] = x [m, k] @ W^T for W repacked by tg_repack_x8 (corr: its Q4_1 offsets, or NULL).
+ * Returns 0, -2 when scratch cannot be had. */
+int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
+                 int nthreads) {
+    char *q = malloc((size_t)m * (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES + 1);
+    float *xs = malloc(sizeof(float) * (size_t)(m * (k / QK)) + 1);
+    if (q == NULL || xs == NULL) {
+        free(q);
+        free(xs);
+        return -2;
+    }
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    x8_rows(w8, corr, n_out, k, x, m, q, xs, y, n_out, NULL, 0);
+    free(q);
+    free(xs);
     return 0;
 }
 
@@ -248,12 +398,28 @@ void tg_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t k,
 }
 
 /* One decoder layer's weights for tg_decode_layers: norms fp32, projections as rows of ggml types
- * (q, k, v stacked in qkv; gate over up in gate_up), qkv_bias fp32 or NULL. */
+ * or repacked by tg_repack_x8 (type TG_Q4_X8, with their Q4_1 offsets or NULL in *_corr; q, k, v
+ * stacked in qkv; gate over up in gate_up), qkv_bias fp32 or NULL. */
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
     const char *qkv, *o, *gate_up, *down;
     int32_t qkv_type, o_type, gate_up_type, down_type;
+    const float *qkv_corr, *o_corr, *gate_up_corr, *down_corr;
 } tg_layer;
+
+/* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for one projection of a tg_layer,
+ * through ggml's gemm for repacked weights, else its vec_dot per row (q: the quantized rows,
+ * qrow bytes apart; xs and tmp: x8_rows's scratch). */
+static void project(int type, const char *w, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
+                    char *q, size_t qrow, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+    if (type == TG_Q4_X8) {
+        x8_rows(w, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
+        return;
+    }
+    const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
+    quantize_rows(t, x, k, m, k, q, qrow);
+    matvec_rows(t, w, ggml_row_size((enum ggml_type)type, k), n_out, k, q, qrow, m, y, ldy, accumulate);
+}
 
 /* Llama-family decoder layers [0, n_layers) of `layers` over m decode rows, in one call and one
  * OpenMP region (threads meet at a barrier between phases instead of a fork and join per op):
@@ -287,8 +453,9 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                                  act_row_size(w->gate_up_type, hidden), act_row_size(w->down_type, inter)};
         for (int j = 0; j < 4; j++) qrow = sizes[j] > qrow ? sizes[j] : qrow;
     }
-    /* normed [m, hidden] | qkv [m, n_qkv] | attn [m, q_size] | gate_up [m, 2 inter] | act [m, inter] */
-    const int64_t floats = m * (hidden + n_qkv + q_size + 3 * inter);
+    /* normed [m, hidden] | qkv [m, n_qkv] | attn [m, q_size] | gate_up [m, 2 inter] | act [m, inter]
+     * | tmp [m, hidden] | xs [m, inter / 32 + q_size / 32 + hidden / 32] (x8_rows's, a bound on any k / 32) */
+    const int64_t floats = m * (hidden + n_qkv + q_size + 3 * inter + hidden + (inter + q_size + hidden) / QK + 1);
     float *buf = malloc(sizeof(float) * (size_t)floats);
     char *q8 = malloc((size_t)m * qrow + 1);
     if (buf == NULL || q8 == NULL) {
@@ -297,7 +464,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
         return -2;
     }
     float *normed = buf, *qkv = normed + m * hidden, *attn = qkv + m * n_qkv, *gu = attn + m * q_size;
-    float *act = gu + m * 2 * inter;
+    float *act = gu + m * 2 * inter, *tmp = act + m * inter, *xs = tmp + m * hidden;
     if (nthreads < 1) nthreads = 1;
     const int64_t ng = heads_per_item(m, kv_heads, nthreads);
     int failed = 0;
@@ -310,16 +477,10 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
         }
         for (int64_t l = 0; l < n_layers; l++) {
             const tg_layer *w = &layers[l];
-            const struct ggml_type_traits_cpu *t_qkv = ggml_get_type_traits_cpu((enum ggml_type)w->qkv_type);
-            const struct ggml_type_traits_cpu *t_o = ggml_get_type_traits_cpu((enum ggml_type)w->o_type);
-            const struct ggml_type_traits_cpu *t_gu = ggml_get_type_traits_cpu((enum ggml_type)w->gate_up_type);
-            const struct ggml_type_traits_cpu *t_down = ggml_get_type_traits_cpu((enum ggml_type)w->down_type);
             char *kc = (char *)k0 + (size_t)(l * layer_stride) * esize, *vc = kc + (size_t)v_offset * esize;
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->input_norm, normed + i * hidden, hidden, eps);
-            quantize_rows(t_qkv, normed, hidden, m, hidden, q8, qrow);
-            matvec_rows(t_qkv, w->qkv, ggml_row_size((enum ggml_type)w->qkv_type, hidden), n_qkv, hidden, q8, qrow,
-                        m, qkv, n_qkv, 0);
+            project(w->qkv_type, w->qkv, w->qkv_corr, n_qkv, hidden, normed, m, q8, qrow, xs, qkv, n_qkv, tmp, 0);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) {
                 float *row = qkv + i * n_qkv;
@@ -344,23 +505,18 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                              TG_SEQ_LEN(i), g, ng, group, kv_heads, d, bs, scale, scores, scores + heads * max_len,
                              attn + i * q_size + g * group * d);
             }
-            quantize_rows(t_o, attn, q_size, m, q_size, q8, qrow);
-            matvec_rows(t_o, w->o, ggml_row_size((enum ggml_type)w->o_type, q_size), hidden, q_size, q8, qrow, m, x,
-                        hidden, 1);
+            project(w->o_type, w->o, w->o_corr, hidden, q_size, attn, m, q8, qrow, xs, x, hidden, tmp, 1);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->post_norm, normed + i * hidden, hidden, eps);
-            quantize_rows(t_gu, normed, hidden, m, hidden, q8, qrow);
-            matvec_rows(t_gu, w->gate_up, ggml_row_size((enum ggml_type)w->gate_up_type, hidden), 2 * inter, hidden,
-                        q8, qrow, m, gu, 2 * inter, 0);
+            project(w->gate_up_type, w->gate_up, w->gate_up_corr, 2 * inter, hidden, normed, m, q8, qrow, xs, gu,
+                    2 * inter, tmp, 0);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) {
                 const float *g = gu + i * 2 * inter, *u = g + inter;
                 float *a = act + i * inter;
                 for (int64_t e = 0; e < inter; e++) a[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
             }
-            quantize_rows(t_down, act, inter, m, inter, q8, qrow);
-            matvec_rows(t_down, w->down, ggml_row_size((enum ggml_type)w->down_type, inter), hidden, inter, q8, qrow,
-                        m, x, hidden, 1);
+            project(w->down_type, w->down, w->down_corr, hidden, inter, act, m, q8, qrow, xs, x, hidden, tmp, 1);
         }
         free(scores);
     }
