@@ -166,11 +166,11 @@ class Linear:
         self.derived_bytes = 0
         self._packed: object = None
         self._bias16: torch.Tensor | None = None
-        self._blocks: torch.Tensor | None = None
         self.ggml_type: ggml_kernels.GgmlType | None = None  # the blocks' type (as the GGUF stored them)
-        self._corr: torch.Tensor | None = None
-        self.ggml_repacked = False  # _blocks in ggml's 8-row layout (Kernels.repack_x8), _corr their offsets
-        self._kernels: ggml_kernels.Kernels | None = None  # set with _blocks
+        # the weights as the C kernels take them (repacked where they can be), set with _kernels
+        self.ggml_projection: ggml_kernels.Projection | None = None
+        self.ggml_repacked = False  # ggml_projection in ggml's 8-row layout (Kernels.repack_x8)
+        self._kernels: ggml_kernels.Kernels | None = None
         if self.format == WeightFormat.GGML:
             self._ggml_blocks(weight)
         if self.format in (WeightFormat.FP16, WeightFormat.GGML):
@@ -213,30 +213,23 @@ class Linear:
                 break
             blocks = kernels.quantize(weight, gtype)
             if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
-                self._blocks, self.ggml_type, self._kernels = blocks, gtype, kernels
+                self.ggml_type, self._kernels = gtype, kernels
+                self.ggml_projection = ggml_kernels.Projection(blocks, gtype)
                 repacked = kernels.repack_x8(blocks, gtype, n, k) if ggml_kernels.repack_on() else None
                 if repacked is not None:  # the plain rows are not kept
-                    (self._blocks, self._corr), self.ggml_repacked = repacked, True
-                    self.derived_bytes += 0 if self._corr is None else self._corr.numel() * 4
-                self.derived_bytes += self._blocks.numel()
+                    self.ggml_projection = ggml_kernels.Projection(repacked[0], ggml_kernels.GgmlType.Q4_X8,
+                                                                   repacked[1])
+                    self.ggml_repacked = True
+                    self.derived_bytes += 0 if repacked[1] is None else repacked[1].numel() * 4
+                self.derived_bytes += self.ggml_projection.blocks.numel()
                 return
-
-    @property
-    def ggml_projection(self) -> ggml_kernels.Projection | None:
-        """The ggml format's weights as the C kernels take them (repacked where they can be); None
-        in other formats or for a layer no exact type holds."""
-        if self._blocks is None or self.ggml_type is None:
-            return None
-        if self.ggml_repacked:
-            return ggml_kernels.Projection(self._blocks, ggml_kernels.GgmlType.Q4_X8, self._corr)
-        return ggml_kernels.Projection(self._blocks, self.ggml_type)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         projection = self.ggml_projection
         if projection is not None and x.shape[0] <= (GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS):
             assert self._kernels is not None
-            out = self._kernels.linear(x, *projection[:2], self.weight.shape[0], projection.corr)
+            out = self._kernels.linear(x, projection.blocks, projection.gtype, self.weight.shape[0], projection.corr)
             return out if self.bias is None else out.add_(self.bias)
         if self.format == WeightFormat.BF16:
             out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")
