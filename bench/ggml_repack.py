@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/ggml_repack.json")
     args = parser.parse_args()
     engines = {True: _engine(True), False: _engine(False)}
-    plain_rows = model_module.DECODE_LAYERS_MAX_ROWS
+    plain_rows, x8_rows = model_module.DECODE_LAYERS_MAX_ROWS, model_module.DECODE_LAYERS_X8_MAX_ROWS
     result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                               "context": args.context, "plain_whole_layer_rows": plain_rows, "decode": [],
                               "prefill_chunk": []}
@@ -99,8 +99,9 @@ def main() -> int:
             seqs[side] = tables
 
         def decode(side: bool) -> float:
-            # the repacked engine runs its layers whole in C at any row count; the plain one as by default
-            model_module.DECODE_LAYERS_MAX_ROWS = 1 << 20 if side else plain_rows
+            # the repacked engine runs its layers whole in C at any row count (its own limit, which the
+            # plain engine does not read); the plain one as by default
+            model_module.DECODE_LAYERS_X8_MAX_ROWS = 1 << 20
             quant.GGML_X8_MAX_ROWS = 1 << 20 if side else quant.GGML_MAX_ROWS  # the head too
             start = time.perf_counter()
             engines[side].runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, seqs[side], strict=True)])
@@ -112,7 +113,7 @@ def main() -> int:
         for side, engine in engines.items():
             for t in seqs[side]:
                 engine.allocator.free(t)
-    model_module.DECODE_LAYERS_MAX_ROWS = plain_rows
+    model_module.DECODE_LAYERS_X8_MAX_ROWS = x8_rows
     for tokens in CHUNK_TOKENS:
         prompt = list(range(1000, 1000 + tokens))
         blocks = {side: engine.allocator.allocate(prompt).block_ids for side, engine in engines.items()}
