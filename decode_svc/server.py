@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import statistics
 import time
@@ -100,6 +101,7 @@ class DecodeWorker:
         self.last_step_chunk_tokens = 0
         self.last_step_num_seqs = 0
         self._step_stats = _StepStats(config.step_stats_s)
+        self._step_log = open(config.step_log, "a", buffering=1) if config.step_log else None  # noqa: SIM115
         self._last_step_end_ns = 0  # perf_counter: the loop's time between steps
         self._profiler = StepProfiler(config.torch_profile_dir, parse_window(config.torch_profile_steps),
                                       config.service_id)
@@ -407,6 +409,18 @@ class DecodeWorker:
                     async with asyncio.timeout(0.05):
                         await self._wake.wait()
 
+    def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int) -> None:
+        """One JSON line for ``--step-log``: the step just run and the partition it ran under."""
+        assert self._step_log is not None
+        partition = self.member.partition
+        self._step_log.write(json.dumps({
+            "end_unix_s": round(self.last_step_end_unix_ns / 1e9, 6), "wall_ms": round(self.last_step_ns / 1e6, 3),
+            "compute_ms": round(compute_ns / 1e6, 3), "gap_ms": round(gap_ns / 1e6, 3), "num_seqs": len(batch),
+            "context_tokens": sum(len(a.req.all_token_ids) for a in batch),
+            "chunk_tokens": self.last_step_chunk_tokens, "num_chunks": len(chunks),
+            "aggregated": partition.aggregated, "token_budget": partition.prefill_token_budget,
+            "epoch": partition.epoch, "decode_units": len(partition.decode_units)}) + "\n")
+
     def _plan_chunks(self) -> list[tuple[_Active, int]]:
         """Prompt chunks for this step: first come first served within the token budget the
         partition gives (its aggregated decision), a whole default budget otherwise.
@@ -578,6 +592,8 @@ class DecodeWorker:
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
         self.last_step_num_seqs = len(batch)
         self.num_steps += 1
+        if self._step_log is not None:
+            self._log_step(batch, chunks, compute_ns, gap_ns)
         summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens,
                                        forward_ns=forward_ns, gap_ns=gap_ns, graph=graphed)
         if summary:

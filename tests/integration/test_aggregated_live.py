@@ -6,6 +6,7 @@ engine token for token, cancels must return every block, and the prefix cache mu
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -23,8 +24,10 @@ NUM_BLOCKS = 512
 
 @pytest.mark.parametrize("policy", ["chunked", "adaptive"])
 def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smollm2_dir: Path, tmp_path: Path) -> None:
+    step_log = tmp_path / "steps.jsonl"
     stack = Stack(smollm2_dir, tmp_path, num_blocks=NUM_BLOCKS,
-                  extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": f"agg-{uuid.uuid4().hex[:6]}"})
+                  extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": f"agg-{uuid.uuid4().hex[:6]}",
+                             "TANDEM_STEP_LOG": str(step_log)})
     # Prompts longer than the default chunk budget, so some take several hybrid steps.
     prompts = _prompts(6, 24, seed=3) + _prompts(2, 600, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -58,6 +61,14 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
         assert "aggregated mode" in stack.logs("prefill_svc")
         stats = asyncio.run(wait_all_blocks_free(stack))
         assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0
+        # decode's --step-log: one line a step; under chunked the two long prompts rode its steps
+        # in chunks, beside the streams (adaptive may have split and prefilled them apart)
+        steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+        assert steps and all(s["wall_ms"] >= s["compute_ms"] > 0 and s["num_seqs"] + s["num_chunks"] > 0
+                             for s in steps)
+        if policy == "chunked":
+            assert sum(s["chunk_tokens"] for s in steps) >= 2 * 600
+            assert any(s["chunk_tokens"] and s["num_seqs"] and s["aggregated"] for s in steps)
         assert stats.num_prefix_hit_tokens >= 512  # the repeated 600-token prompt
     finally:
         stack.stop()
