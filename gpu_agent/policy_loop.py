@@ -21,8 +21,9 @@ another model's prompt), so a decision naming another model's prompts pauses not
 
 Live calibration: while an aggregated decision is in force, each new step a decode service
 reports (its time, the prompt tokens it carried, the contexts it decoded) scales the decode and
-hybrid predictions the policy sees (``LiveStepPredictor``), so the chunk budget follows what a
-step costs here, with no profile. A split decision's decode steps beside a busy prefill feed a
+hybrid predictions the policy sees (``LiveStepPredictor``: decode-only steps and the prompt part
+of hybrid steps each by their own factor), so the chunk budget follows what a step costs here,
+with no profile. A split decision's decode steps beside a busy prefill feed a
 factor of their own, which scales the decode step predicted beside prefill (the split policies
 size decode's share by it); with prefill idle they feed neither.
 """
@@ -108,16 +109,18 @@ class PolicyLoop:
             self._calibrate_split(load, len(last.decode_cores), len(last.prefill_cores))
 
     def _calibrate_aggregated(self, load: agent_pb2.PhaseLoad) -> None:
-        first = self.predictor.num_samples == 0
+        live = self.predictor
+        first = (live.num_prompt_samples if load.last_step_chunk_tokens else live.num_samples) == 0
         # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
         num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
                     else len(load.decode_context_lens))
-        ratio = self.predictor.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
-                                       list(load.decode_context_lens[:num_seqs]), len(self.cores))
+        ratio = live.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
+                             list(load.decode_context_lens[:num_seqs]), len(self.cores))
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
-                     "model; decode and hybrid predictions now x%.2f", load.last_step_ns / 1e6, num_seqs,
-                     load.last_step_chunk_tokens, ratio, self.predictor.factor)
+                     "prediction; decode steps now x%.2f the model, prompt tokens in hybrid steps x%.2f",
+                     load.last_step_ns / 1e6, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
+                     live.prompt_factor if live.num_prompt_samples else live.factor)
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
         first = self.predictor.num_split_samples == 0

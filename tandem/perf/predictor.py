@@ -50,43 +50,91 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
 
 
 class LiveStepPredictor:
-    """A predictor whose decode and hybrid steps are scaled by a factor measured live.
+    """A predictor whose decode and hybrid steps are scaled by factors measured live.
 
     The default stack runs without a profile, on the placeholder preset, and a live step also
     pays what no profile sees (sampling, streaming, the other processes on the same cores). So
     the agent feeds every step decode reports (``observe``: its measured time, the prompt
-    tokens it carried in chunks, the contexts it decoded) and the factor follows measured /
-    predicted. It leans slow: a step slower than the factor moves it by ``up``, a faster one by
-    ``down``, so it tracks an upper quantile of the ratio rather than its mean, and a policy
-    that fills a step up to the TBT SLO leaves room for the noise of the steps. Prefill
+    tokens it carried in chunks, the contexts it decoded). A decode-only step's measured /
+    predicted ratio moves ``factor``, which scales decode steps. A step with prompt tokens
+    (hybrid) moves ``prompt_factor`` instead: what the step took beyond its decode part (that
+    part predicted at ``factor``), over the base model's prompt part. A hybrid step is
+    predicted as its decode part x ``factor`` plus its prompt part x ``prompt_factor``.
+
+    The two must be apart: on this CPU a decode step of a few rows runs whole in C on the Q4
+    weights (0.8-0.9x the base model with repacked layers), while prompt rows run fbgemm's fp16
+    (1.5-2x it). Decode-only steps outnumber hybrid ones 10-20 to 1, so one shared factor sat at
+    the decode steps' ratio and 85 % of the hybrid steps of a ShareGPT run outran their
+    prediction, past the TBT SLO the chunk budget was sized for (README, "the chunk budget").
+
+    Both lean slow, so that a policy that fills a step up to the TBT SLO leaves room for the
+    noise of the steps: a decode step slower than ``factor`` moves it by ``up`` toward its ratio,
+    a faster one by ``down``, so it tracks an upper quantile of the ratio rather than its mean;
+    ``prompt_factor`` settles where ``prompt_quantile`` of hybrid steps finish within their
+    prediction (a quantile tracker taking steps of ``prompt_step`` in log space). Prefill
     predictions are the base model's (the router calibrates its own). Not thread-safe.
     """
 
     def __init__(self, base: Predictor, *, up: float = 0.3, down: float = 0.05, min_factor: float = 0.1,
-                 max_factor: float = 10.0) -> None:
+                 max_factor: float = 10.0, prompt_quantile: float = 0.9, prompt_step: float = 0.2) -> None:
         if not (0 < down <= up <= 1 and 0 < min_factor <= 1 <= max_factor):
             raise ValueError("LiveStepPredictor needs 0 < down <= up <= 1 and min_factor <= 1 <= max_factor")
         self.base = base
+        if not (0 < prompt_quantile < 1 and prompt_step > 0):
+            raise ValueError("LiveStepPredictor needs 0 < prompt_quantile < 1 and prompt_step > 0")
         self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
+        self.prompt_quantile, self.prompt_step = prompt_quantile, prompt_step
         self.factor = 1.0
-        self.num_samples = 0
+        self.num_samples = 0  # decode-only steps folded into ``factor``
+        self.prompt_factor = 1.0
+        self.num_prompt_samples = 0  # hybrid steps folded into ``prompt_factor``
         # Decode steps of split decisions, beside a busy prefill: their own factor (``observe_split``).
         self.split_factor = 1.0
         self.num_split_samples = 0
 
     def observe(self, measured_s: float, chunk_tokens: int, context_lens: Sequence[int], units: int) -> float | None:
-        """Fold in one measured step; returns its measured / predicted ratio (None: not usable)."""
+        """Fold in one measured step; returns its measured / predicted ratio, the prediction
+        made before this step was folded in (None: not usable)."""
         if not (measured_s > 0 and math.isfinite(measured_s)) or units < 1 or not (context_lens or chunk_tokens):
             return None
-        if chunk_tokens:
-            predicted = self.base.predict_hybrid([(chunk_tokens, 0)], context_lens, units)
-        else:
-            predicted = self.base.predict_decode(context_lens, units)
+        if not chunk_tokens:
+            ratio = self._ratio(measured_s, self.base.predict_decode(context_lens, units))
+            if ratio is not None:
+                self.factor = self._fold(self.factor, ratio, self.num_samples)
+                self.num_samples += 1
+            return ratio
+        decode_s, prompt_s = self._hybrid_parts([(chunk_tokens, 0)], context_lens, units)
+        predicted = self.factor * decode_s + self._prompt_factor() * prompt_s
         ratio = self._ratio(measured_s, predicted)
-        if ratio is not None:
-            self.factor = self._fold(self.factor, ratio, self.num_samples)
-            self.num_samples += 1
+        if ratio is None or not prompt_s > 0:
+            return ratio
+        if self.num_prompt_samples == 0:  # the first: the prompt part takes what decode's left
+            self.prompt_factor = min(self.max_factor, max(self.min_factor,
+                                                          (measured_s - self.factor * decode_s) / prompt_s))
+        else:
+            # A quantile tracker on the whole step (the step's size does not matter, only whether
+            # it outran its prediction): it settles where ``prompt_quantile`` of hybrid steps
+            # finish within the prediction. Folding ratios instead (as ``factor`` does) left 20-30 %
+            # of them above it, and the chunk budget fills a hybrid step up to the TBT SLO; folding
+            # the prompt part's own ratio (the step less its decode part) swung on steps whose
+            # decode part dominates.
+            over = measured_s > predicted
+            self.prompt_factor = min(self.max_factor, max(self.min_factor, self.prompt_factor * math.exp(
+                self.prompt_step * (self.prompt_quantile - (not over)))))
+        self.num_prompt_samples += 1
         return ratio
+
+    def _hybrid_parts(self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int],
+                      units: int) -> tuple[float, float]:
+        """The base model's hybrid step as (its decode part, the rest: the prompt tokens' part)."""
+        whole = self.base.predict_hybrid(prefill_seqs, decode_context_lens, units)
+        decode_s = self.base.predict_decode(decode_context_lens, units) if decode_context_lens else 0.0
+        decode_s = min(decode_s, whole)
+        return decode_s, whole - decode_s
+
+    def _prompt_factor(self) -> float:
+        """``prompt_factor`` once a hybrid step was measured; until then the decode steps' factor."""
+        return self.prompt_factor if self.num_prompt_samples else self.factor
 
     def observe_split(self, measured_s: float, context_lens: Sequence[int], decode_units: int,
                       prefill_units: int) -> float | None:
@@ -115,10 +163,15 @@ class LiveStepPredictor:
 
     def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
         """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
-        if num_samples == 0:
-            return ratio
-        w = self.up if ratio > factor else self.down
+        w = self._weight(ratio, factor, num_samples)
         return math.exp((1 - w) * math.log(factor) + w * math.log(ratio))
+
+    def _weight(self, ratio: float, factor: float, num_samples: int) -> float:
+        """How far a fold moves toward ``ratio``: all the way for the first sample, then ``up``
+        when it is above ``factor``, ``down`` when below."""
+        if num_samples == 0:
+            return 1.0
+        return self.up if ratio > factor else self.down
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)
@@ -129,7 +182,8 @@ class LiveStepPredictor:
     def predict_hybrid(
         self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
     ) -> float:
-        return self.factor * self.base.predict_hybrid(prefill_seqs, decode_context_lens, units)
+        decode_s, prompt_s = self._hybrid_parts(prefill_seqs, decode_context_lens, units)
+        return self.factor * decode_s + self._prompt_factor() * prompt_s
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         """The base model's contention; for decode beside a busy prefill, once split steps were
