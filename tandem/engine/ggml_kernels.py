@@ -408,10 +408,8 @@ def own_kernels() -> Kernels | None:
 
 def repack_on() -> bool:
     """Whether the ``ggml`` format repacks Q4_0 / Q4_1 layers for ggml's gemm (``Kernels.repack_x8``):
-    only with ``TANDEM_GGML_REPACK=on``. Its decode steps are faster, but on ShareGPT lengths at
-    1 req/s the stack met the SLOs less often with it (two alternated pairs, 2026-11-27; README),
-    so it stays opt-in until that is understood. Read when a model is loaded."""
-    return os.environ.get("TANDEM_GGML_REPACK", "off") == "on"
+    yes unless ``TANDEM_GGML_REPACK=off`` (for A/B measurements). Read when a model is loaded."""
+    return os.environ.get("TANDEM_GGML_REPACK", "on") != "off"
 
 
 def whole_layers_on() -> bool:

@@ -9,8 +9,6 @@ their spread rather than bit for bit. The K/V written to the pool agree to fp32 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import random
 
 import pytest
@@ -33,11 +31,8 @@ SHAPES = [(3, 1, 32), (4, 2, 32), (2, 2, 48), (6, 3, 16)]  # query heads, kv hea
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels() -> Iterator[ggml_kernels.Kernels]:
-    # the repacked layers are opt-in (ggml_kernels.repack_on); these tests cover both kinds
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TANDEM_GGML_REPACK", "on")
-        yield ggml_kernels.require()
+def kernels() -> ggml_kernels.Kernels:
+    return ggml_kernels.require()
 
 
 def _model(heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, seed: int,
@@ -147,10 +142,8 @@ def test_repacked_layers_run_whole_at_more_rows_and_agree() -> None:
     """A model whose projections are all Q4 (repacked for ggml's gemm: 4-row groups and single
     rows both) runs whole layers up to DECODE_LAYERS_X8_MAX_ROWS rows, within the same bound of
     the op-by-op step and mostly bit for bit (both run the same gemm on the same 8-bit rows)."""
-    repacked, mixed = (_model(4, 2, 32, False, False, 1, types)._whole_layers
-                       for types in ((GgmlType.Q4_1, GgmlType.Q4_0), (GgmlType.Q4_1, GgmlType.Q8_0)))
-    assert repacked is not None and repacked.repacked
-    assert mixed is not None and not mixed.repacked  # Q8_0 projections stay plain
+    assert _model(4, 2, 32, False, False, 1, (GgmlType.Q4_1, GgmlType.Q4_0))._whole_layers.repacked
+    assert not _model(4, 2, 32, False, False, 1)._whole_layers.repacked  # Q8_0 projections stay plain
     rng = random.Random(20261127)
     exact = 0
     for trial in range(12):

@@ -9,8 +9,6 @@ the activations to 8 bits per 32-value block (Q8_1 / Q8_0), which is the whole e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,11 +23,8 @@ REL_ABS_DOT = 0.02
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels() -> Iterator[ggml_kernels.Kernels]:
-    # the repacked layers are opt-in (ggml_kernels.repack_on); these tests cover both kinds
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TANDEM_GGML_REPACK", "on")
-        yield ggml_kernels.require()
+def kernels() -> ggml_kernels.Kernels:
+    return ggml_kernels.require()
 
 
 def _exact(gtype: GgmlType, n: int, k: int, seed: int) -> torch.Tensor:
@@ -122,15 +117,11 @@ def test_only_q4_rows_in_whole_groups_of_8_repack() -> None:
     assert Linear(w, None, WeightFormat.GGML).ggml_repacked
 
 
-def test_repacking_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_repacking_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     w = _exact(GgmlType.Q4_1, 16, 64, 3)
-    for value in ("off", None):
-        if value is None:
-            monkeypatch.delenv("TANDEM_GGML_REPACK")
-        else:
-            monkeypatch.setenv("TANDEM_GGML_REPACK", value)
-        lin = Linear(w, None, WeightFormat.GGML)
-        assert not lin.ggml_repacked and lin.ggml_type == GgmlType.Q4_1
+    monkeypatch.setenv("TANDEM_GGML_REPACK", "off")
+    lin = Linear(w, None, WeightFormat.GGML)
+    assert not lin.ggml_repacked and lin.ggml_type == GgmlType.Q4_1
 
 
 @settings(max_examples=15, deadline=None)
