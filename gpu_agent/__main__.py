@@ -23,7 +23,7 @@ from gpu_agent.models import Cell
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, cell_stats, policy_ticks
 from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
-from tandem.policy.policies import get_policy
+from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, get_policy
 from tandem.policy.types import Slo
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
@@ -66,7 +66,10 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         # The static policy is the split from the flags; the others re-split on live load (predicting
         # from the cell's first model when it serves several).
         model_config = cell.first.config
-        policy = PolicyLoop(config.policy, get_policy(config.policy), cpu_predictor(model_config, len(cores), config.profile),
+        chosen = get_policy(config.policy)
+        if config.policy == "chunked" and config.chunk_tbt_target != 1.0:
+            chosen = ChunkedPolicy(ChunkedConfig(tbt_target=config.chunk_tbt_target))
+        policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),
                             calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free)

@@ -60,6 +60,10 @@ class AgentConfig:
         parse=lambda text: parse_cores(text or default_split()[1])))
     policy: str = field(metadata=flag("--policy", CPU_DEFAULT_POLICY, "partition policy: chunked (a CPU cell's "
                                       "default), dynamic, adaptive or static"))
+    chunk_tbt_target: float = field(metadata=flag(
+        "--chunk-tbt-target", 0.9, "chunked: plan each hybrid step within this fraction of the TBT SLO (a step's "
+        "tokens reach the client some ms after it ends, and the router's stream cap cuts at 0.9 x the SLO)",
+        type=float))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(
@@ -81,6 +85,8 @@ class AgentConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
         WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
+        if not 0 < self.chunk_tbt_target <= 1:
+            raise ValueError(f"--chunk-tbt-target must be in (0, 1], got {self.chunk_tbt_target}")
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
             raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive, --ttft-slo-ms-per-1k not negative")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -141,13 +141,16 @@ def _edf_batch(
 @dataclass(frozen=True)
 class ChunkedConfig:
     """`max_budget_tokens` caps decode + prefill tokens per step (the roofline knee);
-    `min_chunk_tokens` is a progress floor so prefill never starves behind a long decode."""
+    `min_chunk_tokens` is a progress floor so prefill never starves behind a long decode;
+    `tbt_target` is the fraction of the TBT SLO a hybrid step is planned within (a live cell's
+    tokens reach the client some ms after its step ends, which a simulated one does not pay)."""
 
     max_budget_tokens: int = 2048
     min_chunk_tokens: int = 32
+    tbt_target: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0:
+        if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1:
             raise ValueError("bad chunked config")
 
 
@@ -194,9 +197,11 @@ def _aggregated(snapshot: ClusterSnapshot, chunks: Sequence[tuple[str, int, int]
     )
 
 
-def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget_tokens: int) -> int:
+def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget_tokens: int,
+                     tbt_target: float = 1.0) -> int:
     """Most prefill tokens one hybrid step may carry: decode + prefill tokens within
-    `max_budget_tokens` and the predicted step within TBT (bisection; monotone in tokens)."""
+    `max_budget_tokens` and the predicted step within `tbt_target` x TBT (bisection; monotone
+    in tokens)."""
     pending = _pending_prefill(snapshot)
     ctx = snapshot.decode_context_lens
     cap = min(max(0, max_budget_tokens - len(ctx)), sum(n for _, n, _ in pending))
@@ -204,7 +209,7 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
         return cap
 
     def fits(tokens: int) -> bool:
-        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s
+        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s * tbt_target
 
     if fits(cap):
         return cap
@@ -230,7 +235,7 @@ class ChunkedPolicy:
         pending = _pending_prefill(snapshot)
         if not pending:
             return _aggregated(snapshot, [], "chunked: decode only")
-        budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens)
+        budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target)
         floor = min(self.config.min_chunk_tokens, sum(n for _, n, _ in pending))
         reason = f"chunked: {budget} prefill tokens fit TBT"
         if budget < floor:

@@ -405,6 +405,19 @@ def test_chunked_budget_is_the_largest_that_keeps_tbt() -> None:
     assert d.prefill_batch == ("a",)  # FCFS: the first prompt takes the whole chunk
 
 
+@pytest.mark.parametrize("target", [0.3, 0.55, 0.8, 0.95])
+def test_chunked_plans_hybrid_steps_within_its_tbt_target(target: float) -> None:
+    s = snap(queue=(q("a", 3000), q("b", 3000, arrival_s=NOW + 1)))
+    whole = sum(ChunkedPolicy(ChunkedConfig(max_budget_tokens=4096, min_chunk_tokens=0))(s, P).prefill_chunk_tokens)
+    d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=4096, min_chunk_tokens=0, tbt_target=target))(s, P)
+    tokens = sum(d.prefill_chunk_tokens)
+    assert tokens < whole
+    assert P.predict_hybrid([(tokens, 0)], DECODE, 16) <= target * SLO.tbt_s
+    assert P.predict_hybrid([(tokens + 1, 0)], DECODE, 16) > target * SLO.tbt_s
+    with pytest.raises(ValueError):
+        ChunkedConfig(tbt_target=1.5)
+
+
 def test_chunked_respects_the_token_budget() -> None:
     s = snap(queue=(q("a", 100), q("b", 3000, arrival_s=NOW + 1)), decode=(10,) * 4)
     d = ChunkedPolicy(ChunkedConfig(max_budget_tokens=512))(s, P)

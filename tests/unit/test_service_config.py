@@ -111,3 +111,7 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
     assert defaults.prefill_cores and defaults.decode_cores  # split of this process's cores
     with pytest.raises(ValueError, match="--policy"):
         parse_agent(["--policy", "fastest"])
+    assert defaults.chunk_tbt_target == 0.9 and parse_agent(["--chunk-tbt-target", "0.75"]).chunk_tbt_target == 0.75
+    for bad in ("0", "1.2"):
+        with pytest.raises(ValueError, match="--chunk-tbt-target"):
+            parse_agent(["--chunk-tbt-target", bad])
