@@ -120,7 +120,7 @@ class PolicyLoop:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
                      "prediction; decode steps now x%.2f the model, prompt tokens in hybrid steps x%.2f",
                      load.last_step_ns / 1e6, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
-                     live.prompt_factor if live.num_prompt_samples else live.factor)
+                     live.prompt_scale())
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
         first = self.predictor.num_split_samples == 0

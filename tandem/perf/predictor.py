@@ -57,9 +57,10 @@ class LiveStepPredictor:
     the agent feeds every step decode reports (``observe``: its measured time, the prompt
     tokens it carried in chunks, the contexts it decoded). A decode-only step's measured /
     predicted ratio moves ``factor``, which scales decode steps. A step with prompt tokens
-    (hybrid) moves ``prompt_factor`` instead: what the step took beyond its decode part (that
-    part predicted at ``factor``), over the base model's prompt part. A hybrid step is
-    predicted as its decode part x ``factor`` plus its prompt part x ``prompt_factor``.
+    (hybrid) moves ``prompt_factor`` instead, which scales the base model's prompt part of a
+    hybrid step (the first such step sets it to what the step took beyond its decode part, that
+    part predicted at ``factor``). A hybrid step is predicted as its decode part x ``factor``
+    plus its prompt part x ``prompt_factor``.
 
     The two must be apart: on this CPU a decode step of a few rows runs whole in C on the Q4
     weights (0.8-0.9x the base model with repacked layers), while prompt rows run fbgemm's fp16
@@ -104,7 +105,7 @@ class LiveStepPredictor:
                 self.num_samples += 1
             return ratio
         decode_s, prompt_s = self._hybrid_parts([(chunk_tokens, 0)], context_lens, units)
-        predicted = self.factor * decode_s + self._prompt_factor() * prompt_s
+        predicted = self.factor * decode_s + self.prompt_scale() * prompt_s
         ratio = self._ratio(measured_s, predicted)
         if ratio is None or not prompt_s > 0:
             return ratio
@@ -132,8 +133,9 @@ class LiveStepPredictor:
         decode_s = min(decode_s, whole)
         return decode_s, whole - decode_s
 
-    def _prompt_factor(self) -> float:
-        """``prompt_factor`` once a hybrid step was measured; until then the decode steps' factor."""
+    def prompt_scale(self) -> float:
+        """What prompt parts are scaled by now: ``prompt_factor`` once a hybrid step was
+        measured, until then the decode steps' factor."""
         return self.prompt_factor if self.num_prompt_samples else self.factor
 
     def observe_split(self, measured_s: float, context_lens: Sequence[int], decode_units: int,
@@ -163,15 +165,10 @@ class LiveStepPredictor:
 
     def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
         """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
-        w = self._weight(ratio, factor, num_samples)
-        return math.exp((1 - w) * math.log(factor) + w * math.log(ratio))
-
-    def _weight(self, ratio: float, factor: float, num_samples: int) -> float:
-        """How far a fold moves toward ``ratio``: all the way for the first sample, then ``up``
-        when it is above ``factor``, ``down`` when below."""
         if num_samples == 0:
-            return 1.0
-        return self.up if ratio > factor else self.down
+            return ratio
+        w = self.up if ratio > factor else self.down
+        return math.exp((1 - w) * math.log(factor) + w * math.log(ratio))
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)
@@ -183,7 +180,7 @@ class LiveStepPredictor:
         self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
     ) -> float:
         decode_s, prompt_s = self._hybrid_parts(prefill_seqs, decode_context_lens, units)
-        return self.factor * decode_s + self._prompt_factor() * prompt_s
+        return self.factor * decode_s + self.prompt_scale() * prompt_s
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         """The base model's contention; for decode beside a busy prefill, once split steps were
