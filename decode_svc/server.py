@@ -433,6 +433,8 @@ class DecodeWorker:
         partition = self.member.partition
         budget = partition.prefill_token_budget if partition.aggregated else 0
         if not budget:
+            if partition.aggregated and partition.prefill_held and self.running:
+                return []  # the agent saw queued prompts and holds them: no chunk fits beside the streams
             budget = MIN_CHUNK_TOKENS if partition.aggregated and self.running else DEFAULT_PREFILL_TOKEN_BUDGET
         chunks: list[tuple[_Active, int]] = []
         for active in self.prefilling:

@@ -64,6 +64,10 @@ class AgentConfig:
         "--chunk-tbt-target", 0.9, "chunked: plan each hybrid step within this fraction of the TBT SLO (a step's "
         "tokens reach the client some ms after it ends, and the router's stream cap cuts at 0.9 x the SLO)",
         type=float))
+    chunk_floor_within_slo: bool = field(metadata=flag(
+        "--chunk-floor-within-slo", True, "chunked: the 32-token progress floor never takes a hybrid step beside "
+        "running streams past the TBT SLO (it carries what fits, or the prompts wait); false: the fixed floor",
+        type=parse_bool))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(

@@ -55,6 +55,7 @@ class Applied(NamedTuple):
     decode_lookahead: int
     preempt: str = ""  # the running prefill batch to pause (named by its first request)
     prefill_first: tuple[str, ...] = ()  # what runs before it resumes
+    prefill_held: bool = False  # aggregated: prompts are queued and get no tokens beside the streams for now
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -190,7 +191,8 @@ class PolicyLoop:
         applied = Applied(prefill_cores, decode_cores, decision.aggregated,
                           sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                           decision.prefill_layers if not decision.aggregated else 0,
-                          decision.decode_lookahead, preempt, decision.prefill_batch if preempt else ())
+                          decision.decode_lookahead, preempt, decision.prefill_batch if preempt else (),
+                          decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens)
         if applied == self.last:
             return None
         if preempt:

@@ -143,11 +143,17 @@ class ChunkedConfig:
     """`max_budget_tokens` caps decode + prefill tokens per step (the roofline knee);
     `min_chunk_tokens` is a progress floor so prefill never starves behind a long decode;
     `tbt_target` is the fraction of the TBT SLO a hybrid step is planned within (a live cell's
-    tokens reach the client some ms after its step ends, which a simulated one does not pay)."""
+    tokens reach the client some ms after its step ends, which a simulated one does not pay).
+    `floor_within_slo`: the floor never takes a hybrid step beside running streams past the TBT
+    SLO itself (the prediction at 1.0x); what fits there is the floor, and when nothing does
+    the prompts wait for the batch to shrink. Off in the simulator (a GPU's floor chunk is cheap
+    beside a decode step); on for a live CPU cell, where a 32-token chunk costs as much as a
+    decode step of a dozen streams and the fixed floor broke every running stream's TBT."""
 
     max_budget_tokens: int = 2048
     min_chunk_tokens: int = 32
     tbt_target: float = 1.0
+    floor_within_slo: bool = False
 
     def __post_init__(self) -> None:
         if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1:
@@ -238,6 +244,11 @@ class ChunkedPolicy:
         budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target)
         floor = min(self.config.min_chunk_tokens, sum(n for _, n, _ in pending))
         reason = f"chunked: {budget} prefill tokens fit TBT"
+        if budget < floor and self.config.floor_within_slo and snapshot.decode_context_lens:
+            floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens))
+            if floor == 0:
+                return _aggregated(snapshot, [], "chunked: no prompt chunk fits the TBT SLO beside the streams; "
+                                                 "prompts wait")
         if budget < floor:
             budget, reason = floor, f"chunked: TBT leaves {budget} tokens; progress floor {floor}"
         return _aggregated(snapshot, _chunks(pending, budget), reason)

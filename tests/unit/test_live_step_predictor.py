@@ -224,3 +224,25 @@ def test_split_calibration_off_leaves_the_split_predictions_alone() -> None:
         decided = loop.decide()
         assert decided is None or not decided[0].aggregated
     assert loop.predictor.num_split_samples == 0 and loop.predictor.num_samples == 0
+
+
+@pytest.mark.parametrize("num_seqs", [4, 40, 60, 80])
+def test_chunked_holds_queued_prompts_only_when_no_chunk_fits_the_slo(num_seqs: int) -> None:
+    """The agent's chunked policy bounds its progress floor by the TBT SLO: beside a decode batch
+    that leaves no room even for one prompt token, its partition holds the queued prompts (budget
+    0, ``prefill_held``) rather than sending the fixed floor that breaks every stream's TBT."""
+    base = LinearPredictor()
+    policy = POLICIES["chunked"].__class__(ChunkedConfig(tbt_target=0.9, floor_within_slo=True))
+    loop = PolicyLoop("chunked", policy, base, [0, 1], 32, SLO)
+    contexts = [1000] * num_seqs
+    loop.report(_decode_load(contexts, 0.0, 0, 0))
+    decided = loop.decide()
+    assert decided is not None
+    applied = decided[0]
+    fits = [n for n in (1, 32) if base.predict_hybrid([(n, 0)], contexts, 2) <= SLO.tbt_s]
+    assert applied.aggregated
+    assert applied.prefill_held == (not fits)
+    if fits:
+        assert base.predict_hybrid([(applied.prefill_token_budget, 0)], contexts, 2) <= SLO.tbt_s + 1e-12
+    else:
+        assert applied.prefill_token_budget == 0

@@ -441,6 +441,53 @@ def test_chunked_progress_floor() -> None:
     assert d.prefill_chunk_tokens == (32,)
 
 
+@settings(max_examples=200, deadline=None)
+@given(num_seqs=st.integers(0, 40), ctx=st.integers(1, 4000), prompts=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+       floor=st.integers(0, 256), target=st.sampled_from([0.5, 0.8, 0.9, 1.0]), units=st.sampled_from([1, 2, 16]))
+def test_chunked_floor_within_slo_never_plans_past_the_slo(num_seqs: int, ctx: int, prompts: list[int], floor: int,
+                                                           target: float, units: int) -> None:
+    """With the floor bounded, a hybrid step beside streams is never predicted past the TBT SLO:
+    it carries what fits the target, else the floor cut to what fits the SLO itself, else nothing
+    (the prompts wait). Without streams, or where the fixed floor already fits, nothing changes."""
+    decode = (ctx,) * num_seqs
+    s = snap(queue=tuple(q(f"r{i}", n, arrival_s=NOW + i) for i, n in enumerate(prompts)), decode=decode,
+             total_units=units)
+    bounded = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=floor, tbt_target=target, floor_within_slo=True))(s, P)
+    fixed = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=floor, tbt_target=target))(s, P)
+    tokens, fixed_tokens = sum(bounded.prefill_chunk_tokens), sum(fixed.prefill_chunk_tokens)
+
+    def step_s(n: int) -> float:
+        left, seqs = n, []
+        for p in prompts:
+            if left <= 0:
+                break
+            seqs.append((min(p, left), 0))
+            left -= min(p, left)
+        return P.predict_hybrid(seqs, decode, units)
+
+    assert tokens <= fixed_tokens
+    if not decode or step_s(fixed_tokens) <= SLO.tbt_s:
+        assert bounded.prefill_chunk_tokens == fixed.prefill_chunk_tokens
+    elif tokens:
+        assert step_s(tokens) <= SLO.tbt_s
+        assert tokens == sum(prompts) or tokens + num_seqs == 2048 or step_s(tokens + 1) > target * SLO.tbt_s
+    else:
+        assert bounded.prefill_batch == () and step_s(1) > SLO.tbt_s
+
+
+def test_chunked_floor_within_slo_holds_prompts_behind_a_full_decode() -> None:
+    heavy = (50_000,) * 64  # decode alone breaks TBT: the fixed floor would add 32 tokens to it
+    s = snap(queue=(q("a", 3000),), decode=heavy)
+    d = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=32, floor_within_slo=True))(s, P)
+    assert d.prefill_batch == () and d.aggregated and "prompts wait" in d.reason
+    # Room for part of the floor: the step carries what fits the SLO, past the 0.5 target.
+    room = (1000,) * 8
+    s = snap(queue=(q("a", 3000),), decode=room)
+    d = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=10_000, tbt_target=0.5, floor_within_slo=True))(s, P)
+    tokens = sum(d.prefill_chunk_tokens)
+    assert P.predict_hybrid([(tokens, 0)], room, 16) <= SLO.tbt_s < P.predict_hybrid([(tokens + 1, 0)], room, 16)
+
+
 # --------------------------------------------------------------------------- static
 
 

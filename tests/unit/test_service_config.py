@@ -115,3 +115,4 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
     for bad in ("0", "1.2"):
         with pytest.raises(ValueError, match="--chunk-tbt-target"):
             parse_agent(["--chunk-tbt-target", bad])
+    assert defaults.chunk_floor_within_slo and not parse_agent(["--chunk-floor-within-slo", "false"]).chunk_floor_within_slo

@@ -70,7 +70,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Partition(_message.Message):
-    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first")
+    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first", "prefill_held")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_UNITS_FIELD_NUMBER: _ClassVar[int]
     DECODE_UNITS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Partition(_message.Message):
     PREFILL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIRST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HELD_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     prefill_units: _containers.RepeatedScalarFieldContainer[int]
     decode_units: _containers.RepeatedScalarFieldContainer[int]
@@ -91,4 +92,5 @@ class Partition(_message.Message):
     prefill_layers: int
     preempt: str
     prefill_first: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefill_held: bool
+    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ..., prefill_held: _Optional[bool] = ...) -> None: ...
