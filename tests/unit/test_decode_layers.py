@@ -157,8 +157,8 @@ def test_repacked_layers_run_whole_at_more_rows_and_agree() -> None:
 
 
 def test_other_steps_and_models_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompt rows in the step, more rows than the whole-layer path takes, the path turned off,
-    a model with q/k norms and formats other than ggml all keep the op-by-op layers."""
+    """More rows than the whole-layer path takes (prompt rows count), the path turned off, a
+    model with q/k norms and formats other than ggml all keep the op-by-op layers."""
     model = _model(4, 2, 32, False, False, 7)
     whole = model._whole_layers
     assert whole is not None
@@ -169,14 +169,16 @@ def test_other_steps_and_models_run_op_by_op(monkeypatch: pytest.MonkeyPatch) ->
     pool = KVPool.create(KVPoolSpec.for_model(model.config, 4 * rows, 16))
     runner = ModelRunner(model, pool)
     decode = [SeqInput((3,), 20, [4 * i, 4 * i + 1]) for i in range(rows)]
-    runner.forward(decode[:1] + [SeqInput((1, 2, 3), 0, [4 * rows - 1])])  # a prompt beside a decode row
+    runner.forward(decode[:1] + [SeqInput(tuple(range(1, rows)), 0, [4 * rows - 1])])  # prompt rows: one too many
     runner.forward(decode)  # one row too many
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "ops")
     runner.forward(decode[:2])
+    runner.forward(decode[:1] + [SeqInput((1, 2, 3), 0, [4 * rows - 1])])
     assert not calls
     monkeypatch.delenv("TANDEM_CPU_KERNELS")
     runner.forward(decode[:2])
-    assert len(calls) == 1
+    runner.forward(decode[:1] + [SeqInput((1, 2, 3), 0, [4 * rows - 1])])  # a prompt beside a decode row: whole
+    assert len(calls) == 2
     assert _model(4, 2, 32, False, True, 7)._whole_layers is None  # Qwen3's per-head q/k norms
     fp16 = LlamaModel(model.config, model.weights, make_backend("torch", 4), WeightFormat.FP16)
     assert fp16._whole_layers is None
@@ -192,3 +194,63 @@ def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
         model._whole_layers.run(0, 3, torch.zeros(1, 96), cos, sin, torch.tensor([4]), pool, layout)
     with pytest.raises(ValueError, match="layers"):
         model._whole_layers.run(0, 4, torch.zeros(1, 96), cos, sin, torch.tensor([4]), pool, layout)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(SHAPES), st.booleans(), st.sampled_from([1, 5, 16]), st.booleans(), st.integers(0, 4),
+       st.lists(st.tuples(st.integers(0, 120), st.integers(1, 9)), min_size=1, max_size=3), st.integers(0, 2**31))
+def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
+        heads_kv_d: tuple[int, int, int], bias: bool, block_size: int, repacked: bool, num_decode: int,
+        prompts: list[tuple[int, int]], seed: int) -> None:
+    """A step carrying prompt chunks (each after its own cached prefix) beside decode rows, few
+    enough rows to run whole in C, computes each chunk token as a decode row of its sequence at its
+    position: its hidden state and the K/V it writes are bit for bit those of the same tokens fed
+    as decode steps one at a time, the earlier tokens of the chunk seen through the pool (causal)."""
+    heads, kv_heads, head_dim = heads_kv_d
+    gtypes = (GgmlType.Q4_1, GgmlType.Q4_0) if repacked else (GgmlType.Q4_1, GgmlType.Q8_0)
+    model = _model(heads, kv_heads, head_dim, bias, False, seed % 1000, gtypes)
+    assert model._whole_layers is not None
+    cap = DECODE_LAYERS_X8_MAX_ROWS if model._whole_layers.repacked else DECODE_LAYERS_MAX_ROWS
+    rng = random.Random(seed)
+    chunks = [(cached, rng.randint(1, length)) for cached, length in prompts]
+    num_decode = min(num_decode, cap - 1)
+    while num_decode + sum(n for _, n in chunks) > cap:
+        chunks.pop()
+    if not chunks:
+        chunks = [(rng.randint(0, 120), cap - num_decode)]
+    per_seq = 130 // block_size + 2
+    seqs = [(rng.randint(0, 120), 1) for _ in range(num_decode)] + chunks
+    num_blocks = 2 * len(seqs) * per_seq
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, num_blocks, block_size))
+    runner = ModelRunner(model, pool)
+    tokens = [[rng.randrange(256) for _ in range(cached + n)] for cached, n in seqs]
+    tables = [list(range(2 * i * per_seq, (2 * i + 1) * per_seq)) for i in range(len(seqs))]
+    twins = [list(range((2 * i + 1) * per_seq, (2 * i + 2) * per_seq)) for i in range(len(seqs))]
+    for (cached, _), ids, a, b in zip(seqs, tokens, tables, twins, strict=True):
+        if cached:
+            for blocks in (a, b):
+                runner.forward([SeqInput(ids[:cached], 0, blocks)])
+    calls: list[object] = []
+    run = model._whole_layers.run
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(model._whole_layers, "run", lambda *a: calls.append(a) or run(*a))
+    try:
+        state = runner.begin([SeqInput(ids[cached:], cached, blocks)
+                              for (cached, _), ids, blocks in zip(seqs, tokens, tables, strict=True)])
+        runner.run_layers(state)
+    finally:
+        monkeypatch.undo()
+    assert len(calls) == 1, "the step did not run whole in C"
+    row = 0
+    for (cached, n), ids, a, b in zip(seqs, tokens, tables, twins, strict=True):
+        for i in range(n):  # the twin sequence: the same tokens, one decode step each
+            one = runner.begin([SeqInput([ids[cached + i]], cached + i, b)])
+            runner.run_layers(one)
+            assert torch.equal(state.hidden[row], one.hidden[0]), (row, cached, i)
+            row += 1
+        slots_a = [a[p // block_size] * block_size + p % block_size for p in range(cached, cached + n)]
+        slots_b = [b[p // block_size] * block_size + p % block_size for p in range(cached, cached + n)]
+        for layer in range(model.config.num_layers):
+            for cache in (pool.k_cache(layer), pool.v_cache(layer)):
+                flat = cache.reshape(-1, *cache.shape[2:])
+                assert torch.equal(flat[slots_a], flat[slots_b])
