@@ -55,6 +55,11 @@ class AttentionBackend(ABC):
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
         -> [num_tokens, num_heads, head_dim]; writes k/v into the pool first."""
 
+    def decodes_in_c(self, pool: KVPool) -> bool:
+        """Whether this backend plans decode rows over ``pool`` on Tandem's C kernel, the
+        attention ``ggml_kernels.DecodeLayers`` needs (see ``decode_tables``)."""
+        return False
+
     def decode_tables(self, meta: Any) -> tuple[torch.Tensor, PagedLayout] | None:
         """For a plan of decode rows alone, in batch order, whose attention runs in Tandem's C
         kernel: their slots (int64) and the CSR block table, for ``ggml_kernels.DecodeLayers``,
@@ -180,6 +185,9 @@ class TorchPagedAttention(AttentionBackend):
         if pool.spec.dtype not in ggml_kernels.KV_TYPES or pool.tensor.device.type != "cpu":
             return None
         return self._kernels
+
+    def decodes_in_c(self, pool: KVPool) -> bool:
+        return self._c_kernels(pool) is not None
 
     def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> _TorchPlan:
         block_size = pool.spec.block_size

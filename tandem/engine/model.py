@@ -164,7 +164,7 @@ class LlamaModel:
         planned on Tandem's C kernel (an fp32, fp16 or bf16 pool on the CPU), not turned off
         (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
         fused = self._whole_layers
-        if fused is None or not self.whole_layer_rows(hidden.shape[0]):
+        if fused is None or not self.whole_layer_rows(hidden.shape[0], pool):
             return False
         tables = self.attention.decode_tables(attn_meta)
         if tables is None:
@@ -172,12 +172,15 @@ class LlamaModel:
         fused.run(start, stop, hidden, cos, sin, tables[0], pool, tables[1])
         return True
 
-    def whole_layer_rows(self, num_rows: int) -> bool:
-        """Whether a step of ``num_rows`` rows may run its layers whole in C (``decode_layers``)."""
+    def whole_layer_rows(self, num_rows: int, pool: KVPool) -> bool:
+        """Whether a step of ``num_rows`` decode rows over ``pool`` may run its layers whole in C
+        (``decode_layers``): few enough rows, and attention that plans them on the C kernel."""
         fused = self._whole_layers
         if fused is None or not ggml_kernels.whole_layers_on():
             return False
-        return num_rows <= (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS)
+        if num_rows > (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS):
+            return False
+        return self.attention.decodes_in_c(pool)
 
     @property
     def derived_weight_bytes(self) -> int:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine import ggml_kernels, quant
-from tandem.engine.attention import make_backend
+from tandem.engine.attention import TorchPagedAttention, make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.ggml_kernels import GgmlType
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
@@ -182,6 +182,28 @@ def test_other_steps_and_models_run_op_by_op(monkeypatch: pytest.MonkeyPatch) ->
     assert _model(4, 2, 32, False, True, 7)._whole_layers is None  # Qwen3's per-head q/k norms
     fp16 = LlamaModel(model.config, model.weights, make_backend("torch", 4), WeightFormat.FP16)
     assert fp16._whole_layers is None
+
+
+def test_prompt_rows_stay_a_chunk_where_attention_is_not_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt tokens become single-token rows only for attention that plans them on the C kernel:
+    a backend without it gets the chunk as one causal span (SDPA), not one torch decode row each."""
+    model = _model(4, 2, 32, False, False, 5)
+    whole = model._whole_layers
+    assert whole is not None
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, 8, 16))
+    batch = [SeqInput((3,), 20, [0, 1]), SeqInput((1, 2, 3, 4), 0, [2])]
+    for backend, expanded in ((TorchPagedAttention(c_decode=True), True), (TorchPagedAttention(c_decode=False), False)):
+        assert backend.decodes_in_c(pool) is expanded
+        monkeypatch.setattr(model, "attention", backend)
+        calls: list[object] = []
+        run = whole.run
+        monkeypatch.setattr(whole, "run", lambda *a, run=run, calls=calls: calls.append(a) or run(*a))
+        runner = ModelRunner(model, pool)
+        state = runner.begin(batch)
+        assert (not state.attn_meta.prefill) is expanded
+        runner.run_layers(state)
+        assert len(calls) == int(expanded)
+        monkeypatch.undo()
 
 
 def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
