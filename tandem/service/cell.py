@@ -27,6 +27,7 @@ from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
 from tandem.rpc.tracing import service_client_interceptors
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from tandem.service.core_locks import CoreLocks
 
 if TYPE_CHECKING:
     from tandem.cuda.partition import PhaseStream, SmPartitions
@@ -76,6 +77,8 @@ class CellMember:
         self._sm_partitions: SmPartitions | None = None  # a CUDA cell: the green-context splits
         self._phase_stream: PhaseStream | None = None
         self.scratch_block: int | None = None  # a CUDA cell: the pool block graph padding writes to
+        self._core_locks: CoreLocks | None = None  # a CPU cell: held on the pinned cores while computing
+        self._pinned: list[int] = []  # the cores this member's threads run on (a CPU cell)
 
     @property
     def phase(self) -> str:
@@ -129,6 +132,7 @@ class CellMember:
             store, weights = attach_weights(reply.weights_shm_name)
             pool = KVPool.attach(spec, info.shm_name, info.offset_bytes)
             self._stores = [store] + ([pool.store] if pool.store is not None else [])
+            self._core_locks = CoreLocks()
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
         model = build_model(self.model_dir, config, weights, "torch", fmt)
         warm_up(model)  # before the service says it is ready, not on its first request
@@ -198,6 +202,7 @@ class CellMember:
                      self._phase_stream.partition.sms(self._phase_stream.phase), self._sm_partitions.total_sms)
             return True
         apply_cpu_partition(self.units)
+        self._pinned = self.units
         log.info("%s applied partition epoch %d: cores %s", self.service_id, self.partition.epoch, self.units)
         return True
 
@@ -231,12 +236,24 @@ class CellMember:
         return list(streams.values())
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """Run torch work on the member's torch thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        """Run torch work on the member's torch thread. Each call is a boundary: in a CPU cell a
+        newer partition is applied first, and the work holds the locks of the cores it runs on
+        (``tandem.service.core_locks``), so members sharing a core take turns."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._on_cores, fn)
+
+    def _on_cores(self, fn: Callable[[], T]) -> T:
+        if self._core_locks is None:
+            return fn()
+        self.apply_partition()
+        if not self._pinned:  # joining: not pinned yet
+            return fn()
+        with self._core_locks.hold(self._pinned):
+            return fn()
 
     async def close(self) -> None:
         for task in (self._watch, self._report):
             if task is not None:
                 task.cancel()
         await self.channel.close()
+        # the core locks' files stay open until the process exits: a step may still hold them
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,83 @@
+"""Per-core compute locks (tandem.service.core_locks), across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.service.core_locks import CoreLocks
+
+
+def _hold_and_log(directory: str, cores: list[int], holds: int, seed: int, log: str) -> None:
+    rng = random.Random(seed)
+    locks = CoreLocks(Path(directory))
+    with open(log, "a") as out:
+        for _ in range(holds):
+            with locks.hold(cores):
+                start = time.monotonic()
+                time.sleep(rng.uniform(0.0005, 0.004))
+                end = time.monotonic()
+            out.write(f"{start} {end}\n")
+            time.sleep(rng.uniform(0, 0.002))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 3), min_size=1, max_size=3), min_size=2, max_size=4), st.integers(0, 2**31))
+def test_holders_of_a_common_core_never_overlap(tmp_path_factory: object, core_sets: list[set[int]],
+                                                seed: int) -> None:
+    """Processes holding random core sets: two whose sets share a core never hold at once (their
+    hold intervals are disjoint); holders of disjoint sets are not serialized by each other."""
+    directory = tmp_path_factory.mktemp("locks")  # type: ignore[attr-defined]
+    ctx = mp.get_context("spawn")
+    logs = [str(directory / f"holder-{i}.log") for i in range(len(core_sets))]
+    procs = [ctx.Process(target=_hold_and_log, args=(str(directory), sorted(cores), 12, seed + i, log))
+             for i, (cores, log) in enumerate(zip(core_sets, logs, strict=True))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    intervals = [[tuple(map(float, line.split())) for line in open(log)] for log in logs]
+    assert all(len(i) == 12 for i in intervals)
+    for a in range(len(core_sets)):
+        for b in range(a + 1, len(core_sets)):
+            if not core_sets[a] & core_sets[b]:
+                continue
+            for s1, e1 in intervals[a]:
+                for s2, e2 in intervals[b]:
+                    assert e1 <= s2 or e2 <= s1, (core_sets[a], core_sets[b], (s1, e1), (s2, e2))
+
+
+def _hold_forever(directory: str, ready: str) -> None:
+    locks = CoreLocks(Path(directory))
+    with locks.hold([0, 1]):
+        Path(ready).touch()
+        time.sleep(600)
+
+
+def test_a_killed_holder_frees_its_cores(tmp_path: Path) -> None:
+    """A member killed mid-step does not wedge the cores: the kernel drops its locks."""
+    ctx = mp.get_context("spawn")
+    ready = tmp_path / "ready"
+    holder = ctx.Process(target=_hold_forever, args=(str(tmp_path), str(ready)))
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and holder.is_alive()
+        time.sleep(0.01)
+    assert holder.pid is not None
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    locks = CoreLocks(tmp_path)
+    start = time.monotonic()
+    with locks.hold([1, 0]):
+        pass
+    assert time.monotonic() - start < 5
+    locks.close()
