@@ -117,6 +117,11 @@ class PrefillWorker:
         self._preempt_epoch = 0  # the last partition whose preemption was carried out
         self.num_preemptions = 0
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
+        # Forwarded prompts that found the KV pool full ask the agent again one at a time, in
+        # arrival order; each polling on its own sent the agent a refused Allocate every
+        # POOL_RETRY_S per waiting prompt (with 20 waiting, ~400 a second, which took a fifth of
+        # a core from the agent and more from this service, on the cores decode computes on).
+        self._pool_gate = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._aggregated = False
 
@@ -310,12 +315,19 @@ class PrefillWorker:
             self.forwarded.pop(rid, None)
 
     async def _allocate_waiting(self, pending: _Pending) -> Request | None:
-        """Blocks for a forwarded prompt, waiting while the pool is full; None once it failed."""
-        req = await self._allocate(pending)
-        while req is None and pending.waiting_for_blocks:
-            await asyncio.sleep(POOL_RETRY_S)
+        """Blocks for a forwarded prompt, waiting while the pool is full; None once it failed.
+        While prompts wait for blocks, a new one waits behind them (``_pool_gate``), and only
+        the first in line asks the agent again."""
+        if not self._pool_gate.locked():
             req = await self._allocate(pending)
-        return req
+            if req is not None or not pending.waiting_for_blocks:
+                return req
+        async with self._pool_gate:
+            req = await self._allocate(pending)
+            while req is None and pending.waiting_for_blocks:
+                await asyncio.sleep(POOL_RETRY_S)
+                req = await self._allocate(pending)
+            return req
 
     async def _take_back(self, pending: _Pending, req: Request) -> Request | None:
         """A forwarded prompt whose decode_svc died before its first token: its blocks back from

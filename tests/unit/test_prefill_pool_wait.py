@@ -1,0 +1,109 @@
+"""prefill_svc: forwarded prompts that find the KV pool full wait in line, and only the first
+in line asks the agent again (prefill_svc.server.PrefillWorker._allocate_waiting).
+
+The agent here is a stand-in for its Allocate RPC alone (a counter of free blocks that raises
+gRPC's RESOURCE_EXHAUSTED as the agent does): what is tested is the worker's waiting, not the
+agent's ledger, which has its own tests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from prefill_svc import server
+from prefill_svc.server import PrefillWorker, _Pending
+from tandem.engine.sampling import SamplingParams
+from tandem.rpc.v1 import agent_pb2, prefill_pb2
+
+
+class _FullPool:
+    """Allocate as the agent answers it: blocks while any are free, RESOURCE_EXHAUSTED after."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.refused = 0
+        self.granted: list[str] = []
+
+    async def Allocate(self, request: agent_pb2.AllocateRequest, timeout: float) -> agent_pb2.AllocateReply:  # noqa: N802
+        await asyncio.sleep(0)
+        if self.free <= 0:
+            self.refused += 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "KV pool full")
+        self.free -= 1
+        self.granted.append(request.request_id)
+        return agent_pb2.AllocateReply(block_ids=[len(self.granted)], num_cached_tokens=0)
+
+
+def _worker(pool: _FullPool) -> PrefillWorker:
+    worker = PrefillWorker.__new__(PrefillWorker)  # only what _allocate_waiting touches
+    worker._pool_gate = asyncio.Lock()
+    worker.member = SimpleNamespace(agent=pool)  # type: ignore[assignment]
+    worker.config = SimpleNamespace(service_id="prefill-test")  # type: ignore[assignment]
+    spec = SimpleNamespace(num_blocks=1000, block_size=16)
+    worker.runner = SimpleNamespace(pool=SimpleNamespace(spec=spec))  # type: ignore[assignment]
+    return worker
+
+
+def _pending(i: int) -> _Pending:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    return _Pending(prefill_pb2.PrefillRequest(request_id=f"r{i}", token_ids=[1, 2, 3]),
+                    SamplingParams(max_tokens=4), future)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompts_waiting_for_blocks_poll_one_at_a_time_in_arrival_order(monkeypatch: pytest.MonkeyPatch,
+                                                                        seed: int) -> None:
+    rng = random.Random(seed)
+    retry_s = 0.01
+    monkeypatch.setattr(server, "POOL_RETRY_S", retry_s)
+    num, free = rng.randint(4, 12), rng.randint(0, 3)
+
+    async def run() -> tuple[_FullPool, list[Any], float]:
+        pool = _FullPool(free)
+        worker = _worker(pool)
+        tasks = []
+        for i in range(num):  # arrivals a little apart: their order is their place in line
+            tasks.append(asyncio.create_task(worker._allocate_waiting(_pending(i))))
+            await asyncio.sleep(0.002)
+
+        async def release() -> None:  # blocks come back as requests finish elsewhere
+            while pool.free + len(pool.granted) < num:
+                await asyncio.sleep(rng.uniform(0.01, 0.05))
+                pool.free += 1
+
+        start = time.monotonic()
+        releaser = asyncio.create_task(release())
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await releaser
+        return pool, results, time.monotonic() - start
+
+    pool, results, elapsed = asyncio.run(run())
+    assert all(r is not None for r in results)
+    assert pool.granted == [f"r{i}" for i in range(num)]  # first come, first served
+    # one refusal per prompt on arrival, then about one per retry interval for the whole line
+    # (each waiting prompt polling on its own made that one per interval per prompt)
+    assert pool.refused <= num + elapsed / retry_s + num
+
+
+def test_a_prompt_waits_no_longer_than_the_pool_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the pool full for good, each waiting prompt fails with the documented error once it
+    has waited POOL_WAIT_S, the ones behind the first in line included."""
+    monkeypatch.setattr(server, "POOL_RETRY_S", 0.01)
+    monkeypatch.setattr(server, "POOL_WAIT_S", 0.2)
+
+    async def run() -> list[Any]:
+        worker = _worker(_FullPool(0))
+        pendings = [_pending(i) for i in range(5)]
+        results = await asyncio.wait_for(asyncio.gather(*(worker._allocate_waiting(p) for p in pendings)), 30)
+        return [(r, p.future.exception()) for r, p in zip(results, pendings, strict=True)]
+
+    for result, error in asyncio.run(run()):
+        assert result is None
+        assert isinstance(error, Exception) and "KV cache is full" in str(error)
