@@ -10,9 +10,11 @@ while it computes (``CellMember.run``), and whoever shares a core takes turns at
 group boundaries instead of interleaving threads.
 
 The locks are advisory ``flock`` locks on one file per core in a directory of this machine
-(``TANDEM_CORE_LOCK_DIR``, default a ``tandem-core-locks`` folder in the temporary directory):
-the kernel drops a dead holder's lock with its file descriptor, so a killed service never
-wedges the others. Cores are locked in ascending order, so no two holders can deadlock.
+(``TANDEM_CORE_LOCK_DIR``; default ``tandem.core-locks`` in the shared-memory directory the
+cell's files live in, ``TANDEM_SHM_DIR`` or ``/dev/shm``, which containers sharing the agent's
+IPC namespace see too; the temporary directory where there is none): the kernel drops a dead
+holder's lock with its file descriptor, so a killed service never wedges the others. Cores are
+locked in ascending order, so no two holders can deadlock.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tandem.engine.shm_files import SHM_DIR
+
 
 def lock_dir() -> Path:
     configured = os.environ.get("TANDEM_CORE_LOCK_DIR")
-    return Path(configured) if configured else Path(tempfile.gettempdir()) / "tandem-core-locks"
+    if configured:
+        return Path(configured)
+    base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    return base / "tandem.core-locks"  # not "tandem-<cell>-…": no cell's file sweep matches it
 
 
 class CoreLocks:

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ def test_holders_of_a_common_core_never_overlap(tmp_path_factory: object, core_s
                                                 seed: int) -> None:
     """Processes holding random core sets: two whose sets share a core never hold at once (their
     hold intervals are disjoint); holders of disjoint sets are not serialized by each other."""
-    directory = tmp_path_factory.mktemp("locks")  # type: ignore[attr-defined]
+    directory = tmp_path_factory.mktemp("locks")
     ctx = mp.get_context("spawn")
     logs = [str(directory / f"holder-{i}.log") for i in range(len(core_sets))]
     procs = [ctx.Process(target=_hold_and_log, args=(str(directory), sorted(cores), 12, seed + i, log))
@@ -81,3 +82,18 @@ def test_a_killed_holder_frees_its_cores(tmp_path: Path) -> None:
         pass
     assert time.monotonic() - start < 5
     locks.close()
+
+
+def test_the_lock_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``TANDEM_CORE_LOCK_DIR`` when set; else beside the cell's shared-memory files (which a
+    compose stack's containers share), under a name no cell's file sweep matches."""
+    from tandem.engine.shm_files import SHM_DIR
+    from tandem.service import core_locks
+
+    monkeypatch.setenv("TANDEM_CORE_LOCK_DIR", str(tmp_path))
+    assert core_locks.lock_dir() == tmp_path
+    monkeypatch.delenv("TANDEM_CORE_LOCK_DIR")
+    default = core_locks.lock_dir()
+    assert default.name == "tandem.core-locks"
+    if SHM_DIR.is_dir():
+        assert default.parent == SHM_DIR
