@@ -31,7 +31,7 @@ def _hold_and_log(directory: str, cores: list[int], holds: int, seed: int, log: 
 
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.sets(st.integers(0, 3), min_size=1, max_size=3), min_size=2, max_size=4), st.integers(0, 2**31))
-def test_holders_of_a_common_core_never_overlap(tmp_path_factory: object, core_sets: list[set[int]],
+def test_holders_of_a_common_core_never_overlap(tmp_path_factory: pytest.TempPathFactory, core_sets: list[set[int]],
                                                 seed: int) -> None:
     """Processes holding random core sets: two whose sets share a core never hold at once (their
     hold intervals are disjoint); holders of disjoint sets are not serialized by each other."""
