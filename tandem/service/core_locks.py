@@ -20,6 +20,7 @@ locked in ascending order, so no two holders can deadlock.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tandem.engine.shm_files import SHM_DIR
+
+log = logging.getLogger("tandem.core_locks")
 
 
 def lock_dir() -> Path:
@@ -42,15 +45,18 @@ class CoreLocks:
 
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = directory or lock_dir()
-        self._fds: dict[int, int] = {}
+        self._fds: dict[int, int | None] = {}  # None: the file could not be opened
 
-    def _fd(self, core: int) -> int:
-        fd = self._fds.get(core)
-        if fd is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-            self._fds[core] = fd
-        return fd
+    def _fd(self, core: int) -> int | None:
+        if core not in self._fds:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._fds[core] = os.open(self.directory / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:  # another user's directory, a read-only one: compute unlocked
+                log.warning("core %d computes without its lock (%s); set TANDEM_CORE_LOCK_DIR to a directory "
+                            "every process of the machine can write", core, exc)
+                self._fds[core] = None
+        return self._fds[core]
 
     @contextmanager
     def hold(self, cores: Iterable[int]) -> Iterator[None]:
@@ -59,8 +65,9 @@ class CoreLocks:
         try:
             for core in sorted(set(cores)):
                 fd = self._fd(core)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                held.append(fd)
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    held.append(fd)
             yield
         finally:
             for fd in reversed(held):
@@ -68,5 +75,6 @@ class CoreLocks:
 
     def close(self) -> None:
         for fd in self._fds.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()

@@ -97,3 +97,18 @@ def test_the_lock_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert default.name == "tandem.core-locks"
     if SHM_DIR.is_dir():
         assert default.parent == SHM_DIR
+
+
+def test_a_directory_it_cannot_write_leaves_the_cores_unlocked(tmp_path: Path) -> None:
+    """A lock directory this process cannot use (here a path under a plain file) is warned
+    about and the work runs unlocked: a lock is never worth failing a step for."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    locks = CoreLocks(blocker / "locks")
+    ran = []
+    with locks.hold([0, 1]):
+        ran.append(True)
+    with locks.hold([1]):
+        ran.append(True)
+    assert ran == [True, True]
+    locks.close()
