@@ -54,6 +54,8 @@ _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not r
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
 MIN_CHUNK_TOKENS = ChunkedConfig().min_chunk_tokens
+# How often prompts the partition gives no tokens look at it again (a co-located model's cell).
+PARTITION_POLL_S = 0.01
 # A router whose token stream stays away this long is gone: its requests are cancelled.
 ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
@@ -97,6 +99,7 @@ class DecodeWorker:
         self.routers: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
         self.num_steps = 0
         self.last_step_ns = 0
+        self.last_step_compute_ns = 0  # the last step's compute alone, without its wait for the cores
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self.last_step_num_seqs = 0
@@ -371,17 +374,18 @@ class DecodeWorker:
                         cached_tokens=min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
                     for a in self.prefilling],
             last_step_ns=self.last_step_ns, last_step_end_unix_ns=self.last_step_end_unix_ns,
-            last_step_chunk_tokens=self.last_step_chunk_tokens, last_step_num_seqs=self.last_step_num_seqs,
+            last_step_compute_ns=self.last_step_compute_ns, last_step_chunk_tokens=self.last_step_chunk_tokens, last_step_num_seqs=self.last_step_num_seqs,
             oldest_waiting_first_token_unix_ns=min(self._prefill_done_unix_ns.values(), default=0),
         ))
 
     async def run(self) -> None:
-        was_busy = False
+        was_state = (False, 0)
         while True:
             busy = bool(self.pending or self.running or self.prefilling or self.preempted)
-            if busy != was_busy or (busy and self.num_steps % 8 == 0):
-                self._report_load()  # on every change of state, and every few steps
-                was_busy = busy
+            state = (busy, len(self.prefilling))
+            if state != was_state or (busy and self.num_steps % 8 == 0):
+                self._report_load()  # on every change of state or of the prompts, and every few steps
+                was_state = state
             if not busy:
                 self._last_step_end_ns = 0  # an idle wait is not time between steps
                 self._wake.clear()
@@ -401,12 +405,14 @@ class DecodeWorker:
             chunks = self._plan_chunks()
             if batch or chunks:
                 await self._step(batch, chunks)
-            elif self.preempted:
-                # Only requests waiting for blocks: others (prefill's) hold them for now.
+            elif self.preempted or self.prefilling:
+                # Only requests waiting for blocks (others, prefill's, hold them for now), or
+                # prompts of a co-located model's cell that the partition gives no tokens yet
+                # (the agent decides again on the load report this loop sent as they came).
                 self._last_step_end_ns = 0
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.05):
+                    async with asyncio.timeout(0.05 if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
 
     def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int) -> None:
@@ -432,6 +438,10 @@ class DecodeWorker:
         that would stall every stream for it."""
         partition = self.member.partition
         budget = partition.prefill_token_budget if partition.aggregated else 0
+        if partition.aggregated and partition.model_token_budgets:  # a cell of several models
+            budget = partition.model_token_budgets.get(self.member.model, 0)
+            if not budget:
+                return []  # none of the step is this model's: its prompts wait for the next partition
         if not budget:
             if partition.aggregated and partition.prefill_held and self.running:
                 return []  # the agent saw queued prompts and holds them: no chunk fits beside the streams
@@ -590,6 +600,7 @@ class DecodeWorker:
         outputs = await member.run(work)
         self._last_step_end_ns = time.perf_counter_ns()
         self.last_step_ns = self._last_step_end_ns - start
+        self.last_step_compute_ns = compute_ns
         self.last_step_end_unix_ns = time.time_ns()
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
         self.last_step_num_seqs = len(batch)

@@ -19,8 +19,16 @@ running batch (the one a MuxWise pause may name); the others' requests count as 
 pause pauses a batch for shorter prompts of its own service's queue only (a service cannot run
 another model's prompt), so a decision naming another model's prompts pauses nothing.
 
+Co-located models time-share the cores (each model's decode_svc holds the core locks while it
+steps, ``tandem.service.core_locks``), so in aggregated mode a stream waits between its tokens
+for one step of every model with work, not for one step of all the rows: the policy decides on
+a predictor that adds a step's fixed cost (a one-row decode step: the weights read and the
+per-step overhead) per further model with work (``CoLocatedSteps``), and each model's decode_svc
+takes only the tokens the decision gave its own prompts (``Applied.model_budgets``), not the
+whole budget each.
+
 Live calibration: while an aggregated decision is in force, each new step a decode service
-reports (its time, the prompt tokens it carried, the contexts it decoded) scales the decode and
+reports (its compute time, without the wait for its turn on the cores, the prompt tokens it carried, the contexts it decoded) scales the decode and
 hybrid predictions the policy sees (``LiveStepPredictor``: decode-only steps and the prompt part
 of hybrid steps each by their own factor), so the chunk budget follows what a step costs here,
 with no profile. A split decision's decode steps beside a busy prefill feed a
@@ -56,6 +64,8 @@ class Applied(NamedTuple):
     preempt: str = ""  # the running prefill batch to pause (named by its first request)
     prefill_first: tuple[str, ...] = ()  # what runs before it resumes
     prefill_held: bool = False  # aggregated: prompts are queued and get no tokens beside the streams for now
+    # aggregated, a cell of several models: (model, its prompts' tokens) for every model, sorted
+    model_budgets: tuple[tuple[str, int], ...] = ()
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -115,7 +125,7 @@ class PolicyLoop:
         # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
         num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
                     else len(load.decode_context_lens))
-        ratio = live.observe(load.last_step_ns / 1e9, load.last_step_chunk_tokens,
+        ratio = live.observe(_compute_s(load), load.last_step_chunk_tokens,
                              list(load.decode_context_lens[:num_seqs]), len(self.cores))
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
@@ -125,7 +135,7 @@ class PolicyLoop:
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
         first = self.predictor.num_split_samples == 0
-        ratio = self.predictor.observe_split(load.last_step_ns / 1e9,
+        ratio = self.predictor.observe_split(_compute_s(load),
                                              list(load.decode_context_lens[:load.last_step_num_seqs]),
                                              decode_units, prefill_units)
         if first and ratio is not None:
@@ -164,6 +174,17 @@ class PolicyLoop:
                                decode_slack_s=slack, paused_prefill=paused, kv_free_blocks=free, kv_total_blocks=total,
                                kv_waiting=sum(load.kv_waiting for load in prefills))
 
+    def _owners(self) -> dict[str, str]:
+        """Request id -> the model whose services reported it (queued or in a running batch)."""
+        owners: dict[str, str] = {}
+        for (_, model), load in self.loads.items():
+            for q in load.queued:
+                owners[q.request_id] = model
+            for batch in (load.running, load.paused):
+                for q in batch.requests:
+                    owners[q.request_id] = model
+        return owners
+
     def _in_flight(self, batch: agent_pb2.PrefillBatchInFlight) -> RunningPrefill | None:
         """A prefill batch as one RunningPrefill: named by its first (earliest-deadline)
         request, its tokens summed, its deadline the earliest of its requests'."""
@@ -184,7 +205,14 @@ class PolicyLoop:
         decode_busy = bool(snapshot.decode_context_lens)
         if not prefill_busy and not decode_busy:
             return None  # nothing to run: keep the split in force
-        decision = self.policy(snapshot, self.predictor)
+        owners = self._owners()
+        models = {model for _, model in self.loads}
+        predictor: Predictor = self.predictor
+        if len(models) > 1:
+            busy_models = {model for (_, model), load in self.loads.items()
+                           if load.decode_context_lens or load.queued or load.HasField("running")}
+            predictor = CoLocatedSteps(self.predictor, len(busy_models) - 1)
+        decision = self.policy(snapshot, predictor)
         self.num_decisions += 1
         prefill_cores, decode_cores = split_cores(self.cores, decision, prefill_busy, decode_busy)
         preempt = "" if decision.aggregated else (decision.preempt or "")
@@ -192,7 +220,8 @@ class PolicyLoop:
                           sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                           decision.prefill_layers if not decision.aggregated else 0,
                           decision.decode_lookahead, preempt, decision.prefill_batch if preempt else (),
-                          decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens)
+                          decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens,
+                          _model_budgets(decision, owners, models) if decision.aggregated and len(models) > 1 else ())
         if applied == self.last:
             return None
         if preempt:
@@ -203,6 +232,49 @@ class PolicyLoop:
                      ", aggregated" if decision.aggregated else "", decision.reason)
         self.last = applied
         return applied, f"{self.policy_name}: {decision.reason}"
+
+
+def _compute_s(load: agent_pb2.PhaseLoad) -> float:
+    """A decode step's own compute (its wall time where the service does not report it)."""
+    return (load.last_step_compute_ns or load.last_step_ns) / 1e9
+
+
+def _model_budgets(decision: Decision, owners: dict[str, str], models: set[str]) -> tuple[tuple[str, int], ...]:
+    """Each model's share of an aggregated decision's prompt tokens: its own prompts' chunks."""
+    budgets = dict.fromkeys(models, 0)
+    for request_id, tokens in zip(decision.prefill_batch, decision.prefill_chunk_tokens):
+        model = owners.get(request_id)
+        if model is not None:
+            budgets[model] += tokens
+    return tuple(sorted(budgets.items()))
+
+
+class CoLocatedSteps:
+    """The predictor a decision of a cell of several models sees: the live one, every decode and
+    hybrid step plus ``extra_steps`` fixed step costs (a one-row decode step each), one per
+    further model with work, whose step a stream also waits for between its tokens (see the
+    module docstring). Prefill predictions and contention are the live predictor's."""
+
+    def __init__(self, base: Predictor, extra_steps: int) -> None:
+        self.base = base
+        self.extra_steps = max(0, extra_steps)
+
+    def _extra_s(self, units: int) -> float:
+        return self.extra_steps * self.base.predict_decode([1], units) if self.extra_steps else 0.0
+
+    def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
+        return self.base.predict_prefill(seqs, units)
+
+    def predict_decode(self, context_lens: Sequence[int], units: int) -> float:
+        return self.base.predict_decode(context_lens, units) + (self._extra_s(units) if context_lens else 0.0)
+
+    def predict_hybrid(self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int],
+                       units: int) -> float:
+        extra = self._extra_s(units) if decode_context_lens else 0.0  # no stream waits on a step of prompts alone
+        return self.base.predict_hybrid(prefill_seqs, decode_context_lens, units) + extra
+
+    def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
+        return self.base.contention(my_units, other_units, phase)
 
 
 def _queued(q: agent_pb2.QueuedPrefill) -> QueuedRequest:

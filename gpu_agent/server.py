@@ -33,13 +33,15 @@ class PartitionBoard:
 
     async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1, *,
                   aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0,
-                  preempt: str = "", prefill_first: tuple[str, ...] = (), prefill_held: bool = False) -> None:
+                  preempt: str = "", prefill_first: tuple[str, ...] = (), prefill_held: bool = False,
+                  model_token_budgets: dict[str, int] | None = None) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
                 decode_lookahead=lookahead, policy=policy, aggregated=aggregated,
                 prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
                 preempt=preempt, prefill_first=prefill_first, prefill_held=prefill_held,
+                model_token_budgets=model_token_budgets or {},
             )
             self._changed.notify_all()
 
@@ -179,7 +181,8 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
         await partition.set(applied.prefill_cores, applied.decode_cores, reason, applied.decode_lookahead,
                             aggregated=applied.aggregated, prefill_token_budget=applied.prefill_token_budget,
                             prefill_layers=applied.prefill_layers, preempt=applied.preempt,
-                            prefill_first=applied.prefill_first, prefill_held=applied.prefill_held)
+                            prefill_first=applied.prefill_first, prefill_held=applied.prefill_held,
+                            model_token_budgets=dict(applied.model_budgets))
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:

@@ -151,7 +151,8 @@ def _bytes_twin(descriptor: Descriptor) -> type[Message]:
             message = pending.pop()
             pending.extend(message.nested_type)
             for field in message.field:
-                if field.type == _STRING:
+                # a map's key cannot be bytes: it stays a string (its entry's field 1)
+                if field.type == _STRING and not (message.options.map_entry and field.number == 1):
                     field.type = _BYTES
         pool.Add(proto)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(descriptor.full_name))

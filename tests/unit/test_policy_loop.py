@@ -8,7 +8,7 @@ import random
 import time
 
 from gpu_agent.policy_loop import PolicyLoop
-from tandem.policy.policies import POLICIES
+from tandem.policy.policies import POLICIES, ChunkedConfig
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
@@ -172,3 +172,117 @@ def test_decode_slack_counts_a_handed_off_request_waiting_for_its_first_step() -
         if first_ns:
             want = min(want, SLO.tbt_s - since_first_ms / 1e3)
         assert s.decode_slack_s is not None and abs(s.decode_slack_s - want) < 1e-6
+
+
+def _aggregated_cell(rng: random.Random, models: list[str], now_ns: int) -> tuple[PolicyLoop, dict[str, int]]:
+    """A chunked loop fed one decode report per model (aggregated mode: prompts queue in decode);
+    returns it and each model's queued prompt tokens."""
+    loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+    pending: dict[str, int] = {}
+    ids = iter(range(10**6))
+    for model in models:
+        queued = [_q(f"{model}-{next(ids)}", rng.randint(1, 300), now_ns - rng.randrange(10**9))
+                  for _ in range(rng.randint(0, 3))]
+        pending[model] = sum(q.prompt_tokens for q in queued)
+        contexts = [rng.randint(1, 400) for _ in range(rng.randint(0, 5))]
+        loop.report(agent_pb2.PhaseLoad(service_id=f"d-{model}", role=agent_pb2.ROLE_DECODE, queued=queued,
+                                        decode_context_lens=contexts, last_step_ns=10**7,
+                                        last_step_end_unix_ns=now_ns), model)
+    return loop, pending
+
+
+def test_co_located_models_each_take_only_their_own_prompts_tokens() -> None:
+    """In a cell of several models every decode_svc steps in turn, so each takes only the
+    tokens the decision gave its own prompts: the budgets add up to the decision's, no model
+    gets more than it has waiting, and a cell of one model gets no map (the whole budget)."""
+    rng = random.Random(11)
+    seen_split = 0
+    for _ in range(300):
+        models = [f"m{i}" for i in range(rng.randint(1, 3))]
+        loop, pending = _aggregated_cell(rng, models, time.time_ns())
+        change = loop.decide()
+        if change is None:
+            assert not any(pending.values()) and not any(load.decode_context_lens for load in loop.loads.values())
+            continue
+        applied = change[0]
+        assert applied.aggregated
+        if len(models) == 1:
+            assert applied.model_budgets == ()
+            continue
+        budgets = dict(applied.model_budgets)
+        assert sorted(budgets) == models
+        assert sum(budgets.values()) == applied.prefill_token_budget
+        for model, tokens in budgets.items():
+            assert 0 <= tokens <= pending[model]
+        seen_split += sum(1 for tokens in budgets.values() if tokens) > 1
+    assert seen_split > 10  # the draws give several models tokens in one step often enough
+
+
+def test_co_located_models_steps_leave_less_room_for_prompt_chunks() -> None:
+    """The same work as one model's or spread over two: a stream then waits for both models'
+    steps, so the chunk budget of the two leaves room for a second step's fixed cost (a one-row
+    decode step) within the TBT SLO, and never exceeds the one model's budget."""
+    rng = random.Random(12)
+    predictor = LinearPredictor()
+    smaller = checked = 0
+    for _ in range(200):
+        now_ns = time.time_ns()
+        contexts = [rng.randint(1, 300) for _ in range(rng.randint(1, 6))]
+        queued = [_q(f"q{i}", rng.randint(1, 400), now_ns - i) for i in range(rng.randint(1, 3))]
+        cut = rng.randint(1, len(contexts)) if len(contexts) > 1 else 1
+        budgets = []
+        for spread in (False, True):
+            loop = PolicyLoop("chunked", POLICIES["chunked"], predictor, [0, 1], NUM_LAYERS, SLO)
+            parts = [("a", contexts[:cut], queued), ("b", contexts[cut:], [])] if spread else [("a", contexts, queued)]
+            for model, ctx, q in parts:
+                loop.report(agent_pb2.PhaseLoad(service_id=f"d-{model}", role=agent_pb2.ROLE_DECODE, queued=q,
+                                                decode_context_lens=ctx, last_step_ns=10**7,
+                                                last_step_end_unix_ns=now_ns), model)
+            change = loop.decide()
+            assert change is not None
+            budgets.append(change[0].prefill_token_budget)
+        alone, together = budgets
+        assert together <= alone
+        two_steps = cut < len(contexts)  # b has streams of its own: its step comes between a's tokens
+        if together and two_steps and together > ChunkedConfig().min_chunk_tokens:  # above the progress floor
+            seq = [(n, 0) for n in _take(queued, together)]
+            extra = predictor.predict_decode([1], 2)
+            assert predictor.predict_hybrid(seq, contexts, 2) + extra <= SLO.tbt_s + 1e-9
+            checked += 1
+        smaller += together < alone
+    assert smaller > 20 and checked > 10
+
+
+def _take(queued: list[agent_pb2.QueuedPrefill], budget: int) -> list[int]:
+    """The chunks a budget cuts from prompts in arrival order (the policy's FCFS)."""
+    out = []
+    for q in sorted(queued, key=lambda q: q.arrival_unix_ns):
+        if budget <= 0:
+            break
+        out.append(min(q.prompt_tokens, budget))
+        budget -= out[-1]
+    return out
+
+
+def test_calibration_folds_a_steps_compute_not_its_wait_for_the_cores() -> None:
+    """A co-located model's decode step waits for the core locks while another model steps: the
+    agent calibrates on the compute decode reports, and on the wall time only where it is
+    missing (an older decode)."""
+    rng = random.Random(13)
+    for _ in range(50):
+        for with_compute in (True, False):
+            loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+            now_ns = time.time_ns()
+            contexts = [rng.randint(1, 300) for _ in range(rng.randint(1, 6))]
+            first = agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts)
+            loop.report(first, "m")
+            assert loop.decide() is not None  # an aggregated decision in force
+            compute_ns = rng.randrange(5 * 10**6, 5 * 10**7)
+            wall_ns = compute_ns + rng.randrange(10**7, 10**8)
+            loop.report(agent_pb2.PhaseLoad(
+                service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts, last_step_ns=wall_ns,
+                last_step_compute_ns=compute_ns if with_compute else 0, last_step_end_unix_ns=now_ns,
+                last_step_num_seqs=len(contexts)), "m")
+            measured = compute_ns if with_compute else wall_ns
+            want = measured / 1e9 / LinearPredictor().predict_decode(contexts, 2)
+            assert abs(loop.predictor.factor - min(10.0, max(0.1, want))) < 1e-9

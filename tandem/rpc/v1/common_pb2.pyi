@@ -70,7 +70,14 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Partition(_message.Message):
-    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first", "prefill_held")
+    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first", "prefill_held", "model_token_budgets")
+    class ModelTokenBudgetsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_UNITS_FIELD_NUMBER: _ClassVar[int]
     DECODE_UNITS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +89,7 @@ class Partition(_message.Message):
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIRST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HELD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TOKEN_BUDGETS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     prefill_units: _containers.RepeatedScalarFieldContainer[int]
     decode_units: _containers.RepeatedScalarFieldContainer[int]
@@ -93,4 +101,5 @@ class Partition(_message.Message):
     preempt: str
     prefill_first: _containers.RepeatedScalarFieldContainer[str]
     prefill_held: bool
-    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ..., prefill_held: _Optional[bool] = ...) -> None: ...
+    model_token_budgets: _containers.ScalarMap[str, int]
+    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ..., prefill_held: _Optional[bool] = ..., model_token_budgets: _Optional[_Mapping[str, int]] = ...) -> None: ...
