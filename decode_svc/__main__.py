@@ -62,6 +62,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     finally:
         await server.stop(grace=1.0)
         await tasks.cancel()
+        worker.close_step_log()
         await member.close()
         if redis is not None:
             await redis.aclose()

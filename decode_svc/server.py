@@ -415,6 +415,12 @@ class DecodeWorker:
                     async with asyncio.timeout(0.05 if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
 
+    def close_step_log(self) -> None:
+        """Close ``--step-log``'s file (after the decode loop stopped; the lines are flushed)."""
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
+
     def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int) -> None:
         """One JSON line for ``--step-log``: the step just run and the partition it ran under."""
         assert self._step_log is not None
