@@ -374,7 +374,8 @@ class DecodeWorker:
                         cached_tokens=min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
                     for a in self.prefilling],
             last_step_ns=self.last_step_ns, last_step_end_unix_ns=self.last_step_end_unix_ns,
-            last_step_compute_ns=self.last_step_compute_ns, last_step_chunk_tokens=self.last_step_chunk_tokens, last_step_num_seqs=self.last_step_num_seqs,
+            last_step_compute_ns=self.last_step_compute_ns, last_step_chunk_tokens=self.last_step_chunk_tokens,
+            last_step_num_seqs=self.last_step_num_seqs,
             oldest_waiting_first_token_unix_ns=min(self._prefill_done_unix_ns.values(), default=0),
         ))
 

@@ -28,10 +28,10 @@ takes only the tokens the decision gave its own prompts (``Applied.model_budgets
 whole budget each.
 
 Live calibration: while an aggregated decision is in force, each new step a decode service
-reports (its compute time, without the wait for its turn on the cores, the prompt tokens it carried, the contexts it decoded) scales the decode and
-hybrid predictions the policy sees (``LiveStepPredictor``: decode-only steps and the prompt part
-of hybrid steps each by their own factor), so the chunk budget follows what a step costs here,
-with no profile. A split decision's decode steps beside a busy prefill feed a
+reports (its compute time, without the wait for its turn on the cores; the prompt tokens it
+carried; the contexts it decoded) scales the decode and hybrid predictions the policy sees
+(``LiveStepPredictor``: decode-only steps and the prompt part of hybrid steps each by their own
+factor), so the chunk budget follows what a step costs here, with no profile. A split decision's decode steps beside a busy prefill feed a
 factor of their own, which scales the decode step predicted beside prefill (the split policies
 size decode's share by it); with prefill idle they feed neither.
 """
@@ -130,7 +130,7 @@ class PolicyLoop:
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
                      "prediction; decode steps now x%.2f the model, prompt tokens in hybrid steps x%.2f",
-                     load.last_step_ns / 1e6, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
+                     _compute_s(load) * 1e3, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
                      live.prompt_scale())
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
@@ -140,7 +140,7 @@ class PolicyLoop:
                                              decode_units, prefill_units)
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms decode step (%d sequences) on %d units beside prefill on %d "
-                     "measured %.2f x the model; decode steps beside prefill now x%.2f", load.last_step_ns / 1e6,
+                     "measured %.2f x the model; decode steps beside prefill now x%.2f", _compute_s(load) * 1e3,
                      load.last_step_num_seqs, decode_units, prefill_units, ratio, self.predictor.split_factor)
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
@@ -205,10 +205,10 @@ class PolicyLoop:
         decode_busy = bool(snapshot.decode_context_lens)
         if not prefill_busy and not decode_busy:
             return None  # nothing to run: keep the split in force
-        owners = self._owners()
         models = {model for _, model in self.loads}
+        co_located = len(models) > 1
         predictor: Predictor = self.predictor
-        if len(models) > 1:
+        if co_located:
             busy_models = {model for (_, model), load in self.loads.items()
                            if load.decode_context_lens or load.queued or load.HasField("running")}
             predictor = CoLocatedSteps(self.predictor, len(busy_models) - 1)
@@ -221,7 +221,7 @@ class PolicyLoop:
                           decision.prefill_layers if not decision.aggregated else 0,
                           decision.decode_lookahead, preempt, decision.prefill_batch if preempt else (),
                           decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens,
-                          _model_budgets(decision, owners, models) if decision.aggregated and len(models) > 1 else ())
+                          _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else ())
         if applied == self.last:
             return None
         if preempt:
