@@ -3,9 +3,9 @@
 With ``--deployment FILE``, the cells placement starts (``tandem.deploy``), each on its share of
 the cores, behind one router that finds every model's services in the registry.
 
-Starts (or uses ``REDIS_URL``) Redis, then gpu_agent, decode_svc, prefill_svc and the router,
-each with ``python -m <package>``, waits until each answers, prints the addresses, and stays in
-the foreground, supervising:
+Starts (or uses ``REDIS_URL``) Redis, then each process with ``python -m <package>`` in waves:
+every cell's gpu_agent, then all decode_svc and prefill_svc processes at once, then the router;
+waits until each answers, prints the addresses, and stays in the foreground, supervising:
 
 - a decode, prefill or router process that dies is restarted on its address (decode resumes
   its requests from Redis, the router's clients reconnect);
@@ -331,20 +331,40 @@ class Supervisor:
     def cell_of(self, child: Child) -> CellProcs | None:
         return next((cell for cell in self.cells if child in cell.children), None)
 
+    def _wave(self, child: Child) -> int:
+        """When ``child`` starts among others: the agents (they create what the rest attach
+        to), then every prefill and decode service at once, then the router."""
+        if child is self.router:
+            return 2
+        cell = self.cell_of(child)
+        return 0 if cell is not None and child is cell.agent else 1
+
     def start(self, children: list[Child]) -> None:
+        """Start ``children`` and wait until each serves, wave by wave (``_wave``). The services
+        of a wave start together: each spends its start-up (importing torch, packing its copy
+        of the weights) mostly on one core, so a cell's two come up in about the time of one.
+        A child that dies or never serves is stopped (the next round restarts it) and its
+        error raised once the rest of its wave is ready; later waves do not start."""
         deadline = time.monotonic() + self.args.ready_timeout_s
-        for child in children:
-            child.start()
-            try:
-                wait_ready(child, deadline, lambda: self.stopping)
-            except RuntimeError:
-                child.stop()  # dead already, or stuck: either way the next round restarts it
-                raise
-            pid = child.proc.pid if child.proc else "?"
-            say(f"{child.name} ready at {child.address} (pid {pid})")
-            cell = self.cell_of(child)
-            if cell is not None and child is cell.agent:
-                say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
+        for wave in sorted({self._wave(c) for c in children}):
+            started = [c for c in children if self._wave(c) == wave]
+            for child in started:
+                child.start()
+            failed: RuntimeError | None = None
+            for child in started:
+                try:
+                    wait_ready(child, deadline, lambda: self.stopping)
+                except RuntimeError as exc:
+                    child.stop()  # dead already, or stuck: either way the next round restarts it
+                    failed = failed or exc
+                    continue
+                pid = child.proc.pid if child.proc else "?"
+                say(f"{child.name} ready at {child.address} (pid {pid})")
+                cell = self.cell_of(child)
+                if cell is not None and child is cell.agent:
+                    say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
+            if failed is not None:
+                raise failed
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -96,8 +96,10 @@ class Stack:
         for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):
             self.ports[name] = free_port()
         self.start_process("gpu_agent")
-        self.start_process("decode_svc")
-        self.start_process("prefill_svc")
+        # decode and prefill together, as `tandem up` starts a cell's services
+        offsets = {name: self.spawn(name) for name in ("decode_svc", "prefill_svc")}
+        for name, offset in offsets.items():
+            self.wait_ready(name, 120.0, offset)
         self.start_process("router")
         return self
 
@@ -125,6 +127,11 @@ class Stack:
         }[name]
 
     def start_process(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start ``name`` and wait until it serves."""
+        self.wait_ready(name, timeout_s, self.spawn(name))
+
+    def spawn(self, name: str) -> int:
+        """Start ``name``; returns where its new lines begin in its log (for ``wait_ready``)."""
         assert self.redis is not None
         # extra_env may override the cell id (it names the shared-memory segments: one per stack)
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -134,7 +141,7 @@ class Stack:
         offset = len(self.logs(name))
         self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self._args(name)], env=env, cwd=ROOT,
                                             stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready(name, timeout_s, offset)
+        return offset
 
     def wait_ready(self, name: str, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s

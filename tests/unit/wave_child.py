@@ -1,0 +1,39 @@
+"""A stand-in service for ``test_launcher_waves`` (a real process with a real gRPC server and no
+services, so that ``tandem up``'s readiness check passes on it): ``python -m
+tests.unit.wave_child NAME PORT LOG DELAY_S EXIT NEEDS...``. It appends ``start NAME`` to LOG,
+records which of the ports in NEEDS already accept connections, waits DELAY_S, then either
+exits with EXIT (when not 0) or serves on PORT and appends ``ready NAME`` until it is stopped."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from concurrent import futures
+
+import grpc
+
+
+def _open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def main() -> None:
+    name, port, log, delay_s, code, *needs = sys.argv[1:]
+    up = [p for p in needs if _open(int(p))]
+    with open(log, "a") as out:
+        out.write(f"{time.monotonic():.6f} start {name} {','.join(up)}\n")
+    time.sleep(float(delay_s))
+    if int(code):
+        sys.exit(int(code))
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    with open(log, "a") as out:
+        out.write(f"{time.monotonic():.6f} ready {name}\n")
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()
