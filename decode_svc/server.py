@@ -54,8 +54,9 @@ _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not r
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
 MIN_CHUNK_TOKENS = ChunkedConfig().min_chunk_tokens
-# How often prompts the partition gives no tokens look at it again (a co-located model's cell).
-PARTITION_POLL_S = 0.01
+# How long prompts the partition gives no tokens (a co-located model's cell) wait for a newer
+# partition before they look at it again anyway (a new partition wakes them at once).
+PARTITION_POLL_S = 0.1
 # A router whose token stream stays away this long is gone: its requests are cancelled.
 ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
@@ -114,6 +115,7 @@ class DecodeWorker:
         self.handoff_latency_ns: deque[int] = deque(maxlen=10_000)
         self._prefill_done_unix_ns: dict[str, int] = {}
         self._wake = asyncio.Event()
+        member.on_partition.append(self._wake.set)  # a newer partition may give waiting prompts tokens
         self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
         # Requests without blocks (preempted when the pool was full, or resumed after the agent
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.

@@ -79,6 +79,7 @@ class CellMember:
         self.scratch_block: int | None = None  # a CUDA cell: the pool block graph padding writes to
         self._core_locks: CoreLocks | None = None  # a CPU cell: held on the pinned cores while computing
         self._pinned: list[int] = []  # the cores this member's threads run on (a CPU cell)
+        self.on_partition: list[Callable[[], None]] = []  # called (in the event loop) on each newer partition
 
     @property
     def phase(self) -> str:
@@ -155,8 +156,7 @@ class CellMember:
                 async for partition in self.agent.WatchPartition(
                     agent_pb2.WatchPartitionRequest(service_id=self.service_id)
                 ):
-                    if partition.epoch > self.partition.epoch:
-                        self.partition = partition
+                    self._take(partition)
             except grpc.aio.AioRpcError as exc:
                 log.warning("partition stream lost (%s); retrying", exc.code().name)
                 await asyncio.sleep(0.5)
@@ -176,8 +176,15 @@ class CellMember:
             except grpc.aio.AioRpcError as exc:
                 log.warning("load report to the agent failed: %s", exc.code().name)
                 continue
-            if reply.partition.epoch > self.partition.epoch:
-                self.partition = reply.partition  # sooner than the watch stream delivers it
+            self._take(reply.partition)  # sooner than the watch stream delivers it
+
+    def _take(self, partition: common_pb2.Partition) -> None:
+        """Keep ``partition`` if it is newer than the one held, and say so to ``on_partition``."""
+        if partition.epoch <= self.partition.epoch:
+            return
+        self.partition = partition
+        for callback in self.on_partition:
+            callback()
 
     async def release(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
         """Give a request's blocks back to the agent (publishing ``token_ids``' K/V first), as
