@@ -318,12 +318,16 @@ class PrefillWorker:
         """Blocks for a forwarded prompt, waiting while the pool is full; None once it failed.
         While prompts wait for blocks, a new one waits behind them (``_pool_gate``), and only
         the first in line asks the agent again."""
+        refused_now = False
         if not self._pool_gate.locked():
             req = await self._allocate(pending)
             if req is not None or not pending.waiting_for_blocks:
                 return req
+            # First in line at once: its refusal is the line's latest answer. Behind others,
+            # it asks when its turn comes (the ones before it may have freed the way).
+            refused_now = not self._pool_gate.locked()
         async with self._pool_gate:
-            req = await self._allocate(pending)
+            req = None if refused_now else await self._allocate(pending)
             while req is None and pending.waiting_for_blocks:
                 await asyncio.sleep(POOL_RETRY_S)
                 req = await self._allocate(pending)

@@ -87,9 +87,26 @@ def test_prompts_waiting_for_blocks_poll_one_at_a_time_in_arrival_order(monkeypa
     pool, results, elapsed = asyncio.run(run())
     assert all(r is not None for r in results)
     assert pool.granted == [f"r{i}" for i in range(num)]  # first come, first served
-    # one refusal per prompt on arrival, then about one per retry interval for the whole line
-    # (each waiting prompt polling on its own made that one per interval per prompt)
+    # at most one refusal per prompt on arrival, then about one per retry interval for the
+    # whole line (each waiting prompt polling on its own made that one per interval per prompt)
     assert pool.refused <= num + elapsed / retry_s + num
+
+
+def test_the_first_refused_prompt_does_not_ask_again_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt refused with the line empty waits an interval before asking again, instead of
+    repeating the refused call at once."""
+    monkeypatch.setattr(server, "POOL_RETRY_S", 0.2)
+
+    async def run() -> tuple[int, Any]:
+        pool = _FullPool(0)
+        task = asyncio.create_task(_worker(pool)._allocate_waiting(_pending(0)))
+        await asyncio.sleep(0.1)  # within the first interval
+        refused = pool.refused
+        pool.free = 1
+        return refused, await asyncio.wait_for(task, 10)
+
+    refused, req = asyncio.run(run())
+    assert refused == 1 and req is not None
 
 
 def test_a_prompt_waits_no_longer_than_the_pool_wait(monkeypatch: pytest.MonkeyPatch) -> None:
