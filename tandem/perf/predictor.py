@@ -12,7 +12,7 @@ from tandem.perf.hardware import hardware_preset
 from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import ModelShape
 from tandem.perf.profile import load_profile
-from tandem.policy.types import Predictor
+from tandem.policy.types import Predictor, log_step
 
 
 class PerfPredictor:
@@ -168,7 +168,7 @@ class LiveStepPredictor:
         if num_samples == 0:
             return ratio
         w = self.up if ratio > factor else self.down
-        return math.exp((1 - w) * math.log(factor) + w * math.log(ratio))
+        return log_step(factor, ratio, w)
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)

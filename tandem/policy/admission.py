@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from tandem.policy.types import Predictor, QueuedRequest, Slo
+from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step
 
 REASON_PAST_DEADLINE = "deadline already passed"
 REASON_TOO_LONG = "prefill alone exceeds the TTFT SLO"
@@ -320,9 +320,9 @@ class PrefillCalibration:
         ratio = min(self.max_factor, max(self.min_factor, measured_s / predicted_s))
         if ratio <= self.factor:
             w = max(self.weight, 1.0 / (self.num_samples + 1))
-            factor = math.exp((1 - w) * math.log(self.factor) + w * math.log(ratio))
+            factor = log_step(self.factor, ratio, w)
         else:
-            factor = math.exp((1 - self.weight) * math.log(self.factor) + self.weight * math.log(ratio))
+            factor = log_step(self.factor, ratio, self.weight)
             factor = min(factor, self.factor * self.max_step_up)
         factor = min(self.max_factor, max(self.min_factor, factor))
         return replace(self, factor=factor, num_samples=self.num_samples + 1)

@@ -8,9 +8,16 @@ Times are seconds on the caller's clock (`now_s` says where "now" is on it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+
+def log_step(factor: float, toward: float, weight: float) -> float:
+    """A calibration factor moved a ``weight`` share of the way toward ``toward`` in log space
+    (a geometric step: ratios of times compose by multiplying). Both must be positive."""
+    return math.exp((1 - weight) * math.log(factor) + weight * math.log(toward))
 
 
 class Predictor(Protocol):
