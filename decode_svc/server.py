@@ -62,6 +62,9 @@ ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
 # frees any) fails with a clear error instead of waiting forever.
 READMIT_TIMEOUT_S = 30.0
+# A preempted request refused blocks asks again after this long, or as soon as this service
+# frees blocks (every step asked before: a refused RPC to the agent per step while the pool was full).
+READMIT_RETRY_S = 0.05
 # Redis errors a decode step survives: the step streams anyway and is recorded later.
 _RECORD_ERRORS = (RedisError, OSError)
 
@@ -120,6 +123,7 @@ class DecodeWorker:
         # Requests without blocks (preempted when the pool was full, or resumed after the agent
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
         self.preempted: deque[_Active] = deque()
+        self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
         self.num_preemptions = 0
         # Redis outages: requests whose record must be rewritten whole, and finished requests
         # whose final state Redis has not taken yet.
@@ -524,6 +528,8 @@ class DecodeWorker:
         """Give preempted requests blocks again, oldest first, while the pool has room; each
         recomputes what the prefix index no longer holds in its next step."""
         pool_tokens = self.runner.pool.spec.num_blocks * self.block_size
+        if self.preempted and time.perf_counter_ns() < self._readmit_after_ns:
+            return  # refused a moment ago, and nothing freed here since
         while self.preempted:
             active = self.preempted[0]
             req = active.req
@@ -540,6 +546,7 @@ class DecodeWorker:
             except grpc.aio.AioRpcError as exc:
                 waited_s = (time.perf_counter_ns() - active.preempted_ns) / 1e9
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or waited_s < READMIT_TIMEOUT_S):
+                    self._readmit_after_ns = time.perf_counter_ns() + int(READMIT_RETRY_S * 1e9)
                     return  # blocks come back as running requests finish
                 self.preempted.popleft()
                 active.error = f"KV cache exhausted: no blocks for {waited_s:.0f} s ({exc.details()})"
@@ -810,6 +817,7 @@ class DecodeWorker:
     async def _release(self, req: Request) -> None:
         """Give the request's blocks back, publishing the K/V written so far."""
         await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
+        self._readmit_after_ns = 0  # the preempted may fit now
 
 
 class _StepStats:
