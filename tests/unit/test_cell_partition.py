@@ -3,6 +3,7 @@ and wakes what waits on one (decode's prompts the partition gave no tokens) once
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from tandem.rpc.v1 import agent_pb2, common_pb2
@@ -10,6 +11,10 @@ from tandem.service.cell import CellMember
 
 
 def test_only_newer_partitions_are_kept_and_each_wakes_the_waiters_once() -> None:
+    asyncio.run(_newer_partitions())  # a member's agent channel is made in a running event loop
+
+
+async def _newer_partitions() -> None:
     member = CellMember(agent_pb2.ROLE_DECODE, "decode-t", "127.0.0.1:1", "127.0.0.1:2")
     woken: list[int] = []
     member.on_partition.append(lambda: woken.append(member.partition.epoch))
@@ -22,3 +27,4 @@ def test_only_newer_partitions_are_kept_and_each_wakes_the_waiters_once() -> Non
         assert member.partition.epoch == newest and member.partition.prefill_token_budget == newest
     assert woken == sorted(set(woken)) and woken[-1] == max(epochs)
     assert len(woken) == len({e for i, e in enumerate(epochs) if e > max(epochs[:i], default=0)})
+    await member.channel.close()
