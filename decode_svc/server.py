@@ -419,7 +419,7 @@ class DecodeWorker:
                 self._last_step_end_ns = 0
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.05 if self.preempted else PARTITION_POLL_S):
+                    async with asyncio.timeout(READMIT_RETRY_S if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
 
     def close_step_log(self) -> None:

@@ -31,9 +31,10 @@ Live calibration: while an aggregated decision is in force, each new step a deco
 reports (its compute time, without the wait for its turn on the cores; the prompt tokens it
 carried; the contexts it decoded) scales the decode and hybrid predictions the policy sees
 (``LiveStepPredictor``: decode-only steps and the prompt part of hybrid steps each by their own
-factor), so the chunk budget follows what a step costs here, with no profile. A split decision's decode steps beside a busy prefill feed a
-factor of their own, which scales the decode step predicted beside prefill (the split policies
-size decode's share by it); with prefill idle they feed neither.
+factor), so the chunk budget follows what a step costs here, with no profile. A split decision's
+decode steps beside a busy prefill feed a factor of their own, which scales the decode step
+predicted beside prefill (the split policies size decode's share by it); with prefill idle they
+feed neither.
 """
 
 from __future__ import annotations
