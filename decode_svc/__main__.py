@@ -7,12 +7,12 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-import grpc
 
 from decode_svc.config import DecodeConfig, parse_args
 from decode_svc.server import DecodeServicer, DecodeWorker
 from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner
+from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
@@ -40,9 +40,9 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
         resumed = await worker.resume()
         if resumed:
             log.info("resumed %d decoding requests from Redis", resumed)
-    server = grpc.aio.server(interceptors=service_server_interceptors())
+    server = new_server(service_server_interceptors())
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
-    server.add_insecure_port(address)
+    bind(server, address)
     await server.start()
     # The decode loop never ends by itself: if it raises, this process can no longer serve, so
     # it leaves the registry and exits non-zero (its requests resume from Redis in its successor)

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 
-import grpc
 
 from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.policy_loop import PolicyLoop
@@ -25,6 +24,7 @@ from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
 from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, get_policy
 from tandem.policy.types import Slo
+from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, report_load
@@ -75,10 +75,10 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                                                                       config.ttft_slo_ms_per_1k / 1000),
                             calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free)
     servicer = GpuAgentServicer(config, cell, partition, policy)
-    server = grpc.aio.server(interceptors=service_server_interceptors())
+    server = new_server(service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    bind(server, address)
     await server.start()
 
     def load_report() -> LoadReport:

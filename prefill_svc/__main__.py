@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-import grpc
 
 from prefill_svc.config import PrefillConfig, parse_args
 from prefill_svc.server import PrefillServicer, PrefillWorker
+from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
@@ -25,9 +25,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     discovery = Discovery(config.redis_url, member.cell_id, model=member.model)
     decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))
     worker = PrefillWorker(config, member, runner, decode_address)
-    server = grpc.aio.server(interceptors=service_server_interceptors())
+    server = new_server(service_server_interceptors())
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
-    server.add_insecure_port(address)
+    bind(server, address)
     await server.start()
     # A failed batch loop (or discovery) leaves the registry and exits non-zero, rather than
     # staying registered while nothing is prefilled.

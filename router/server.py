@@ -24,7 +24,7 @@ from router.config import RouterConfig
 from router.core import RouterCore
 from router.grpc_api import RouterServicer
 from router.metrics import RouterMetrics
-from tandem.rpc.channels import ChannelPool
+from tandem.rpc.channels import ChannelPool, bind, new_server
 from router.models import ServedModels
 from router.upstream import RegistryUpstreams, StaticUpstreams, Upstream, UpstreamSource
 from router.wire_errors import MalformedRequestInterceptor
@@ -171,9 +171,9 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
         interceptors.append(ApiKeyInterceptor(config.api_key))
     # Innermost: the API key is checked first, whatever bytes came with the call.
     interceptors.append(MalformedRequestInterceptor())
-    server = grpc.aio.server(interceptors=interceptors)
+    server = new_server(interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(models), server)
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    port = bind(server, f"{config.host}:{config.grpc_port}")
     close_source: Callable[[], Awaitable[None]] | None = None
     sources: list[UpstreamSource] = []
     if source is None and config.static_upstreams:

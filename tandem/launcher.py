@@ -47,7 +47,7 @@ from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 
 EXIT_START_FAILED = 1
 EXIT_GAVE_UP = 3  # a process kept dying: more than --max-restarts within --restart-window-s
@@ -271,14 +271,16 @@ class Supervisor:
                "TANDEM_PROFILE": args.profile}
         many_cells = len(plans) > 1
         self.cells: list[CellProcs] = []
+        # An agent per cell, a decode and a prefill per model: one distinct port each
+        ports = iter(free_ports(sum(1 + 2 * len(plan.models) for plan in plans), exclude={args.grpc_port, args.port}))
         for plan in plans:
-            cell = CellProcs(plan, f"127.0.0.1:{free_port()}")
+            cell = CellProcs(plan, f"127.0.0.1:{next(ports)}")
             cell_env = {**env, "TANDEM_CELL_ID": plan.cell_id}
             where = f"[{plan.cell_id}]" if many_cells else ""
             cell.agent = Child(f"gpu_agent{where}", functools.partial(self._agent_argv, cell), cell.agent_address,
                                cell_env, self._budget())
             for index, spec in enumerate(plan.models):
-                decode_addr, prefill_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+                decode_addr, prefill_addr = f"127.0.0.1:{next(ports)}", f"127.0.0.1:{next(ports)}"
                 suffix = where + (f"-{index}" if len(plan.models) > 1 else "")
                 model = ["--model", spec.name] if len(plan.models) > 1 or many_cells else []
                 decode_argv = ["decode_svc", "--agent-address", cell.agent_address, "--port", _port(decode_addr),

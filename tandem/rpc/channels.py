@@ -41,3 +41,26 @@ class ChannelPool:
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
+
+
+# A server's port is its own: gRPC's default SO_REUSEPORT lets a second process bind a port one
+# already serves, and the kernel then splits the connections between the two (a router and a
+# decode_svc given one port by chance answered each other's calls with UNIMPLEMENTED). Without
+# it, the second bind fails and that process exits, saying so.
+SERVER_OPTIONS: list[tuple[str, int]] = [("grpc.so_reuseport", 0)]
+
+
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server with Tandem's options (``SERVER_OPTIONS``)."""
+    return grpc.aio.server(interceptors=list(interceptors) or None, options=SERVER_OPTIONS)
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """``server.add_insecure_port(address)``, raising a clear error when the port is taken."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises when the bind fails
+        raise OSError(f"cannot serve gRPC at {address}: {exc} (is another process using the port?)") from None
+    if not port:
+        raise OSError(f"cannot serve gRPC at {address} (is another process using the port?)")
+    return port

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from tandem.ports import free_port  # noqa: F401  (re-exported for the launcher and tests)
+from tandem.ports import free_port, free_ports  # noqa: F401  (re-exported for the launcher and tests)
 
 C = TypeVar("C")
 

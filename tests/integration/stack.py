@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.launcher import wait_channel_ready
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 from tandem.state.redis_server import RedisServer
 from tests.tiny_models import write_tiny_model
 
@@ -93,8 +93,8 @@ class Stack:
 
     def start(self) -> Stack:
         self.redis = RedisServer().start()
-        for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):
-            self.ports[name] = free_port()
+        names = ("gpu_agent", "prefill_svc", "decode_svc", "router")
+        self.ports.update(zip(names, free_ports(len(names), exclude={self.redis.port}), strict=True))
         self.start_process("gpu_agent")
         # decode and prefill together, as `tandem up` starts a cell's services
         offsets = {name: self.spawn(name) for name in ("decode_svc", "prefill_svc")}

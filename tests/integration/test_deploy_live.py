@@ -24,7 +24,7 @@ from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 from tests.integration.stack import start_up, stop_up
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def test_a_deployment_runs_each_placed_cell_behind_one_router(smollm2_dir: Path,
                   "models": [_profile("fp32kv", str(smollm2_dir)), _profile("bf16kv", f"{smollm2_dir}:kv=bfloat16")]}
     path = tmp_path / "deployment.json"
     path.write_text(json.dumps(deployment))
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     log_path = tmp_path / "up.log"
     proc = start_up(["--deployment", str(path), "--grpc-port", str(grpc_port), "--port", str(http_port),
                      "--admission", "off"], log_path)

@@ -30,7 +30,7 @@ from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 from tests.integration.stack import assert_greedy_output, fault_seed, start_up, stop_up, with_top2
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ class Up:
 @pytest.fixture(scope="module")
 def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     log_path = tmp_path_factory.mktemp("multimodel") / "up.log"
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     proc = start_up(["--model", str(smollm2_dir), "--model", f"{smollm2_dir}:kv=bfloat16", "--grpc-port",
                      str(grpc_port), "--port", str(http_port), "--cell-id", f"mm-{uuid.uuid4().hex[:6]}",
                      "--kv-cache-gb", "0.05", "--admission", "off"], log_path)

@@ -29,6 +29,7 @@ from router.config import RouterConfig
 from router.server import RunningRouter, start_router
 from router.upstream import RegistryUpstreams, Upstreams
 from tandem.engine.tokenizer import Tokenizer
+from tandem.rpc.channels import bind, new_server
 from tandem.rpc.v1 import (
     common_pb2,
     decode_pb2,
@@ -149,9 +150,9 @@ def first_token_reply(request: prefill_pb2.PrefillRequest, token_id: int, **fiel
 
 
 async def start_server(servicer: Any, add: Callable[[Any, grpc.aio.Server], None], port: int = 0) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
+    server = new_server()
     add(servicer, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = bind(server, f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{bound}"
 

@@ -10,14 +10,13 @@ from pathlib import Path
 import grpc
 
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 from tests.integration.stack import start_up, stop_up, write_tiny_chat_model
 
 
 def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Path) -> None:
     model_dir = write_tiny_chat_model(tmp_path / "model", smollm2_dir)
-    port = free_port()
-    http_port = free_port()
+    port, http_port = free_ports(2)
     cell = f"up-{uuid.uuid4().hex[:6]}"
     log_path = tmp_path / "up.log"
     proc = start_up(["--model", str(model_dir), "--grpc-port", str(port), "--port", str(http_port), "--cell-id",

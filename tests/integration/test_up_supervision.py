@@ -28,7 +28,7 @@ import pytest
 from tandem.engine.shm_files import SHM_DIR
 from tandem.launcher import EXIT_GAVE_UP
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tandem.service.runtime import free_port
+from tandem.service.runtime import free_ports
 from tests.integration.stack import ROOT, fault_seed, write_stepping_chat_model
 
 CELL_ID = f"sup-{uuid.uuid4().hex[:6]}"  # both stacks use it: their files must still not collide
@@ -87,13 +87,13 @@ class Up:
 
 
 def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
-    grpc_port = free_port()
+    grpc_port, http_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # each stack its own Redis
     env.update(PYTHONPATH=str(ROOT), TANDEM_STALL_TIMEOUT_S=str(STALL_TIMEOUT_S))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(grpc_port),
-             "--port", str(free_port()), "--cell-id", CELL_ID, "--kv-cache-gb", "0.05", "--admission", "off",
+             "--port", str(http_port), "--cell-id", CELL_ID, "--kv-cache-gb", "0.05", "--admission", "off",
              "--restart-backoff-s", "0.2", *flags],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
