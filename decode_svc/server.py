@@ -65,6 +65,9 @@ READMIT_TIMEOUT_S = 30.0
 # A preempted request refused blocks asks again after this long, or as soon as this service
 # frees blocks (every step asked before: a refused RPC to the agent per step while the pool was full).
 READMIT_RETRY_S = 0.05
+# A request to resume whose blocks a live service holds is asked for again this long (the agent
+# ends the predecessor's lease when it sees its stream close); after that it is that service's.
+RESUME_CLAIM_WAIT_S = 1.0
 # Redis errors a decode step survives: the step streams anyway and is recorded later.
 _RECORD_ERRORS = (RedisError, OSError)
 
@@ -84,6 +87,14 @@ class _Active:
     arrival_unix_ns: int = 0
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
     rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
+
+
+def _handed_again(held: _Active, msg: decode_pb2.HandoffRequest) -> bool:
+    """Whether ``msg`` hands over again a request this service already decodes (and keeps)."""
+    if held.cancelled or held.router_id != msg.router_id:
+        return False
+    # A forwarded prompt counts only once its first token is out and no call waits for it here.
+    return not msg.needs_prefill or (held.first_token is None and bool(held.req.output_token_ids))
 
 
 class DecodeWorker:
@@ -173,11 +184,16 @@ class DecodeWorker:
         way an accepted request is in ``by_id``."""
         held = self.by_id.get(msg.request_id)
         if held is not None:
-            if not msg.needs_prefill and not held.cancelled and held.router_id == msg.router_id:
+            if _handed_again(held, msg):
                 # prefill_svc handing it over again: its first call broke after the request was
                 # taken over (by this service, or by a predecessor whose record this one resumed).
+                # A prompt it forwarded uncomputed was past its first token when the predecessor
+                # died (the record has it): the reply carries that token, as the first call's would have.
                 held.rehanded = True
-                return decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start), None
+                reply = decode_pb2.HandoffReply(accepted=True, server_ns=time.perf_counter_ns() - start)
+                if msg.needs_prefill:
+                    reply.first_token.CopyFrom(token_to_proto(held.req.output_token_ids[0], None, None))
+                return reply, None
             return decode_pb2.HandoffReply(accepted=False, message=f"request {msg.request_id} is already decoding"), None
         try:
             params = sampling_from_proto(msg.sampling)
@@ -299,18 +315,19 @@ class DecodeWorker:
             if not rec.output_token_ids:
                 await self.records.set_state(rec.request_id, "failed")
         records = [rec for rec in records if rec.output_token_ids]
-        # Take the requests' blocks over from the dead predecessor; the ledger's block lists are
-        # the truth (the record may predate an extension). Requests the agent no longer holds
-        # blocks for (it reclaimed them, or the predecessor had preempted them) recompute.
-        claim = await self.member.agent.Claim(
-            agent_pb2.ClaimRequest(owner=self.service_id, request_ids=[r.request_id for r in records]),
-            timeout=RPC_TIMEOUT_S)
-        held = {b.request_id: list(b.block_ids) for b in claim.blocks}
+        held = await self._claim_resumed([r.request_id for r in records])
+        # A live service holding a request's blocks took them back: prefill_svc, whose forwarded
+        # prompt had its first token recorded here just before the predecessor died, but never
+        # received it. It forwards the prompt again (to this service), so the request is its own.
+        for rec in records:
+            if rec.request_id not in held:
+                await self.records.set_state(rec.request_id, "failed")
+        records = [rec for rec in records if rec.request_id in held]
         for rec in records:
             params = SamplingParams.from_dict(rec.sampling)
             req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
             req.output_token_ids = list(rec.output_token_ids)
-            req.block_ids = held.get(rec.request_id, [])
+            req.block_ids = held[rec.request_id]
             req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
             await self.records.set_state(rec.request_id, "decode", decode_service_id=self.service_id)
             # num_sent=0: the router may have missed tokens recorded just before the crash;
@@ -333,6 +350,27 @@ class DecodeWorker:
                 self.preempted.append(active)
         self._wake.set()
         return len(records)
+
+    async def _claim_resumed(self, request_ids: list[str]) -> dict[str, list[int]]:
+        """The blocks of the requests to resume, taken over from the dead predecessor, by id ([]
+        where the agent holds none: it reclaimed them, or the predecessor had preempted them;
+        those recompute). The ledger's block lists are the truth (a record may predate an
+        extension). Only blocks of ended leases are taken; an id a live service still holds
+        after RESUME_CLAIM_WAIT_S (the agent may not have seen the predecessor's end yet) is
+        left out."""
+        held: dict[str, list[int]] = {}
+        deadline = time.monotonic() + RESUME_CLAIM_WAIT_S
+        while request_ids:
+            claim = await self.member.agent.Claim(
+                agent_pb2.ClaimRequest(owner=self.service_id, request_ids=request_ids, only_from_ended_leases=True),
+                timeout=RPC_TIMEOUT_S)
+            held.update({b.request_id: list(b.block_ids) for b in claim.blocks})
+            held.update({rid: [] for rid in claim.missing})
+            request_ids = list(claim.held_by_live)
+            if not request_ids or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(RESUME_CLAIM_WAIT_S / 10)
+        return held
 
     # ------------------------------------------------------------------ routers
     def router_opened(self, router_id: str) -> None:

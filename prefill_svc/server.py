@@ -336,8 +336,9 @@ class PrefillWorker:
     async def _take_back(self, pending: _Pending, req: Request) -> Request | None:
         """A forwarded prompt whose decode_svc died before its first token: its blocks back from
         the dead service (the agent gives them only from a holder whose lease has ended, so never
-        from a decode_svc that resumed the request), or fresh ones when they are gone. None, with
-        the request failed, when a live service keeps it or the agent cannot be reached."""
+        from a decode_svc that resumed the request), or fresh ones when they are gone; none when a
+        live service still holds it after TAKE_BACK_WAIT_S. None, with the request failed, when
+        the client left or the agent cannot be reached."""
         rid = req.request_id
         deadline = time.monotonic() + TAKE_BACK_WAIT_S
         while True:
@@ -354,11 +355,18 @@ class PrefillWorker:
             if reply.missing:  # reclaimed already: the prompt starts over
                 return await self._allocate_waiting(pending)
             # Still held by a live service: the agent has not seen the death yet (its lease ends
-            # with the same socket), or decode_svc is alive and lets go once it sees the call end.
-            if time.monotonic() > deadline or pending.cancelled:
-                _fail(pending, grpc.StatusCode.UNAVAILABLE,
-                      f"handoff to decode broke and decode_svc still holds {rid} after {TAKE_BACK_WAIT_S:.0f} s")
+            # with the same socket), or decode_svc is alive and lets go once it sees the call end,
+            # or the dead one's successor resumed it past its first token from Redis.
+            if pending.cancelled:
+                _fail(pending, grpc.StatusCode.CANCELLED, f"{rid} was cancelled while its handoff to decode broke")
                 return None
+            if time.monotonic() > deadline:
+                # The successor that resumed it answers the forward with the first token it has;
+                # any other decode_svc refuses a prompt without blocks, and the request fails.
+                log.warning("decode_svc still holds %s after %.0f s; forwarding it without blocks",
+                            rid, TAKE_BACK_WAIT_S)
+                req.block_ids = []
+                return req
             await asyncio.sleep(TAKE_BACK_RETRY_S)
 
     @staticmethod

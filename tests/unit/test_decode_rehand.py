@@ -1,0 +1,180 @@
+"""decode_svc after its predecessor died between recording a forwarded prompt's first token and
+answering prefill_svc with it (aggregated mode; a CI run lost requests this way).
+
+Two services then had a claim on the request: prefill_svc, which saw its Handoff call break,
+takes the prompt's blocks back and forwards it again, and the successor, which found the first
+token in the request's Redis record. Whoever comes first, the request must be answered once:
+
+- the successor resumes only requests whose blocks it takes from an ended lease (the dead
+  predecessor's); one a live service holds (prefill took it back) is that service's, and its
+  record is ended so that prefill's forward starts it afresh;
+- a forward of a prompt the successor did resume is answered with the recorded first token.
+
+The records are in a real Redis (``RequestStore``); the agent's ``Claim`` is a stand-in that runs
+the real ``BlockLedger`` with a set of live services, as gpu_agent's Claim does with its leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import redis.asyncio as aredis
+
+from decode_svc import server
+from decode_svc.server import DecodeWorker, _Active
+from gpu_agent.blocks import BlockLedger
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.step import Request
+from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2
+from tandem.state.request_store import RequestStore
+from tandem.state.schema import RequestRecord
+
+CELL = "cell-rehand"
+ROUTER = "router-1"
+PREDECESSOR, PREFILL, SUCCESSOR = "decode-dead", "prefill-1", "decode-new"
+
+
+class _Agent:
+    """The agent's Claim over a real ledger; ``live``: services whose lease is open."""
+
+    def __init__(self, ledger: BlockLedger, live: set[str]) -> None:
+        self.ledger = ledger
+        self.live = live
+        self.claims = 0
+
+    async def Claim(self, request: agent_pb2.ClaimRequest, timeout: float) -> agent_pb2.ClaimReply:  # noqa: N802
+        self.claims += 1
+        ended = (lambda holder: holder not in self.live) if request.only_from_ended_leases else None
+        missing, blocks, kept = self.ledger.claim(request.owner, list(request.request_ids), ended)
+        return agent_pb2.ClaimReply(missing=missing, held_by_live=kept, blocks=[
+            agent_pb2.BlockList(request_id=rid, block_ids=ids) for rid, ids in blocks.items()])
+
+
+def _worker(agent: _Agent, records: RequestStore | None) -> DecodeWorker:
+    worker = DecodeWorker.__new__(DecodeWorker)  # only what resume and _accept touch
+    worker.records = records
+    worker.member = SimpleNamespace(agent=agent, cell_id=CELL, model="")  # type: ignore[assignment]
+    worker.config = SimpleNamespace(service_id=SUCCESSOR)  # type: ignore[assignment]
+    worker.runner = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))  # type: ignore[assignment]
+    worker.eos_token_ids = (0,)
+    worker.by_id = {}
+    worker.pending = []
+    worker.preempted = deque()
+    worker._wake = asyncio.Event()
+    worker._router_streams = {ROUTER: 1}  # the router's stream is open: no loss timer
+    worker._router_lost = {}
+    return worker
+
+
+def _record(rid: str, rng: random.Random, blocks: list[int]) -> RequestRecord:
+    prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 40))]
+    outputs = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 6))]
+    return RequestRecord(request_id=rid, cell_id=CELL, router_id=ROUTER, state="decode", prompt_token_ids=prompt,
+                         arrival_unix_ns=1, output_token_ids=outputs, block_ids=blocks,
+                         num_computed_tokens=len(prompt) + len(outputs) - 1,
+                         sampling=SamplingParams(max_tokens=500, ignore_eos=True).to_dict(),
+                         decode_service_id=PREDECESSOR)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_resume_leaves_requests_a_live_service_took_back_to_it(redis_client: aredis.Redis, seed: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(seed)
+    monkeypatch.setattr(server, "RESUME_CLAIM_WAIT_S", 0.2)
+    ledger = BlockLedger(BlockAllocator(num_blocks=512, block_size=4))
+    # Each request: its blocks held by the dead predecessor, taken back by prefill (alive), held
+    # by nobody (reclaimed), or by a service whose end the agent sees only during the resume.
+    kinds = [rng.choice(["dead", "prefill", "gone", "ending"]) for _ in range(rng.randint(3, 9))]
+    kinds[rng.randrange(len(kinds))] = "prefill"
+    late_holder = "decode-ending"
+    live = {PREFILL, SUCCESSOR, late_holder}
+
+    async def run() -> tuple[DecodeWorker, dict[str, str | None]]:
+        store = RequestStore(redis_client)
+        for i, kind in enumerate(kinds):
+            rid = f"r{seed}-{i}"
+            owner = {"dead": PREDECESSOR, "prefill": PREFILL, "ending": late_holder}.get(kind, PREDECESSOR)
+            alloc = ledger.allocate(rid, list(range(rng.randint(1, 30))), 8, owner=owner)
+            if kind == "gone":
+                ledger.release(rid)
+            await store.create(_record(rid, rng, list(alloc.block_ids)))
+        worker = _worker(_Agent(ledger, live), store)
+        asyncio.get_running_loop().call_later(0.05, live.discard, late_holder)
+        resumed = await worker.resume()
+        states: dict[str, str | None] = {}
+        for i in range(len(kinds)):
+            record = await store.get(f"r{seed}-{i}")
+            states[f"r{seed}-{i}"] = record.state if record is not None else None
+        assert resumed == len(worker.by_id)
+        return worker, states
+
+    async def main() -> tuple[DecodeWorker, dict[str, str | None]]:
+        async with redis_client:
+            return await run()
+
+    worker, states = asyncio.run(main())
+    for i, kind in enumerate(kinds):
+        rid = f"r{seed}-{i}"
+        if kind == "prefill":  # prefill's own: not resumed, its record ended, its blocks still prefill's
+            assert rid not in worker.by_id and states[rid] == "failed", (kind, states[rid])
+            assert ledger.owner_of(rid) == PREFILL
+            continue
+        active = worker.by_id[rid]
+        assert states[rid] == "decode"
+        if kind == "gone":  # recomputes once it gets blocks
+            assert active in worker.preempted and active.req.block_ids == [] and active.req.num_computed_tokens == 0
+        else:
+            assert ledger.owner_of(rid) == SUCCESSOR
+            assert active.req.block_ids == ledger.blocks_of(rid) and active in worker.pending
+
+
+def _held(rng: random.Random, *, router: str = ROUTER, prefilling: bool = False, cancelled: bool = False,
+          num_outputs: int | None = None) -> _Active:
+    outputs = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 6) if num_outputs is None else num_outputs)]
+    req = Request("r", [rng.randrange(1, 1000) for _ in range(rng.randint(1, 30))], SamplingParams(max_tokens=50),
+                  None)
+    req.output_token_ids = outputs
+    active = _Active(req, router, num_sent=0, cancelled=cancelled)
+    if prefilling:  # its own forwarded prompt: a Handoff call waits for the first token here
+        active.first_token = asyncio.get_running_loop().create_future()
+    return active
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_forward_of_a_resumed_prompt_is_answered_with_its_recorded_first_token(seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        agent = _Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=4)), set())
+        worker = _worker(agent, None)
+        for needs_prefill in (True, False):
+            held = _held(rng)
+            worker.by_id = {"r": held}
+            msg = decode_pb2.HandoffRequest(request_id="r", router_id=ROUTER, needs_prefill=needs_prefill,
+                                            prompt_token_ids=held.req.prompt_token_ids,
+                                            block_ids=[] if needs_prefill else [rng.randrange(8)])
+            reply, active = await worker._accept(msg, 0)
+            assert active is None and reply is not None and reply.accepted, reply
+            assert held.rehanded
+            if needs_prefill:
+                assert reply.first_token.token_id == held.req.output_token_ids[0]
+                assert reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+            else:
+                assert not reply.HasField("first_token")
+        # Refused: another router's, a cancelled one, one this service prefills itself (its own
+        # call answers it), one without a first token yet.
+        for held in (_held(rng, router="router-2"), _held(rng, cancelled=True), _held(rng, prefilling=True),
+                     _held(rng, num_outputs=0)):
+            worker.by_id = {"r": held}
+            msg = decode_pb2.HandoffRequest(request_id="r", router_id=ROUTER, needs_prefill=True, block_ids=[1])
+            reply, active = await worker._accept(msg, 0)
+            assert reply is not None and not reply.accepted and "already decoding" in reply.message
+            assert not held.rehanded
+        assert agent.claims == 0  # nothing claimed for a request it holds
+
+    asyncio.run(run())
