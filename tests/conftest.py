@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,3 +69,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """No garbage collection while pytest formats a test's outcome. It parses the failing
+    source with ast.parse; a collection inside it may finalize an asyncio task whose exception
+    nobody retrieved, whose log runs ast.parse again (Python 3.11's tracebacks do), and on
+    3.11.7 that nested parse breaks the outer one's state: the run ends in an INTERNALERROR
+    ("AST constructor recursion depth mismatch", CPython gh-106905), as one CI run did."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -12,11 +12,12 @@ that the suite stays within a few minutes. Seeds are printed, so a failure can b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TypeAlias
 
@@ -70,9 +71,21 @@ def _workload(rng: random.Random, n: int, prompt_len: tuple[int, int], max_token
             for _ in range(n)]
 
 
+@contextlib.asynccontextmanager
 async def _run(address: str, work: list[tuple[list[int], SamplingParams]], started: asyncio.Event | None = None,
-               ) -> list[asyncio.Task[tuple[list[int], int]]]:
-    return [asyncio.create_task(generate(address, ids, params, started, timeout_s=120)) for ids, params in work]
+               ) -> AsyncIterator[list[asyncio.Task[tuple[list[int], int]]]]:
+    """The clients of ``work``, one task each; on leaving, every outcome is collected, those of a
+    test that failed midway too. (A task's exception that nobody retrieved is logged when the
+    task is collected; on Python 3.11 that log's traceback runs ast.parse, and when the collection
+    lands inside pytest's own ast.parse, reporting the failure, the run ends in an INTERNALERROR:
+    CPython gh-106905. A CI run ended so.)"""
+    tasks = [asyncio.create_task(generate(address, ids, params, started, timeout_s=120)) for ids, params in work]
+    try:
+        yield tasks
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _outcomes(tasks: list[asyncio.Task[tuple[list[int], int]]]) -> list[Outcome]:
@@ -118,10 +131,10 @@ def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engi
 
     async def run() -> list[Outcome]:
         started = asyncio.Event()
-        tasks = await _run(stack.address("router"), work, started)
-        await asyncio.wait_for(started.wait(), 60)
-        await _kill_decode(stack, rng, kills=2, after_s=(0.1, 1.5))
-        outcomes = await _outcomes(tasks)
+        async with _run(stack.address("router"), work, started) as tasks:
+            await asyncio.wait_for(started.wait(), 60)
+            await _kill_decode(stack, rng, kills=2, after_s=(0.1, 1.5))
+            outcomes = await _outcomes(tasks)
         await _drained(stack)
         return outcomes
 
@@ -133,9 +146,20 @@ async def _kill_decode(stack: Stack, rng: random.Random, kills: int, after_s: tu
     start a new one a random moment later."""
     for _ in range(kills):
         await asyncio.sleep(rng.uniform(*after_s))
-        stack.kill("decode_svc")
-        await asyncio.sleep(rng.uniform(0.0, 0.5))
-        await asyncio.to_thread(stack.start_process, "decode_svc")
+        async with _revived(stack, "decode_svc"):
+            stack.kill("decode_svc")
+            await asyncio.sleep(rng.uniform(0.0, 0.5))
+
+
+@contextlib.asynccontextmanager
+async def _revived(stack: Stack, name: str) -> AsyncIterator[None]:
+    """``name`` is started again on leaving if it is not running, also when the test failed
+    meanwhile: the module's later tests share the stack."""
+    try:
+        yield
+    finally:
+        if stack.procs[name].poll() is not None:
+            await asyncio.to_thread(stack.start_process, name)
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +184,9 @@ def test_decode_killed_before_forwarded_prompts_first_tokens_computes_them_again
 
     async def run() -> list[Outcome]:
         before = stack.logs("prefill_svc").count("forwarding it again")
-        tasks = await _run(stack.address("router"), work)
-        await _kill_decode(stack, rng, kills=2, after_s=(0.05, 0.8))
-        outcomes = await _outcomes(tasks)
+        async with _run(stack.address("router"), work) as tasks:
+            await _kill_decode(stack, rng, kills=2, after_s=(0.05, 0.8))
+            outcomes = await _outcomes(tasks)
         await _drained(stack)
         print(f"forwarded again: {stack.logs('prefill_svc').count('forwarding it again') - before}")
         return outcomes
@@ -187,23 +211,23 @@ def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
 
     async def run() -> None:
         before = await agent_stats(stack)
-        tasks = await _run(stack.address("router"), work)
-        deadline = time.monotonic() + 30
-        while (await agent_stats(stack)).num_requests == 0:  # prefill holds blocks: mid-prefill
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(rng.uniform(0.0, 0.3))
-        stack.kill("prefill_svc")
-        outcomes = await _outcomes(tasks)
-        for outcome in outcomes:
-            _check_clear_error(outcome)
-        assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), f"seed {seed}: the kill hit nothing"
-        # Nobody restarted prefill: its blocks came back by themselves (split: the agent took
-        # them when its lease ended; aggregated: decode dropped the prompts it held).
-        await _drained(stack)
-        after = await agent_stats(stack)
-        assert after.num_reclaimed_requests > before.num_reclaimed_requests or not split
-        await asyncio.to_thread(stack.start_process, "prefill_svc")
+        async with _revived(stack, "prefill_svc"):
+            async with _run(stack.address("router"), work) as tasks:
+                deadline = time.monotonic() + 30
+                while (await agent_stats(stack)).num_requests == 0:  # prefill holds blocks: mid-prefill
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
+                stack.kill("prefill_svc")
+                outcomes = await _outcomes(tasks)
+            for outcome in outcomes:
+                _check_clear_error(outcome)
+            assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), f"seed {seed}: the kill hit nothing"
+            # Nobody restarted prefill: its blocks came back by themselves (split: the agent took
+            # them when its lease ended; aggregated: decode dropped the prompts it held).
+            await _drained(stack)
+            after = await agent_stats(stack)
+            assert after.num_reclaimed_requests > before.num_reclaimed_requests or not split
         tokens, _ = await generate(stack.address("router"), work[0][0][:50], SamplingParams(max_tokens=3))
         assert len(tokens) == 3
 
@@ -220,13 +244,18 @@ def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Sta
         started = [asyncio.Event() for _ in work]
         tasks = [asyncio.create_task(generate(stack.address("router"), ids, params, event, timeout_s=120))
                  for (ids, params), event in zip(work, started, strict=True)]
-        await asyncio.wait_for(started[0].wait(), 60)
-        await asyncio.sleep(rng.uniform(0.0, 1.0))
-        stack.kill("router")
-        killed = time.monotonic()
-        streaming = sum(event.is_set() for event in started)  # surely at decode; the rest may be in prefill
-        await _outcomes(tasks)  # every client sees an error at once
-        await asyncio.to_thread(stack.start_process, "router")  # a new router: a new router id
+        try:
+            await asyncio.wait_for(started[0].wait(), 60)
+            await asyncio.sleep(rng.uniform(0.0, 1.0))
+            async with _revived(stack, "router"):  # a new router: a new router id
+                stack.kill("router")
+                killed = time.monotonic()
+                streaming = sum(event.is_set() for event in started)  # surely at decode; the rest may be in prefill
+                await _outcomes(tasks)  # every client sees an error at once
+        finally:
+            for task in tasks:  # collected, also if the test failed (see _run)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await _drained(stack, timeout_s=30)
         freed_s = time.monotonic() - killed
         after = await decode_stats(stack)
@@ -247,13 +276,15 @@ def test_redis_restarted_empty_mid_stream_loses_nothing_and_serves_after(stack: 
 
     async def run() -> list[Outcome]:
         started = asyncio.Event()
-        tasks = await _run(stack.address("router"), work, started)
-        await asyncio.wait_for(started.wait(), 60)
-        await asyncio.sleep(rng.uniform(0.1, 1.0))
-        stack.redis.stop()  # type: ignore[union-attr]
-        await asyncio.sleep(rng.uniform(1.0, 4.0))
-        stack.redis = RedisServer(port=port).start()  # back, empty
-        outcomes = await _outcomes(tasks)
+        async with _run(stack.address("router"), work, started) as tasks:
+            await asyncio.wait_for(started.wait(), 60)
+            await asyncio.sleep(rng.uniform(0.1, 1.0))
+            stack.redis.stop()  # type: ignore[union-attr]
+            try:
+                await asyncio.sleep(rng.uniform(1.0, 4.0))
+            finally:
+                stack.redis = RedisServer(port=port).start()  # back, empty
+            outcomes = await _outcomes(tasks)
         # Decode recorded its requests again: a kill now would resume from Redis.
         stats = await decode_stats(stack)
         assert stats.num_record_failures > 0
@@ -278,8 +309,8 @@ def test_a_full_pool_preempts_and_every_request_completes(model_dir: Path, engin
     num_blocks = max(sum(sizes) // 5, max(sizes) + 1)  # every request fits alone
 
     async def run(small: Stack) -> list[Outcome]:
-        tasks = await _run(small.address("router"), work)
-        outcomes = await _outcomes(tasks)
+        async with _run(small.address("router"), work) as tasks:
+            outcomes = await _outcomes(tasks)
         stats = await decode_stats(small)
         assert stats.num_preemptions > 0 and stats.num_preempted == 0
         await _drained(small)
