@@ -1,9 +1,9 @@
 """The router's SLO-aware admission: FineServe's rule over this router's own prefill queue.
 
 Each request's deadline is arrival + TTFT SLO. Its TTFT is predicted from every request this
-router has sent to prefill that has no first token yet, grouped into batches the way prefill_svc
-groups its queue (its token budget and request cap, in arrival order) behind the batch already
-running, each batch one batched prefill on the prefill units of the partition in force (read
+router has sent to prefill that has no first token yet, grouped into batches the way prefill_svc's
+local scheduler takes them from its queue (deadline order, its token budget and request cap, each
+batch the largest that keeps its first request's deadline) behind the batch already running, each batch one batched prefill on the prefill units of the partition in force (read
 from the agent's entry on the Redis load board), with the perf model. A request predicted to
 miss its deadline by more than a margin is refused at once with a retry hint (HTTP 429 with
 ``Retry-After``, gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata) rather than
@@ -68,7 +68,7 @@ from tandem.policy.admission import (
     PrefillCalibration,
     StreamLimit,
     admit_one,
-    group_batches,
+    first_batch,
     predict_ttft,
 )
 from tandem.policy.types import Predictor, QueuedRequest, Slo
@@ -431,9 +431,13 @@ class AdmissionController:
         self._close_measurement()
         running_since_s = self._running_since_s
         if running_since_s is not None:
-            started = [r for r in self._queued() if r.arrival_s <= running_since_s]
-            if started:
-                self._prefilled.update(r.request_id for r in group_batches(started, self.batching)[0])
+            started = sorted((r for r in self._queued() if r.arrival_s <= running_since_s),
+                             key=lambda r: (r.deadline(self.slo), r.arrival_s))
+            scale = self.scale(self.regime())[0]
+            self._prefilled.update(r.request_id for r in first_batch(
+                started, running_since_s, self.batching,
+                lambda batch: scale * self.predictor.predict_prefill([r.seq for r in batch], self.prefill_units()),
+                self.slo))
         self._measuring = _MeasuredBatch(prefill_ns)
 
     def _judge(self, request: QueuedRequest, now_s: float) -> None:

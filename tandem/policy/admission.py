@@ -7,7 +7,8 @@ once with a retry hint instead of being queued, because queueing it would push e
 later-deadline request further back for a token that is late anyway.
 
 The router's incremental form (`admit_one`) predicts the queue the way prefill_svc serves it:
-in batches (`PrefillBatching`: a token budget and a request cap, taken in arrival order), each
+in batches as its local scheduler takes them (`take_batch`: deadline order, within a token
+budget and a request cap, each the largest that keeps its first request's deadline), each
 predicted as one batched prefill, behind the batch already running (`predict_ttft`). One
 batched prefill of N short prompts costs far less than N prefills of one. The perf model's
 predictions are scaled by a factor the router fits online from measured batches
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -154,6 +155,30 @@ def group_batches(queue: Sequence[QueuedRequest], batching: PrefillBatching) -> 
     return batches
 
 
+def take_batch(edf: Sequence[QueuedRequest], start_s: float, slo: Slo,
+               predict: Callable[[Sequence[QueuedRequest]], float],
+               batching: PrefillBatching) -> tuple[QueuedRequest, ...]:
+    """The batch prefill_svc's local scheduler (FineServe's, ``tandem.policy.local``) starts at
+    ``start_s`` from ``edf``, a queue in deadline order: from the front, within ``batching``'s
+    limits, while its predicted time (``predict``, seconds) still ends before the deadline of
+    its first request; when even that one is late, bounded by the limits alone. Never empty
+    unless ``edf`` is."""
+    if not edf:
+        return ()
+    first = edf[0]
+    keep_deadline = start_s + predict([first]) <= first.deadline(slo)
+    batch = [first]
+    num_tokens = first.prompt_tokens
+    for r in edf[1:]:
+        if len(batch) >= batching.max_batch_requests or num_tokens + r.prompt_tokens > batching.max_batch_tokens:
+            break
+        if keep_deadline and start_s + predict([*batch, r]) > first.deadline(slo):
+            break
+        batch.append(r)
+        num_tokens += r.prompt_tokens
+    return tuple(batch)
+
+
 class TtftPrediction(NamedTuple):
     """When a queued request's first token is predicted, all in seconds.
 
@@ -183,9 +208,11 @@ def predict_ttft(
     slo: Slo | None = None,
 ) -> TtftPrediction:
     """Predict `request`'s first token behind `ahead` (the requests sent to prefill that have
-    no first token yet), served as prefill_svc serves its queue (see `PrefillBatching`): in
-    deadline order under `slo` (its local scheduler is EDF; with a flat TTFT SLO that is arrival
-    order), in arrival order without one.
+    no first token yet), served as prefill_svc serves its queue (see `PrefillBatching`). Under
+    `slo`, as its local scheduler does: deadline order (with a flat TTFT SLO that is arrival
+    order), each batch the largest that keeps its first request's deadline (`take_batch`), so
+    a newcomer that would make the batch it joins too slow for that is predicted in the next
+    one. Without `slo`, in arrival order, batches bounded by the limits alone.
 
     `running_since_s` is when the prefill batch now running started (None: prefill is idle,
     or it is not known); it holds the first batch of those of `ahead` that arrived by then,
@@ -203,28 +230,41 @@ def predict_ttft(
     t = now_s
     num_batches_ahead = 0
     if running_since_s is not None:
-        started = [r for r in queued if r.arrival_s <= running_since_s]  # a prefix of `queued`
+        started = [r for r in queued if r.arrival_s <= running_since_s]
+        if slo is not None:
+            started.sort(key=lambda r: (r.deadline(slo), r.arrival_s))
         if started:
-            running = group_batches(started, batching)[0]
-            t += max(0.0, batch_time(running) - (now_s - running_since_s))
+            running = {id(r) for r in first_batch(started, running_since_s, batching, batch_time, slo)}
+            t += max(0.0, batch_time([r for r in started if id(r) in running]) - (now_s - running_since_s))
             num_batches_ahead = 1
-            queued = queued[len(running):]
+            queued = [r for r in queued if id(r) not in running]
     rest = [*queued, request]
     if slo is not None:
         rest.sort(key=lambda r: (r.deadline(slo), r.arrival_s))  # stable: the newcomer goes after equals
-    batches = group_batches(rest, batching)
-    mine = next(i for i, b in enumerate(batches) if any(r is request for r in b))
-    for batch in batches[:mine]:
-        t += batch_time(batch)
-    own = batches[mine]
+    while True:
+        own = first_batch(rest, t, batching, batch_time, slo)
+        if any(r is request for r in own):
+            break
+        t += batch_time(own)
+        num_batches_ahead += 1
+        rest = rest[len(own):]
     batch_s = batch_time(own)
     return TtftPrediction(
         ttft_s=t + batch_s - request.arrival_s,
         wait_s=t - now_s,
         batch_s=batch_s,
         marginal_s=batch_s - batch_time([r for r in own if r is not request]),
-        num_batches_ahead=num_batches_ahead + mine,
+        num_batches_ahead=num_batches_ahead,
     )
+
+
+def first_batch(queue: Sequence[QueuedRequest], start_s: float, batching: PrefillBatching,
+                predict: Callable[[Sequence[QueuedRequest]], float], slo: Slo | None) -> tuple[QueuedRequest, ...]:
+    """The batch prefill_svc starts at ``start_s`` from ``queue`` (in the order it serves it):
+    its local scheduler's under ``slo`` (`take_batch`), else the first of `group_batches`."""
+    if slo is None:
+        return group_batches(queue, batching)[0] if queue else ()
+    return take_batch(queue, start_s, slo, predict, batching)
 
 
 def admit_one(
@@ -246,9 +286,10 @@ def admit_one(
 
     This is the router's incremental form of ``admit``: the newcomer is served at its place in
     deadline order (after everything ahead with a flat TTFT SLO; a short prompt may go before
-    long ones when the SLO grows with the prompt). Its
-    first token is predicted by ``predict_ttft`` (batches as ``batching`` groups them, behind
-    the batch running since ``running_since_s``, predictions times ``scale``). It is refused
+    long ones when the SLO grows with the prompt). Its first token is predicted by
+    ``predict_ttft`` (batches as prefill_svc's local scheduler takes them within ``batching``'s
+    limits, so the newcomer never joins a batch it would make late for the request that leads
+    it; behind the batch running since ``running_since_s``, predictions times ``scale``). It is refused
     only when predicted to miss its deadline by more than ``margin`` x the TTFT SLO: a
     prediction is an estimate, and a refusal of a request that would have made it costs more
     than a slightly late first token. One work-conserving exception: a request too long to

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from tandem.policy.admission import PrefillBatching
+from tandem.policy.admission import PrefillBatching, take_batch
 from tandem.policy.types import QueuedRequest, Slo
 
 PredictBatch = Callable[[Sequence[QueuedRequest]], float]
@@ -37,17 +37,4 @@ def plan_prefill(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict
     if drop_late:
         drop = [r for r in edf if now_s + predict([r]) > r.deadline(slo) + drop_margin_s]
         edf = [r for r in edf if r not in drop]
-    if not edf:
-        return PrefillPlan((), tuple(drop))
-    first = edf[0]
-    keep_deadline = now_s + predict([first]) <= first.deadline(slo)
-    batch = [first]
-    num_tokens = first.prompt_tokens
-    for r in edf[1:]:
-        if len(batch) >= batching.max_batch_requests or num_tokens + r.prompt_tokens > batching.max_batch_tokens:
-            break
-        if keep_deadline and now_s + predict([*batch, r]) > first.deadline(slo):
-            break
-        batch.append(r)
-        num_tokens += r.prompt_tokens
-    return PrefillPlan(tuple(batch), tuple(drop))
+    return PrefillPlan(take_batch(edf, now_s, slo, predict, batching), tuple(drop))

@@ -390,3 +390,58 @@ def test_a_refusal_says_too_long_only_when_the_prompt_misses_its_own_slo_alone(
         own_s = P.predict_prefill([r.seq], 1)
         assert (rejection.reason == REASON_TOO_LONG) == (own_s > slo.ttft_for(r.prompt_tokens))
         assert (rejection.retry_after_s is None) == (rejection.reason == REASON_TOO_LONG)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.floats(0.0, 1.5)), min_size=1, max_size=24),
+       st.integers(1, 3000), st.floats(0.5, 3.0), st.floats(0.0, 400.0), st.integers(1, 16),
+       st.booleans())
+def test_predicted_ttft_is_what_prefill_svcs_local_scheduler_gives(
+        ahead_specs: list[tuple[int, float]], tokens: int, ttft_s: float, per_1k_ms: float, max_requests: int,
+        scaled: bool) -> None:
+    """The router predicts the batches prefill_svc forms (``plan_prefill``: EDF, each batch the
+    largest that keeps its first request's deadline), not batches bounded by the limits alone: a
+    newcomer whose joining would make its batch too slow for that is predicted in the next one,
+    as it will run. Checked against a run of ``plan_prefill`` over the same queue, batch after
+    batch, with the same predictor, on random queues, SLOs and limits."""
+    from tandem.policy.local import plan_prefill
+
+    slo = Slo(ttft_s=ttft_s, tbt_s=0.05, ttft_per_1k_s=per_1k_ms / 1000 if scaled else 0.0)
+    batching = PrefillBatching(max_batch_tokens=8192, max_batch_requests=max_requests)
+    ahead = [q(f"a{i:02d}", n, NOW - age) for i, (n, age) in enumerate(ahead_specs)]  # ids sort as listed
+    newcomer = q("new", tokens, NOW)
+
+    def predict(batch: Sequence[QueuedRequest]) -> float:
+        return B.predict_prefill([r.seq for r in batch], 1)
+
+    predicted = predict_ttft(ahead, newcomer, NOW, B, 1, batching, slo=slo)
+    queue, t = [*ahead, newcomer], NOW
+    while True:
+        batch = plan_prefill(queue, t, slo, predict, batching).batch
+        t += predict(batch)
+        if newcomer in batch:
+            break
+        queue = [r for r in queue if r not in batch]
+    assert predicted.ttft_s == pytest.approx(t - NOW)
+    assert predicted.batch_s == pytest.approx(predict(batch))
+
+
+def test_a_burst_is_cut_where_joining_would_make_its_first_request_late() -> None:
+    """Prompts arriving together, each batch of them one prefill, admitted with the router's
+    margin: those that fit the first one's deadline are predicted in one batch, and the next
+    in a batch after it, admitted only while that is within the margin. Predicted by the
+    limits alone, the burst went into one batch as long as the last one's own TTFT was within
+    the margin, making every request in it late (the live stack admitted whole bursts so, and
+    most of them missed the SLO by a little)."""
+    slo = Slo(ttft_s=1.05, tbt_s=0.05)
+    batching = PrefillBatching(max_batch_tokens=100_000, max_batch_requests=32)
+    burst = [q(f"r{i:02d}", 1000, NOW) for i in range(16)]
+    admitted: list[QueuedRequest] = []
+    for r in burst:
+        if admit_one(admitted, r, NOW, B, 1, slo, batching=batching, margin=0.25) is None:
+            admitted.append(r)
+    # 100 ms per batch + 100 ms per 1000-token prompt: 9 prompts take 1.0 s, 10 would take 1.1 s;
+    # behind them, a batch of 1 ends at 1.2 s, of 2 at 1.3 s, of 3 at 1.4 s (over 1.05 + 0.25 x 1.05)
+    assert len(admitted) == 11
+    ttfts = [predict_ttft(admitted[:i], r, NOW, B, 1, batching, slo=slo).ttft_s for i, r in enumerate(admitted)]
+    assert max(ttfts[:9]) == pytest.approx(1.0) and ttfts[9:] == pytest.approx([1.2, 1.3])
