@@ -10,6 +10,7 @@ a test input so the expected decision can be recomputed exactly; it is not a sta
 from __future__ import annotations
 
 import ast
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -529,7 +530,9 @@ def _no_clock() -> Iterator[None]:
         raise AssertionError("a policy read the clock")
 
     names = ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns")
-    with mock.patch.multiple(time, **{name: boom for name in names}):
+    with contextlib.ExitStack() as patches:
+        for name in names:
+            patches.enter_context(mock.patch.object(time, name, boom))
         yield
 
 
