@@ -12,6 +12,9 @@ from tandem.service.member_config import MemberConfig
 from tandem.service.step_profile import parse_window
 
 
+CHUNK_ORDERS = ("deadline", "fcfs")
+
+
 @dataclass(frozen=True)
 class DecodeConfig(MemberConfig):
     port: int = field(metadata=flag("--port", 50062, "gRPC port", type=int))
@@ -34,11 +37,16 @@ class DecodeConfig(MemberConfig):
         "--torch-profile-dir", "", "write a torch.profiler trace of --torch-profile-steps steps here"))
     torch_profile_steps: str = field(metadata=flag(
         "--torch-profile-steps", "200:5", "START:COUNT, the steps --torch-profile-dir records"))
+    chunk_order: str = field(metadata=flag(
+        "--chunk-order", "deadline", "order of the prompts computed in decode's steps (aggregated mode): 'deadline' "
+        "(earliest deadline first, prompts that cannot make theirs even if next, at the measured prompt rate, "
+        "after those that can) or 'fcfs'", choices=CHUNK_ORDERS))
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_batch_requests <= 0:
             raise ValueError(f"--max-batch-requests must be positive, got {self.max_batch_requests}")
         if self.step_stats_s <= 0:

@@ -29,17 +29,12 @@ class PrefillConfig(MemberConfig):
     max_batch_requests: int = field(metadata=flag("--max-batch-requests", 16, "requests per prefill batch", type=int))
     layer_group_size: int = field(metadata=flag(
         "--layer-group-size", 6, "layers run between partition/preemption checks", type=int))
-    ttft_slo_ms: float = field(metadata=flag(
-        "--ttft-slo-ms", 2000.0, "time-to-first-token SLO: a prompt's deadline is arrival + this ...", type=float))
-    ttft_slo_ms_per_1k: float = field(metadata=flag(
-        "--ttft-slo-ms-per-1k", 0.0, "... + this per 1000 prompt tokens", type=float))
     drop_late: bool = field(metadata=flag(
         "--drop-late", "", "drop a queued prompt that cannot make its deadline even alone and at once (clear "
         "error, retry hint); default: on when TANDEM_ADMISSION=on", parse=_drop_late))
 
     def __post_init__(self) -> None:
-        if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
-            raise ValueError("--ttft-slo-ms must be positive and --ttft-slo-ms-per-1k not negative")
+        super().__post_init__()
         if self.max_batch_tokens <= 0 or self.max_batch_requests <= 0:
             raise ValueError("--max-batch-tokens and --max-batch-requests must be positive")
         if self.layer_group_size <= 0:

@@ -23,6 +23,18 @@ class MemberConfig:
     service_id: str = field(metadata=flag("--service-id", "", "unique id of this process"))
     redis_url: str = field(metadata=flag("--redis-url", "", "Redis URL (REDIS_URL also works)",
                                          parse=env_or("REDIS_URL")))
+    ttft_slo_ms: float = field(metadata=flag(
+        "--ttft-slo-ms", 2000.0, "time-to-first-token SLO: a prompt's deadline is arrival + this ...", type=float))
+    ttft_slo_ms_per_1k: float = field(metadata=flag(
+        "--ttft-slo-ms-per-1k", 0.0, "... + this per 1000 prompt tokens", type=float))
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
+            raise ValueError("--ttft-slo-ms must be positive and --ttft-slo-ms-per-1k not negative")
+
+    def ttft_slo_s(self, prompt_tokens: int) -> float:
+        """A prompt's TTFT SLO in seconds: ``--ttft-slo-ms`` plus ``--ttft-slo-ms-per-1k`` per 1000 tokens."""
+        return (self.ttft_slo_ms + self.ttft_slo_ms_per_1k * prompt_tokens / 1000) / 1000
 
     @property
     def announced_address(self) -> str:
