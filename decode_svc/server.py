@@ -120,6 +120,7 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self._prompt_rate = 0.0  # prompt tokens/s of recent steps with prompt chunks (0: none timed yet)
+        self.slo = config.ttft_slo()  # the prompts' deadlines (_chunk_order)
         self.last_step_num_seqs = 0
         self._step_stats = _StepStats(config.step_stats_s)
         self._step_log = open(config.step_log, "a", buffering=1) if config.step_log else None  # noqa: SIM115
@@ -524,7 +525,7 @@ class DecodeWorker:
 
         def key(active: _Active) -> tuple[bool, float]:
             req = active.req
-            deadline = active.arrival_unix_ns / 1e9 + self.config.ttft_slo_s(len(req.prompt_token_ids))
+            deadline = active.arrival_unix_ns / 1e9 + self.slo.ttft_for(len(req.prompt_token_ids))
             return now + (len(req.prompt_token_ids) - req.num_computed_tokens) / rate > deadline, deadline
 
         return sorted(self.prefilling, key=key)

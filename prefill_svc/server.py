@@ -29,7 +29,7 @@ from tandem.engine.sampling import Sampler, SamplingParams, generator_state, mak
 from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
 from tandem.policy.local import plan_prefill
-from tandem.policy.types import QueuedRequest, Slo
+from tandem.policy.types import QueuedRequest
 from tandem.rpc.channels import ChannelPool
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
@@ -109,7 +109,7 @@ class PrefillWorker:
         self.decode_channels = ChannelPool(service_client_interceptors())  # closed by serve()
         self.tokens_per_s = 1000.0  # prefill rate, smoothed over recent batches
         self.num_batches_timed = 0  # the rate predicts deadlines only once a few batches are timed
-        self.slo = Slo(config.ttft_slo_ms / 1000, 1.0, config.ttft_slo_ms_per_1k / 1000)
+        self.slo = config.ttft_slo()
         self.batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
         self.num_dropped = 0
         # The batch computing now, and under it the one it preempted (MuxWise: one level).

@@ -3,8 +3,9 @@
 Each request's deadline is arrival + TTFT SLO. Its TTFT is predicted from every request this
 router has sent to prefill that has no first token yet, grouped into batches the way prefill_svc's
 local scheduler takes them from its queue (deadline order, its token budget and request cap, each
-batch the largest that keeps its first request's deadline) behind the batch already running, each batch one batched prefill on the prefill units of the partition in force (read
-from the agent's entry on the Redis load board), with the perf model. A request predicted to
+batch the largest that keeps its first request's deadline) behind the batch already running, each
+batch one batched prefill on the prefill units of the partition in force (read from the agent's
+entry on the Redis load board), with the perf model. A request predicted to
 miss its deadline by more than a margin is refused at once with a retry hint (HTTP 429 with
 ``Retry-After``, gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata) rather than
 queued behind work it would delay. The rule itself is the pure
@@ -68,8 +69,8 @@ from tandem.policy.admission import (
     PrefillCalibration,
     StreamLimit,
     admit_one,
-    first_batch,
     predict_ttft,
+    running_batch,
 )
 from tandem.policy.types import Predictor, QueuedRequest, Slo
 from tandem.protocol import LoadReport
@@ -429,15 +430,10 @@ class AdmissionController:
         """A reply of a batch not seen before: the batch taken as running has ended (all of it:
         its other replies are handoffs away), and this batch's replies are gathered from now."""
         self._close_measurement()
-        running_since_s = self._running_since_s
-        if running_since_s is not None:
-            started = sorted((r for r in self._queued() if r.arrival_s <= running_since_s),
-                             key=lambda r: (r.deadline(self.slo), r.arrival_s))
-            scale = self.scale(self.regime())[0]
-            self._prefilled.update(r.request_id for r in first_batch(
-                started, running_since_s, self.batching,
-                lambda batch: scale * self.predictor.predict_prefill([r.seq for r in batch], self.prefill_units()),
-                self.slo))
+        scale, units = self.scale(self.regime())[0], self.prefill_units()
+        self._prefilled.update(r.request_id for r in running_batch(
+            self._queued(), self._running_since_s, self.batching,
+            lambda batch: scale * self.predictor.predict_prefill([r.seq for r in batch], units), self.slo))
         self._measuring = _MeasuredBatch(prefill_ns)
 
     def _judge(self, request: QueuedRequest, now_s: float) -> None:

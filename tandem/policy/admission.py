@@ -229,18 +229,14 @@ def predict_ttft(
     queued = sorted(ahead, key=lambda r: r.arrival_s)  # stable: equal arrivals keep their order
     t = now_s
     num_batches_ahead = 0
-    if running_since_s is not None:
-        started = [r for r in queued if r.arrival_s <= running_since_s]
-        if slo is not None:
-            started.sort(key=lambda r: (r.deadline(slo), r.arrival_s))
-        if started:
-            running = {id(r) for r in first_batch(started, running_since_s, batching, batch_time, slo)}
-            t += max(0.0, batch_time([r for r in started if id(r) in running]) - (now_s - running_since_s))
-            num_batches_ahead = 1
-            queued = [r for r in queued if id(r) not in running]
-    rest = [*queued, request]
-    if slo is not None:
-        rest.sort(key=lambda r: (r.deadline(slo), r.arrival_s))  # stable: the newcomer goes after equals
+    running = running_batch(queued, running_since_s, batching, batch_time, slo)
+    if running:
+        assert running_since_s is not None
+        t += max(0.0, batch_time(running) - (now_s - running_since_s))
+        num_batches_ahead = 1
+        ids = {id(r) for r in running}
+        queued = [r for r in queued if id(r) not in ids]
+    rest = _served_order([*queued, request], slo)  # the newcomer goes after equals
     while True:
         own = first_batch(rest, t, batching, batch_time, slo)
         if any(r is request for r in own):
@@ -256,6 +252,25 @@ def predict_ttft(
         marginal_s=batch_s - batch_time([r for r in own if r is not request]),
         num_batches_ahead=num_batches_ahead,
     )
+
+
+def _served_order(queue: Sequence[QueuedRequest], slo: Slo | None) -> list[QueuedRequest]:
+    """``queue`` (in arrival order) in the order prefill_svc serves it: by deadline under ``slo``
+    (stable: equals keep their order), as given without."""
+    if slo is None:
+        return list(queue)
+    return sorted(queue, key=lambda r: (r.deadline(slo), r.arrival_s))
+
+
+def running_batch(queued: Sequence[QueuedRequest], running_since_s: float | None, batching: PrefillBatching,
+                  predict: Callable[[Sequence[QueuedRequest]], float], slo: Slo | None) -> tuple[QueuedRequest, ...]:
+    """The batch prefill_svc started at ``running_since_s`` (None: none runs) from ``queued``, the
+    requests without a first token in arrival order: the first of those that had arrived by
+    then (``first_batch``)."""
+    if running_since_s is None:
+        return ()
+    started = _served_order([r for r in queued if r.arrival_s <= running_since_s], slo)
+    return first_batch(started, running_since_s, batching, predict, slo)
 
 
 def first_batch(queue: Sequence[QueuedRequest], start_s: float, batching: PrefillBatching,

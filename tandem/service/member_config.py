@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.policy.types import Slo
 from tandem.service.flags import env_or, flag
 from tandem.service.registry import announced_address
 
@@ -32,9 +33,10 @@ class MemberConfig:
         if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
             raise ValueError("--ttft-slo-ms must be positive and --ttft-slo-ms-per-1k not negative")
 
-    def ttft_slo_s(self, prompt_tokens: int) -> float:
-        """A prompt's TTFT SLO in seconds: ``--ttft-slo-ms`` plus ``--ttft-slo-ms-per-1k`` per 1000 tokens."""
-        return (self.ttft_slo_ms + self.ttft_slo_ms_per_1k * prompt_tokens / 1000) / 1000
+    def ttft_slo(self) -> Slo:
+        """The TTFT SLO of the flags, as the policies' ``Slo`` (its ``ttft_for`` gives a prompt's).
+        A service's deadlines use its TTFT alone; the TBT there (1 s) is a placeholder."""
+        return Slo(self.ttft_slo_ms / 1000, 1.0, self.ttft_slo_ms_per_1k / 1000)
 
     @property
     def announced_address(self) -> str:

@@ -24,6 +24,7 @@ def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k
     worker = DecodeWorker.__new__(DecodeWorker)  # only what _plan_chunks touches
     worker.config = parse_args(["--chunk-order", order, "--ttft-slo-ms", str(slo_ms),
                                 "--ttft-slo-ms-per-1k", str(per_1k_ms)])
+    worker.slo = worker.config.ttft_slo()
     partition = SimpleNamespace(aggregated=True, prefill_token_budget=budget, model_token_budgets={},
                                 prefill_held=False)
     worker.member = SimpleNamespace(partition=partition, model="")  # type: ignore[assignment]
