@@ -115,7 +115,8 @@ def main() -> int:
     ap.add_argument("--variant", type=parse_variant, action="append", default=[],
                     help="LABEL=POLICY[:NAME=VALUE,...]: one more contender, a policy under environment overrides "
                          "(e.g. chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off)")
-    ap.add_argument("--repeats", type=int, default=1, help="each repeat runs every policy on arrivals of seed + repeat")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="bench runs per contender, on one stack: repeat r uses arrivals of seed + r for every contender")
     ap.add_argument("--out", default="docs/results/cuda-live-h100.json")
     args = ap.parse_args()
     # A time limit's SIGTERM unwinds like Ctrl-C: the running bench is killed and the stack stopped.
@@ -139,22 +140,24 @@ def main() -> int:
     result["repeats"] = args.repeats
     result["variants"] = [variant._asdict() for variant in args.variant]
     contenders = list(args.policies) + [variant.label for variant in args.variant]
-    for repeat in range(args.repeats):  # each repeat: every contender on the same arrivals (its seed)
-        for policy in contenders:
-            tag = policy if args.repeats == 1 else f"{policy}-r{repeat}"
-            log_path = out.parent / f"{out.stem}-{tag}-up.log"
-            _log(f"{tag}: starting tandem up")
-            proc, port = _up(args, model_dir, policy, log_path)
-            try:
+    # One stack per contender (a start is about a minute of the lease on the GPU machine); each repeat
+    # runs the bench on it again with arrivals of seed + repeat, the same arrivals for every contender.
+    for policy in contenders:
+        log_path = out.parent / f"{out.stem}-{policy}-up.log"
+        _log(f"{policy}: starting tandem up")
+        proc, port = _up(args, model_dir, policy, log_path)
+        try:
+            for repeat in range(args.repeats):
+                tag = policy if args.repeats == 1 else f"{policy}-r{repeat}"
                 run = _bench(args, port, model_dir, out.parent / f"{out.stem}-{tag}-bench.json", args.seed + repeat)
-            finally:
-                _stop(proc)
-            if args.repeats > 1:  # a list of runs per policy; one run alone as before
-                result["policies"].setdefault(policy, []).append(run)
-            else:
-                result["policies"][policy] = run
-            result["goodput"] = _goodput_summary(result, args)
-            out.write_text(json.dumps(result, indent=1, default=str))
+                if args.repeats > 1:  # a list of runs per policy; one run alone as before
+                    result["policies"].setdefault(policy, []).append(run)
+                else:
+                    result["policies"][policy] = run
+                result["goodput"] = _goodput_summary(result, args)
+                out.write_text(json.dumps(result, indent=1, default=str))
+        finally:
+            _stop(proc)
     _log(f"goodput: {json.dumps(result['goodput'])}")
     _log(f"wrote {out}")
     return 0

@@ -2,8 +2,10 @@
 # One call of a borrowed GPU machine (docs/gpu.md), in stages, each under its own time limit, so a
 # stage that runs long still leaves the others' results: what comes back lies in $OUT (at most
 # eight files; the rest in $OUT/extra.tgz).
-#   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: all three)
-#     tests  the graph and engine GPU tests
+#   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: these three), flashinfer, wait
+#     tests  the graph, engine, partition and IPC GPU tests
+#     flashinfer  in the background: flashinfer's paged attention (JIT-built with the machine's nvcc)
+#            against the torch backend; 'wait' waits for it (run it beside stages that measure nothing)
 #     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
 #            TANDEM_LIVE_REQUESTS, TANDEM_LIVE_REPEATS, TANDEM_LIVE_VARIANTS: LABEL=POLICY:ENV=VALUE
 #            contenders), decode's step log every 5 s; TANDEM_LIVE_PROFILE=START:COUNT adds a torch profile
@@ -24,8 +26,16 @@ for stage in ${stages[@]}; do
     case $stage in
     tests)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_engine.py tests/gpu/test_cuda_partition.py \
-            tests/unit/test_cuda_without_gpu.py -q -o addopts="" -x > "$OUT/gpu-tests.log" 2>&1
+            tests/gpu/test_cuda_ipc.py tests/unit/test_cuda_without_gpu.py -q -o addopts="" -x > "$OUT/gpu-tests.log" 2>&1
         tail -3 "$OUT/gpu-tests.log" ;;
+    flashinfer)
+        cuda_home=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+        ( env CUDA_HOME="$cuda_home" FLASHINFER_CUDA_ARCH_LIST="9.0a" MAX_JOBS=12 \
+            timeout "${TANDEM_FI_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider tests/gpu/test_flashinfer.py -q \
+            -o addopts="" -rs > "$OUT/gpu-flashinfer.log" 2>&1; echo "flashinfer rc=$?" >> "$OUT/gpu-flashinfer.log" ) &
+        echo "flashinfer: started in the background" ;;
+    wait)
+        wait; tail -4 "$OUT/gpu-flashinfer.log" 2>/dev/null ;;
     live)
         variants=()  # TANDEM_LIVE_VARIANTS="chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off ..."
         for v in ${TANDEM_LIVE_VARIANTS:-}; do variants+=(--variant "$v"); done
@@ -36,13 +46,13 @@ for stage in ${stages[@]}; do
             timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
             --repeats "${TANDEM_LIVE_REPEATS:-1}" "${variants[@]}" \
-            --out "$work/cuda-live-h100.json" > "$work/cuda-live.log" 2>&1
+            --out "$work/cuda-live.json" > "$work/cuda-live.log" 2>&1
         echo "live rc=$?"; tail -20 "$work/cuda-live.log"
-        cp "$work/cuda-live-h100.json" "$OUT/" 2>/dev/null
-        for f in "$work"/cuda-live-h100-*-up.log; do  # one file however many stacks ran
+        cp "$work/cuda-live.json" "$OUT/" 2>/dev/null
+        for f in "$work"/cuda-live-*-up.log; do  # one file however many stacks ran
             echo "=== $(basename "$f")"; grep -av '"POST \|"GET ' "$f"
         done > "$OUT/cuda-live-up-logs.txt"
-        grep -ah "steps:\|captured\|CUDA-graph\|Traceback\|Error" "$work"/cuda-live-h100-*-up.log | cut -c1-300 | tail -60 ;;
+        grep -ah "steps:\|captured\|CUDA-graph\|Traceback\|Error" "$work"/cuda-live-*-up.log | cut -c1-300 | tail -60 ;;
     stack)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_stack.py -q -o addopts="" -x \
             > "$OUT/gpu-stack.log" 2>&1
