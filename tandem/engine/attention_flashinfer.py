@@ -1,4 +1,5 @@
-"""flashinfer paged attention (CUDA only). NOT RUN HERE: no machine of this project has a GPU.
+"""flashinfer paged attention (CUDA only). Checked against the torch backend on an H200 with
+flashinfer 0.5.3 (``tests/gpu/test_flashinfer.py``); the cell's services do not use it yet.
 
 Written to flashinfer's documented wrapper API: one ``BatchPrefillWithPagedKVCacheWrapper``
 serves prefill, decode and hybrid batches alike (a decode row is a query of length 1 with a
