@@ -20,6 +20,13 @@ servers are stopped on exit, Ctrl-C and errors. Writes one JSON (every ``tandem 
 ``tandem bench``'s PNGs (latency CDFs per load, goodput vs rate) and prints markdown tables.
 A full run takes about 10-15 minutes on 2 cores; ``--quick`` about 2 (a smoke run).
 
+After both servers stop, the same fixed loads run on Tandem's in-process engine (``LLMEngine``,
+the weight format of ``--tandem-args --quantization``, default ``auto``), closed loop with the
+same concurrency and chat-templated prompts of the same length, no network, no SLO: the most
+any serving stack on this engine gives on this machine in this hour, so the run shows both how
+far the stack is from its engine and how far the engine is from the goal against llama.cpp
+(``--no-engine-ceiling`` skips it).
+
 Usage: python bench/peer.py [--quick] [--rate 0.5 1 2] [--num-requests 60] [--rounds 4]
                             [--llama-server PATH] [--out bench/results/peer.json]
                             [--plots bench/results/peer] [--tandem-args ARG...]
@@ -274,7 +281,58 @@ def _by_label(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any]) -> str:
+def _tandem_quantization(tandem_args: list[str]) -> str:
+    """The ``--quantization`` that ``--tandem-args`` passes to ``tandem up`` (its default, ``auto``)."""
+    for i, arg in enumerate(tandem_args):
+        if arg.startswith("--quantization="):
+            return arg.split("=", 1)[1]
+        if arg == "--quantization" and i + 1 < len(tandem_args):
+            return tandem_args[i + 1]
+    return "auto"
+
+
+def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The fixed loads on the in-process engine, closed loop: at each concurrency ``c``, ``c``
+    requests in flight (a finished one is replaced at once) until ``rounds * c`` are done;
+    output tokens per second of the whole loop (its prompts' prefill included)."""
+    from collections import deque
+
+    from tandem.engine.llm import LLMEngine
+    from tandem.engine.model_cache import resolve_model
+    from tandem.engine.sampling import SamplingParams
+    from tandem.engine.tokenizer import Tokenizer
+    from tandem.engine.weight_format import WeightFormat
+
+    quantization = _tandem_quantization(args.tandem_args)
+    model_dir = resolve_model("default")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engine = LLMEngine.from_dir(model_dir, weight_format=WeightFormat.parse(quantization))
+    params = SamplingParams(max_tokens=CHAT_OUTPUT_LEN, ignore_eos=True, temperature=0.0)
+    results = []
+    for i, c in enumerate(CONCURRENCIES):
+        builder = PromptBuilder(args.seed + 1 + i).salted("engine")
+        pending = deque(tokenizer.encode_chat([{"role": "user", "content": str(builder.prompt(
+            RequestSpec(f"e{k}", 0.0, CHAT_INPUT_LEN, CHAT_OUTPUT_LEN)))}]) for k in range(args.rounds * c))
+        num_prompts, prompt_tokens = len(pending), sum(map(len, pending))
+        in_flight = output_tokens = 0
+        began = time.perf_counter()
+        while pending or engine.has_unfinished():
+            while pending and in_flight < c:
+                engine.add_request(pending.popleft(), params)
+                in_flight += 1
+            for out in engine.step():
+                output_tokens += 1
+                in_flight -= out.finish_reason is not None
+        seconds = time.perf_counter() - began
+        results.append({"concurrency": c, "quantization": quantization, "requests": num_prompts,
+                        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seconds": round(seconds, 3),
+                        "output_token_throughput": round(output_tokens / seconds, 2)})
+        print(f"peer: in-process engine, concurrency {c}: {output_tokens / seconds:.1f} output tok/s", flush=True)
+    return results
+
+
+def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any],
+             ceiling: list[dict[str, Any]] | None = None) -> str:
     a, b = LABEL_LLAMA, LABEL_TANDEM
     lines = [f"Fixed concurrency, chat, {CHAT_INPUT_LEN}-word prompts, {CHAT_OUTPUT_LEN} output tokens "
              f"(latencies in ms, {a} / {b})", "",
@@ -301,6 +359,16 @@ def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any]) -> str:
                      f"{_ratio(sb['goodput_rps'], sa['goodput_rps'])} | {100 * sa['slo_attainment']:.0f}% | "
                      f"{100 * sb['slo_attainment']:.0f}% | {sa['num_failed']}/{sa['num_requests']} | "
                      f"{sb['num_failed']}/{sb['num_requests']} |")
+    if ceiling:
+        served = {int(load.removeprefix("c=")): s for result in concurrency for load, s in _by_label(result).items()}
+        lines += ["", f"In-process engine, same loads, closed loop, servers stopped ({ceiling[0]['quantization']})", "",
+                  f"| concurrency | engine tok/s | {b} / engine | engine / {a} |", "|---:|---:|---:|---:|"]
+        for row in ceiling:
+            both = served.get(row["concurrency"])
+            rate = row["output_token_throughput"]
+            lines.append(f"| {row['concurrency']} | {rate:.1f} | "
+                         f"{_ratio(both[b]['output_token_throughput'], rate) if both else '-'} | "
+                         f"{_ratio(rate, both[a]['output_token_throughput']) if both else '-'} |")
     return "\n".join(lines)
 
 
@@ -325,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p("--ready-timeout-s", type=float, default=300.0)
     p("--out", default="bench/results/peer.json")
     p("--plots", default="bench/results/peer", help="directory for tandem bench's PNGs")
+    p("--no-engine-ceiling", dest="engine_ceiling", action="store_false",
+      help="skip the in-process engine's run of the fixed loads after the servers stop")
     p("--tandem-args", nargs=argparse.REMAINDER, default=[], help="everything after it goes to `tandem up`")
     args = parser.parse_args(argv)
     if args.quick:
@@ -383,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: other processes used {others_percent}% of one core during the run: the machine was "
               "not quiet and both systems (llama.cpp's spinning threads most) ran slower", file=sys.stderr)
 
-    table = markdown(concurrency, rates)
+    ceiling = engine_ceiling(args) if args.engine_ceiling else None
+    table = markdown(concurrency, rates, ceiling)
     out = write_json({
         "config": dict(vars(args)),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -397,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "others_cpu_percent": others_percent,
         "concurrency": concurrency,
         "rates": rates,
+        "engine_ceiling": ceiling,
         "markdown": table,
     }, args.out)
     print(table)
