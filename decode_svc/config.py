@@ -40,7 +40,7 @@ class DecodeConfig(MemberConfig):
     chunk_order: str = field(metadata=flag(
         "--chunk-order", "deadline", "order of the prompts computed in decode's steps (aggregated mode): 'deadline' "
         "(earliest deadline first, prompts that cannot make theirs even if next, at the measured prompt rate, "
-        "after those that can) or 'fcfs'", choices=CHUNK_ORDERS))
+        "after those that can, until their deadline is one SLO past) or 'fcfs'", choices=CHUNK_ORDERS))
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))

@@ -516,8 +516,11 @@ class DecodeWorker:
         deadline first, but a prompt that cannot make its deadline even if it were next, at the
         prompt rate the last steps measured, after every one that still can (it is late anyway,
         and first come first served made short prompts late behind it: a 27-token prompt's first
-        token came 3.7 s after it, behind a 393-token one beside five streams). First come first
-        served with ``--chunk-order fcfs``, or until a step with prompt tokens has been timed."""
+        token came 3.7 s after it, behind a 393-token one beside five streams). Only for one more
+        SLO, though: a prompt whose deadline passed longer ago than its own TTFT SLO is back
+        among the first by its deadline, the earliest there, so a stream of feasible prompts under
+        sustained overload cannot starve it. First come first served with ``--chunk-order fcfs``,
+        or until a step with prompt tokens has been timed."""
         rate = self._prompt_rate
         if self.config.chunk_order == "fcfs" or rate <= 0 or len(self.prefilling) < 2:
             return self.prefilling
@@ -525,8 +528,10 @@ class DecodeWorker:
 
         def key(active: _Active) -> tuple[bool, float]:
             req = active.req
-            deadline = active.arrival_unix_ns / 1e9 + self.slo.ttft_for(len(req.prompt_token_ids))
-            return now + (len(req.prompt_token_ids) - req.num_computed_tokens) / rate > deadline, deadline
+            ttft_s = self.slo.ttft_for(len(req.prompt_token_ids))
+            deadline = active.arrival_unix_ns / 1e9 + ttft_s
+            late = now + (len(req.prompt_token_ids) - req.num_computed_tokens) / rate > deadline
+            return late and now <= deadline + ttft_s, deadline
 
         return sorted(self.prefilling, key=key)
 

@@ -1,7 +1,8 @@
 """decode_svc's prompt chunks in aggregated mode go earliest deadline first, with the prompts that
 cannot make their deadline even if they were next (at the prompt rate the last steps measured)
 after all those that still can. First come first served made short prompts late behind a long
-one that was late anyway.
+one that was late anyway. A late prompt is passed over for one more SLO at most: once its
+deadline is that far past, it is among the first again (no starvation under overload).
 
 The worker is built without a model or an agent: ``_plan_chunks`` reads only its prompts, its
 config and the partition in force (a stand-in with the partition's fields)."""
@@ -56,14 +57,17 @@ def test_feasible_prompts_go_first_each_group_by_deadline(seed: int) -> None:
     def slack(a: _Active) -> float:  # seconds to spare if it were next
         return deadline(a) - now - (len(a.req.prompt_token_ids) - a.req.num_computed_tokens) / rate
 
+    def overdue(a: _Active) -> float:  # seconds past its deadline beyond one more SLO
+        return now - 2 * deadline(a) + a.arrival_unix_ns / 1e9
+
     while len(worker.prefilling) < rng.randint(2, 12):
         n = rng.randint(1, 1500)
-        prompt = _prompt(len(worker.prefilling), n, rng.uniform(0, 3), computed=rng.randint(0, n - 1))
-        if abs(slack(prompt)) > 0.1:
+        prompt = _prompt(len(worker.prefilling), n, rng.uniform(0, 6), computed=rng.randint(0, n - 1))
+        if abs(slack(prompt)) > 0.1 and abs(overdue(prompt)) > 0.1:
             worker.prefilling.append(prompt)
 
     order = worker._chunk_order()
-    assert order == sorted(worker.prefilling, key=lambda a: (slack(a) < 0, deadline(a)))
+    assert order == sorted(worker.prefilling, key=lambda a: (slack(a) < 0 and overdue(a) < 0, deadline(a)))
     chunks = worker._plan_chunks()
     left = [len(a.req.prompt_token_ids) - a.req.num_computed_tokens for a in order]
     assert sum(n for _, n in chunks) == min(worker.member.partition.prefill_token_budget, sum(left))
@@ -83,3 +87,14 @@ def test_a_short_prompt_passes_a_long_one_that_is_late_anyway() -> None:
     worker = _worker("deadline", budget=46, rate=5000.0)
     worker.prefilling = [short, long]
     assert worker._chunk_order() == [long, short]
+
+
+def test_a_late_prompt_is_passed_over_for_one_more_slo_at_most() -> None:
+    """Under overload a stream of short feasible prompts would keep a late long one last for
+    ever: 3.5 s after it came (its 2 s deadline 1.5 s past) the fresh short one still goes
+    first; 4.5 s after (its deadline more than one SLO past) the long one goes first."""
+    for age_s, first in ((3.5, "short"), (4.5, "long")):
+        long, short = _prompt(0, 400, age_s), _prompt(1, 27, 0.1)
+        worker = _worker("deadline", budget=46, rate=230.0)
+        worker.prefilling = [long, short]
+        assert worker._chunk_order()[0] is {"long": long, "short": short}[first]
