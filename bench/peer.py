@@ -20,11 +20,11 @@ servers are stopped on exit, Ctrl-C and errors. Writes one JSON (every ``tandem 
 ``tandem bench``'s PNGs (latency CDFs per load, goodput vs rate) and prints markdown tables.
 A full run takes about 10-15 minutes on 2 cores; ``--quick`` about 2 (a smoke run).
 
-After both servers stop, the same fixed loads run on Tandem's in-process engine (``LLMEngine``,
-the weight format of ``--tandem-args --quantization``, default ``auto``), closed loop with the
-same concurrency and chat-templated prompts of the same length, no network, no SLO: the most
-any serving stack on this engine gives on this machine in this hour, so the run shows both how
-far the stack is from its engine and how far the engine is from the goal against llama.cpp
+After both servers stop, the same fixed loads run on Tandem's in-process engine (``LLMEngine``, the
+weight format and KV dtype that ``tandem up`` took from ``--tandem-args`` and its environment),
+closed loop with the same concurrency and chat-templated prompts of the same length, no network, no
+SLO: the most any serving stack on this engine gives on this machine in this hour, so the run shows
+both how far the stack is from its engine and how far the engine is from the goal against llama.cpp
 (``--no-engine-ceiling`` skips it).
 
 Usage: python bench/peer.py [--quick] [--rate 0.5 1 2] [--num-requests 60] [--rounds 4]
@@ -281,32 +281,26 @@ def _by_label(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def _tandem_quantization(tandem_args: list[str]) -> str:
-    """The ``--quantization`` that ``--tandem-args`` passes to ``tandem up`` (its default, ``auto``)."""
-    for i, arg in enumerate(tandem_args):
-        if arg.startswith("--quantization="):
-            return arg.split("=", 1)[1]
-        if arg == "--quantization" and i + 1 < len(tandem_args):
-            return tandem_args[i + 1]
-    return "auto"
-
-
 def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The fixed loads on the in-process engine, closed loop: at each concurrency ``c``, ``c``
     requests in flight (a finished one is replaced at once) until ``rounds * c`` are done;
     output tokens per second of the whole loop (its prompts' prefill included)."""
     from collections import deque
 
+    from tandem.cli import build_parser
     from tandem.engine.llm import LLMEngine
     from tandem.engine.model_cache import resolve_model
     from tandem.engine.sampling import SamplingParams
     from tandem.engine.tokenizer import Tokenizer
     from tandem.engine.weight_format import WeightFormat
+    from tandem.engine.weights import parse_dtype
 
-    quantization = _tandem_quantization(args.tandem_args)
+    up = build_parser().parse_args(["up", *args.tandem_args])  # as `tandem up` read them, its environment too
+    quantization = up.quantization
     model_dir = resolve_model("default")
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = LLMEngine.from_dir(model_dir, weight_format=WeightFormat.parse(quantization))
+    engine = LLMEngine.from_dir(model_dir, weight_format=WeightFormat.parse(quantization),
+                                kv_dtype=parse_dtype(up.kv_dtype) if up.kv_dtype else None)
     params = SamplingParams(max_tokens=CHAT_OUTPUT_LEN, ignore_eos=True, temperature=0.0)
     results = []
     for i, c in enumerate(CONCURRENCIES):
