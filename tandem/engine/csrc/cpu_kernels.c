@@ -30,6 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define TILE_ROWS 16
 /* Work the threads take at a time in the projections of calls of GRAB_MIN_ROWS rows or more, as
@@ -305,26 +308,116 @@ int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, co
     return 0;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* out[0..4) = q . k_j for the four rows k_j (d floats, d % 8 == 0). */
+static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                        int64_t d, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t e = 0; e < d; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + e), a3);
+    }
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
+/* o[0..d) += sum_j p[j] * v_j over n rows v_j = v + j * stride (d % 32 == 0): 32 floats of o at a
+ * time held in registers (two sets, alternate rows) across all n rows. */
+static inline void axpy_rows(float *o, const float *p, const float *v, int64_t stride, int64_t n, int64_t d) {
+    for (int64_t e = 0; e < d; e += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + e), a1 = _mm256_loadu_ps(o + e + 8), a2 = _mm256_loadu_ps(o + e + 16),
+               a3 = _mm256_loadu_ps(o + e + 24);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+        int64_t j = 0;
+        for (; j + 1 < n; j += 2) {
+            const float *v0 = v + j * stride + e, *v1 = v0 + stride;
+            const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
+            a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0), a0);
+            a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8), a1);
+            a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 16), a2);
+            a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 24), a3);
+            b0 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1), b0);
+            b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8), b1);
+            b2 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 16), b2);
+            b3 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 24), b3);
+        }
+        if (j < n) {
+            const float *v0 = v + j * stride + e;
+            const __m256 p0 = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0), a0);
+            a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8), a1);
+            a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 16), a2);
+            a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 24), a3);
+        }
+        _mm256_storeu_ps(o + e, _mm256_add_ps(a0, b0));
+        _mm256_storeu_ps(o + e + 8, _mm256_add_ps(a1, b1));
+        _mm256_storeu_ps(o + e + 16, _mm256_add_ps(a2, b2));
+        _mm256_storeu_ps(o + e + 24, _mm256_add_ps(a3, b3));
+    }
+}
+#define TG_ATTN_AVX2 1
+#endif
+
+/* The n tokens of a block's K or V rows of kv heads [g0, g0 + ng) as fp32; *ts gets the floats from
+ * one token's rows to the next: in place for an fp32 pool (a token's kv heads lie together), else
+ * converted into tmp [bs, ng, d]. */
+static const float *kv_block(const char *base, int64_t block_at, int kv_type, int64_t g0, int64_t ng, int64_t n,
+                             int64_t kv_heads, int64_t d, float *tmp, int64_t *ts) {
+    if (kv_type == GGML_TYPE_F32) {
+        *ts = kv_heads * d;
+        return (const float *)base + block_at + g0 * d;
+    }
+    *ts = ng * d;
+    if (ng == kv_heads) {
+        kv_load(base, block_at, kv_type, n * kv_heads * d, tmp);
+    } else {
+        for (int64_t j = 0; j < n; j++) kv_load(base, block_at + (j * kv_heads + g0) * d, kv_type, ng * d, tmp + j * ng * d);
+    }
+    return tmp;
+}
+
 /* One work item of the paged decode attention: the query heads of kv heads [g0, g0 + ng) of a row,
  * qi [ng * group, d], whose `len` cached tokens lie in `blocks`, attend over them; the result goes
- * to oi [ng * group, d]. Tokens are the outer loop, so a block's rows of those kv heads are read
- * in address order (all of a token's kv heads are one contiguous run when ng = kv_heads), which
- * is what streams well once the KV pool no longer fits in cache. K and V are pool elements of
- * kv_type (block_stride counts elements). scores: [ng * group, len]; tmp: [ng * d]. */
+ * to oi [ng * group, d]. A block at a time (its K and V rows read in address order, in place in an
+ * fp32 pool, else converted to fp32 once into tmp), each query head's scores against the block's
+ * keys, four keys a dot-product batch (independent sums, so the FMA chains overlap), then the
+ * softmax over the whole context, then each head's weighted sum of the block's V rows with the
+ * sums held in registers across the block (the one-token-at-a-time loops that stood here waited
+ * on each dot product's chain: 1.3-1.9x slower at contexts 5-1000). K and V are pool elements of
+ * kv_type (block_stride counts elements). scores: [ng * group, len]; tmp: [bs, ng, d]. */
 static void attend_group(const float *qi, const char *k, const char *v, int kv_type, int64_t block_stride,
-                         const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
-                         int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *tmp,
-                         float *oi) {
+                          const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
+                          int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *tmp,
+                          float *oi) {
     const int64_t nh = ng * group;
-    for (int64_t t = 0; t < len; t++) {
-        const float *kt = kv_load(k, (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d,
-                                  kv_type, ng * d, tmp);
+    int64_t ts;
+#ifdef TG_ATTN_AVX2
+    const int vec = d % 32 == 0;
+#else
+    const int vec = 0;
+#endif
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const float *kb = kv_block(k, (int64_t)blocks[t0 / bs] * block_stride, kv_type, g0, ng, n, kv_heads, d, tmp, &ts);
         for (int64_t h = 0; h < nh; h++) {
-            const float *qh = qi + h * d, *kh = kt + (h / group) * d;
-            float dot = 0.0f;
+            const float *qh = qi + h * d, *kh = kb + (h / group) * d;
+            float *sh = scores + h * len + t0;
+            int64_t j = 0;
+#ifdef TG_ATTN_AVX2
+            if (vec)
+                for (; j + 4 <= n; j += 4) dot4(qh, kh + j * ts, kh + (j + 1) * ts, kh + (j + 2) * ts, kh + (j + 3) * ts, d, sh + j);
+#endif
+            for (; j < n; j++) {
+                const float *kt = kh + j * ts;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < d; e++) dot += qh[e] * kh[e];
-            scores[h * len + t] = dot * scale;
+                for (int64_t e = 0; e < d; e++) dot += qh[e] * kt[e];
+                sh[j] = dot;
+            }
+            for (j = 0; j < n; j++) sh[j] *= scale;
         }
     }
     for (int64_t h = 0; h < nh; h++) {
@@ -334,14 +427,23 @@ static void attend_group(const float *qi, const char *k, const char *v, int kv_t
         for (int64_t t = 0; t < len; t++) sh[t] *= inv;
         for (int64_t e = 0; e < d; e++) oi[h * d + e] = 0.0f;
     }
-    for (int64_t t = 0; t < len; t++) {
-        const float *vt = kv_load(v, (int64_t)blocks[t / bs] * block_stride + ((t % bs) * kv_heads + g0) * d,
-                                  kv_type, ng * d, tmp);
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const float *vb = kv_block(v, (int64_t)blocks[t0 / bs] * block_stride, kv_type, g0, ng, n, kv_heads, d, tmp, &ts);
         for (int64_t h = 0; h < nh; h++) {
-            const float p = scores[h * len + t], *vh = vt + (h / group) * d;
+            const float *vh = vb + (h / group) * d, *ph = scores + h * len + t0;
             float *oh = oi + h * d;
+#ifdef TG_ATTN_AVX2
+            if (vec) {
+                axpy_rows(oh, ph, vh, ts, n, d);
+                continue;
+            }
+#endif
+            for (int64_t j = 0; j < n; j++) {
+                const float p = ph[j], *vt = vh + j * ts;
 #pragma omp simd
-            for (int64_t e = 0; e < d; e++) oh[e] += p * vh[e];
+                for (int64_t e = 0; e < d; e++) oh[e] += p * vt[e];
+            }
         }
     }
 }
@@ -383,7 +485,7 @@ int tg_paged_decode_attention(const float *q, const void *k, const void *v, int6
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + kv_heads * d)); /* [heads, len] | tmp */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + bs * kv_heads * d)); /* [heads, len] | tmp */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -491,7 +593,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + kv_heads * d)); /* [heads, len] | tmp */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + bs * kv_heads * d)); /* [heads, len] | tmp */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
