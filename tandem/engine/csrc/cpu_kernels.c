@@ -32,6 +32,7 @@
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define TG_AVX2 1
 #endif
 
 #define TILE_ROWS 16
@@ -240,6 +241,37 @@ static float q8_block_sum(const char *at, int64_t j, int four, int64_t b, int64_
     return ggml_fp16_to_fp32(d16) * (float)sum;
 }
 
+/* Outputs [c0, c1) of one row of the gemm, o, plus the Q4_1 offsets' term (the sum over its nb
+ * blocks of corr [nb, n_out] times the row's activation block sums xr; nb = 0 for none), then
+ * added to yo (a fused residual) when yo is not NULL, else left in o. The sums run 64 outputs at a
+ * time in registers (eight independent chains over the blocks), where a loop over the blocks that
+ * loaded and stored the outputs at every block spent most of its time on those stores. */
+static void x8_finish_row(float *restrict o, float *restrict yo, const float *restrict corr, int64_t n_out,
+                          const float *restrict xr, int64_t nb, int64_t c0, int64_t c1) {
+    int64_t c = c0;
+#ifdef TG_AVX2
+    for (; c + 64 <= c1; c += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(o + c + 8 * j);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 sv = _mm256_set1_ps(xr[b]);
+            const float *cb = corr + b * n_out + c;
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(cb + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; j++) {
+            if (yo != NULL) _mm256_storeu_ps(yo + c + 8 * j, _mm256_add_ps(a[j], _mm256_loadu_ps(yo + c + 8 * j)));
+            else _mm256_storeu_ps(o + c + 8 * j, a[j]);
+        }
+    }
+#endif
+    for (; c < c1; c++) {
+        float v = o[c];
+        for (int64_t b = 0; b < nb; b++) v += corr[b * n_out + c] * xr[b];
+        if (yo != NULL) yo[c] += v;
+        else o[c] = v;
+    }
+}
+
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
  * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm,
  * the m % 4 others one by one for its gemv; m * k / 32 * 34 bytes), the block sums of x go to xs
@@ -272,20 +304,10 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
         if (m4) ggml_gemm_q4_0_8x8_q8_0((int)k, out + c0, (size_t)ldo, w, q, (int)m4, (int)(c1 - c0));
         for (int64_t r = m4; r < m; r++)
             ggml_gemv_q4_0_8x8_q8_0((int)k, out + r * ldo + c0, (size_t)ldo, w, q + r * row_q8, 1, (int)(c1 - c0));
-        for (int64_t r = 0; r < m; r++) {
-            float *o = out + r * ldo;
-            if (corr != NULL)
-                for (int64_t b = 0; b < nb; b++) {
-                    const float sum = xs[r * nb + b], *cb = corr + b * n_out;
-#pragma omp simd
-                    for (int64_t c = c0; c < c1; c++) o[c] += cb[c] * sum;
-                }
-            if (accumulate) {
-                float *yo = y + r * ldy;
-#pragma omp simd
-                for (int64_t c = c0; c < c1; c++) yo[c] += o[c];
-            }
-        }
+        if (corr != NULL || accumulate)
+            for (int64_t r = 0; r < m; r++)
+                x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb,
+                              corr != NULL ? nb : 0, c0, c1);
     } /* the loop's implicit barrier: every output is written */
 }
 
@@ -308,7 +330,7 @@ int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, co
     return 0;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef TG_AVX2
 /* out[0..4) = q . k_j for the four rows k_j (d floats, d % 8 == 0). */
 static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
                         int64_t d, float *out) {
@@ -358,7 +380,6 @@ static inline void axpy_rows(float *o, const float *p, const float *v, int64_t s
         _mm256_storeu_ps(o + e + 24, _mm256_add_ps(a3, b3));
     }
 }
-#define TG_ATTN_AVX2 1
 #endif
 
 /* The n tokens of a block's K or V rows of kv heads [g0, g0 + ng) as fp32; *ts gets the floats from
@@ -394,7 +415,7 @@ static void attend_group(const float *qi, const char *k, const char *v, int kv_t
                           float *oi) {
     const int64_t nh = ng * group;
     int64_t ts;
-#ifdef TG_ATTN_AVX2
+#ifdef TG_AVX2
     const int vec = d % 32 == 0;
 #else
     const int vec = 0;
@@ -406,7 +427,7 @@ static void attend_group(const float *qi, const char *k, const char *v, int kv_t
             const float *qh = qi + h * d, *kh = kb + (h / group) * d;
             float *sh = scores + h * len + t0;
             int64_t j = 0;
-#ifdef TG_ATTN_AVX2
+#ifdef TG_AVX2
             if (vec)
                 for (; j + 4 <= n; j += 4) dot4(qh, kh + j * ts, kh + (j + 1) * ts, kh + (j + 2) * ts, kh + (j + 3) * ts, d, sh + j);
 #endif
@@ -433,7 +454,7 @@ static void attend_group(const float *qi, const char *k, const char *v, int kv_t
         for (int64_t h = 0; h < nh; h++) {
             const float *vh = vb + (h / group) * d, *ph = scores + h * len + t0;
             float *oh = oi + h * d;
-#ifdef TG_ATTN_AVX2
+#ifdef TG_AVX2
             if (vec) {
                 axpy_rows(oh, ph, vh, ts, n, d);
                 continue;
