@@ -266,7 +266,7 @@ static void x8_finish_row(float *restrict o, float *restrict yo, const float *re
 #endif
     for (; c < c1; c++) {
         float v = o[c];
-        for (int64_t b = 0; b < nb; b++) v += corr[b * n_out + c] * xr[b];
+        for (int64_t b = 0; b < nb; b++) v = fmaf(corr[b * n_out + c], xr[b], v); /* as the vector path rounds */
         if (yo != NULL) yo[c] += v;
         else o[c] = v;
     }
