@@ -58,6 +58,8 @@ static int64_t grab_size(int64_t units, int64_t m, int64_t per_grab) {
 /* ggml-cpu's vectorized softmax numerator (exported by libggml-cpu, declared in its internal
  * vec.h, not in a public header): y[i] = exp(x[i] - max) for i < n, returns their sum. */
 double ggml_vec_soft_max_f32(const int n, float *y, const float *x, float max);
+/* ... and its SwiGLU (vec.h too): y[i] = silu(x[i]) * g[i], exp by its vectorized approximation. */
+void ggml_vec_swiglu_f32(const int n, float *y, const float *x, const float *g);
 
 /* ggml-cpu's repacked Q4_0 kernels and their activation quantizer (exported by libggml-cpu,
  * declared in its internal repack.h): 4 activation rows of k floats to Q8_0 blocks interleaved 8
@@ -633,7 +635,9 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                 const float *c = cos + i * d, *s = sin_signed + i * d;
                 for (int64_t h = 0; h < heads + kv_heads; h++) { /* q heads, then k heads */
                     float *xh = row + h * d, rot[d];
-                    for (int64_t e = 0; e < d; e++) rot[e] = xh[(e + half) % d];
+                    memcpy(rot, xh + half, sizeof(float) * (size_t)(d - half)); /* rot[e] = xh[(e + half) % d] */
+                    memcpy(rot + (d - half), xh, sizeof(float) * (size_t)half);
+#pragma omp simd
                     for (int64_t e = 0; e < d; e++) xh[e] = xh[e] * c[e] + rot[e] * s[e];
                 }
                 const int64_t block = slots[i] / bs, off = slots[i] % bs;
@@ -655,11 +659,8 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
             project(w->gate_up_type, w->gate_up, w->gate_up_corr, 2 * inter, hidden, normed, m, q8, qrow, xs, gu,
                     2 * inter, tmp, 0);
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; i++) {
-                const float *g = gu + i * 2 * inter, *u = g + inter;
-                float *a = act + i * inter;
-                for (int64_t e = 0; e < inter; e++) a[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
-            }
+            for (int64_t i = 0; i < m; i++) /* silu(gate) * up, ggml's vectorized exp */
+                ggml_vec_swiglu_f32((int)inter, act + i * inter, gu + i * 2 * inter, gu + i * 2 * inter + inter);
             project(w->down_type, w->down, w->down_corr, hidden, inter, act, m, q8, qrow, xs, x, hidden, tmp, 1);
         }
         free(scores);
