@@ -301,6 +301,11 @@ def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = LLMEngine.from_dir(model_dir, weight_format=WeightFormat.parse(quantization),
                                 kv_dtype=parse_dtype(up.kv_dtype) if up.kv_dtype else None)
+    # What the engine runs, which is what the ceiling measured: ggml without its kernels built
+    # (a changed C file, another CPU) falls back to fp16, and the table must not say ggml then.
+    if (ran := engine.runner.model.weight_format.value) != quantization:
+        print(f"peer: the in-process engine runs {ran}, not {quantization}", flush=True)
+        quantization = ran
     params = SamplingParams(max_tokens=CHAT_OUTPUT_LEN, ignore_eos=True, temperature=0.0)
     results = []
     for i, c in enumerate(CONCURRENCIES):
