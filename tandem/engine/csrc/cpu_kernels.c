@@ -412,9 +412,9 @@ static const float *kv_block(const char *base, int64_t block_at, int kv_type, in
  * on each dot product's chain: 1.3-1.9x slower at contexts 5-1000). K and V are pool elements of
  * kv_type (block_stride counts elements). scores: [ng * group, len]; tmp: [bs, ng, d]. */
 static void attend_group(const float *qi, const char *k, const char *v, int kv_type, int64_t block_stride,
-                          const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
-                          int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *tmp,
-                          float *oi) {
+                         const int32_t *blocks, int64_t len, int64_t g0, int64_t ng, int64_t group,
+                         int64_t kv_heads, int64_t d, int64_t bs, float scale, float *scores, float *tmp,
+                         float *oi) {
     const int64_t nh = ng * group;
     int64_t ts;
 #ifdef TG_AVX2
