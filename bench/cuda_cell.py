@@ -11,6 +11,8 @@ Needs a CUDA device (run it where one is lent: DEVELOPERS.md). Parts:
   reads those blocks: the time from prefill's last write done to decode having the K/V;
 - graphs: one decode step of the 8B shape, eager (op by op, torch attention) vs replayed from a
   CUDA graph, at batch 1 / 8 / 32, context 1024;
+- graph_attention: graph decode steps with torch's gathered attention vs flashinfer's paged decode
+  (``decode_svc --cuda-attention``), batch 1-64, context 512-8192, look-ahead 1 and 4;
 - profile: ``tandem.cuda.profiler`` (held-out error of the calibrated model, contention), and the
   uncalibrated H100 preset's predictions (what ``tandem sim`` uses) against the measurements.
 
@@ -20,6 +22,7 @@ Usage: python bench/cuda_cell.py [--out docs/results/cuda-cell-h100.json] [--qui
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -195,6 +198,70 @@ def bench_graphs(quick: bool) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def bench_graph_attention(quick: bool) -> dict[str, Any]:
+    """Graph decode steps of the 8B shape with each attention decode_svc can capture: torch's
+    (each row's blocks gathered and padded to a context bucket, here exactly the context) and
+    flashinfer's paged decode (the pool read in place), by batch and context; look-ahead 4 too.
+    GPU time per step by CUDA events, and the host's time to launch one (plan included)."""
+    from tandem.cuda.graphs import GraphDecoder
+    from tandem.cuda.profiler import time_on
+    from tandem.engine.attention import make_backend
+    from tandem.engine.kv_pool import KVPool, KVPoolSpec
+    from tandem.engine.model import LlamaModel
+    from tandem.engine.random_weights import config_for_shape, random_weights
+    from tandem.perf.model_shape import model_preset
+
+    config = config_for_shape(model_preset("Llama-3.1-8B"))
+    model = LlamaModel(config, random_weights(config, torch.bfloat16, "cuda"), make_backend("torch", config.num_heads))
+    bs = 16
+    grid = [(b, ctx, 1) for ctx in (512, 2048) for b in (1, 8, 32, 64)] + [(b, 8192, 1) for b in (1, 8)]
+    grid += [(b, 2048, 4) for b in (1, 8, 32)]
+    if quick:
+        grid = [g for g in grid if g[0] <= 8 and g[1] <= 2048]
+    per = {ctx: -(-(ctx + 4) // bs) for _, ctx, _ in grid}  # blocks a row needs, look-ahead included
+    num_blocks = max(b * per[ctx] for b, ctx, _ in grid) + 1
+    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, bs, torch.bfloat16), "cuda")
+    pool.tensor.normal_()
+    scratch, stream, mempool = num_blocks - 1, torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    batches = tuple(sorted({b for b, _, _ in grid}))
+    decoders = {(name, k): GraphDecoder(model, pool, scratch_block=scratch, lookahead=k, batch_buckets=batches,
+                                        block_buckets=tuple(sorted(set(per.values()))), stream=stream,
+                                        mempool=mempool, capture_all=False, attention=name)
+                for name in ("torch", "flashinfer") for k in (1, 4)}
+    rows = []
+    with torch.inference_mode():
+        for b, ctx, k in grid:
+            tables = [list(range(i * per[ctx], (i + 1) * per[ctx])) for i in range(b)]
+            tokens, lens = [(31 * i + 7) % config.vocab_size for i in range(b)], [ctx] * b
+            row: dict[str, Any] = {"batch": b, "context": ctx, "lookahead": k}
+            outs = {}
+            for name in ("torch", "flashinfer"):
+                dec = decoders[name, k]
+                gpu_s = time_on(stream, functools.partial(dec.decode, tokens, lens, tables), 20) / k
+                host = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    out = dec.decode(tokens, lens, tables)
+                    host.append(time.perf_counter() - t0)
+                    stream.synchronize()
+                outs[name] = out
+                row[f"{name}_ms_per_step"] = gpu_s * 1e3
+                row[f"{name}_host_launch_ms"] = statistics.median(host) * 1e3
+            row["flashinfer_speedup"] = row["torch_ms_per_step"] / row["flashinfer_ms_per_step"]
+            row["tokens_equal_fraction"] = float((outs["torch"][0] == outs["flashinfer"][0]).float().mean())
+            row["max_logit_abs_diff"] = float((outs["torch"][1] - outs["flashinfer"][1]).abs().max())
+            rows.append(row)
+            _log(f"graph attention: batch {b} context {ctx} look-ahead {k}: torch {row['torch_ms_per_step']:.2f} ms/step, "
+                 f"flashinfer {row['flashinfer_ms_per_step']:.2f} ({row['flashinfer_speedup']:.2f}x); host "
+                 f"{row['torch_host_launch_ms']:.2f} / {row['flashinfer_host_launch_ms']:.2f} ms; tokens equal "
+                 f"{row['tokens_equal_fraction']:.2f}")
+    captures = {f"{name}-lookahead{k}": {"graphs": d.num_graphs, "capture_s": d.capture_s}
+                for (name, k), d in decoders.items()}
+    del decoders, pool, model
+    torch.cuda.empty_cache()
+    return {"rows": rows, "captures": captures, "block_size": bs}
+
+
 def bench_profile(quick: bool, profile_out: Path | None) -> dict[str, Any]:
     from tandem.cuda.profiler import QUICK_CUDA_GRID, CudaGrid, profile_cuda
     from tandem.perf.hardware import hardware_preset
@@ -223,7 +290,8 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results/cuda-cell-h100.json")
     ap.add_argument("--profile-out", default=None, help="also write the profile file here")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: partitions,repartition,handoff,graphs,profile")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: repartition,handoff,graphs,graph_attention,"
+                                               "profile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: no CUDA device is visible; this benchmark runs on a GPU machine", file=sys.stderr)
@@ -244,6 +312,7 @@ def main() -> int:
     parts_info["parts"].close()
     save()
     for name, fn in (("handoff", bench_handoff), ("graphs", lambda: bench_graphs(args.quick)),
+                     ("graph_attention", lambda: bench_graph_attention(args.quick)),
                      ("profile", lambda: bench_profile(args.quick, Path(args.profile_out) if args.profile_out else None))):
         if name in skip:
             continue

@@ -2,7 +2,10 @@
 # One call of a borrowed GPU machine (docs/gpu.md), in stages, each under its own time limit, so a
 # stage that runs long still leaves the others' results: what comes back lies in $OUT (at most
 # eight files; the rest in $OUT/extra.tgz).
-#   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: these three), flashinfer, wait
+#   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: these three), flashinfer, wait,
+#                                       fiwarm, cell
+#     fiwarm in the background: JIT-build flashinfer's decode kernels of the 8B shape and the tests' tiny
+#            model, so that the stages after it find them built
 #     tests  the graph, engine, partition and IPC GPU tests
 #     flashinfer  in the background: flashinfer's paged attention (JIT-built with the machine's nvcc)
 #            against the torch backend; 'wait' waits for it (run it beside stages that measure nothing)
@@ -11,6 +14,11 @@
 #            contenders), decode's step log every 5 s; TANDEM_LIVE_PROFILE=START:COUNT adds a torch profile
 #            of those decode steps (its start stalls decode for seconds: the goodput of that run is not one)
 #     stack  the whole stack on the GPU against the CPU path's greedy tokens
+#     cell   bench/cuda_cell.py without its handoff and graphs parts (TANDEM_CELL_SKIP): partitions,
+#            repartition, graph decode attention (torch vs flashinfer) and this GPU's profile, which the
+#            live stage after it predicts from
+# TANDEM_LIVE_POLICIES (default "chunked dynamic") picks the live stage's policies. With
+# TANDEM_RUN_BUDGET_S, the live stage ends 20 s before that many seconds from the start.
 # Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +27,9 @@ work=/tmp/gpu-run && mkdir -p "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TANDEM_GPU_TOKENIZER_DIR=$PWD/.gpucarry/tok
+# flashinfer JIT-builds its kernels with the machine's nvcc, for Hopper only
+CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+export CUDA_HOME FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-12}
 stages=("${@:-tests live stack}")
 # shellcheck disable=SC2068
 for stage in ${stages[@]}; do
@@ -29,11 +40,28 @@ for stage in ${stages[@]}; do
             tests/gpu/test_cuda_ipc.py tests/unit/test_cuda_without_gpu.py -q -o addopts="" -x > "$OUT/gpu-tests.log" 2>&1
         tail -3 "$OUT/gpu-tests.log" ;;
     flashinfer)
-        cuda_home=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
-        ( env CUDA_HOME="$cuda_home" FLASHINFER_CUDA_ARCH_LIST="9.0a" MAX_JOBS=12 \
-            timeout "${TANDEM_FI_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider tests/gpu/test_flashinfer.py -q \
+        ( timeout "${TANDEM_FI_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider tests/gpu/test_flashinfer.py -q \
             -o addopts="" -rs > "$OUT/gpu-flashinfer.log" 2>&1; echo "flashinfer rc=$?" >> "$OUT/gpu-flashinfer.log" ) &
         echo "flashinfer: started in the background" ;;
+    fiwarm)
+        for shape in "bfloat16 32 8 128" "float16 4 2 64"; do  # (dtype, heads, kv heads, head dim)
+            # shellcheck disable=SC2086
+            ( set -- $shape; timeout 300 python3 -c "
+import sys, time, torch, flashinfer
+t = time.perf_counter()
+dtype, dev = getattr(torch, sys.argv[1]), 'cuda'
+w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 27, dtype=torch.uint8, device=dev), 'NHD')
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)
+w.plan(i32(0, 1), i32(0), i32(1), *map(int, sys.argv[2:5]), 16, q_data_type=dtype, kv_data_type=dtype)
+print('decode kernels of', sys.argv[1:], 'built in', round(time.perf_counter() - t, 1), 's')
+" "$@" >> "$work/fi-warm.log" 2>&1 ) &
+        done
+        echo "fiwarm: started in the background" ;;
+    cell)
+        timeout "${TANDEM_CELL_TIMEOUT_S:-240}" python3 bench/cuda_cell.py --out "$OUT/cuda-cell.json" \
+            --profile-out "$work/profile-gpu.json" --skip "${TANDEM_CELL_SKIP:-handoff,graphs}" > "$work/cuda-cell.log" 2>&1
+        echo "cell rc=$?"; grep -a "graph attention\|held-out\|failed\|Error" "$work/cuda-cell.log" | tail -30
+        cp "$work/profile-gpu.json" "$OUT/" 2>/dev/null ;;
     wait)
         wait; tail -4 "$OUT/gpu-flashinfer.log" 2>/dev/null ;;
     live)
@@ -42,8 +70,16 @@ for stage in ${stages[@]}; do
         profile=()  # a torch profile stalls decode 3-6 s when it starts (CUPTI): never inside a measured run
         [ -n "${TANDEM_LIVE_PROFILE:-}" ] && profile=(TANDEM_TORCH_PROFILE_DIR=$work/prof \
             TANDEM_TORCH_PROFILE_STEPS=$TANDEM_LIVE_PROFILE)
+        limit=${TANDEM_LIVE_TIMEOUT_S:-330}
+        [ -n "${TANDEM_RUN_BUDGET_S:-}" ] && limit=$(( TANDEM_RUN_BUDGET_S - SECONDS - 20 < limit ?
+                                                        TANDEM_RUN_BUDGET_S - SECONDS - 20 : limit ))
+        gpu_profile=()  # this GPU's own profile, where the cell stage measured one
+        [ -s "$work/profile-gpu.json" ] && gpu_profile=(--profile "$work/profile-gpu.json")
+        echo "live: ${limit} s at most"
+        # shellcheck disable=SC2086
         env TANDEM_STEP_STATS_S=5 "${profile[@]}" \
-            timeout "${TANDEM_LIVE_TIMEOUT_S:-330}" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok \
+            timeout "$limit" python3 bench/cuda_live.py --tokenizer-dir .gpucarry/tok "${gpu_profile[@]}" \
+            --policies ${TANDEM_LIVE_POLICIES:-chunked dynamic} \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
             --repeats "${TANDEM_LIVE_REPEATS:-1}" "${variants[@]}" \
             --out "$work/cuda-live.json" > "$work/cuda-live.log" 2>&1
@@ -52,7 +88,7 @@ for stage in ${stages[@]}; do
         for f in "$work"/cuda-live-*-up.log; do  # one file however many stacks ran
             echo "=== $(basename "$f")"; grep -av '"POST \|"GET ' "$f"
         done > "$OUT/cuda-live-up-logs.txt"
-        grep -ah "steps:\|captured\|CUDA-graph\|Traceback\|Error" "$work"/cuda-live-*-up.log | cut -c1-300 | tail -60 ;;
+        grep -ah "steps:\|captured\|CUDA-graph\|attend\|Traceback\|Error" "$work"/cuda-live-*-up.log | cut -c1-300 | tail -60 ;;
     stack)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_stack.py -q -o addopts="" -x \
             > "$OUT/gpu-stack.log" 2>&1

@@ -79,15 +79,19 @@ async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
     if member.scratch_block is None:
         log.warning("the cell's agent reserves no scratch block: decoding without CUDA graphs")
         return None
-    from tandem.cuda.graphs import ServiceGraphs
+    from tandem.cuda.graphs import ServiceGraphs, resolve_graph_attention
     from tandem.cuda.piecewise import PiecewiseForward
 
-    def build() -> ServiceGraphs:
+    attention, why = resolve_graph_attention(config.cuda_attention, runner.pool, runner.model.dtype)
+    log.info("%s: CUDA-graph decode steps attend with %s (--cuda-attention %s: %s)", config.service_id, attention,
+             config.cuda_attention, why)
+
+    def build(attention: str = attention) -> ServiceGraphs:
         import torch
 
         graphs = ServiceGraphs(runner.model, runner.pool, scratch_block=member.scratch_block or 0,
                                max_rows=config.max_batch_requests,
-                               max_context=runner.config.max_position_embeddings)
+                               max_context=runner.config.max_position_embeddings, attention=attention)
         # The stream in force gets the buckets up to 64 rows, every other stream decode may be
         # switched to those up to 32 (contexts up to 4096 tokens), so that a partition change
         # rarely pays for a capture within a step (on the H100, `dynamic` decoded on a side
@@ -104,9 +108,18 @@ async def _graphs(config: DecodeConfig, member: CellMember, runner: ModelRunner,
         pieces.warm()  # on the stream in force; steps with prompt tokens on others capture there
         return pieces
 
-    graphs = await member.run(build)
-    log.info("%s captured %d CUDA graphs in %.1f s (batch buckets %s, context buckets %s blocks)",
-             config.service_id, graphs.num_graphs, graphs.capture_s, graphs.batch_buckets, graphs.block_buckets)
+    try:
+        graphs = await member.run(build)
+    except Exception:
+        if attention != "flashinfer" or config.cuda_attention != "auto":
+            raise
+        # flashinfer imports but failed to build or capture (its JIT needs nvcc): torch's attention serves
+        log.exception("%s: CUDA graphs with flashinfer's attention failed; capturing them with torch's",
+                      config.service_id)
+        graphs = await member.run(lambda: build("torch"))
+    log.info("%s captured %d CUDA graphs (%s attention) in %.1f s (batch buckets %s, context buckets %s blocks)",
+             config.service_id, graphs.num_graphs, graphs.attention, graphs.capture_s, graphs.batch_buckets,
+             graphs.block_buckets)
     try:
         pieces = await member.run(build_pieces)
     except Exception:  # decode still serves: steps with prompt tokens run op by op

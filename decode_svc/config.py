@@ -13,6 +13,7 @@ from tandem.service.step_profile import parse_window
 
 
 CHUNK_ORDERS = ("deadline", "fcfs")
+GRAPH_ATTENTION = ("auto", "flashinfer", "torch")  # tandem.cuda.graphs.GRAPH_ATTENTION (that module imports torch)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class DecodeConfig(MemberConfig):
     cuda_graphs: bool = field(metadata=flag(
         "--cuda-graphs", True, "on a CUDA cell, replay decode steps from CUDA graphs (steps with prompt chunks run "
         "eagerly)", type=parse_bool))
+    cuda_attention: str = field(metadata=flag(
+        "--cuda-attention", "auto", "attention of the CUDA-graph decode steps: 'flashinfer' (its paged decode kernel "
+        "reads the pool in place), 'torch' (gathers each row's blocks, padded to a context bucket) or 'auto' "
+        "(flashinfer where it is installed and the pool is fp16/bf16 in layer layout)", choices=GRAPH_ATTENTION))
     step_stats_s: float = field(metadata=flag(
         "--step-stats-s", 30.0, "log the steps' mean times every this many seconds", type=float))
     step_log: str = field(metadata=flag(

@@ -62,10 +62,14 @@ def prefill_then_greedy(runners: list[Any], prompts: list[list[int]], tables: li
     return firsts, after
 
 
-def tiny_random_runner(device: str = "cpu", seed: int = 0, num_blocks: int = 96) -> Any:
-    """A ModelRunner of ``random_weights.tiny_config`` with wide random weights (std 0.2: logits
-    stand apart, so devices and kernels agree on every argmax), drawn on the host from ``seed``
-    and moved to ``device``, over a private pool of ``num_blocks`` blocks of 16 tokens."""
+def tiny_random_runner(device: str = "cpu", seed: int = 0, num_blocks: int = 96, dtype: torch.dtype = torch.float32,
+                       head_dim: int = 16) -> Any:
+    """A ModelRunner of ``random_weights.tiny_config`` (heads of ``head_dim``) with wide random
+    weights (std 0.2: logits stand apart, so devices and kernels agree on every argmax), drawn on
+    the host from ``seed`` and moved to ``device`` in ``dtype``, over a private pool of
+    ``num_blocks`` blocks of 16 tokens in ``dtype``."""
+    import dataclasses
+
     from tandem.engine.attention import make_backend
     from tandem.engine.kv_pool import KVPool, KVPoolSpec
     from tandem.engine.model import LlamaModel
@@ -73,6 +77,9 @@ def tiny_random_runner(device: str = "cpu", seed: int = 0, num_blocks: int = 96)
     from tandem.engine.runner import ModelRunner
 
     config = tiny_config()
-    weights = {k: v.to(device) for k, v in random_weights(config, torch.float32, "cpu", seed=seed, std=0.2).items()}
-    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, 16), device)
+    if head_dim != config.head_dim:
+        config = dataclasses.replace(config, head_dim=head_dim, hidden_size=config.num_heads * head_dim)
+    weights = {k: v.to(device=device, dtype=dtype)
+               for k, v in random_weights(config, torch.float32, "cpu", seed=seed, std=0.2).items()}
+    pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, 16, dtype), device)
     return ModelRunner(LlamaModel(config, weights, make_backend("torch", config.num_heads)), pool)

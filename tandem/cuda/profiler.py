@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.cuda.graphs import GraphDecoder
+from tandem.cuda.graphs import GraphDecoder, resolve_graph_attention
 from tandem.cuda.partition import SmPartitions
 from tandem.engine.attention import make_backend
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
@@ -110,7 +110,8 @@ class CudaWorkload:
     """Random weights of ``shape`` on the GPU, a pool for the grid's largest decode batch, and a
     graph decoder per SM count."""
 
-    def __init__(self, shape: ModelShape, grid: CudaGrid, parts: SmPartitions, seed: int = 0) -> None:
+    def __init__(self, shape: ModelShape, grid: CudaGrid, parts: SmPartitions, seed: int = 0,
+                 attention: str = "auto") -> None:
         self.config = config_for_shape(shape, max_position_embeddings=max(8192, max(grid.prefill_tokens) * 2))
         weights = random_weights(self.config, torch.bfloat16, "cuda", seed=seed)
         self.model = LlamaModel(self.config, weights, make_backend("torch", self.config.num_heads))
@@ -127,6 +128,8 @@ class CudaWorkload:
         self._parts = parts
         self._mempool = torch.cuda.graph_pool_handle()
         self._decoders: dict[int, GraphDecoder] = {}
+        # decode_svc's default: its graph steps attend as the profiled ones do
+        self.attention, self.attention_why = resolve_graph_attention(attention, self.pool, self.model.dtype)
 
     def prefill_fn(self, tokens: int) -> Callable[[], object]:
         ids = [(7 * i) % self.config.vocab_size for i in range(tokens)]
@@ -146,7 +149,8 @@ class CudaWorkload:
         if key not in self._decoders:
             batches = sorted(set(self.grid.decode_batches + self.grid.heldout_decode_batches))
             self._decoders[key] = GraphDecoder(self.model, self.pool, scratch_block=self.scratch, batch_buckets=batches,
-                                               block_buckets=(self.blocks_per_seq,), stream=stream, mempool=self._mempool)
+                                               block_buckets=(self.blocks_per_seq,), stream=stream, mempool=self._mempool,
+                                               attention=self.attention)
         return self._decoders[key]
 
     def decode_fn(self, stream: torch.cuda.Stream, batch: int) -> Callable[[], object]:
@@ -168,6 +172,7 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
         hardware = measured_spec(parts, flops, bandwidth)
         perf = PerfModel(hardware, shape)
         work = CudaWorkload(shape, grid, parts)
+        notes.append(f"decode steps from CUDA graphs with {work.attention} attention ({work.attention_why})")
         ctx = grid.decode_context
         fit: list[CalibrationSample] = []
         held: list[CalibrationSample] = []

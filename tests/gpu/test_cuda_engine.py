@@ -145,3 +145,61 @@ def test_piecewise_graphs_equal_eager_layers_on_hybrid_batches(seed: int) -> Non
                     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
                     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert graphed.piecewise.num_graphs >= 2 * (graphed.config.num_layers + 1)
+
+
+def _fp16_pair(seed: int):  # type: ignore[no-untyped-def]
+    """Two runners of one fp16 tiny model (heads of 64, a size flashinfer's kernels take), each its own pool."""
+    return [tiny_random_runner("cuda", seed, dtype=torch.float16, head_dim=64) for _ in range(2)]
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) -> None:
+    """The same graph steps with flashinfer's paged decode (the pool read in place, the block
+    table re-planned before each replay) and with torch's gather: same greedy tokens, close
+    logits, over random batches, contexts and tables, look-ahead crossing block boundaries."""
+    pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
+    from tandem.cuda.graphs import GraphDecoder
+
+    rng = random.Random(20 + lookahead)
+    runners = _fp16_pair(9)
+    decoders = [GraphDecoder(r.model, r.pool, scratch_block=95, lookahead=lookahead, batch_buckets=(1, 4, 8),
+                             block_buckets=(4, 8), attention=name) for r, name in zip(runners, ("torch", "flashinfer"))]
+    assert decoders[1].block_buckets == (8,)
+    for trial in range(6):
+        n = rng.randrange(1, 9)
+        prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 110))] for _ in range(n)]
+        perm = rng.sample(range(88), n * 8)
+        tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+        firsts, _ = prefill_then_greedy(runners, prompts, tables, 0)
+        outs = [d.decode(firsts, [len(p) + 1 for p in prompts], tables) for d in decoders]
+        torch.cuda.synchronize()
+        assert outs[1][0].tolist() == outs[0][0].tolist(), trial
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=2e-2, atol=2e-2)
+    assert decoders[1].num_graphs <= 3  # one per batch bucket: attention reads any context in place
+
+
+def test_service_graphs_with_flashinfer_serve_every_stream_with_one_graph_per_batch_bucket() -> None:
+    pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
+    from tandem.cuda.graphs import ServiceGraphs
+    from tandem.cuda.partition import SmPartitions
+
+    rng = random.Random(12)
+    runners = _fp16_pair(13)
+    graphs = [ServiceGraphs(r.model, r.pool, scratch_block=95, max_rows=6, max_context=8 * 16, attention=name)
+              for r, name in zip(runners, ("torch", "flashinfer"))]
+    used = set()
+    with SmPartitions(prefill_counts=[64]) as parts:
+        streams = [torch.cuda.current_stream(), parts.partitions[64].decode_stream] * 3
+        for trial, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                n = rng.randrange(1, 7)
+                prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 120))] for _ in range(n)]
+                perm = rng.sample(range(90), n * 8)
+                tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+                firsts, _ = prefill_then_greedy(runners, prompts, tables, 0)
+                logits = [g.logits(firsts, [len(p) + 1 for p in prompts], tables) for g in graphs]
+                assert logits[0] is not None and logits[1] is not None
+                assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist(), trial
+                torch.testing.assert_close(logits[1], logits[0], rtol=2e-2, atol=2e-2)
+                used.add((stream.cuda_stream, graphs[1].decoder().bucket(n, 1)[0]))
+    assert graphs[1].num_graphs == len(used)

@@ -276,3 +276,70 @@ def test_a_failing_piecewise_capture_turns_the_pieces_off_and_the_step_runs_op_b
     batch = [SeqInput(list(range(1, 20)), 0, [0, 1])]
     torch.testing.assert_close(runner.forward(batch), whole.forward(batch))
     assert pieces.failed and pieces.num_steps == 0 and not pieces.ready(8)
+
+
+def test_flashinfer_step_layouts_name_each_steps_context_and_slot() -> None:
+    """The host's plan of look-ahead graph steps for flashinfer: step s of row i attends over
+    ``seq_lens[i] + s`` tokens of its table and writes its token at position ``seq_lens[i] - 1 + s``;
+    padding rows use the scratch block alone."""
+    from tandem.cuda.graphs import step_layouts
+    from tandem.engine.kv_pool import slot_ids
+
+    rng = random.Random(3)
+    for _ in range(200):
+        bs = rng.choice([1, 4, 16])
+        k = rng.randrange(1, min(bs, 4) + 1)  # GraphDecoder keeps padding rows within the scratch block
+        n = rng.randrange(1, 7)
+        rows = n + rng.randrange(0, 4)
+        scratch = 999
+        lens = [rng.randrange(1, 80) for _ in range(n)]
+        tables = [rng.sample(range(900), -(-(length - 1 + k) // bs) + rng.randrange(0, 3)) for length in lens]
+        layouts, slots = step_layouts(lens, tables, rows, k, bs, scratch)
+        assert len(layouts) == len(slots) == k
+        for s, (layout, step_slots) in enumerate(zip(layouts, slots)):
+            assert layout.batch_size == rows and len(step_slots) == rows
+            want_lens = [length + s for length in lens] + [s + 1] * (rows - n)
+            assert layout.seq_lens() == want_lens
+            for i in range(rows):
+                table = tables[i] if i < n else [scratch]
+                assert layout.block_table(i) == table[: -(-want_lens[i] // bs)]
+                assert step_slots[i] == slot_ids(table, want_lens[i] - 1, want_lens[i], bs)[0]
+
+
+def test_graph_attention_choice_says_why_flashinfer_cannot_serve() -> None:
+    from tandem.cuda.graphs import resolve_graph_attention
+
+    config = tiny_config()
+    pools = {
+        "fp32": KVPool.create(KVPoolSpec.for_model(config, 4, 16)),
+        "block": KVPool.create(KVPoolSpec.for_model(config, 4, 16, torch.bfloat16, layout="block")),
+        "bf16": KVPool.create(KVPoolSpec.for_model(config, 4, 16, torch.bfloat16)),
+    }
+    assert resolve_graph_attention("torch", pools["bf16"], torch.bfloat16) == ("torch", "asked for")
+    reasons = {name: resolve_graph_attention("auto", pool, torch.bfloat16) for name, pool in pools.items()}
+    assert reasons["fp32"][0] == "torch" and "fp16 or bf16" in reasons["fp32"][1]
+    assert reasons["block"][0] == "torch" and "layout" in reasons["block"][1]
+    assert "fp16 or bf16" in resolve_graph_attention("auto", pools["bf16"], torch.float16)[1]  # model and pool differ
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        assert reasons["bf16"] == ("torch", reasons["bf16"][1]) and "not importable" in reasons["bf16"][1]
+        with pytest.raises(ValueError, match="--cuda-attention flashinfer: flashinfer is not importable"):
+            resolve_graph_attention("flashinfer", pools["bf16"], torch.bfloat16)
+    else:
+        assert reasons["bf16"][0] == "flashinfer"
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        resolve_graph_attention("flashinfer", pools["fp32"], torch.float32)
+    with pytest.raises(ValueError, match="unknown graph attention"):
+        resolve_graph_attention("cutlass", pools["bf16"], torch.bfloat16)
+
+
+def test_decode_svc_takes_the_graph_attention_flag() -> None:
+    from decode_svc.config import GRAPH_ATTENTION, parse_args
+    from tandem.cuda.graphs import GRAPH_ATTENTION as CHOICES
+
+    assert GRAPH_ATTENTION == CHOICES
+    assert parse_args([]).cuda_attention == "auto"
+    assert parse_args(["--cuda-attention", "torch"]).cuda_attention == "torch"
+    with pytest.raises(SystemExit):
+        parse_args(["--cuda-attention", "cutlass"])
