@@ -364,10 +364,13 @@ class GraphDecoder:
         rows = g.tokens.shape[0]
         layouts, slots = step_layouts(seq_lens, block_tables, rows, self.lookahead, self.pool.spec.block_size,
                                       self.scratch_block)
-        g.wrappers = self._fi.plan(rows, layouts)
-        if g.slots is None:
-            g.slots = torch.zeros(self.lookahead, rows, dtype=torch.int64, device=g.tokens.device)
-        g.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        # The wrappers' buffers and the slots are made within the capture's inference mode: they
+        # are inference tensors, which only inference mode may update in place.
+        with torch.inference_mode():
+            g.wrappers = self._fi.plan(rows, layouts)
+            if g.slots is None:
+                g.slots = torch.zeros(self.lookahead, rows, dtype=torch.int64, device=g.tokens.device)
+            g.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
 
 
 def context_buckets(max_blocks: int, first: int = 16, growth: float = 1.5) -> tuple[int, ...]:
