@@ -152,6 +152,14 @@ def _fp16_pair(seed: int):  # type: ignore[no-untyped-def]
     return [tiny_random_runner("cuda", seed, dtype=torch.float16, head_dim=64) for _ in range(2)]
 
 
+def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within 2 % of the largest logit: fp16 attention summed in another order moved logits by
+    0.030 on the H200 (2026-11-28; this model's logits reach about 10); a wrong block, slot or
+    length moves them by whole units."""
+    bound = 0.02 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= bound, (float((got - want).abs().max()), bound)
+
+
 @pytest.mark.parametrize("lookahead", [1, 3])
 def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) -> None:
     """The same graph steps with flashinfer's paged decode (the pool read in place, the block
@@ -174,7 +182,7 @@ def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) 
         outs = [d.decode(firsts, [len(p) + 1 for p in prompts], tables) for d in decoders]
         torch.cuda.synchronize()
         assert outs[1][0].tolist() == outs[0][0].tolist(), trial
-        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=2e-2, atol=2e-2)
+        _assert_logits_close(outs[1][1], outs[0][1])
     assert decoders[1].num_graphs <= 3  # one per batch bucket: attention reads any context in place
 
 
@@ -200,6 +208,6 @@ def test_service_graphs_with_flashinfer_serve_every_stream_with_one_graph_per_ba
                 logits = [g.logits(firsts, [len(p) + 1 for p in prompts], tables) for g in graphs]
                 assert logits[0] is not None and logits[1] is not None
                 assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist(), trial
-                torch.testing.assert_close(logits[1], logits[0], rtol=2e-2, atol=2e-2)
+                _assert_logits_close(logits[1], logits[0])
                 used.add((stream.cuda_stream, graphs[1].decoder().bucket(n, 1)[0]))
     assert graphs[1].num_graphs == len(used)
