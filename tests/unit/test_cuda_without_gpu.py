@@ -343,3 +343,59 @@ def test_decode_svc_takes_the_graph_attention_flag() -> None:
     assert parse_args(["--cuda-attention", "torch"]).cuda_attention == "torch"
     with pytest.raises(SystemExit):
         parse_args(["--cuda-attention", "cutlass"])
+
+
+class _PagedDecodeReference:
+    """A stand-in for one planned ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (flashinfer
+    runs on CUDA only): ``run`` attends each row's query over the first ``seq_len`` tokens of its
+    CSR block list, in plain torch. Only the host's planning and the step's wiring are under test
+    here; flashinfer's own kernel is checked against torch's attention on a GPU (tests/gpu)."""
+
+    def __init__(self, layout) -> None:  # type: ignore[no-untyped-def]
+        self.layout = layout
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        k_cache, v_cache = cache
+        bs, kvh, d = k_cache.shape[1:]
+        group = q.shape[1] // kvh
+        out = torch.empty_like(q)
+        for b, length in enumerate(self.layout.seq_lens()):
+            blocks = torch.tensor(self.layout.block_table(b))
+            k = k_cache[blocks].reshape(-1, kvh, d)[:length].repeat_interleave(group, dim=1)  # [L, H, d]
+            v = v_cache[blocks].reshape(-1, kvh, d)[:length].repeat_interleave(group, dim=1)
+            weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b].float(), k.float()) / d ** 0.5, dim=-1)
+            out[b] = torch.einsum("hl,lhd->hd", weights, v.float()).to(q.dtype)
+        return out
+
+
+@pytest.mark.parametrize("lookahead", [1, 4])
+def test_the_flashinfer_step_wiring_equals_eager_decode(lookahead: int) -> None:
+    """The graph step with flashinfer's attention: each look-ahead step writes its token at the
+    slot ``step_layouts`` names and attends through that step's planned wrapper (here a plain
+    torch reference of paged decode), padding rows on the scratch block: eager decode's tokens."""
+    from tandem.cuda.graphs import FlashInferGraphAttention, GraphDecoder, _Graph, step_layouts
+
+    rng = random.Random(40 + lookahead)
+    config = tiny_config()
+    eager, graphed = tiny_random_runner(seed=4), tiny_random_runner(seed=4)
+    decoder = GraphDecoder.__new__(GraphDecoder)  # the capture itself needs CUDA; the step does not
+    decoder.pool, decoder.lookahead, decoder.scratch_block = graphed.pool, lookahead, 95
+    decoder._model = copy.copy(graphed.model)
+    decoder._model.attention = FlashInferGraphAttention()
+    for _ in range(4):
+        n, rows = rng.randrange(1, 7), 8
+        prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 110))] for _ in range(n)]
+        need = [-(-(len(p) + lookahead) // 16) for p in prompts]  # blocks for the prompt and look-ahead
+        perm = rng.sample(range(88), sum(need))
+        tables = [[perm.pop() for _ in range(k)] for k in need]
+        firsts, want = prefill_then_greedy([eager, graphed], prompts, tables, lookahead)
+        layouts, slots = step_layouts([len(p) + 1 for p in prompts], tables, rows, lookahead, 16, 95)
+        g = _Graph(None, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),  # type: ignore[arg-type]
+                   torch.full((rows, 1), 95, dtype=torch.int64), torch.zeros(lookahead, rows, dtype=torch.int64),
+                   torch.zeros(rows, config.vocab_size), torch.tensor(slots, dtype=torch.int64),
+                   [_PagedDecodeReference(layout) for layout in layouts])
+        g.tokens[:n] = torch.tensor(firsts)
+        g.positions[:n] = torch.tensor([len(p) for p in prompts])
+        with torch.inference_mode():
+            decoder._step(g)
+        assert g.out_tokens[:, :n].tolist() == want
