@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat  # noqa: E402
 from tandem.engine.sampling import SamplingParams  # noqa: E402
 from tandem.rpc.convert import sampling_to_proto  # noqa: E402
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, decode_pb2, decode_pb2_grpc  # noqa: E402
@@ -89,9 +90,10 @@ async def mesh_throughput(address: str, prompts: list[list[int]], params: Sampli
             "outputs": outputs}
 
 
-def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """The engine in this process, in the weight format the stack runs (auto)."""
-    engine = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 30)
+def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams,
+                      weight_format: WeightFormat | None = None) -> dict[str, Any]:
+    """The engine in this process, in the weight format the stack runs (default: auto)."""
+    engine = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 30, weight_format=weight_format)
     engine.generate([prompts[0][:16]], params)  # warm up
     start = time.perf_counter()
     results = engine.generate(prompts, params)
@@ -115,17 +117,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--round-trips", type=int, default=2000)
     parser.add_argument("--policy", default="dynamic", help="the cell's partition policy")
+    parser.add_argument("--quantization", default="auto", help=f"weight format of the stack and the engine ({FORMAT_NAMES})")
     parser.add_argument("--out", default="bench/results/mesh.json")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
+    weight_format = WeightFormat.parse(args.quantization)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (args.streams, PROMPT_LEN), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     report: dict[str, Any] = {"benchmark": "mesh", "model": model_dir.name, "streams": args.streams,
-                              "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens, "policy": args.policy}
+                              "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens, "policy": args.policy,
+                              "weight_format": weight_format.value}
     with tempfile.TemporaryDirectory() as logs:
-        stack = Stack(model_dir, Path(logs), num_blocks=2048, extra_env={"TANDEM_POLICY": args.policy, **({"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]} if "OMP_WAIT_POLICY" in os.environ else {})})
+        stack = Stack(model_dir, Path(logs), num_blocks=2048, extra_env={"TANDEM_POLICY": args.policy, "TANDEM_QUANTIZATION": weight_format.value, **({"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]} if "OMP_WAIT_POLICY" in os.environ else {})})
         try:
             stack.start()
             report["agent_allocate_round_trip"] = asyncio.run(
@@ -136,7 +141,7 @@ def main() -> None:
             print("handoff:", report["handoff"], flush=True)
         finally:
             stack.stop()
-    engine = engine_throughput(model_dir, prompts, params)
+    engine = engine_throughput(model_dir, prompts, params, weight_format)
     same = sum(a == b for a, b in zip(mesh.pop("outputs"), engine.pop("outputs"), strict=True))
     report["mesh"] = mesh
     report["engine_one_process"] = engine
@@ -148,7 +153,7 @@ def main() -> None:
     decode_cores = sorted(os.sched_getaffinity(0))[len(os.sched_getaffinity(0)) // 2:] or [0]
     os.sched_setaffinity(0, decode_cores)
     torch.set_num_threads(len(decode_cores))
-    same_cores = engine_throughput(model_dir, prompts, params)
+    same_cores = engine_throughput(model_dir, prompts, params, weight_format)
     same_cores.pop("outputs")
     report["engine_on_decode_cores"] = {"cores": decode_cores, **same_cores}
     report["mesh_over_engine_on_decode_cores"] = round(mesh["tokens_per_s"] / same_cores["tokens_per_s"], 3)
