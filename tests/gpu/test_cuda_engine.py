@@ -152,6 +152,15 @@ def _fp16_pair(seed: int):  # type: ignore[no-untyped-def]
     return [tiny_random_runner("cuda", seed, dtype=torch.float16, head_dim=64) for _ in range(2)]
 
 
+def _random_batch(rng: random.Random, max_rows: int, max_len: int, pool_blocks: int,
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """1..max_rows prompts of 3..max_len-1 tokens and their tables of 8 distinct blocks each."""
+    n = rng.randrange(1, max_rows + 1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, max_len))] for _ in range(n)]
+    perm = rng.sample(range(pool_blocks), n * 8)
+    return prompts, [perm[i * 8:(i + 1) * 8] for i in range(n)]
+
+
 def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Within 2 % of the largest logit: fp16 attention summed in another order moved logits by
     0.030 on the H200 (2026-11-28; this model's logits reach about 10); a wrong block, slot or
@@ -174,10 +183,7 @@ def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) 
                              block_buckets=(4, 8), attention=name) for r, name in zip(runners, ("torch", "flashinfer"))]
     assert decoders[1].block_buckets == (8,)
     for trial in range(6):
-        n = rng.randrange(1, 9)
-        prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 110))] for _ in range(n)]
-        perm = rng.sample(range(88), n * 8)
-        tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+        prompts, tables = _random_batch(rng, 8, 110, 88)
         firsts, _ = prefill_then_greedy(runners, prompts, tables, 0)
         outs = [d.decode(firsts, [len(p) + 1 for p in prompts], tables) for d in decoders]
         torch.cuda.synchronize()
@@ -197,13 +203,13 @@ def test_service_graphs_with_flashinfer_serve_every_stream_with_one_graph_per_ba
               for r, name in zip(runners, ("torch", "flashinfer"))]
     used = set()
     with SmPartitions(prefill_counts=[64]) as parts:
-        streams = [torch.cuda.current_stream(), parts.partitions[64].decode_stream] * 3
+        side = parts.partitions[64].decode_stream
+        assert side is not None
+        streams = [torch.cuda.current_stream(), side] * 3
         for trial, stream in enumerate(streams):
             with torch.cuda.stream(stream):
-                n = rng.randrange(1, 7)
-                prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 120))] for _ in range(n)]
-                perm = rng.sample(range(90), n * 8)
-                tables = [perm[i * 8:(i + 1) * 8] for i in range(n)]
+                prompts, tables = _random_batch(rng, 6, 120, 90)
+                n = len(prompts)
                 firsts, _ = prefill_then_greedy(runners, prompts, tables, 0)
                 logits = [g.logits(firsts, [len(p) + 1 for p in prompts], tables) for g in graphs]
                 assert logits[0] is not None and logits[1] is not None
