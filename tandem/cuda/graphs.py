@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from tandem.engine.attention import AttentionBackend, SeqSpan, gqa_sdpa
-from tandem.engine.kv_pool import KVPool, PagedLayout
+from tandem.engine.kv_pool import KVPool, PagedLayout, slot_ids
 from tandem.engine.model import LlamaModel
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -196,8 +196,7 @@ def step_layouts(seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
     for step in range(lookahead):
         lens = [length + step for length in seq_lens] + [step + 1] * (rows - n)
         layouts.append(PagedLayout.build(tables, lens, block_size))
-        slots.append([tables[i][(lens[i] - 1) // block_size] * block_size + (lens[i] - 1) % block_size
-                      for i in range(rows)])
+        slots.append([slot_ids(table, length - 1, length, block_size)[0] for table, length in zip(tables, lens)])
     return layouts, slots
 
 

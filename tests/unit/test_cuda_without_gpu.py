@@ -103,19 +103,28 @@ def test_random_weights_have_the_shapes_the_model_expects(preset: str) -> None:
     assert torch.isfinite(runner.forward([SeqInput(list(range(20)), 0, [0, 1])])).all()
 
 
+def _step_decoder(runner, lookahead: int, attention):  # type: ignore[no-untyped-def]
+    """A GraphDecoder over ``runner``'s model and pool, with ``attention``, for running its
+    captured step eagerly on CPU: the capture itself needs CUDA; the step does not."""
+    from tandem.cuda.graphs import GraphDecoder
+
+    decoder = GraphDecoder.__new__(GraphDecoder)
+    decoder.pool, decoder.lookahead, decoder.scratch_block = runner.pool, lookahead, 95
+    decoder._model = copy.copy(runner.model)
+    decoder._model.attention = attention
+    return decoder
+
+
 @pytest.mark.parametrize("lookahead", [1, 3])
 def test_the_step_a_graph_captures_equals_eager_decode(lookahead: int) -> None:
     """GraphDecoder's device-side step (slots, masks and rope from positions; greedy feedback for
     look-ahead), run eagerly on CPU, gives eager decode's tokens. Capture needs CUDA (tests/gpu)."""
-    from tandem.cuda.graphs import GraphDecoder, StaticDecodeAttention, _Graph
+    from tandem.cuda.graphs import StaticDecodeAttention, _Graph
 
     rng = random.Random(lookahead)
     config = tiny_config()
     eager, graphed = tiny_random_runner(seed=3), tiny_random_runner(seed=3)
-    decoder = GraphDecoder.__new__(GraphDecoder)  # the capture itself needs CUDA; the step does not
-    decoder.pool, decoder.lookahead, decoder.scratch_block = graphed.pool, lookahead, 95
-    decoder._model = copy.copy(graphed.model)
-    decoder._model.attention = StaticDecodeAttention()
+    decoder = _step_decoder(graphed, lookahead, StaticDecodeAttention())
     for _ in range(3):
         n, rows, blocks = rng.randrange(1, 7), 8, 8
         prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 100))] for _ in range(n)]
@@ -373,15 +382,12 @@ def test_the_flashinfer_step_wiring_equals_eager_decode(lookahead: int) -> None:
     """The graph step with flashinfer's attention: each look-ahead step writes its token at the
     slot ``step_layouts`` names and attends through that step's planned wrapper (here a plain
     torch reference of paged decode), padding rows on the scratch block: eager decode's tokens."""
-    from tandem.cuda.graphs import FlashInferGraphAttention, GraphDecoder, _Graph, step_layouts
+    from tandem.cuda.graphs import FlashInferGraphAttention, _Graph, step_layouts
 
     rng = random.Random(40 + lookahead)
     config = tiny_config()
     eager, graphed = tiny_random_runner(seed=4), tiny_random_runner(seed=4)
-    decoder = GraphDecoder.__new__(GraphDecoder)  # the capture itself needs CUDA; the step does not
-    decoder.pool, decoder.lookahead, decoder.scratch_block = graphed.pool, lookahead, 95
-    decoder._model = copy.copy(graphed.model)
-    decoder._model.attention = FlashInferGraphAttention()
+    decoder = _step_decoder(graphed, lookahead, FlashInferGraphAttention())
     for _ in range(4):
         n, rows = rng.randrange(1, 7), 8
         prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 110))] for _ in range(n)]
