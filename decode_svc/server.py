@@ -89,6 +89,8 @@ class _Active:
     arrival_unix_ns: int = 0
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
     rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
+    # aggregated mode: the Publish of its computed prompt, in flight while it decodes
+    publishing: asyncio.Task[None] | None = None
 
 
 def _handed_again(held: _Active, msg: decode_pb2.HandoffRequest) -> bool:
@@ -773,7 +775,11 @@ class DecodeWorker:
 
     async def _first_token(self, active: _Active, out: StepOutput) -> None:
         """A prompt computed in chunks has its first token: answer the Handoff with it and
-        make the prompt's blocks reusable, then decode it (unless that token ends it)."""
+        decode it at once (unless that token ends it), while its prompt's blocks are published
+        to the prefix cache. The Publish runs beside the decoding, not before it: awaited here,
+        a burst of prompts finished in one step waited for one agent round trip each, on cores
+        busy with the steps, and joined the batch a dozen steps late (``_finish`` awaits it
+        before the blocks go back)."""
         req = active.req  # already out of self.prefilling: _step took it out when its prompt was done
         reply = decode_pb2.HandoffReply(
             accepted=True, first_token=token_to_proto(out.token_id, out.logprob, out.top_logprobs),
@@ -783,16 +789,21 @@ class DecodeWorker:
         if out.finish_reason is not None:
             await self._finish(active, out.finish_reason, send=False)
         else:
-            try:
-                await self.member.agent.Publish(
-                    agent_pb2.PublishRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
-                                             owner=self.service_id), timeout=RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:  # only the prefix cache misses out
-                log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
+            active.publishing = asyncio.get_running_loop().create_task(
+                self._publish_prompt(req), name=f"publish-prompt-{req.request_id}")
             self.running.append(active)
-            self._wake.set()  # the loop may have gone idle while this was being published
+            self._wake.set()  # the loop may have gone idle meanwhile
         if active.first_token is not None and not active.first_token.done():
             active.first_token.set_result(reply)
+
+    async def _publish_prompt(self, req: Request) -> None:
+        """Make a computed prompt's full blocks reusable by later requests (the prefix cache)."""
+        try:
+            await self.member.agent.Publish(
+                agent_pb2.PublishRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
+                                         owner=self.service_id), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:  # only the prefix cache misses out
+            log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
 
     def _update(self, active: _Active, finish_reason: str | None) -> decode_pb2.TokenUpdate:
         req = active.req
@@ -859,6 +870,8 @@ class DecodeWorker:
             active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))
             active.span.set_attribute("tandem.finish_reason", reason)
             active.span.end()
+        if active.publishing is not None:  # its blocks are published before they go back
+            await asyncio.gather(active.publishing, return_exceptions=True)
         if req.block_ids:
             await self._release(req)
         self._unrecorded.discard(req.request_id)
