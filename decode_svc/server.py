@@ -23,8 +23,9 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -65,6 +66,10 @@ READMIT_TIMEOUT_S = 30.0
 # A preempted request refused blocks asks again after this long, or as soon as this service
 # frees blocks (every step asked before: a refused RPC to the agent per step while the pool was full).
 READMIT_RETRY_S = 0.05
+# A running request this close to the end of its last block asks the agent for the next one in
+# the background: awaited when due, the Extend round trips of a batch whose streams cross a
+# block boundary together (a closed loop's) held the loop 9-13 ms every 16 steps at 16 streams.
+GROW_AHEAD_TOKENS = 4
 # A request to resume whose blocks a live service holds is asked for again this long (the agent
 # ends the predecessor's lease when it sees its stream close); after that it is that service's.
 RESUME_CLAIM_WAIT_S = 1.0
@@ -89,8 +94,9 @@ class _Active:
     arrival_unix_ns: int = 0
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
     rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
-    # aggregated mode: the Publish of its computed prompt, in flight while it decodes
-    publishing: asyncio.Task[None] | None = None
+    # agent calls in flight while it decodes (its prompt's Publish, the Extend of its next
+    # block); awaited before its blocks go back
+    background: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def _handed_again(held: _Active, msg: decode_pb2.HandoffRequest) -> bool:
@@ -549,7 +555,12 @@ class DecodeWorker:
         async def grow(active: _Active) -> bool | None:
             req = active.req
             need = len(req.all_token_ids)
-            if len(req.block_ids) * self.block_size >= need:
+            if len(req.block_ids) * self.block_size < need:
+                await _settled(active)  # an Extend in the background may be bringing the block
+            have = len(req.block_ids) * self.block_size
+            if have >= need:
+                if have - need < GROW_AHEAD_TOKENS and not _in_flight(active):
+                    _beside(active, self._grow_ahead(active, have + 1), f"grow-{req.request_id}")
                 return True
             try:
                 reply = await self.member.agent.Extend(
@@ -576,11 +587,25 @@ class DecodeWorker:
                 await self._finish(active, "error")
         return [a for a in batch if a in self.running]
 
+    async def _grow_ahead(self, active: _Active, num_tokens: int) -> None:
+        """Extend ``active``'s blocks to ``num_tokens`` before a step needs them. Any failure
+        (the pool full, the agent away) is left to the Extend the step awaits when the block
+        is due, which preempts or fails the request as it must."""
+        req = active.req
+        try:
+            reply = await self.member.agent.Extend(
+                agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=num_tokens, owner=self.service_id),
+                timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return
+        req.block_ids = list(reply.block_ids)  # a superset: the step in flight reads the old list or this one
+
     async def _preempt(self, active: _Active) -> None:
         """Free a running request's blocks (publishing its K/V to the prefix index, so its
         readmission may find much of it still there) and queue it for readmission."""
         req = active.req
         self.running.remove(active)
+        await _settled(active)
         await self._release(req)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -789,8 +814,7 @@ class DecodeWorker:
         if out.finish_reason is not None:
             await self._finish(active, out.finish_reason, send=False)
         else:
-            active.publishing = asyncio.get_running_loop().create_task(
-                self._publish_prompt(req), name=f"publish-prompt-{req.request_id}")
+            _beside(active, self._publish_prompt(req), f"publish-prompt-{req.request_id}")
             self.running.append(active)
             self._wake.set()  # the loop may have gone idle meanwhile
         if active.first_token is not None and not active.first_token.done():
@@ -870,8 +894,7 @@ class DecodeWorker:
             active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))
             active.span.set_attribute("tandem.finish_reason", reason)
             active.span.end()
-        if active.publishing is not None:  # its blocks are published before they go back
-            await asyncio.gather(active.publishing, return_exceptions=True)
+        await _settled(active)  # its prompt is published, its next block known, before they go back
         if req.block_ids:
             await self._release(req)
         self._unrecorded.discard(req.request_id)
@@ -901,6 +924,24 @@ class DecodeWorker:
         """Give the request's blocks back, publishing the K/V written so far."""
         await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
         self._readmit_after_ns = 0  # the preempted may fit now
+
+
+def _beside(active: _Active, call: Coroutine[Any, Any, None], name: str) -> None:
+    """Run an agent call for ``active`` beside its decoding (``_settled`` awaits it)."""
+    active.background = [t for t in active.background if not t.done()]
+    active.background.append(asyncio.get_running_loop().create_task(call, name=name))
+
+
+def _in_flight(active: _Active) -> bool:
+    """Whether an agent call for ``active`` runs beside its decoding now."""
+    return not all(t.done() for t in active.background)
+
+
+async def _settled(active: _Active) -> None:
+    """Wait for ``active``'s agent calls in flight (their failures are theirs to log)."""
+    if active.background:
+        await asyncio.gather(*active.background, return_exceptions=True)
+        active.background.clear()
 
 
 class _StepStats:

@@ -1,0 +1,181 @@
+"""decode_svc's agent calls that run beside the decoding instead of before the next step, and
+what they must still keep in order (a request's blocks go back only after its calls settle):
+- in aggregated mode, a prompt whose last chunk ran in a step answers its Handoff and joins the
+  decode batch at once, while its prompt's blocks are published to the prefix cache. Publishing
+  first (one agent round trip per prompt, one after the other, on cores busy with the steps) kept
+  a burst of seven prompts out of the batch for 16 steps in a live stack at concurrency 8;
+- a running request near the end of its last block gets the next one in the background. Awaited
+  when due, the Extends of 16 streams crossing a block boundary together held the loop 9-13 ms
+  every 16 steps (both on 2026-11-28).
+
+The worker is built without a model, and its agent is a stand-in whose calls wait until the test
+lets them go: an agent slowed by busy cores cannot be reproduced on demand, and only the order of
+the calls is under test. The live path (a real agent) runs in test_aggregated_live.py and the
+integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from decode_svc.server import GROW_AHEAD_TOKENS, DecodeWorker, _Active
+from tandem.rpc.v1 import agent_pb2
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.step import Request, StepOutput
+
+
+class _SlowAgent:
+    """Publish and Extend return once ``go`` is set (Extend adds the blocks ``num_tokens`` needs
+    to the request's list, as the agent's ledger does); the worker's Release is recorded at once."""
+
+    def __init__(self, calls: list[tuple[str, str]], block_size: int, held: dict[str, list[int]]) -> None:
+        self.go = asyncio.Event()
+        self.calls = calls
+        self.block_size = block_size
+        self.held = held
+        self.next_block = 10_000
+
+    async def Publish(self, request, timeout: float):  # type: ignore[no-untyped-def]  # noqa: N802
+        await self.go.wait()
+        self.calls.append(("publish", request.request_id))
+
+    async def Extend(self, request, timeout: float):  # type: ignore[no-untyped-def]  # noqa: N802
+        await self.go.wait()
+        blocks = self.held[request.request_id]
+        while len(blocks) * self.block_size < request.num_tokens:
+            blocks.append(self.next_block)
+            self.next_block += 1
+        self.calls.append(("extend", request.request_id))
+        return agent_pb2.ExtendReply(block_ids=blocks)
+
+
+def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, list[int]] | None = None,
+            ) -> DecodeWorker:
+    worker = DecodeWorker.__new__(DecodeWorker)  # only what _first_token, _grow_blocks and _finish touch
+    agent = _SlowAgent(calls, block_size, {} if held is None else held)
+
+    async def release(request_id: str, token_ids: list[int]) -> None:
+        calls.append(("release", request_id))
+
+    worker.member = SimpleNamespace(agent=agent, release=release)  # type: ignore[assignment]
+    worker.config = SimpleNamespace(service_id="decode-test")  # type: ignore[assignment]
+    worker.running, worker.prefilling, worker.preempted, worker.pending = [], [], [], []
+    worker.by_id, worker._prefill_done_unix_ns = {}, {}
+    worker._publishing = None
+    worker._unrecorded = set()
+    worker._gone_routers = set()
+    worker.records = None
+    worker._wake = asyncio.Event()
+    worker._readmit_after_ns = 0
+    worker.block_size = block_size
+    worker.num_preemptions = 0
+    return worker
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_finished_prompt_decodes_before_its_publish_returns(seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        calls: list[tuple[str, str]] = []
+        worker = _worker(calls)
+        loop = asyncio.get_running_loop()
+        actives = []
+        for i in range(rng.randint(1, 9)):
+            prompt = [rng.randint(1, 500) for _ in range(rng.randint(2, 80))]
+            req = Request(f"r{seed}-{i}", prompt, SamplingParams(max_tokens=rng.randint(2, 64)), None)
+            req.num_computed_tokens = len(prompt)
+            req.block_ids = list(range(i * 8, i * 8 + 6))
+            active = _Active(req, "router", num_sent=1, handed_ns=1)
+            active.first_token = loop.create_future()
+            worker.by_id[req.request_id] = active
+            actives.append(active)
+        for active in actives:  # as _publish does for the prompts a step finished
+            await asyncio.wait_for(worker._first_token(active, StepOutput(active.req.request_id, 7, None, None,
+                                                                          None)), timeout=1.0)
+        # Every prompt decodes and has its first token while no Publish has returned.
+        assert worker.running == actives
+        assert all(a.first_token is not None and a.first_token.done() for a in actives)
+        assert all(a.first_token.result().first_token.token_id == 7 for a in actives)  # type: ignore[union-attr]
+        assert calls == []
+        # A request that ends now gives its blocks back only after its prompt is published.
+        ending = rng.sample(actives, rng.randint(1, len(actives)))
+        finishing = [loop.create_task(worker._finish(a, "length", send=False)) for a in ending]
+        await asyncio.sleep(0.01)
+        assert calls == []
+        worker.member.agent.go.set()  # type: ignore[attr-defined]
+        await asyncio.wait_for(asyncio.gather(*finishing), timeout=1.0)
+        for active in ending:
+            rid = active.req.request_id
+            assert calls.index(("publish", rid)) < calls.index(("release", rid))
+        assert [a for a in actives if a not in ending] == worker.running
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_next_block_comes_in_the_background_and_before_the_blocks_go_back(seed: int) -> None:
+    """Running requests of random lengths and block sizes: a step's block growth returns at once
+    for every request that still has room, asking in the background for the next block of those
+    within GROW_AHEAD_TOKENS of their end; a request that needs its block now waits for it; an
+    Extend in flight settles before its request's blocks go back (finished or preempted)."""
+    rng = random.Random(seed)
+    block_size = rng.choice([4, 8, 16, 32])
+
+    async def main() -> None:
+        calls: list[tuple[str, str]] = []
+        held: dict[str, list[int]] = {}
+        worker = _worker(calls, block_size, held)
+        agent = worker.member.agent  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        actives = []
+        for i in range(rng.randint(1, 12)):
+            n = rng.randint(1, 6 * block_size)
+            req = Request(f"r{seed}-{i}", list(range(1, n + 1)), SamplingParams(max_tokens=100), None)
+            num_blocks = -(-n // block_size)
+            held[req.request_id] = list(range(i * 100, i * 100 + num_blocks))
+            req.block_ids = list(held[req.request_id])
+            active = _Active(req, "router", num_sent=0)
+            if rng.random() < 0.5:  # its prompt's Publish has returned (aggregated mode)
+                active.background.append(loop.create_task(asyncio.sleep(0)))
+            actives.append(active)
+        await asyncio.sleep(0)
+        worker.running = list(actives)
+        room = {a.req.request_id: len(a.req.block_ids) * block_size - len(a.req.all_token_ids) for a in actives}
+
+        # Every request has room for its next token: growth returns without any Extend answered.
+        batch = await asyncio.wait_for(worker._grow_blocks(list(actives)), timeout=1.0)
+        assert batch == actives and calls == []
+        ahead = {a.req.request_id for a in actives if not all(t.done() for t in a.background)}
+        assert ahead == {rid for rid, r in room.items() if r < GROW_AHEAD_TOKENS}
+
+        # Each request takes tokens until one of them has no room: that growth waits for the agent.
+        for active in actives:
+            active.req.output_token_ids.extend([5] * (room[active.req.request_id] + rng.choice([0, 1])))
+        due = [a for a in actives if len(a.req.all_token_ids) > len(a.req.block_ids) * block_size]
+        growing = loop.create_task(worker._grow_blocks(list(actives)))
+        await asyncio.sleep(0.01)
+        assert growing.done() == (not due)
+        # Some requests with an Extend in the background end or are preempted meanwhile (the
+        # loop retires a request between steps, never while a step's growth awaits its block).
+        settled = [a for a in actives if a not in due]
+        leaving = rng.sample(settled, rng.randint(0, len(settled)))
+        ending = [loop.create_task(worker._finish(a, "length", send=False) if rng.random() < 0.5
+                                   else worker._preempt(a)) for a in leaving]
+        await asyncio.sleep(0.01)
+        agent.go.set()
+        await asyncio.wait_for(asyncio.gather(growing, *ending), timeout=1.0)
+        for active in leaving:
+            rid = active.req.request_id
+            if ("extend", rid) in calls:
+                assert calls.index(("extend", rid)) < calls.index(("release", rid))
+        for active in actives:
+            if active not in leaving:  # every staying request holds what its next token needs
+                assert len(active.req.block_ids) * block_size >= len(active.req.all_token_ids)
+                assert active.req.block_ids == held[active.req.request_id]
+
+    asyncio.run(main())
