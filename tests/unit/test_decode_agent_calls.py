@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -63,7 +64,8 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
 
     worker.member = SimpleNamespace(agent=agent, release=release)  # type: ignore[assignment]
     worker.config = SimpleNamespace(service_id="decode-test")  # type: ignore[assignment]
-    worker.running, worker.prefilling, worker.preempted, worker.pending = [], [], [], []
+    worker.running, worker.prefilling, worker.pending = [], [], []
+    worker.preempted = deque()
     worker.by_id, worker._prefill_done_unix_ns = {}, {}
     worker._publishing = None
     worker._unrecorded = set()
@@ -130,7 +132,7 @@ def test_the_next_block_comes_in_the_background_and_before_the_blocks_go_back(se
         calls: list[tuple[str, str]] = []
         held: dict[str, list[int]] = {}
         worker = _worker(calls, block_size, held)
-        agent = worker.member.agent  # type: ignore[attr-defined]
+        agent: _SlowAgent = worker.member.agent  # type: ignore[assignment]
         loop = asyncio.get_running_loop()
         actives = []
         for i in range(rng.randint(1, 12)):
