@@ -79,7 +79,7 @@ RATE_WEIGHT = 0.2
 _RECORD_ERRORS = (RedisError, OSError)
 
 
-@dataclass
+@dataclass(eq=False)  # one per request: the lists of them test identity
 class _Active:
     req: Request
     router_id: str
@@ -576,8 +576,18 @@ class DecodeWorker:
             req.block_ids = list(reply.block_ids)
             return True
 
-        ok = await asyncio.gather(*(grow(a) for a in batch))
-        for active, grown in zip(batch, ok, strict=True):
+        due = []
+        for active in batch:  # most steps every request has room: no call and no task
+            req = active.req
+            room = len(req.block_ids) * self.block_size - len(req.all_token_ids)
+            if room < 0:
+                due.append(active)
+            elif room < GROW_AHEAD_TOKENS and not _in_flight(active):
+                _beside(active, self._grow_ahead(active, len(req.all_token_ids) + room + 1), f"grow-{req.request_id}")
+        if not due:
+            return batch
+        ok = await asyncio.gather(*(grow(a) for a in due))
+        for active, grown in zip(due, ok, strict=True):
             while grown is None and active in self.running:
                 victim = self.running[-1]  # the youngest: it has the least to recompute
                 await self._preempt(victim)
