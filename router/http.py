@@ -79,6 +79,18 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
 
 Kind = Literal["chat", "completion"]
+
+
+def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
+    """A 429's hint: HTTP's ``Retry-After`` in whole seconds (at least 1), and, when admission
+    gave a hint, OpenAI's ``retry-after-ms`` with it to the millisecond. The openai client reads
+    ``retry-after-ms`` first, so it retries when admission predicted room (a stream ending, the
+    queue draining: often a few hundred ms) rather than a whole second later, a wait that
+    counted in the retried request's TTFT and made it miss."""
+    if retry_after_s is None:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    retry_after_ms = max(1, round(retry_after_s * 1000))
+    return {"Retry-After": str(max(1, math.ceil(retry_after_s))), "retry-after-ms": str(retry_after_ms)}
 T = TypeVar("T")
 
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
@@ -111,8 +123,7 @@ class HTTPError(Exception):
         code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.status.grpc_name.lower())
         headers = None
         if status == 429:
-            retry_s = RETRY_AFTER_S if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
-            headers = {"Retry-After": str(retry_s)}
+            headers = retry_after_headers(exc.retry_after_s)
         param = _PARAM_OF_FIELD.get(exc.field) if exc.field is not None else None
         return cls(status, exc.message, type=type_, param=param, code=code, headers=headers)
 

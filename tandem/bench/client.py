@@ -241,12 +241,15 @@ RETRY_AFTER_MAX_S = 10.0
 
 
 def _retry_after_s(response: httpx.Response) -> float:
-    """The server's Retry-After in seconds (bounded), or 1 s without a usable header."""
-    try:
-        value = float(response.headers.get("retry-after", "1"))
-    except ValueError:
-        value = 1.0
-    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, value))
+    """The server's hint in seconds (bounded), read as the openai client reads it: OpenAI's
+    ``retry-after-ms`` first, then ``Retry-After`` in seconds; 1 s without a usable header."""
+    for header, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            value = float(response.headers[header]) / divisor
+        except (KeyError, ValueError):
+            continue
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, value))
+    return 1.0
 
 
 class _StreamFailed(Exception):

@@ -8,8 +8,17 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
-from tandem.bench.client import PromptBuilder, RunResult, Target, run_workload
+from tandem.bench.client import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    PromptBuilder,
+    RunResult,
+    Target,
+    _retry_after_s,
+    run_workload,
+)
 from tandem.bench.workload import RequestSpec
 
 
@@ -133,10 +142,11 @@ def test_prompts_are_deterministic_and_sessions_share_prefixes_in_any_order() ->
 class RefusingServer(FakeServer):
     """Refuses each request's first ``refusals[request]`` attempts with 429 and a Retry-After."""
 
-    def __init__(self, refusals: dict[int, int], retry_after_s: float) -> None:
+    def __init__(self, refusals: dict[int, int], retry_after_s: float, retry_after_ms: int | None = None) -> None:
         super().__init__()
         self.refusals = dict(refusals)
         self.retry_after_s = retry_after_s
+        self.retry_after_ms = retry_after_ms  # also sent as OpenAI's retry-after-ms when set
         self.attempts: dict[int, int] = {}
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -144,8 +154,10 @@ class RefusingServer(FakeServer):
         key = body["max_tokens"]  # each request of the test has its own
         self.attempts[key] = self.attempts.get(key, 0) + 1
         if self.refusals.get(key, 0) >= self.attempts[key]:
-            return httpx.Response(429, json={"error": {"message": "admission refused: busy"}},
-                                  headers={"retry-after": f"{self.retry_after_s:.2f}"})
+            headers = {"retry-after": f"{self.retry_after_s:.2f}"}
+            if self.retry_after_ms is not None:
+                headers["retry-after-ms"] = str(self.retry_after_ms)
+            return httpx.Response(429, json={"error": {"message": "admission refused: busy"}}, headers=headers)
         return await super().__call__(request)
 
 
@@ -173,8 +185,35 @@ def test_refused_requests_retry_after_the_servers_hint_and_keep_their_first_send
                 assert ttft is not None and ttft >= 0.05 * refused - 1e-3  # the waits count
 
 
-def test_retries_must_not_be_negative() -> None:
-    import pytest
+def test_a_retry_follows_retry_after_ms_before_retry_after_as_the_openai_client_does() -> None:
+    import random
 
+    rng = random.Random(5)
+    refusals = {n: rng.randint(1, 2) for n in range(2, 6)}
+    server = RefusingServer(refusals, retry_after_s=30.0, retry_after_ms=rng.randint(20, 80))
+    specs = [RequestSpec(f"r{n}", 0.0, 5, n) for n in refusals]
+    target = Target("fake", "http://fake", "completions", retries_429=2)
+    builder = PromptBuilder(0, token_ids=list(range(100, 200)))
+    result = asyncio.run(run_workload(target, "m", specs, [builder.prompt(s) for s in specs],
+                                      transport=httpx.MockTransport(server)))
+    for spec, record in zip(specs, result.records, strict=True):
+        assert record.ok and server.attempts[spec.output_len] == refusals[spec.output_len] + 1
+        ttft = record.ttft_s  # the waits were the milliseconds', not Retry-After's 30 s
+        assert ttft is not None and server.retry_after_ms / 1000 * refusals[spec.output_len] - 1e-3 <= ttft < 30
+
+
+@pytest.mark.parametrize(("headers", "wait_s"), [
+    ({"retry-after-ms": "250", "retry-after": "1"}, 0.25),
+    ({"retry-after-ms": "soon", "retry-after": "2"}, 2.0),  # unusable ms: the seconds
+    ({"retry-after": "0.5"}, 0.5),
+    ({}, 1.0),
+    ({"retry-after-ms": "0"}, RETRY_AFTER_MIN_S),
+    ({"retry-after": "3600"}, RETRY_AFTER_MAX_S),
+])
+def test_the_retry_wait_read_from_a_refusal(headers: dict[str, str], wait_s: float) -> None:
+    assert _retry_after_s(httpx.Response(429, headers=headers)) == pytest.approx(wait_s)
+
+
+def test_retries_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="retries_429"):
         Target("fake", "http://fake", retries_429=-1)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
 from tandem.protocol import RequestError, Status
@@ -69,6 +72,26 @@ def test_invalid_parameters_are_400_naming_the_parameter(kind: Any, body: Any, p
     error = _error(kind, body)
     assert error.status == 400 and error.param == param
     assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+@settings(deadline=None)  # the first example imports the openai client
+@given(st.floats(min_value=0.0005, max_value=120.0, allow_nan=False))
+def test_a_refusals_hint_reaches_the_openai_client_to_the_millisecond(retry_after_s: float) -> None:
+    import httpx
+    import openai
+
+    headers = HTTPError.from_error(RequestError(Status.RESOURCE_EXHAUSTED, "busy", retry_after_s)).headers
+    assert int(headers["Retry-After"]) == max(1, math.ceil(retry_after_s))  # HTTP's whole seconds
+    assert abs(int(headers["retry-after-ms"]) - max(1.0, retry_after_s * 1000)) <= 0.5
+    # the openai client waits what retry-after-ms says, not the whole seconds of Retry-After
+    client = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:1/v1")
+    waited = client._parse_retry_after_header(httpx.Headers(headers))
+    assert waited == pytest.approx(max(1, round(retry_after_s * 1000)) / 1000)
+
+
+def test_a_refusal_without_a_hint_says_one_second() -> None:
+    headers = HTTPError.from_error(RequestError(Status.RESOURCE_EXHAUSTED, "KV pool full")).headers
+    assert headers == {"Retry-After": "1"}
 
 
 def test_upstream_statuses_map_to_openai_errors() -> None:
