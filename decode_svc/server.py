@@ -557,15 +557,11 @@ class DecodeWorker:
             need = len(req.all_token_ids)
             if len(req.block_ids) * self.block_size < need:
                 await _settled(active)  # an Extend in the background may be bringing the block
-            have = len(req.block_ids) * self.block_size
-            if have >= need:
-                if have - need < GROW_AHEAD_TOKENS and not _in_flight(active):
-                    _beside(active, self._grow_ahead(active, have + 1), f"grow-{req.request_id}")
+            if len(req.block_ids) * self.block_size >= need:
+                self._grow_ahead_if_near(active)
                 return True
             try:
-                reply = await self.member.agent.Extend(
-                    agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=need, owner=self.service_id),
-                    timeout=RPC_TIMEOUT_S)
+                reply = await self._extend(req, need)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     return None  # pool full: preempt and retry
@@ -579,11 +575,10 @@ class DecodeWorker:
         due = []
         for active in batch:  # most steps every request has room: no call and no task
             req = active.req
-            room = len(req.block_ids) * self.block_size - len(req.all_token_ids)
-            if room < 0:
+            if len(req.block_ids) * self.block_size < len(req.all_token_ids):
                 due.append(active)
-            elif room < GROW_AHEAD_TOKENS and not _in_flight(active):
-                _beside(active, self._grow_ahead(active, len(req.all_token_ids) + room + 1), f"grow-{req.request_id}")
+            else:
+                self._grow_ahead_if_near(active)
         if not due:
             return batch
         ok = await asyncio.gather(*(grow(a) for a in due))
@@ -597,15 +592,27 @@ class DecodeWorker:
                 await self._finish(active, "error")
         return [a for a in batch if a in self.running]
 
+    def _grow_ahead_if_near(self, active: _Active) -> None:
+        """Ask for ``active``'s next block in the background when its tokens come within
+        ``GROW_AHEAD_TOKENS`` of its last block's end, unless a call of its is in flight."""
+        req = active.req
+        have = len(req.block_ids) * self.block_size
+        if 0 <= have - len(req.all_token_ids) < GROW_AHEAD_TOKENS and not _in_flight(active):
+            _beside(active, self._grow_ahead(active, have + 1), f"grow-{req.request_id}")
+
+    async def _extend(self, req: Request, num_tokens: int) -> agent_pb2.ExtendReply:
+        """The agent's Extend of ``req``'s blocks to hold ``num_tokens``."""
+        return await self.member.agent.Extend(
+            agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=num_tokens, owner=self.service_id),
+            timeout=RPC_TIMEOUT_S)
+
     async def _grow_ahead(self, active: _Active, num_tokens: int) -> None:
         """Extend ``active``'s blocks to ``num_tokens`` before a step needs them. Any failure
         (the pool full, the agent away) is left to the Extend the step awaits when the block
         is due, which preempts or fails the request as it must."""
         req = active.req
         try:
-            reply = await self.member.agent.Extend(
-                agent_pb2.ExtendRequest(request_id=req.request_id, num_tokens=num_tokens, owner=self.service_id),
-                timeout=RPC_TIMEOUT_S)
+            reply = await self._extend(req, num_tokens)
         except grpc.aio.AioRpcError:
             return
         req.block_ids = list(reply.block_ids)  # a superset: the step in flight reads the old list or this one
