@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.peer import CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running, tandem_up  # noqa: E402
-from tandem.bench.metrics import RequestRecord, SloSpec, meets_slo  # noqa: E402
+from tandem.bench.metrics import RequestRecord, SloSpec, meets_slo, meets_ttft  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
 
 LABEL_ON = "admission"
@@ -54,6 +54,7 @@ def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: Sl
     if len(on) != len(off):
         raise ValueError(f"the two runs have {len(on)} and {len(off)} requests")
     n = len(on)
+    retries_kept = all("num_429" in r for r in rows_on)
     refusals = [i for i, r in enumerate(on) if refused(r)]
     admitted = [i for i, r in enumerate(on) if not refused(r)]
     false_refusals = [i for i in refusals if meets_slo(off[i], slo)]
@@ -70,6 +71,13 @@ def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: Sl
         "num_admitted_missed": len(misses),
         "admitted_missed_of_all": len(misses) / n if n else None,
         "admitted_missed_of_admitted": len(misses) / len(admitted) if admitted else None,
+        # How they missed: after a refusal and a retry (the waits count in the TTFT), or admitted at
+        # once and late (TTFT) or slow (TBT only).
+        # None for records of a run that did not keep their 429s (judged again with --judge).
+        **{key: (sum(map(test, misses)) if retries_kept else None) for key, test in (
+            ("admitted_missed_retried", lambda i: on[i].num_429 > 0),
+            ("admitted_missed_ttft", lambda i: on[i].num_429 == 0 and not meets_ttft(on[i], slo)),
+            ("admitted_missed_tbt_only", lambda i: on[i].num_429 == 0 and meets_ttft(on[i], slo)))},
         "met_with_admission": sum(meets_slo(r, slo) for r in on),
         "met_without_admission": sum(meets_slo(r, slo) for r in off),
     }
@@ -102,12 +110,14 @@ def _pct(value: float | None) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| load | refused | false refusals (of all / of refused) | admitted missed (of admitted) | "
-             "met: admission / off |", "|---|---|---|---|---|"]
+             "of those: retried / late / TBT only | met: admission / off |", "|---|---|---|---|---|---|"]
     for r in rows:
+        how = ("-" if r.get("admitted_missed_retried") is None else
+               f"{r['admitted_missed_retried']} / {r['admitted_missed_ttft']} / {r['admitted_missed_tbt_only']}")
         lines.append(f"| {r['load']} | {r['num_refused']}/{r['num_requests']} | {r['num_false_refusals']} "
                      f"({_pct(r['false_refusals_of_all'])} / {_pct(r['false_refusals_of_refused'])}) | "
                      f"{r['num_admitted_missed']}/{r['num_admitted']} ({_pct(r['admitted_missed_of_admitted'])}) | "
-                     f"{r['met_with_admission']} / {r['met_without_admission']} |")
+                     f"{how} | {r['met_with_admission']} / {r['met_without_admission']} |")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,22 +217,24 @@ async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: Re
     429 is retried ``target.retries_429`` times after the server's Retry-After."""
     sent_s = clock()
     chat = target.endpoint == "chat"
+    num_429 = 0
     try:
         body = request_body(target, model, spec, prompt)
         for retries_left in range(target.retries_429, -1, -1):
             async with http.stream("POST", ENDPOINTS[target.endpoint], json=body,
                                    timeout=target.timeout_s) as response:
                 if response.status_code != 429 or retries_left == 0:
-                    return await _read_stream(response, spec, sent_s, clock, chat)
+                    return replace(await _read_stream(response, spec, sent_s, clock, chat), num_429=num_429)
                 await response.aread()
+            num_429 += 1
             await asyncio.sleep(_retry_after_s(response))  # refused for now: ask again when told
         raise AssertionError("the last attempt returns")
     except asyncio.CancelledError:
         raise
     except _StreamFailed as exc:
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, exc.times, None, exc.message)
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, exc.times, None, exc.message, num_429)
     except Exception as exc:  # every failure is a result, not a crash
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"{type(exc).__name__}: {exc}")
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"{type(exc).__name__}: {exc}", num_429)
 
 
 # Bounds on a server's Retry-After that the client follows (seconds).

@@ -73,6 +73,7 @@ class RequestRecord:
     token_times_s: tuple[float, ...]  # run-clock time each output token arrived; [0] is the first token
     finish_s: float | None            # None if it failed
     error: str | None = None          # None when it completed
+    num_429: int = 0                  # refusals (HTTP 429) it was retried after; its TTFT counts the waits
 
     @property
     def ok(self) -> bool:
@@ -102,13 +103,14 @@ class RequestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "arrival_s": self.arrival_s, "input_len": self.input_len,
-                "token_times_s": list(self.token_times_s), "finish_s": self.finish_s, "error": self.error}
+                "token_times_s": list(self.token_times_s), "finish_s": self.finish_s, "error": self.error,
+                "num_429": self.num_429}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
         return cls(d["request_id"], float(d["arrival_s"]), int(d["input_len"]),
                    tuple(float(t) for t in d["token_times_s"]),
-                   None if d["finish_s"] is None else float(d["finish_s"]), d.get("error"))
+                   None if d["finish_s"] is None else float(d["finish_s"]), d.get("error"), int(d.get("num_429", 0)))
 
 
 def meets_ttft(record: RequestRecord, slo: SloSpec) -> bool:
@@ -154,6 +156,7 @@ def summarize(records: Sequence[RequestRecord], *, duration_s: float, slo: SloSp
         "num_requests": num,
         "num_ok": len(done),
         "num_failed": num - len(done),
+        "num_retried_429": sum(r.num_429 > 0 for r in records),  # refused at least once, then retried
         "errors": errors,
         "duration_s": duration_s,
         "ttft_s": latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),

@@ -36,7 +36,7 @@ def _record(rng: random.Random, i: int, outcome: str) -> RequestRecord:
     times = [first]
     for gap in gaps:
         times.append(times[-1] + gap)
-    return RequestRecord(f"r{i}", 0.0, 40, tuple(times), times[-1])
+    return RequestRecord(f"r{i}", 0.0, 40, tuple(times), times[-1], num_429=rng.choice([0, 0, 1, 2]))
 
 
 def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
@@ -60,6 +60,17 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
         assert set(got["refusal_reasons"]) <= {"queue ahead pushes TTFT past the deadline",
                                                 "decode is at the most streams that keep the TBT SLO"}
         assert sum(got["false_refusals_by_reason"].values()) == got["num_false_refusals"]
+        retried = [on_record["num_429"] > 0 for on_record in on]
+        misses = [i for i, k in enumerate(on_kinds) if k in ("late", "slow")]
+        assert got["admitted_missed_retried"] == sum(retried[i] for i in misses)
+        assert got["admitted_missed_ttft"] == sum(on_kinds[i] == "late" and not retried[i] for i in misses)
+        assert got["admitted_missed_tbt_only"] == sum(on_kinds[i] == "slow" and not retried[i] for i in misses)
+        # a run whose records did not keep their 429s: no split, the table says so
+        for row in on:
+            row.pop("num_429")
+        old = admission.judge(on, off, SLO)
+        assert old["admitted_missed_retried"] is None and old["num_admitted_missed"] == got["num_admitted_missed"]
+        assert "| - |" in admission.markdown([{"load": "x", **old}])
 
 
 def test_runs_of_different_lengths_are_an_error() -> None:

@@ -19,6 +19,7 @@ from tandem.bench.client import (
     _retry_after_s,
     run_workload,
 )
+from tandem.bench.metrics import RequestRecord
 from tandem.bench.workload import RequestSpec
 
 
@@ -177,6 +178,8 @@ def test_refused_requests_retry_after_the_servers_hint_and_keep_their_first_send
         for spec, record in zip(specs, result.records, strict=True):
             refused = refusals[spec.output_len]
             assert server.attempts[spec.output_len] == min(refused, retries) + 1
+            assert record.num_429 == min(refused, retries)  # the refusals it was retried after
+            assert RequestRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
             if refused > retries:
                 assert not record.ok and record.error is not None and record.error.startswith("HTTP 429")
             else:
