@@ -143,6 +143,9 @@ class DecodeWorker:
         self._wake = asyncio.Event()
         member.on_partition.append(self._wake.set)  # a newer partition may give waiting prompts tokens
         self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
+        # Set once the prompts the last step finished computing have their first token and are in
+        # ``running`` (aggregated mode): the next step waits for it, so they decode in it.
+        self._joining: asyncio.Event | None = None
         # Requests without blocks (preempted when the pool was full, or resumed after the agent
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
         self.preempted: deque[_Active] = deque()
@@ -438,6 +441,13 @@ class DecodeWorker:
     async def run(self) -> None:
         was_state = (False, 0)
         while True:
+            if self._joining is not None:
+                # A step that finished prompts: their first tokens are recorded and answered (a
+                # Redis write, ~1 ms) before the next step, which they join. Planned at once,
+                # it left them out, and each new stream's second token came two steps after its
+                # first: after the whole of a burst's prompt step for the prompt that came first.
+                await self._joining.wait()
+                self._joining = None
             busy = bool(self.pending or self.running or self.prefilling or self.preempted)
             state = (busy, len(self.prefilling))
             if state != was_state or (busy and self.num_steps % 8 == 0):
@@ -772,31 +782,40 @@ class DecodeWorker:
         # The step's tokens are recorded and streamed while the next step computes: its inputs
         # are already known, and a token still reaches its router only after it is recorded.
         messages = self._updates(batch)
+        self._joining = asyncio.Event() if done else None
         self._publishing = asyncio.create_task(
-            self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done),
+            self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done,
+                          self._joining),
             name=f"publish-{self.num_steps}")
 
     async def _publish(self, step: int, previous: asyncio.Task[None] | None, records: list[OutputUpdate],
                        rewrites: list[RequestRecord], messages: dict[str, decode_pb2.TokenBatch],
-                       finished: list[tuple[_Active, str]], done: list[tuple[_Active, StepOutput]]) -> None:
-        """Record one step in Redis, then stream it, then retire what it finished; steps publish
-        in order (each waits for the one before). With Redis away the step streams unrecorded
-        and its requests are recorded whole once Redis answers again (a decode crash meanwhile
-        resumes them from their last record: the router drops the tokens it already has)."""
-        if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
+                       finished: list[tuple[_Active, str]], done: list[tuple[_Active, StepOutput]],
+                       joining: asyncio.Event | None = None) -> None:
+        """Record one step in Redis, then stream it, then answer the prompts it finished
+        (``joining`` is set once they are in ``running``), then retire what it finished; steps
+        publish in order (each waits for the one before). With Redis away the step streams
+        unrecorded and its requests are recorded whole once Redis answers again (a decode crash
+        meanwhile resumes them from their last record: the router drops the tokens it already has)."""
         try:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
             if self.records is not None:
                 await self._record_step(step, records, rewrites)
             for router_id, message in messages.items():
                 self._put(router_id, message)
-            for active, reason in finished:
-                await self._finish(active, reason, send=False, end_streamed=True)
             for active, out in done:
                 await self._first_token(active, out)
+            if joining is not None:
+                joining.set()
+            for active, reason in finished:
+                await self._finish(active, reason, send=False, end_streamed=True)
         except Exception:
             log.exception("publishing step %d failed", step)
             raise
+        finally:
+            if joining is not None:
+                joining.set()  # the loop never waits on a failed step
 
     async def _record_step(self, step: int, records: list[OutputUpdate], rewrites: list[RequestRecord]) -> None:
         assert self.records is not None

@@ -119,6 +119,51 @@ def test_a_finished_prompt_decodes_before_its_publish_returns(seed: int) -> None
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_steps_finished_prompts_join_the_batch_before_its_ended_requests_go_back(seed: int) -> None:
+    """What ``_publish`` does after a step: the prompts it finished answer their Handoff and are
+    in ``running``, and the loop's ``joining`` event is set, without waiting for the requests the
+    same step ended to give their blocks back (that waits on the agent). The loop waits on the
+    event before its next step, so a new stream's second token comes from the step right after
+    its first one (planned at once, the next step left it out)."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        calls: list[tuple[str, str]] = []
+        worker = _worker(calls)
+        loop = asyncio.get_running_loop()
+
+        def active(name: str) -> _Active:
+            prompt = [rng.randint(1, 500) for _ in range(rng.randint(2, 80))]
+            req = Request(name, prompt, SamplingParams(max_tokens=rng.randint(2, 64)), None)
+            req.num_computed_tokens = len(prompt)
+            req.block_ids = [rng.randint(0, 999)]
+            a = _Active(req, "router", num_sent=1, handed_ns=1)
+            a.first_token = loop.create_future()
+            worker.by_id[name] = a
+            return a
+
+        def out(a: _Active) -> StepOutput:
+            return StepOutput(a.req.request_id, 7, None, None, None)
+
+        ending = [active(f"end{i}") for i in range(rng.randint(1, 5))]
+        for a in ending:  # running, their prompt's Publish still in flight: their Release must wait
+            await worker._first_token(a, out(a))
+        worker.running = [a for a in worker.running if a not in ending]  # as _step takes them out
+        prompts = [active(f"new{i}") for i in range(rng.randint(1, 5))]
+        joining = asyncio.Event()
+        publishing = loop.create_task(worker._publish(1, None, [], [], {}, [(a, "length") for a in ending],
+                                                      [(a, out(a)) for a in prompts], joining))
+        await asyncio.wait_for(joining.wait(), timeout=1.0)
+        assert worker.running == prompts and all(a.first_token.done() for a in prompts)  # type: ignore[union-attr]
+        assert not publishing.done() and not any(c[0] == "release" for c in calls)
+        worker.member.agent.go.set()  # type: ignore[attr-defined]
+        await asyncio.wait_for(publishing, timeout=1.0)
+        assert {rid for kind, rid in calls if kind == "release"} == {a.req.request_id for a in ending}
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_next_block_comes_in_the_background_and_before_the_blocks_go_back(seed: int) -> None:
     """Running requests of random lengths and block sizes: a step's block growth returns at once
