@@ -9,6 +9,10 @@ the activations to 8 bits per 32-value block (Q8_1 / Q8_0), which is the whole e
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -106,6 +110,49 @@ def test_repacked_rows_compute_what_the_plain_rows_do(gtype: GgmlType, groups: i
     # vec_dot keeps Q4_1's activation sums in fp16 (Q8_1's s), the repacked path in fp32: 0.12 % of the
     # scale seen at most over 40 examples
     assert bool(((out - plain).abs() <= 5e-3 * scale + 1e-6).all()), ((out - plain).abs() / scale).max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0]), st.integers(1, 8), st.integers(1, 12), st.integers(0, 6),
+       st.sampled_from([2, 3]), st.integers(0, 2**31))
+def test_rows_padded_for_the_gemm_compute_what_the_gemv_does(gtype: GgmlType, groups: int, kblocks: int, fours: int,
+                                                             left: int, seed: int) -> None:
+    """2 or 3 rows left over after whole groups of 4 go through ggml's gemm with zero rows after
+    them (faster: bench/x8_pad.py); ``TANDEM_X8_PAD=0`` sends them through the gemv one by one.
+    Both see the same 8-bit activations: the outputs differ by float rounding only, far inside
+    the bound the test above holds both to."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    n, k, m = 8 * groups, 32 * kblocks, 4 * fours + left
+    w = _exact(gtype, n, k, seed)
+    repacked = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k)
+    assert repacked is not None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+
+    def linear(rows: torch.Tensor, pad: bool) -> torch.Tensor:
+        with _x8_pad(pad):
+            return kern.linear(rows, repacked[0], GgmlType.Q4_X8, n, repacked[1])
+
+    padded, gemv = linear(x, True), linear(x, False)
+    scale = x.abs() @ w.abs().T
+    assert bool(((padded - gemv).abs() <= 1e-5 * scale + 1e-6).all()), ((padded - gemv).abs() / scale).max()
+    assert bool(((padded - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
+    # a single row left over is not padded: the same gemv either way, bit for bit
+    assert torch.equal(linear(x[: 4 * fours + 1], True), linear(x[: 4 * fours + 1], False))
+
+
+@contextlib.contextmanager
+def _x8_pad(on: bool) -> Iterator[None]:
+    """``TANDEM_X8_PAD`` for the calls inside (the C side reads it at every call)."""
+    old = os.environ.get("TANDEM_X8_PAD")
+    os.environ["TANDEM_X8_PAD"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TANDEM_X8_PAD"]
+        else:
+            os.environ["TANDEM_X8_PAD"] = old
 
 
 def test_only_q4_rows_in_whole_groups_of_8_repack() -> None:

@@ -274,27 +274,57 @@ static void x8_finish_row(float *restrict o, float *restrict yo, const float *re
     }
 }
 
+/* Activation rows (of m) that x8_rows quantizes in groups of 4 for ggml's gemm: m rounded down to
+ * 4, or up when 2 or 3 rows are left over. A row through the gemv costs about what 4 through the
+ * gemm do (each unpacks the weights once). SmolLM2's decode steps on 2 AVX2 cores, paired in one
+ * process (bench/x8_pad.py, 2026-11-28): 3 / 7 / 11 / 15 rows 1.18 / 1.12 / 1.09 / 1.08x faster
+ * padded, 2 left over even, multiples of 4 unchanged. One row left over runs the gemv, which costs
+ * less than 3 zero rows. Scratch for the quantized rows is sized for x8_padded(m). */
+static int64_t x8_padded(int64_t m) {
+    const int64_t m4 = m / 4 * 4;
+    return m - m4 >= 2 ? m4 + 4 : m;
+}
+
+/* Whether m rows go through the gemm with a padded group (x8_padded), unless TANDEM_X8_PAD=0 (for
+ * A/B measurements, bench/x8_pad.py: read at every call, so a benchmark flips it between steps). */
+static int x8_padding(int64_t m) {
+    const char *v = getenv("TANDEM_X8_PAD");
+    return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
+}
+
+/* x8_rows's `pad` for m rows and a largest k or n_out of `widest`: NULL when no group is padded. */
+static float *x8_pad_scratch(int64_t m, int64_t widest) {
+    return x8_padding(m) ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
+}
+
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
- * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm,
- * the m % 4 others one by one for its gemv; m * k / 32 * 34 bytes), the block sums of x go to xs
+ * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm;
+ * with `pad` the last 2 or 3 rows and zero rows after them as one more group, else the m % 4 others
+ * one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums of x go to xs
  * [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of outputs for every
- * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. */
+ * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. `pad` (or
+ * NULL: no padded group) holds 4 * max(k, n_out) floats: the padded rows, then their outputs. */
 static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
-                    char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+                    char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
     const int64_t nb = k / QK, m4 = m / 4 * 4;
+    const int64_t mg = pad != NULL && x8_padding(m) ? m4 + 4 : m4; /* rows quantized 4 at a time */
     const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; i += 4) {
         if (i < m4) {
             ggml_quantize_mat_q8_0_4x8(x + i * k, q + i * row_q8, k);
+        } else if (i < mg) { /* the last rows, and zero rows after them */
+            memcpy(pad, x + i * k, sizeof(float) * (size_t)((m - i) * k));
+            memset(pad + (m - i) * k, 0, sizeof(float) * (size_t)((mg - m) * k));
+            ggml_quantize_mat_q8_0_4x8(pad, q + i * row_q8, k);
         } else {
             for (int64_t r = i; r < m; r++) q8->from_float(x + r * k, q + r * row_q8, k);
         }
         if (corr != NULL) /* the offsets' term sees the activations as the gemm does: quantized */
             for (int64_t r = i; r < i + 4 && r < m; r++)
-                for (int64_t b = 0; b < nb; b++) xs[r * nb + b] = q8_block_sum(q + i * row_q8, r - i, i < m4, b, nb);
-    }
+                for (int64_t b = 0; b < nb; b++) xs[r * nb + b] = q8_block_sum(q + i * row_q8, r - i, i < mg, b, nb);
+    } /* the loop's implicit barrier: pad is free for the padded group's outputs */
     const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g0 = 0; g0 < groups; g0 += grab) {
@@ -304,8 +334,15 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
         float *out = accumulate ? tmp : y;
         const int64_t ldo = accumulate ? n_out : ldy;
         if (m4) ggml_gemm_q4_0_8x8_q8_0((int)k, out + c0, (size_t)ldo, w, q, (int)m4, (int)(c1 - c0));
-        for (int64_t r = m4; r < m; r++)
-            ggml_gemv_q4_0_8x8_q8_0((int)k, out + r * ldo + c0, (size_t)ldo, w, q + r * row_q8, 1, (int)(c1 - c0));
+        if (mg > m4) { /* the padded group: 4 rows into pad (this thread's columns), the real ones copied */
+            ggml_gemm_q4_0_8x8_q8_0((int)k, pad + c0, (size_t)n_out, w, q + m4 * row_q8, 4, (int)(c1 - c0));
+            for (int64_t r = m4; r < m; r++)
+                memcpy(out + r * ldo + c0, pad + (r - m4) * n_out + c0, sizeof(float) * (size_t)(c1 - c0));
+        } else {
+            for (int64_t r = m4; r < m; r++)
+                ggml_gemv_q4_0_8x8_q8_0((int)k, out + r * ldo + c0, (size_t)ldo, w, q + r * row_q8, 1,
+                                        (int)(c1 - c0));
+        }
         if (corr != NULL || accumulate)
             for (int64_t r = 0; r < m; r++)
                 x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb,
@@ -317,18 +354,21 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
  * Returns 0, -2 when scratch cannot be had. */
 int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
                  int nthreads) {
-    char *q = malloc((size_t)m * (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES + 1);
+    char *q = malloc((size_t)x8_padded(m) * (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES + 1);
     float *xs = malloc(sizeof(float) * (size_t)(m * (k / QK)) + 1);
-    if (q == NULL || xs == NULL) {
+    float *pad = x8_pad_scratch(m, k > n_out ? k : n_out);
+    if (q == NULL || xs == NULL || (pad == NULL && x8_padding(m))) {
         free(q);
         free(xs);
+        free(pad);
         return -2;
     }
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
-    x8_rows(w8, corr, n_out, k, x, m, q, xs, y, n_out, NULL, 0);
+    x8_rows(w8, corr, n_out, k, x, m, q, xs, y, n_out, NULL, 0, pad);
     free(q);
     free(xs);
+    free(pad);
     return 0;
 }
 
@@ -557,9 +597,9 @@ typedef struct {
  * through ggml's gemm for repacked weights, else its vec_dot per row (q: the quantized rows,
  * qrow bytes apart; xs and tmp: x8_rows's scratch). */
 static void project(int type, const char *w, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
-                    char *q, size_t qrow, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+                    char *q, size_t qrow, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
     if (type == TG_Q4_X8) {
-        x8_rows(w, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
+        x8_rows(w, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate, pad);
         return;
     }
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
@@ -603,10 +643,15 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
      * | tmp [m, hidden] | xs [m, inter / 32 + q_size / 32 + hidden / 32] (x8_rows's, a bound on any k / 32) */
     const int64_t floats = m * (hidden + n_qkv + q_size + 3 * inter + hidden + (inter + q_size + hidden) / QK + 1);
     float *buf = malloc(sizeof(float) * (size_t)floats);
-    char *q8 = malloc((size_t)m * qrow + 1);
-    if (buf == NULL || q8 == NULL) {
+    char *q8 = malloc((size_t)x8_padded(m) * qrow + 1);
+    int64_t widest = n_qkv > 2 * inter ? n_qkv : 2 * inter; /* the largest k or n_out of a projection */
+    widest = widest > hidden ? widest : hidden;
+    widest = widest > q_size ? widest : q_size;
+    float *pad = x8_pad_scratch(m, widest);
+    if (buf == NULL || q8 == NULL || (pad == NULL && x8_padding(m))) {
         free(buf);
         free(q8);
+        free(pad);
         return -2;
     }
     float *normed = buf, *qkv = normed + m * hidden, *attn = qkv + m * n_qkv, *gu = attn + m * q_size;
@@ -626,7 +671,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
             char *kc = (char *)k0 + (size_t)(l * layer_stride) * esize, *vc = kc + (size_t)v_offset * esize;
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->input_norm, normed + i * hidden, hidden, eps);
-            project(w->qkv_type, w->qkv, w->qkv_corr, n_qkv, hidden, normed, m, q8, qrow, xs, qkv, n_qkv, tmp, 0);
+            project(w->qkv_type, w->qkv, w->qkv_corr, n_qkv, hidden, normed, m, q8, qrow, xs, qkv, n_qkv, tmp, 0, pad);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) {
                 float *row = qkv + i * n_qkv;
@@ -653,20 +698,21 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
                              TG_SEQ_LEN(i), g, ng, group, kv_heads, d, bs, scale, scores, scores + heads * max_len,
                              attn + i * q_size + g * group * d);
             }
-            project(w->o_type, w->o, w->o_corr, hidden, q_size, attn, m, q8, qrow, xs, x, hidden, tmp, 1);
+            project(w->o_type, w->o, w->o_corr, hidden, q_size, attn, m, q8, qrow, xs, x, hidden, tmp, 1, pad);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) rms_row(x + i * hidden, w->post_norm, normed + i * hidden, hidden, eps);
             project(w->gate_up_type, w->gate_up, w->gate_up_corr, 2 * inter, hidden, normed, m, q8, qrow, xs, gu,
-                    2 * inter, tmp, 0);
+                    2 * inter, tmp, 0, pad);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) /* silu(gate) * up, ggml's vectorized exp */
                 ggml_vec_swiglu_f32((int)inter, act + i * inter, gu + i * 2 * inter, gu + i * 2 * inter + inter);
-            project(w->down_type, w->down, w->down_corr, hidden, inter, act, m, q8, qrow, xs, x, hidden, tmp, 1);
+            project(w->down_type, w->down, w->down_corr, hidden, inter, act, m, q8, qrow, xs, x, hidden, tmp, 1, pad);
         }
         free(scores);
     }
     free(buf);
     free(q8);
+    free(pad);
     return failed ? -2 : 0;
 }
 #undef TG_SEQ_LEN

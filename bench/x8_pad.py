@@ -1,0 +1,114 @@
+"""Activation rows padded to whole groups of 4 for ggml's gemm, against the leftover rows through
+its gemv one by one (``TANDEM_X8_PAD=0``), paired in one process.
+
+ggml's AVX2 gemm over repacked Q4 weights (``Kernels.repack_x8``) takes activation rows 4 at a
+time and unpacks each weight block once per group; the rows left over (m % 4) went through its
+gemv, one weight pass each. With 2 or 3 rows left over, ``x8_rows`` in ``cpu_kernels.c`` now
+quantizes them with zero rows after them as one more group. This measures a forward of the
+default model (``ggml`` format, repacked) at row counts that pad and at multiples of 4 (which
+must not change): decode steps of m rows, and prompt chunks with one decode row beside them (a
+hybrid step). Each pair runs both sides in ABAB / BABA order, so this machine's drift hits both;
+the figure is the median of the per-pair ratios (gemv / padded) with its interquartile range.
+
+Writes JSON (default bench/results/x8_pad.json).
+
+Usage: python bench/x8_pad.py [--pairs 15] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
+from tandem.engine.weight_format import WeightFormat  # noqa: E402
+
+DECODE_ROWS = (3, 4, 6, 7, 8, 10, 11, 14, 15, 16)
+CHUNK_TOKENS = (22, 30, 31, 33, 46, 63)  # plus one decode row: 23, 31, 32, 34, 47, 64 rows
+CONTEXT = 100
+
+
+def _shapes(runner: ModelRunner) -> dict[str, list[SeqInput]]:
+    """Each shape's batch over its own blocks (their K/V is whatever the pool holds: timing only)."""
+    bs = runner.pool.spec.block_size
+    next_block = 0
+
+    def blocks(tokens: int) -> list[int]:
+        nonlocal next_block
+        n = -(-tokens // bs)
+        next_block += n
+        return list(range(next_block - n, next_block))
+
+    def decode(rows: int) -> list[SeqInput]:
+        return [SeqInput((100 + i,), CONTEXT - 1, blocks(CONTEXT)) for i in range(rows)]
+
+    shapes = {f"decode {m} rows": decode(m) for m in DECODE_ROWS}
+    for n in CHUNK_TOKENS:
+        shapes[f"chunk {n} + 1 decode row ({n + 1} rows)"] = [
+            *decode(1), SeqInput(tuple(range(200, 200 + n)), 0, blocks(n))]
+    return shapes
+
+
+def _time(runner: ModelRunner, batch: list[SeqInput], pad: bool) -> float:
+    os.environ["TANDEM_X8_PAD"] = "1" if pad else "0"
+    began = time.perf_counter()
+    runner.forward(batch)
+    return (time.perf_counter() - began) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "x8_pad.json"))
+    args = parser.parse_args(argv)
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.parse("ggml"))
+    runner = engine.runner
+    if runner.model.weight_format != WeightFormat.GGML:
+        raise SystemExit(f"the engine runs {runner.model.weight_format.value}, not ggml: nothing to measure")
+    rows: list[dict[str, Any]] = []
+    for name, batch in _shapes(runner).items():
+        for pad in (False, True, False, True):  # warm both sides
+            _time(runner, batch, pad)
+        gemv: list[float] = []
+        padded: list[float] = []
+        for i in range(args.pairs):
+            order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
+            times = {False: 0.0, True: 0.0}
+            for pad in order:
+                times[pad] += _time(runner, batch, pad) / 2
+            gemv.append(times[False])
+            padded.append(times[True])
+        ratios = sorted(g / p for g, p in zip(gemv, padded, strict=True))
+        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        row = {"shape": name, "rows": sum(len(s.token_ids) for s in batch),
+               "gemv_ms_median": round(statistics.median(gemv), 2),
+               "padded_ms_median": round(statistics.median(padded), 2),
+               "ratio_gemv_over_padded": {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}}
+        rows.append(row)
+        print(f"{name:40s} gemv {row['gemv_ms_median']:7.2f} ms  padded {row['padded_ms_median']:7.2f} ms  "
+              f"ratio {median:.3f} [{q1:.3f}, {q3:.3f}]", flush=True)
+    os.environ.pop("TANDEM_X8_PAD", None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "config": {"pairs": args.pairs, "context": CONTEXT, "weight_format": "ggml"},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "rows": rows}, indent=2) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
