@@ -302,12 +302,13 @@ static float *x8_pad_scratch(int64_t m, int64_t widest) {
  * with `pad` the last 2 or 3 rows and zero rows after them as one more group, else the m % 4 others
  * one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums of x go to xs
  * [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of outputs for every
- * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. `pad` (or
- * NULL: no padded group) holds 4 * max(k, n_out) floats: the padded rows, then their outputs. */
+ * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. `pad`
+ * (x8_pad_scratch's for this m: NULL when no group is padded) holds 4 * max(k, n_out) floats: the
+ * padded rows, then their outputs. */
 static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                     char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
     const int64_t nb = k / QK, m4 = m / 4 * 4;
-    const int64_t mg = pad != NULL && x8_padding(m) ? m4 + 4 : m4; /* rows quantized 4 at a time */
+    const int64_t mg = pad != NULL ? m4 + 4 : m4; /* rows quantized 4 at a time (pad: x8_pad_scratch's) */
     const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
 #pragma omp for schedule(static)
