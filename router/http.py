@@ -91,6 +91,8 @@ def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
         return {"Retry-After": str(RETRY_AFTER_S)}
     retry_after_ms = max(1, round(retry_after_s * 1000))
     return {"Retry-After": str(max(1, math.ceil(retry_after_s))), "retry-after-ms": str(retry_after_ms)}
+
+
 T = TypeVar("T")
 
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
