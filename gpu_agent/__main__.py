@@ -69,7 +69,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         chosen = get_policy(config.policy)
         if config.policy == "chunked":
             chosen = ChunkedPolicy(ChunkedConfig(tbt_target=config.chunk_tbt_target,
-                                                 floor_within_slo=config.chunk_floor_within_slo))
+                                                 floor_within_slo=config.chunk_floor_within_slo,
+                                                 ttft_deadlines=config.chunk_ttft_deadlines))
         policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),

@@ -68,6 +68,10 @@ class AgentConfig:
         "--chunk-floor-within-slo", True, "chunked: the 32-token progress floor never takes a hybrid step beside "
         "running streams past the TBT SLO (it carries what fits, or the prompts wait); false: the fixed floor",
         type=parse_bool))
+    chunk_ttft_deadlines: bool = field(metadata=flag(
+        "--chunk-ttft-deadlines", True, "chunked: when the TBT-bounded budget would make more waiting prompts "
+        "miss their TTFT deadlines than streams are decoding, give the fewest prompt tokens a step that keep "
+        "them (a closed loop's wave of prompts beside the one stream that came first)", type=parse_bool))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(

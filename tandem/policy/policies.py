@@ -148,12 +148,19 @@ class ChunkedConfig:
     SLO itself (the prediction at 1.0x); what fits there is the floor, and when nothing does
     the prompts wait for the batch to shrink. Off in the simulator (a GPU's floor chunk is cheap
     beside a decode step); on for a live CPU cell, where a 32-token chunk costs as much as a
-    decode step of a dozen streams and the fixed floor broke every running stream's TBT."""
+    decode step of a dozen streams and the fixed floor broke every running stream's TBT.
+    `ttft_deadlines`: when the TBT budget would make more waiting prompts miss their TTFT
+    deadlines than there are streams to protect, the budget grows to the fewest tokens that keep
+    those deadlines (`ttft_token_budget`). A budget sized for one stream's TBT spreads a closed
+    loop's wave of sixteen prompts over many steps and takes their first tokens past the SLO;
+    the whole wave in one step keeps them and costs that one stream a gap. Off in the simulator
+    (its results predate it); on for a live CPU cell."""
 
     max_budget_tokens: int = 2048
     min_chunk_tokens: int = 32
     tbt_target: float = 1.0
     floor_within_slo: bool = False
+    ttft_deadlines: bool = False
 
     def __post_init__(self) -> None:
         if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1:
@@ -231,6 +238,64 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
     return lo
 
 
+def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: int, cap: int) -> int:
+    """The prompt tokens per hybrid step to give instead of the TBT-bounded `budget` (at most
+    `cap`): `budget` itself unless, with it, more waiting prompts miss their TTFT deadlines than
+    streams are decoding; then the fewest tokens with which none misses (bisection; `cap` when
+    even that misses one: the fewest steps finish the queue soonest).
+
+    Only prompts that would make their deadline if they ran next count (a late one is late
+    anyway). The steps are simulated as decode_svc takes them: chunks in EDF order, each
+    predicted beside the streams, and a prompt whose last chunk is done joins the streams."""
+    units, now, ctx0 = snapshot.total_units, snapshot.now_s, snapshot.decode_context_lens
+    prompts: list[tuple[int, int, float]] = []  # (new tokens, cached tokens, deadline), EDF
+    for r in edf_order(snapshot.queued, snapshot):
+        deadline = r.deadline(snapshot.slo)
+        if now + predictor.predict_hybrid([(r.new_tokens, r.cached_tokens)], ctx0, units) <= deadline:
+            prompts.append((r.new_tokens, r.cached_tokens, deadline))
+    if len(prompts) <= len(ctx0):
+        return budget
+    last_deadline = max(d for _, _, d in prompts)
+
+    def misses(tokens: int, enough: int) -> int:
+        """Prompts that miss with `tokens` a step; stops counting at `enough`."""
+        t, ctx, head, done, missed = now, list(ctx0), 0, 0, 0
+        while head < len(prompts):
+            if t > last_deadline:
+                return missed + len(prompts) - head
+            seqs, left, finished = [], tokens, []
+            while head < len(prompts) and left > 0:
+                new, cached, _ = prompts[head]
+                take = min(new - done, left)
+                seqs.append((take, cached + done))
+                left -= take
+                done += take
+                if done == new:
+                    finished.append(prompts[head])
+                    head, done = head + 1, 0
+            t += predictor.predict_hybrid(seqs, ctx, units)
+            for new, cached, deadline in finished:
+                missed += t > deadline
+                ctx.append(cached + new + 1)
+            if missed >= enough:
+                return missed
+        return missed
+
+    lo = max(budget, 1)
+    if lo >= cap or misses(lo, len(ctx0) + 1) <= len(ctx0):
+        return budget
+    if misses(cap, 1):
+        return cap
+    hi = cap  # misses(lo) > 0, misses(hi) == 0
+    while hi - lo > max(1, lo // 8):  # within an eighth: a few tokens more cost a step little
+        mid = (lo + hi) // 2
+        if misses(mid, 1):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 class ChunkedPolicy:
     """Aggregated hybrid batches with a TBT-bounded token budget."""
 
@@ -242,7 +307,15 @@ class ChunkedPolicy:
         if not pending:
             return _aggregated(snapshot, [], "chunked: decode only")
         budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target)
-        floor = min(self.config.min_chunk_tokens, sum(n for _, n, _ in pending))
+        total = sum(n for _, n, _ in pending)
+        if self.config.ttft_deadlines and snapshot.decode_context_lens and budget < total:
+            cap = min(max(0, self.config.max_budget_tokens - len(snapshot.decode_context_lens)), total)
+            need = ttft_token_budget(snapshot, predictor, budget, cap)
+            if need > budget:
+                return _aggregated(snapshot, _chunks(pending, need),
+                                   f"chunked: {need} prefill tokens keep the waiting prompts' TTFT deadlines "
+                                   f"({budget} fit TBT)")
+        floor = min(self.config.min_chunk_tokens, total)
         reason = f"chunked: {budget} prefill tokens fit TBT"
         if budget < floor and self.config.floor_within_slo and snapshot.decode_context_lens:
             floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens))

@@ -657,3 +657,72 @@ def test_dynamic_aggregates_exactly_when_one_step_fits(prompts: list[int], num_s
         assert d.aggregated and sum(d.prefill_chunk_tokens) == sum(prompts)
     else:
         assert not d.aggregated or "no split meets TBT" in d.reason
+
+
+# --------------------------------------------------------------------------- chunked, TTFT deadlines
+
+
+def _edf_misses(s: ClusterSnapshot, tokens: int) -> int:
+    """The waiting prompts that would make their deadline if they ran next and miss it with
+    `tokens` prompt tokens a step (EDF, each finished prompt joining the streams): the test's own
+    step-by-step account, written apart from the policy's."""
+    ctx = list(s.decode_context_lens)
+    feasible = [r for r in sorted(s.queued, key=lambda r: r.edf_key(s.slo))
+                if s.now_s + P.predict_hybrid([(r.prompt_tokens, 0)], ctx, s.total_units) <= r.deadline(s.slo)]
+    left = {r.request_id: r.prompt_tokens for r in feasible}
+    t, missed = s.now_s, 0
+    while left:
+        step, room = [], tokens
+        for r in feasible:
+            if room and left.get(r.request_id):
+                take = min(room, left[r.request_id])
+                step.append((r, take, r.prompt_tokens - left[r.request_id]))
+                room -= take
+        t += P.predict_hybrid([(n, done) for _, n, done in step], ctx, s.total_units)
+        for r, n, _ in step:
+            left[r.request_id] -= n
+            if not left[r.request_id]:
+                del left[r.request_id]
+                missed += t > r.deadline(s.slo)
+                ctx.append(r.prompt_tokens + 1)
+    return missed
+
+
+def test_ttft_deadlines_take_a_wave_beside_one_stream_in_fewer_steps() -> None:
+    """One stream and a closed loop's wave of sixteen 65-token prompts due in 1 s: the TBT budget
+    (2 prompt tokens beside a 21 ms step, within 50 ms on one unit... here 16 units) would take
+    them past their deadlines; the budget grows to the fewest tokens that keep every one."""
+    s = snap(queue=tuple(q(f"w{i}", 65, arrival_s=NOW - 0.3) for i in range(16)), decode=(70,), total_units=1)
+    tbt_only = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=0))(s, P)
+    aware = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=0, ttft_deadlines=True))(s, P)
+    tbt, need = sum(tbt_only.prefill_chunk_tokens), sum(aware.prefill_chunk_tokens)
+    assert _edf_misses(s, tbt) > 1 and need > tbt
+    assert _edf_misses(s, need) == 0
+    assert _edf_misses(s, need - max(1, need // 8) - 1) > 0  # within an eighth of the fewest
+    assert "TTFT deadlines" in aware.reason
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams=st.integers(1, 6), ctx=st.integers(10, 2000),
+       prompts=st.lists(st.tuples(st.integers(1, 400), st.floats(0.0, 0.9)), min_size=1, max_size=12),
+       units=st.sampled_from([1, 2, 4]))
+def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams(
+        streams: int, ctx: int, prompts: list[tuple[int, float]], units: int) -> None:
+    """With TTFT deadlines on, the budget is the TBT one unless that budget makes more waiting
+    prompts miss than there are streams; then it is one with which none misses (or the cap), and
+    never more than an eighth above the fewest such tokens."""
+    s = snap(queue=tuple(q(f"r{i}", n, arrival_s=NOW - age) for i, (n, age) in enumerate(prompts)),
+             decode=(ctx,) * streams, total_units=units)
+    config = ChunkedConfig(min_chunk_tokens=0, max_budget_tokens=4096)
+    tbt = sum(ChunkedPolicy(config)(s, P).prefill_chunk_tokens)
+    need = sum(ChunkedPolicy(replace(config, ttft_deadlines=True))(s, P).prefill_chunk_tokens)
+    total = sum(n for n, _ in prompts)
+    assert need >= tbt
+    if need == tbt:
+        assert tbt >= total or _edf_misses(s, max(tbt, 1)) <= streams
+    else:
+        assert _edf_misses(s, max(tbt, 1)) > streams
+        assert need == total or _edf_misses(s, need) == 0
+        if _edf_misses(s, need) == 0 and need > max(tbt, 1):
+            below = need - max(1, need // 8) - 1
+            assert below < max(tbt, 1) or _edf_misses(s, below) > 0
