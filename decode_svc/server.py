@@ -55,9 +55,23 @@ _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not r
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
 MIN_CHUNK_TOKENS = ChunkedConfig().min_chunk_tokens
+MAX_STEP_TOKENS = ChunkedConfig().max_budget_tokens
 # How long prompts the partition gives no tokens (a co-located model's cell) wait for a newer
 # partition before they look at it again anyway (a new partition wakes them at once).
 PARTITION_POLL_S = 0.1
+# A step that finds streams running and prompts waiting under a partition the agent decided while
+# no stream was decoding (its budget bounds no TBT: in a closed loop, the whole next wave of
+# prompts, which held the stream that came first 0.5-0.7 s for its second token) waits at most
+# this long, once per partition, for the agent's decision on the load report that showed the
+# streams; without one it takes the progress floor.
+FRESH_PARTITION_WAIT_S = 0.05
+# Prompts that reach an idle decode_svc are gathered until none has come for GATHER_QUIET_S
+# (GATHER_MAX_S at most) before the first step: a closed loop's clients send their next
+# requests together, and the one that came first, stepped alone, led the wave by a step: its
+# second token waited for the rest's prompt step (0.5-1 s at 8 streams) and, one token ahead,
+# it ended a step early and led the next wave the same way.
+GATHER_QUIET_S = 0.02
+GATHER_MAX_S = 0.1
 # A router whose token stream stays away this long is gone: its requests are cancelled.
 ROUTER_GRACE_S = 5.0
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
@@ -142,6 +156,10 @@ class DecodeWorker:
         self._prefill_done_unix_ns: dict[str, int] = {}
         self._wake = asyncio.Event()
         member.on_partition.append(self._wake.set)  # a newer partition may give waiting prompts tokens
+        self._new_partition = asyncio.Event()
+        member.on_partition.append(self._new_partition.set)
+        self._waited_epoch = -1  # the partition a step last waited on for a fresher one
+        self._idle = True  # nothing to step since the last step: the next prompts are gathered
         self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
         # Set once the prompts the last step finished computing have their first token and are in
         # ``running`` (aggregated mode): the next step waits for it, so they decode in it.
@@ -450,10 +468,12 @@ class DecodeWorker:
                 self._joining = None
             busy = bool(self.pending or self.running or self.prefilling or self.preempted)
             state = (busy, len(self.prefilling))
-            if state != was_state or (busy and self.num_steps % 8 == 0):
+            reported = state != was_state or (busy and self.num_steps % 8 == 0)
+            if reported:
                 self._report_load()  # on every change of state or of the prompts, and every few steps
                 was_state = state
             if not busy:
+                self._idle = True
                 self._last_step_end_ns = 0  # an idle wait is not time between steps
                 self._wake.clear()
                 if not self._unwritten_states:
@@ -464,11 +484,17 @@ class DecodeWorker:
                         await self._wake.wait()
                 await self._record_step(self.num_steps, [], [])
                 continue
+            if self._idle:
+                self._idle = False
+                if self.prefilling and not (self.running or self.pending):
+                    await self._gather_arrivals()
             self.running.extend(self.pending)
             self.pending.clear()
             await self._drop_cancelled()
             await self._readmit()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
+            if self._budget_without_streams() and self.member.partition.epoch != self._waited_epoch:
+                await self._await_fresh_partition(reported)
             chunks = self._plan_chunks()
             if batch or chunks:
                 await self._step(batch, chunks)
@@ -498,7 +524,36 @@ class DecodeWorker:
             "context_tokens": sum(len(a.req.all_token_ids) for a in batch),
             "chunk_tokens": self.last_step_chunk_tokens, "num_chunks": len(chunks),
             "aggregated": partition.aggregated, "token_budget": partition.prefill_token_budget,
-            "epoch": partition.epoch, "decode_units": len(partition.decode_units)}) + "\n")
+            "epoch": partition.epoch, "decode_units": len(partition.decode_units),
+            "streams_decoding": partition.streams_decoding}) + "\n")
+
+    async def _gather_arrivals(self) -> None:
+        """Wait until no prompt has come for GATHER_QUIET_S (GATHER_MAX_S at most), so that
+        prompts sent together start in one step."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + GATHER_MAX_S
+        seen = -1
+        while len(self.prefilling) != seen and loop.time() < end:
+            seen = len(self.prefilling)
+            await asyncio.sleep(min(GATHER_QUIET_S, max(0.0, end - loop.time())))
+
+    def _budget_without_streams(self) -> bool:
+        """Whether prompts wait beside running streams under an aggregated partition the agent
+        decided while no stream was decoding: its budget was sized for prompts alone."""
+        partition = self.member.partition
+        return partition.aggregated and not partition.streams_decoding and bool(self.running and self.prefilling)
+
+    async def _await_fresh_partition(self, reported: bool) -> None:
+        """Wait, at most FRESH_PARTITION_WAIT_S, for the agent to decide on the streams now
+        running (the load report showing them is sent here unless the loop just sent it)."""
+        self._waited_epoch = self.member.partition.epoch
+        if not reported:
+            self._report_load()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FRESH_PARTITION_WAIT_S):
+                while self._budget_without_streams():
+                    self._new_partition.clear()
+                    await self._new_partition.wait()
 
     def _plan_chunks(self) -> list[tuple[_Active, int]]:
         """Prompt chunks for this step, in ``_chunk_order``, within the token budget the
@@ -515,6 +570,12 @@ class DecodeWorker:
             budget = partition.model_token_budgets.get(self.member.model, 0)
             if not budget:
                 return []  # none of the step is this model's: its prompts wait for the next partition
+        if self._budget_without_streams():
+            budget = 0  # sized for prompts alone, and no fresher partition came: the floor, below
+        elif partition.aggregated and not self.running and not partition.model_token_budgets:
+            # No stream's TBT bounds a step of prompts alone, only the step's size: prompts that
+            # came after the decision (the rest of a wave gathered above) ride it too.
+            budget = max(budget, MAX_STEP_TOKENS)
         if not budget:
             if partition.aggregated and partition.prefill_held and self.running:
                 return []  # the agent saw queued prompts and holds them: no chunk fits beside the streams

@@ -67,6 +67,7 @@ class Applied(NamedTuple):
     prefill_held: bool = False  # aggregated: prompts are queued and get no tokens beside the streams for now
     # aggregated, a cell of several models: (model, its prompts' tokens) for every model, sorted
     model_budgets: tuple[tuple[str, int], ...] = ()
+    streams_decoding: bool = False  # aggregated: decided with streams running (its budget bounds their TBT)
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -222,7 +223,8 @@ class PolicyLoop:
                           decision.prefill_layers if not decision.aggregated else 0,
                           decision.decode_lookahead, preempt, decision.prefill_batch if preempt else (),
                           decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens,
-                          _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else ())
+                          _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else (),
+                          decision.aggregated and decode_busy)
         if applied == self.last:
             return None
         if preempt:

@@ -34,14 +34,14 @@ class PartitionBoard:
     async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1, *,
                   aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0,
                   preempt: str = "", prefill_first: tuple[str, ...] = (), prefill_held: bool = False,
-                  model_token_budgets: dict[str, int] | None = None) -> None:
+                  model_token_budgets: dict[str, int] | None = None, streams_decoding: bool = False) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
                 decode_lookahead=lookahead, policy=policy, aggregated=aggregated,
                 prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
                 preempt=preempt, prefill_first=prefill_first, prefill_held=prefill_held,
-                model_token_budgets=model_token_budgets or {},
+                model_token_budgets=model_token_budgets or {}, streams_decoding=streams_decoding,
             )
             self._changed.notify_all()
 
@@ -182,7 +182,8 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
                             aggregated=applied.aggregated, prefill_token_budget=applied.prefill_token_budget,
                             prefill_layers=applied.prefill_layers, preempt=applied.preempt,
                             prefill_first=applied.prefill_first, prefill_held=applied.prefill_held,
-                            model_token_budgets=dict(applied.model_budgets))
+                            model_token_budgets=dict(applied.model_budgets),
+                            streams_decoding=applied.streams_decoding)
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:

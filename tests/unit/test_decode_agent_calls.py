@@ -6,7 +6,11 @@ what they must still keep in order (a request's blocks go back only after its ca
   a burst of seven prompts out of the batch for 16 steps in a live stack at concurrency 8;
 - a running request near the end of its last block gets the next one in the background. Awaited
   when due, the Extends of 16 streams crossing a block boundary together held the loop 9-13 ms
-  every 16 steps (both on 2026-11-28).
+  every 16 steps (both on 2026-11-28);
+- and what a closed loop's waves need from the loop's timing: prompts reaching an idle decode are
+  gathered into one step, and prompts beside streams wait briefly for a budget the agent decided
+  with those streams (a budget sized for prompts alone took a whole wave beside the one stream
+  that came first, 0.5-0.6 s between its first two tokens).
 
 The worker is built without a model, and its agent is a stand-in whose calls wait until the test
 lets them go: an agent slowed by busy cores cannot be reproduced on demand, and only the order of
@@ -23,8 +27,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode_svc.server import GROW_AHEAD_TOKENS, DecodeWorker, _Active
-from tandem.rpc.v1 import agent_pb2
+import decode_svc.server as decode_server
+from decode_svc.server import GROW_AHEAD_TOKENS, MAX_STEP_TOKENS, MIN_CHUNK_TOKENS, DecodeWorker, _Active
+from tandem.rpc.v1 import agent_pb2, common_pb2
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.step import Request, StepOutput
 
@@ -224,5 +229,110 @@ def test_the_next_block_comes_in_the_background_and_before_the_blocks_go_back(se
             if active not in leaving:  # every staying request holds what its next token needs
                 assert len(active.req.block_ids) * block_size >= len(active.req.all_token_ids)
                 assert active.req.block_ids == held[active.req.request_id]
+
+    asyncio.run(main())
+
+
+def _partition(budget: int, streams_decoding: bool, epoch: int) -> common_pb2.Partition:
+    return common_pb2.Partition(epoch=epoch, decode_units=[0, 1], aggregated=True, prefill_token_budget=budget,
+                                streams_decoding=streams_decoding)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aggregated budget the agent decided while no stream was decoding (sized for prompts
+    alone: in a closed loop, the whole next wave beside the stream that came first) is not taken
+    beside running streams: the loop sends its load report and waits, briefly and once per
+    partition, for the agent's next decision, and takes that decision's budget; when none comes
+    in time, the progress floor. Without running streams the budget is taken whole at once."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        worker = _worker([])
+        reports: list[int] = []
+        worker._report_load = lambda: reports.append(len(worker.running))  # type: ignore[method-assign]
+        worker.member.partition = _partition(rng.randint(300, 2000), False, 5)  # type: ignore[attr-defined]
+        worker.config.chunk_order = "edf"  # type: ignore[attr-defined]
+        worker._prompt_rate = 0.0
+        worker._new_partition = asyncio.Event()
+        worker._waited_epoch = -1
+
+        def active(name: str, computed: int) -> _Active:
+            prompt = [rng.randint(1, 500) for _ in range(rng.randint(100, 300))]
+            req = Request(name, prompt, SamplingParams(max_tokens=8), None)
+            req.num_computed_tokens = computed
+            return _Active(req, "router", num_sent=1, handed_ns=1)
+
+        worker.prefilling = [active(f"p{i}", 0) for i in range(rng.randint(2, 12))]
+        whole = sum(len(a.req.prompt_token_ids) for a in worker.prefilling)
+        # No stream runs: no wait, and the step takes every prompt up to a whole step's tokens,
+        # those that came after the decision too (it counted fewer: a wave gathered since).
+        assert not worker._budget_without_streams()
+        decided = rng.randint(1, whole)
+        worker.member.partition = _partition(decided, False, 5)  # type: ignore[attr-defined]
+        assert sum(n for _, n in worker._plan_chunks()) == min(whole, max(decided, MAX_STEP_TOKENS))
+
+        worker.running = [active("s", 0)]
+        fresh = rng.randint(1, 90)
+        loop = asyncio.get_running_loop()
+
+        def decide() -> None:  # the agent's next decision, on the report that showed the stream
+            worker.member.partition = _partition(fresh, True, 6)  # type: ignore[attr-defined]
+            worker._new_partition.set()
+
+        monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 5.0)  # long: the decision ends the wait
+        loop.call_later(rng.uniform(0.001, 0.02), decide)
+        started = loop.time()
+        await worker._await_fresh_partition(reported=False)
+        assert reports == [1]  # the report that shows the stream went out before the wait
+        assert loop.time() - started < 2.5 and worker.member.partition.epoch == 6  # type: ignore[attr-defined]
+        assert sum(n for _, n in worker._plan_chunks()) == fresh
+
+        # A decision that again has no streams (or none at all in time): one wait, then the floor.
+        worker.member.partition = _partition(rng.randint(300, 2000), False, 7)  # type: ignore[attr-defined]
+        monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 0.05)
+        started = loop.time()
+        await worker._await_fresh_partition(reported=True)
+        assert reports == [1] and loop.time() - started >= 0.045
+        assert worker._waited_epoch == 7  # the loop does not wait on this partition again
+        assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle decode_svc's first step waits until no prompt has come for GATHER_QUIET_S (at most
+    GATHER_MAX_S): prompts a closed loop's clients sent together start in one step, and none
+    leads the others by a step. (Both periods lengthened here, so a loaded host's late timers
+    cannot end the gathering early.)"""
+    rng = random.Random(seed)
+    monkeypatch.setattr(decode_server, "GATHER_QUIET_S", 0.1)
+    monkeypatch.setattr(decode_server, "GATHER_MAX_S", 0.4)
+
+    async def main() -> None:
+        worker = _worker([])
+        loop = asyncio.get_running_loop()
+
+        async def arrive(gaps: list[float]) -> None:
+            for gap in gaps:
+                await asyncio.sleep(gap)
+                worker.prefilling.append(object())  # type: ignore[arg-type]
+
+        # Arrivals closer together than the quiet period, then silence: all gathered.
+        gaps = [rng.uniform(0.0, 0.01) for _ in range(rng.randint(1, 6))]
+        worker.prefilling = [object()]  # type: ignore[list-item]
+        sender = loop.create_task(arrive(gaps))
+        await worker._gather_arrivals()
+        assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
+        # Arrivals that never stop: the step starts after GATHER_MAX_S anyway.
+        worker.prefilling = [object()]  # type: ignore[list-item]
+        sender = loop.create_task(arrive([0.01] * 10_000))
+        started = loop.time()
+        await worker._gather_arrivals()
+        waited = loop.time() - started
+        sender.cancel()
+        assert 0.39 <= waited < 2.0 and len(worker.prefilling) > 1
 
     asyncio.run(main())
