@@ -26,10 +26,11 @@ def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k
     worker.config = parse_args(["--chunk-order", order, "--ttft-slo-ms", str(slo_ms),
                                 "--ttft-slo-ms-per-1k", str(per_1k_ms)])
     worker.slo = worker.config.ttft_slo()
+    # Prompts beside a running stream, under a budget the agent decided with it.
     partition = SimpleNamespace(aggregated=True, prefill_token_budget=budget, model_token_budgets={},
-                                prefill_held=False)
+                                prefill_held=False, streams_decoding=True)
     worker.member = SimpleNamespace(partition=partition, model="")  # type: ignore[assignment]
-    worker.running = []
+    worker.running = [object()]  # type: ignore[list-item]
     worker.prefilling = []
     worker._prompt_rate = rate
     return worker
