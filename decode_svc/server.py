@@ -563,7 +563,11 @@ class DecodeWorker:
         agent decides again once their load report reaches it, a few ms later, while this loop
         steps at once): with streams decoding, only the chunked policy's progress floor rides
         this step, as the policy gives when their TBT leaves no room, not a whole default budget
-        that would stall every stream for it."""
+        that would stall every stream for it. So does a budget decided while no stream was
+        decoding, once the loop has waited for a fresher one (``_await_fresh_partition``). With
+        no stream here (one model), a step of prompts alone takes up to a whole step's tokens,
+        whatever the decision counted: no TBT bounds it, and prompts gathered after the decision
+        ride it too."""
         partition = self.member.partition
         budget = partition.prefill_token_budget if partition.aggregated else 0
         if partition.aggregated and partition.model_token_budgets:  # a cell of several models
