@@ -292,9 +292,11 @@ static int x8_padding(int64_t m) {
     return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
 }
 
-/* x8_rows's `pad` for m rows and a largest k or n_out of `widest`: NULL when no group is padded. */
-static float *x8_pad_scratch(int64_t m, int64_t widest) {
-    return x8_padding(m) ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
+/* x8_rows's `pad` when `padding` (x8_padding's answer for the call's m), for a largest k or n_out of
+ * `widest`: NULL when no group is padded. The caller keeps `padding` to tell that NULL from a failed
+ * allocation, so TANDEM_X8_PAD is read once per call. */
+static float *x8_pad_scratch(int padding, int64_t widest) {
+    return padding ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
 }
 
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
@@ -357,8 +359,9 @@ int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, co
                  int nthreads) {
     char *q = malloc((size_t)x8_padded(m) * (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES + 1);
     float *xs = malloc(sizeof(float) * (size_t)(m * (k / QK)) + 1);
-    float *pad = x8_pad_scratch(m, k > n_out ? k : n_out);
-    if (q == NULL || xs == NULL || (pad == NULL && x8_padding(m))) {
+    const int padding = x8_padding(m);
+    float *pad = x8_pad_scratch(padding, k > n_out ? k : n_out);
+    if (q == NULL || xs == NULL || (pad == NULL && padding)) {
         free(q);
         free(xs);
         free(pad);
@@ -648,8 +651,9 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
     int64_t widest = n_qkv > 2 * inter ? n_qkv : 2 * inter; /* the largest k or n_out of a projection */
     widest = widest > hidden ? widest : hidden;
     widest = widest > q_size ? widest : q_size;
-    float *pad = x8_pad_scratch(m, widest);
-    if (buf == NULL || q8 == NULL || (pad == NULL && x8_padding(m))) {
+    const int padding = x8_padding(m);
+    float *pad = x8_pad_scratch(padding, widest);
+    if (buf == NULL || q8 == NULL || (pad == NULL && padding)) {
         free(buf);
         free(q8);
         free(pad);
