@@ -210,6 +210,12 @@ def _aggregated(snapshot: ClusterSnapshot, chunks: Sequence[tuple[str, int, int]
     )
 
 
+def _prompt_token_cap(snapshot: ClusterSnapshot, pending: Sequence[tuple[str, int, int]], max_budget_tokens: int) -> int:
+    """Most prompt tokens one hybrid step can carry: what is pending, within `max_budget_tokens`
+    less the step's decode tokens."""
+    return min(max(0, max_budget_tokens - len(snapshot.decode_context_lens)), sum(n for _, n, _ in pending))
+
+
 def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget_tokens: int,
                      tbt_target: float = 1.0) -> int:
     """Most prefill tokens one hybrid step may carry: decode + prefill tokens within
@@ -217,7 +223,7 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
     in tokens)."""
     pending = _pending_prefill(snapshot)
     ctx = snapshot.decode_context_lens
-    cap = min(max(0, max_budget_tokens - len(ctx)), sum(n for _, n, _ in pending))
+    cap = _prompt_token_cap(snapshot, pending, max_budget_tokens)
     if not ctx:
         return cap
 
@@ -309,7 +315,7 @@ class ChunkedPolicy:
         budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target)
         total = sum(n for _, n, _ in pending)
         if self.config.ttft_deadlines and snapshot.decode_context_lens and budget < total:
-            cap = min(max(0, self.config.max_budget_tokens - len(snapshot.decode_context_lens)), total)
+            cap = _prompt_token_cap(snapshot, pending, self.config.max_budget_tokens)
             need = ttft_token_budget(snapshot, predictor, budget, cap)
             if need > budget:
                 return _aggregated(snapshot, _chunks(pending, need),
