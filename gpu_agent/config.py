@@ -70,7 +70,7 @@ class AgentConfig:
         type=parse_bool))
     chunk_ttft_deadlines: bool = field(metadata=flag(
         "--chunk-ttft-deadlines", True, "chunked: when the TBT-bounded budget would make more waiting prompts "
-        "miss their TTFT deadlines than streams are decoding, give the fewest prompt tokens a step that keep "
+        "miss their TTFT deadlines than streams are decoding, give enough prompt tokens a step to keep "
         "them (a closed loop's wave of prompts beside the one stream that came first)", type=parse_bool))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))

@@ -150,8 +150,8 @@ class ChunkedConfig:
     beside a decode step); on for a live CPU cell, where a 32-token chunk costs as much as a
     decode step of a dozen streams and the fixed floor broke every running stream's TBT.
     `ttft_deadlines`: when the TBT budget would make more waiting prompts miss their TTFT
-    deadlines than there are streams to protect, the budget grows to the fewest tokens that keep
-    those deadlines (`ttft_token_budget`). A budget sized for one stream's TBT spreads a closed
+    deadlines than there are streams to protect, the budget grows to tokens that keep those
+    deadlines (`ttft_token_budget`). A budget sized for one stream's TBT spreads a closed
     loop's wave of sixteen prompts over many steps and takes their first tokens past the SLO;
     the whole wave in one step keeps them and costs that one stream a gap. Off in the simulator
     (its results predate it); on for a live CPU cell."""
@@ -247,8 +247,10 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
 def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: int, cap: int) -> int:
     """The prompt tokens per hybrid step to give instead of the TBT-bounded `budget` (at most
     `cap`): `budget` itself unless, with it, more waiting prompts miss their TTFT deadlines than
-    streams are decoding; then the fewest tokens with which none misses (bisection; `cap` when
-    even that misses one: the fewest steps finish the queue soonest).
+    streams are decoding; then tokens with which none misses, found by bisection within an eighth
+    above tokens with which some still miss (`cap` when even that misses one: the fewest steps
+    finish the queue soonest). Not always the fewest such tokens: misses mostly fall as steps
+    grow, but not always (a bigger step finishes the first prompt in it later).
 
     Only prompts that would make their deadline if they ran next count (a late one is late
     anyway). The steps are simulated as decode_svc takes them: chunks in EDF order, each

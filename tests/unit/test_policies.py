@@ -691,14 +691,15 @@ def _edf_misses(s: ClusterSnapshot, tokens: int) -> int:
 def test_ttft_deadlines_take_a_wave_beside_one_stream_in_fewer_steps() -> None:
     """One stream and a closed loop's wave of sixteen 65-token prompts due in 1 s: the TBT budget
     (2 prompt tokens beside a 21 ms step, within 50 ms on one unit... here 16 units) would take
-    them past their deadlines; the budget grows to the fewest tokens that keep every one."""
+    them past their deadlines; the budget grows, by bisection, to tokens that keep every one, an
+    eighth above tokens that do not."""
     s = snap(queue=tuple(q(f"w{i}", 65, arrival_s=NOW - 0.3) for i in range(16)), decode=(70,), total_units=1)
     tbt_only = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=0))(s, P)
     aware = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=0, ttft_deadlines=True))(s, P)
     tbt, need = sum(tbt_only.prefill_chunk_tokens), sum(aware.prefill_chunk_tokens)
     assert _edf_misses(s, tbt) > 1 and need > tbt
     assert _edf_misses(s, need) == 0
-    assert _edf_misses(s, need - max(1, need // 8) - 1) > 0  # within an eighth of the fewest
+    assert _edf_misses(s, need - max(1, need // 8) - 1) > 0  # an eighth fewer tokens miss
     assert "TTFT deadlines" in aware.reason
 
 
@@ -710,7 +711,10 @@ def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams
         streams: int, ctx: int, prompts: list[tuple[int, float]], units: int) -> None:
     """With TTFT deadlines on, the budget is the TBT one unless that budget makes more waiting
     prompts miss than there are streams; then it is one with which none misses (or the cap), and
-    never more than an eighth above the fewest such tokens."""
+    within an eighth above a budget with which some still miss. Not above the fewest such
+    tokens: misses do not always fall as steps grow (a bigger step finishes its first prompt
+    later), and hypothesis found a case where fewer tokens, well below the bisection's answer,
+    missed none."""
     s = snap(queue=tuple(q(f"r{i}", n, arrival_s=NOW - age) for i, (n, age) in enumerate(prompts)),
              decode=(ctx,) * streams, total_units=units)
     config = ChunkedConfig(min_chunk_tokens=0, max_budget_tokens=4096)
@@ -722,7 +726,8 @@ def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams
         assert tbt >= total or _edf_misses(s, max(tbt, 1)) <= streams
     else:
         assert _edf_misses(s, max(tbt, 1)) > streams
-        assert need == total or _edf_misses(s, need) == 0
-        if _edf_misses(s, need) == 0 and need > max(tbt, 1):
-            below = need - max(1, need // 8) - 1
-            assert below < max(tbt, 1) or _edf_misses(s, below) > 0
+        cap = min(config.max_budget_tokens - streams, total)
+        assert need == cap or _edf_misses(s, need) == 0
+        if _edf_misses(s, need) == 0:
+            near = range(max(max(tbt, 1), need - max(1, need // 8)), need)
+            assert any(_edf_misses(s, tokens) > 0 for tokens in near)
