@@ -6,10 +6,12 @@ Measures, in one run on this machine with the default model (or --model):
   metadata send/recv);
 - handoff latency, prefill done -> the request in decode's batch, from decode_svc's GetStats;
 - output tokens/s of N concurrent greedy streams through router -> prefill -> decode, against
-  the single-process engine generating the same requests with the same batch (same run).
+  the single-process engine generating the same requests with the same batch (same run), in
+  ``--repeats`` pairs on new prompts, a fresh stack each, the order alternating (ABBA); the ratio
+  is reported per pair and as a mean with its 95 % interval.
 Writes JSON (default bench/results/mesh.json).
 
-Usage: python bench/mesh.py [--model DIR] [--streams 16] [--max-tokens 64] [--out FILE]
+Usage: python bench/mesh.py [--model DIR] [--streams 16] [--max-tokens 64] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.bench.metrics import mean_ci95  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat  # noqa: E402
@@ -110,44 +113,74 @@ async def decode_stats(address: str) -> dict[str, Any]:
             "p99_ms": stats.handoff_p99_ns / 1e6}
 
 
+def stack_round(model_dir: Path, prompts: list[list[int]], params: SamplingParams, policy: str,
+                weight_format: WeightFormat, round_trips: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A fresh stack: the agent's round trips (when ``round_trips``), the streams' throughput and
+    decode's handoff stats; stopped before it returns."""
+    extra: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        env = {"TANDEM_POLICY": policy, "TANDEM_QUANTIZATION": weight_format.value,
+               **({"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]} if "OMP_WAIT_POLICY" in os.environ else {})}
+        stack = Stack(model_dir, Path(logs), num_blocks=2048, extra_env=env)
+        try:
+            stack.start()
+            if round_trips:
+                extra["agent_allocate_round_trip"] = asyncio.run(
+                    agent_round_trips(stack.address("gpu_agent"), round_trips))
+                print("agent allocate:", extra["agent_allocate_round_trip"], flush=True)
+            mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params))
+            extra["handoff"] = asyncio.run(decode_stats(stack.address("decode_svc")))
+        finally:
+            stack.stop()
+    return mesh, extra
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--round-trips", type=int, default=2000)
-    parser.add_argument("--policy", default="dynamic", help="the cell's partition policy")
+    parser.add_argument("--policy", default="chunked", help="the cell's partition policy (a CPU cell's default)")
     parser.add_argument("--quantization", default="auto", help=f"weight format of the stack and the engine ({FORMAT_NAMES})")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="stack / engine pairs, new prompts each, the order alternating (ABBA: the host's "
+                             "speed drifts within minutes)")
     parser.add_argument("--out", default="bench/results/mesh.json")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model_dir = resolve_model(args.model)
     weight_format = WeightFormat.parse(args.quantization)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 40000, (args.streams, PROMPT_LEN), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     report: dict[str, Any] = {"benchmark": "mesh", "model": model_dir.name, "streams": args.streams,
                               "prompt_len": PROMPT_LEN, "max_tokens": args.max_tokens, "policy": args.policy,
-                              "weight_format": weight_format.value}
-    with tempfile.TemporaryDirectory() as logs:
-        stack = Stack(model_dir, Path(logs), num_blocks=2048, extra_env={"TANDEM_POLICY": args.policy, "TANDEM_QUANTIZATION": weight_format.value, **({"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]} if "OMP_WAIT_POLICY" in os.environ else {})})
-        try:
-            stack.start()
-            report["agent_allocate_round_trip"] = asyncio.run(
-                agent_round_trips(stack.address("gpu_agent"), args.round_trips))
-            print("agent allocate:", report["agent_allocate_round_trip"], flush=True)
-            mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params))
-            report["handoff"] = asyncio.run(decode_stats(stack.address("decode_svc")))
-            print("handoff:", report["handoff"], flush=True)
-        finally:
-            stack.stop()
-    engine = engine_throughput(model_dir, prompts, params, weight_format)
-    same = sum(a == b for a, b in zip(mesh.pop("outputs"), engine.pop("outputs"), strict=True))
-    report["mesh"] = mesh
-    report["engine_one_process"] = engine
-    report["mesh_over_engine"] = round(mesh["tokens_per_s"] / engine["tokens_per_s"], 3)
-    report["identical_outputs"] = f"{same}/{len(prompts)}"
-    print("mesh:", mesh, "engine:", engine, "ratio:", report["mesh_over_engine"], "identical:", report["identical_outputs"])
+                              "weight_format": weight_format.value, "repeats": []}
+    for r in range(args.repeats):
+        g = torch.Generator().manual_seed(r)
+        prompts = torch.randint(100, 40000, (args.streams, PROMPT_LEN), generator=g).tolist()
+        order = ("stack", "engine") if r % 4 in (0, 3) else ("engine", "stack")
+        for what in order:
+            if what == "stack":
+                mesh, extra = stack_round(model_dir, prompts, params, args.policy, weight_format,
+                                          args.round_trips if r == 0 else 0)
+                report.update(extra)
+                print(f"repeat {r}: mesh {mesh['tokens_per_s']} tok/s; handoff {extra['handoff']}", flush=True)
+            else:
+                engine = engine_throughput(model_dir, prompts, params, weight_format)
+                print(f"repeat {r}: engine {engine['tokens_per_s']} tok/s", flush=True)
+        same = sum(a == b for a, b in zip(mesh.pop("outputs"), engine.pop("outputs"), strict=True))
+        report["repeats"].append({"order": list(order), "mesh": mesh, "engine_one_process": engine,
+                                  "mesh_over_engine": round(mesh["tokens_per_s"] / engine["tokens_per_s"], 3),
+                                  "identical_outputs": f"{same}/{len(prompts)}"})
+    ratios = [p["mesh_over_engine"] for p in report["repeats"]]
+    mean, half = mean_ci95(ratios)
+    report["mesh_over_engine"] = round(mean, 3)
+    report["mesh_over_engine_ci95"] = [round(mean - half, 3), round(mean + half, 3)]
+    report["mesh"], report["engine_one_process"] = mesh, engine  # the last pair, as before --repeats
+    print("mesh / engine per repeat:", ratios, f"mean {mean:.3f} +- {half:.3f} (95 %)",
+          "identical:", [p["identical_outputs"] for p in report["repeats"]])
     # The static split gives decode only its own cores; the same engine on that many cores
     # separates the cost of the mesh from the cost of the split.
     decode_cores = sorted(os.sched_getaffinity(0))[len(os.sched_getaffinity(0)) // 2:] or [0]
