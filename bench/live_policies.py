@@ -9,11 +9,13 @@ goodput is reported as a mean over ``--repeats`` with a 95 % Student-t interval.
 ``--workload`` models (ShareGPT, Azure code and conversation lengths) mix short and long prompts;
 ``--ttft-slo-ms-per-1k`` scales the TTFT SLO with prompt length, for the bench and the stack alike.
 Admission is off by default so that the policies alone are compared (``--admission on``
-measures Tandem as shipped). Writes one JSON with every ``tandem bench`` result and a
-goodput-vs-rate plot.
+measures Tandem as shipped). ``--arrival gamma --cv 4`` sends bursts instead of Poisson arrivals.
+After each ``tandem bench`` the stack's SLO scheduler counts (``/metrics``: decode preemptions,
+prefill pauses, early drops) are read, as differences over that bench's requests. Writes one
+JSON with every ``tandem bench`` result and a goodput-vs-rate plot.
 
 Usage: python bench/live_policies.py [--rate 0.5 1 2] [--num-requests 30] [--repeats 3] [--variant L=P:ENV=V]
-       [--workload sharegpt azure-code] [--out FILE] [--plots DIR]
+       [--workload sharegpt azure-code] [--arrival gamma --cv 4] [--out FILE] [--plots DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import urllib.request
 import signal
 import subprocess
 import sys
@@ -36,6 +39,22 @@ from tandem.service.runtime import free_port
 
 POLICIES = ("chunked", "static", "dynamic", "adaptive")
 BIN = Path(sys.executable).parent
+# The SLO scheduler's counters on /metrics, by the name reported here.
+SCHEDULER_COUNTERS = {"preemptions": "tandem:num_preemptions_total",
+                      "prefill_pauses": "tandem:num_prefill_pauses_total",
+                      "drops": "tandem:num_requests_dropped_total"}
+
+
+def scheduler_counts(url: str) -> dict[str, float]:
+    """The stack's SLO scheduler counters now, each summed over its labels (models)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    counts = dict.fromkeys(SCHEDULER_COUNTERS, 0.0)
+    for line in text.splitlines():
+        for key, name in SCHEDULER_COUNTERS.items():
+            if line.startswith(name) and line[len(name)] in " {":
+                counts[key] += float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def start_stack(label: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -74,9 +93,12 @@ def run_bench(url: str, label: str, workload: str, seed: int, args: argparse.Nam
            "--num-requests", str(args.num_requests), "--rate", *map(str, args.rate), "--seed", str(seed),
            "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms),
            "--ttft-slo-ms-per-1k-input", str(args.ttft_slo_ms_per_1k),
-           "--warmup", "2", "--no-progress", "--out", str(out)]
+           "--arrival", args.arrival, "--cv", str(args.cv), "--warmup", "2", "--no-progress", "--out", str(out)]
+    before = scheduler_counts(url)
     subprocess.run(cmd, check=True)
+    after = scheduler_counts(url)
     result: dict[str, Any] = json.loads(out.read_text())
+    result["scheduler_counts"] = {key: after[key] - before[key] for key in SCHEDULER_COUNTERS}
     return result
 
 
@@ -131,6 +153,8 @@ def main() -> None:
                         help="tandem bench workloads, e.g. sharegpt azure-code azure-conv")
     parser.add_argument("--max-input-len", type=int, default=512)
     parser.add_argument("--max-output-len", type=int, default=128)
+    parser.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    parser.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival times")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=200.0)
     parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=0.0,
@@ -174,11 +198,15 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.N
     summary = {w: {p: summarize(runs) for p, runs in by_policy.items()} for w, by_policy in results.items()}
     diffs = {w: {p: paired(runs, by_policy[args.reference]) for p, runs in by_policy.items() if p != args.reference}
              for w, by_policy in results.items() if args.reference in by_policy}
+    # Per repeat (every rate of that repeat's bench together); runs before the counts were read have none.
+    counts = {w: {p: [r["scheduler_counts"] for r in runs if "scheduler_counts" in r] for p, runs in by_policy.items()}
+              for w, by_policy in results.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": config, "machine": {"cpu_count": os.cpu_count(),
                                                              "load_average_end": os.getloadavg()},
-                               "summary": summary, "paired_vs_reference": diffs, "bench": results}, indent=1) + "\n")
+                               "summary": summary, "paired_vs_reference": diffs, "scheduler_counts": counts,
+                               "bench": results}, indent=1) + "\n")
     if args.plots:
         for workload, by_policy in summary.items():
             points = {p: [(row["rate_rps"], row["goodput_rps"]) for row in rows] for p, rows in by_policy.items()}
@@ -194,6 +222,11 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.N
                       f"{row['goodput_rps']:8.3f} ± {row['goodput_rps_ci95']:6.3f} "
                       f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}"
                       f" {versus:>18s}")
+    for workload, by_policy in counts.items():
+        for policy, per_repeat in by_policy.items():
+            if per_repeat:
+                print(f"{workload:11s} {policy:9s} scheduler counts per repeat: "
+                      + "; ".join(", ".join(f"{k} {v:g}" for k, v in c.items()) for c in per_repeat))
     print(f"wrote {out}")
 
 if __name__ == "__main__":
