@@ -248,9 +248,10 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
     """The prompt tokens per hybrid step to give instead of the TBT-bounded `budget` (at most
     `cap`): `budget` itself unless, with it, more waiting prompts miss their TTFT deadlines than
     streams are decoding; then tokens with which none misses, found by bisection within an eighth
-    above tokens with which some still miss (`cap` when even that misses one: the fewest steps
-    finish the queue soonest). Not always the fewest such tokens: misses mostly fall as steps
-    grow, but not always (a bigger step finishes the first prompt in it later).
+    above tokens with which some still miss. When even `cap` leaves one late, `cap` only if it
+    saves more prompts than there are streams (each stream misses TBT in its steps), else
+    `budget`. Not always the fewest such tokens: misses mostly fall as steps grow, but not
+    always (a bigger step finishes the first prompt in it later).
 
     Only prompts that would make their deadline if they ran next count (a late one is late
     anyway). The steps are simulated as decode_svc takes them: chunks in EDF order, each
@@ -292,8 +293,11 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
     lo = max(budget, 1)
     if lo >= cap or misses(lo, len(ctx0) + 1) <= len(ctx0):
         return budget
-    if misses(cap, 1):
-        return cap
+    if at_cap := misses(cap, 1):
+        # Even the largest steps leave some prompt late (a burst past what the cell serves):
+        # they cost every stream its TBT, so take them only if they save more prompts than that.
+        at_cap = misses(cap, len(prompts) + 1)
+        return cap if misses(lo, len(prompts) + 1) - at_cap > len(ctx0) else budget
     hi = cap  # misses(lo) > 0, misses(hi) == 0
     while hi - lo > max(1, lo // 8):  # within an eighth: a few tokens more cost a step little
         mid = (lo + hi) // 2

@@ -703,6 +703,19 @@ def test_ttft_deadlines_take_a_wave_beside_one_stream_in_fewer_steps() -> None:
     assert "TTFT deadlines" in aware.reason
 
 
+def test_ttft_deadlines_keep_the_tbt_budget_for_a_burst_no_step_saves() -> None:
+    """Four streams and a burst of ten 300-token prompts, each due 0.2 s from now: any one alone
+    would make it, but no step size saves more of them than the four streams a step past the TBT
+    SLO would cost (one step of all of them takes 1.5 s), so the budget stays the TBT one."""
+    s = snap(queue=tuple(q(f"b{i}", 300, arrival_s=NOW - 0.8) for i in range(10)), decode=(100,) * 4,
+             total_units=1)
+    config = ChunkedConfig(min_chunk_tokens=0)
+    tbt = sum(ChunkedPolicy(config)(s, P).prefill_chunk_tokens)
+    aware = ChunkedPolicy(replace(config, ttft_deadlines=True))(s, P)
+    assert _edf_misses(s, tbt) == 10 and _edf_misses(s, 3000) == 10
+    assert sum(aware.prefill_chunk_tokens) == tbt and "TTFT deadlines" not in aware.reason
+
+
 @settings(max_examples=150, deadline=None)
 @given(streams=st.integers(1, 6), ctx=st.integers(10, 2000),
        prompts=st.lists(st.tuples(st.integers(1, 400), st.floats(0.0, 0.9)), min_size=1, max_size=12),
@@ -723,11 +736,15 @@ def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams
     total = sum(n for n, _ in prompts)
     assert need >= tbt
     if need == tbt:
-        assert tbt >= total or _edf_misses(s, max(tbt, 1)) <= streams
+        cap = min(config.max_budget_tokens - streams, total)
+        assert (tbt >= total or _edf_misses(s, max(tbt, 1)) <= streams
+                or _edf_misses(s, max(tbt, 1)) - _edf_misses(s, cap) <= streams)
     else:
         assert _edf_misses(s, max(tbt, 1)) > streams
         cap = min(config.max_budget_tokens - streams, total)
         assert need == cap or _edf_misses(s, need) == 0
+        if _edf_misses(s, need):  # the cap, leaving some late: it saves more prompts than it costs streams
+            assert _edf_misses(s, max(tbt, 1)) - _edf_misses(s, need) > streams
         if _edf_misses(s, need) == 0:
             near = range(max(max(tbt, 1), need - max(1, need // 8)), need)
             assert any(_edf_misses(s, tokens) > 0 for tokens in near)
