@@ -293,11 +293,11 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
     lo = max(budget, 1)
     if lo >= cap or misses(lo, len(ctx0) + 1) <= len(ctx0):
         return budget
-    if at_cap := misses(cap, 1):
+    if misses(cap, 1):
         # Even the largest steps leave some prompt late (a burst past what the cell serves):
         # they cost every stream its TBT, so take them only if they save more prompts than that.
-        at_cap = misses(cap, len(prompts) + 1)
-        return cap if misses(lo, len(prompts) + 1) - at_cap > len(ctx0) else budget
+        saved = misses(lo, len(prompts) + 1) - misses(cap, len(prompts) + 1)
+        return cap if saved > len(ctx0) else budget
     hi = cap  # misses(lo) > 0, misses(hi) == 0
     while hi - lo > max(1, lo // 8):  # within an eighth: a few tokens more cost a step little
         mid = (lo + hi) // 2
