@@ -44,6 +44,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
     bind(server, address)
     await server.start()
+    worker.start_serving()
     # The decode loop never ends by itself: if it raises, this process can no longer serve, so
     # it leaves the registry and exits non-zero (its requests resume from Redis in its successor)
     # instead of staying up, registered and silent.

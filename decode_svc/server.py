@@ -22,7 +22,7 @@ import json
 import logging
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,8 +72,14 @@ FRESH_PARTITION_WAIT_S = 0.05
 # it ended a step early and led the next wave the same way.
 GATHER_QUIET_S = 0.02
 GATHER_MAX_S = 0.1
-# A router whose token stream stays away this long is gone: its requests are cancelled.
-ROUTER_GRACE_S = 5.0
+# A router whose token stream stays away this long is gone: its requests are cancelled. Counted
+# from when this service serves (a successor resumes requests before it listens). A live router
+# reconnects within its stream backoff (1 s) and its channel's (1 s), but on a loaded host (CI,
+# two decode kills in a row) one took over 5 s, and its resumed streams were cancelled unseen.
+ROUTER_GRACE_S = 10.0
+# Routers whose cancelled requests are remembered, so that one coming back after its grace hears
+# that they failed instead of waiting out its stall timeout.
+_GONE_ROUTERS_KEPT = 64
 # A preempted request that cannot get its blocks back for this long (nothing else in decode
 # frees any) fails with a clear error instead of waiting forever.
 READMIT_TIMEOUT_S = 30.0
@@ -178,6 +184,9 @@ class DecodeWorker:
         self._router_streams: dict[str, int] = {}
         self._router_lost: dict[str, asyncio.TimerHandle] = {}
         self._gone_routers: set[str] = set()  # their requests were cancelled; nothing is queued for them
+        self._cancelled_for: OrderedDict[str, list[str]] = OrderedDict()  # a gone router's cancelled ids
+        self._serving = False  # until then, routers of resumed requests are awaited without a timer
+        self._awaited_routers: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_orphans_cancelled = 0
 
@@ -406,12 +415,27 @@ class DecodeWorker:
         return held
 
     # ------------------------------------------------------------------ routers
+    def start_serving(self) -> None:
+        """The gRPC server listens: the grace of the routers of resumed requests starts now."""
+        self._serving = True
+        for router_id in self._awaited_routers:
+            self._expect_router(router_id)
+        self._awaited_routers.clear()
+
     def router_opened(self, router_id: str) -> None:
         self._router_streams[router_id] = self._router_streams.get(router_id, 0) + 1
         self._gone_routers.discard(router_id)
+        self._awaited_routers.discard(router_id)
         timer = self._router_lost.pop(router_id, None)
         if timer is not None:
             timer.cancel()
+        cancelled = self._cancelled_for.pop(router_id, None)
+        if cancelled:  # back after its grace: its clients still wait; they fail now, clearly
+            error = (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
+                     f"more than {ROUTER_GRACE_S:g} s")
+            self.router_queue(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
+                decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)
+                for rid in cancelled]))
 
     def router_closed(self, router_id: str) -> None:
         self._router_streams[router_id] -= 1
@@ -420,8 +444,11 @@ class DecodeWorker:
             self._expect_router(router_id)
 
     def _expect_router(self, router_id: str) -> None:
-        """Unless ``router_id`` opens its stream within ROUTER_GRACE_S, cancel its requests."""
+        """Unless ``router_id`` opens its stream within ROUTER_GRACE_S (of serving), cancel its requests."""
         if router_id in self._router_streams or router_id in self._router_lost:
+            return
+        if not self._serving:
+            self._awaited_routers.add(router_id)
             return
         self._router_lost[router_id] = asyncio.get_running_loop().call_later(
             ROUTER_GRACE_S, self._router_gone, router_id)
@@ -436,6 +463,9 @@ class DecodeWorker:
         self.routers.pop(router_id, None)  # nobody reads its queue
         self._gone_routers.add(router_id)
         if orphans:
+            self._cancelled_for[router_id] = [a.req.request_id for a in orphans]
+            while len(self._cancelled_for) > _GONE_ROUTERS_KEPT:
+                self._cancelled_for.popitem(last=False)
             self.num_orphans_cancelled += len(orphans)
             log.warning("router %s has been away %.0f s: cancelled its %d requests", router_id, ROUTER_GRACE_S,
                         len(orphans))

@@ -52,7 +52,7 @@ class DecodeStreams:
         *,
         on_orphan: OrphanCallback | None = None,
         reconnect_initial_s: float = 0.05,
-        reconnect_max_s: float = 2.0,
+        reconnect_max_s: float = 1.0,
     ) -> None:
         self._router_id = router_id
         self._channels = channels
