@@ -18,7 +18,8 @@ with the same ``prefill_ns`` are gathered into one measured batch (closed when a
 next batch comes, or when nothing of this router's is left in prefill), and its measured time
 (prefill plus the slowest handoff: prefill_svc starts its next batch only after them) over the
 perf model's prediction for those prompts feeds ``PrefillCalibration``, whose factor scales
-every prediction. So the default stack, with no profile, follows the measured prefill speed,
+every prediction (and, once batches of different sizes have been measured, a fixed cost per batch
+beside a factor: ``PrefillCalibration.scaling``). So the default stack, with no profile, follows the measured prefill speed,
 and keeps following it when the engine or the machine changes. The prediction is made as
 admission made it, from whole prompts on the units it assumed when it admitted them, so the
 factor also corrects those assumptions and absorbs the workload's usual share of prefix-cache
@@ -296,10 +297,18 @@ class AdmissionController:
         no streams beside), and whether it was measured there: a regime not measured yet
         borrows the factor of all measurements, and admission then refuses only with the cold
         margin."""
+        own = self._calibration_of(regime)
+        return own.factor, own is not self.calibration
+
+    def scaling(self, regime: PromptRegime | int) -> tuple[float, float]:
+        """(slope, overhead_s) of the calibration ``scale`` names: a batch the model predicts at
+        p seconds in ``regime`` is predicted at overhead_s + slope x p
+        (``PrefillCalibration.scaling``)."""
+        return self._calibration_of(regime).scaling
+
+    def _calibration_of(self, regime: PromptRegime | int) -> PrefillCalibration:
         own = self.calibration_by_regime.get(PromptRegime.of(regime))
-        if own is not None and own.calibrated:
-            return own.factor, True
-        return self.calibration.factor, False
+        return own if own is not None and own.calibrated else self.calibration
 
     def _observe(self, regime: PromptRegime, measured_s: float, predicted_s: float) -> None:
         self.calibration = self.calibration.observe(measured_s, predicted_s)
@@ -340,14 +349,17 @@ class AdmissionController:
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
         if self.enabled:
-            scale, calibrated = self.scale(regime)
+            calibrated = self.scale(regime)[1]
+            scale, overhead_s = self.scaling(regime)
             margin = self.margin if calibrated else self.cold_margin
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
-                                  running_since_s=self._running_since_s, scale=scale, margin=margin)
+                                  running_since_s=self._running_since_s, scale=scale, margin=margin,
+                                  overhead_s=overhead_s)
             if rejection is not None:
                 self.num_refused += 1
                 predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
-                                         running_since_s=self._running_since_s, scale=scale, slo=self.slo)
+                                         running_since_s=self._running_since_s, scale=scale, slo=self.slo,
+                                         overhead_s=overhead_s)
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
@@ -430,10 +442,11 @@ class AdmissionController:
         """A reply of a batch not seen before: the batch taken as running has ended (all of it:
         its other replies are handoffs away), and this batch's replies are gathered from now."""
         self._close_measurement()
-        scale, units = self.scale(self.regime())[0], self.prefill_units()
+        calibration, units = self._calibration_of(self.regime()), self.prefill_units()
         self._prefilled.update(r.request_id for r in running_batch(
             self._queued(), self._running_since_s, self.batching,
-            lambda batch: scale * self.predictor.predict_prefill([r.seq for r in batch], units), self.slo))
+            lambda batch: calibration.predict(self.predictor.predict_prefill([r.seq for r in batch], units)),
+            self.slo))
         self._measuring = _MeasuredBatch(prefill_ns)
 
     def _judge(self, request: QueuedRequest, now_s: float) -> None:
@@ -497,13 +510,15 @@ class AdmissionController:
         self._num_measured += 1
         warmup = self._num_measured <= WARMUP_BATCHES
         first = not warmup and not self.scale(regime)[1]  # this regime's first measurement
+        was_affine = self.scaling(regime)[1] > 0
         if not warmup:
             self._observe(regime, measured_s, predicted_s)
-        (log.info if first else log.debug)(
-            "admission %s: %s %s: measured %.0f ms, model %.0f ms; calibration there x%.2f, "
+        slope, overhead_s = self.scaling(regime)
+        there = f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch" if overhead_s > 0 else f"x{slope:.2f}"
+        (log.info if first or (overhead_s > 0) != was_affine else log.debug)(
+            "admission %s: %s %s: measured %.0f ms, model %.0f ms; calibration there %s, "
             "over all %d measurements x%.2f", "warm-up, not used" if warmup else "calibrated", what, regime,
-            measured_s * 1000, predicted_s * 1000, self.scale(regime)[0], self.calibration.num_samples,
-            self.calibration.factor)
+            measured_s * 1000, predicted_s * 1000, there, self.calibration.num_samples, self.calibration.factor)
 
     async def follow(self, read_agent_load: ReadAgentLoad, interval_s: float = 0.25) -> None:
         """Keep the partition current from the load board until cancelled; log what admission

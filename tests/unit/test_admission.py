@@ -8,6 +8,7 @@ predicted in prefill_svc's batches behind the running one; the online calibratio
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -350,6 +351,48 @@ def test_calibration_is_clamped_and_ignores_bad_timings() -> None:
         PrefillCalibration(weight=0.0)
     with pytest.raises(ValueError):
         PrefillCalibration(max_step_up=1.0)
+
+
+@given(overhead_s=st.floats(0.02, 0.3), slope=st.floats(0.2, 3.0), noise=st.floats(0.0, 0.05),
+       sizes=st.lists(st.floats(0.05, 3.0), min_size=6, max_size=40), seed=st.integers(0, 2**16))
+@settings(max_examples=200, deadline=None)
+def test_calibration_fits_a_fixed_cost_per_batch_from_batches_of_different_sizes(
+        overhead_s: float, slope: float, noise: float, sizes: list[float], seed: int) -> None:
+    """Batches that take overhead + slope x the model's time, measured with up to 5 % noise: once
+    the kept measurements span sizes at least `min_spread` apart, the calibration predicts every
+    size between them (and up to twice the largest) within 15 %; before, it is the factor alone."""
+    rng = random.Random(seed)
+    c = PrefillCalibration()
+    for p in sizes:
+        c = c.observe(measured_s=(overhead_s + slope * p) * rng.uniform(1 - noise, 1 + noise), predicted_s=p)
+    kept = [p for p, _ in c.recent]
+    assert len(kept) == min(len(sizes), c.max_recent)
+    if max(kept) < c.min_spread * min(kept):
+        assert c.scaling == (c.factor, 0.0)
+        return
+    for p in (min(kept), (min(kept) + max(kept)) / 2, max(kept), 2 * max(kept)):
+        assert c.predict(p) == pytest.approx(overhead_s + slope * p, rel=0.15), (p, c.scaling)
+
+
+def test_the_fixed_cost_is_neither_negative_nor_moved_by_one_stall() -> None:
+    """A linear engine (no fixed cost) keeps the factor alone; one stall thirty times too slow
+    among twenty batches of an affine engine moves the fit by less than 5 %; measurements of one
+    size alone never fit a fixed cost."""
+    c = PrefillCalibration()
+    for p in (0.1, 0.4, 1.6, 0.2, 0.8) * 4:
+        c = c.observe(measured_s=0.7 * p, predicted_s=p)
+    assert c.scaling == (c.factor, 0.0) and c.factor == pytest.approx(0.7)
+    clean = PrefillCalibration()
+    for p in (0.1, 0.4, 1.6, 0.2, 0.8) * 4:
+        clean = clean.observe(measured_s=0.1 + 0.5 * p, predicted_s=p)
+    stalled = clean.observe(measured_s=30 * (0.1 + 0.5 * 0.4), predicted_s=0.4)
+    for p in (0.1, 1.0, 3.0):
+        assert clean.predict(p) == pytest.approx(0.1 + 0.5 * p, rel=1e-6)
+        assert stalled.predict(p) == pytest.approx(clean.predict(p), rel=0.05)
+    one_size = PrefillCalibration()
+    for _ in range(10):
+        one_size = one_size.observe(measured_s=0.19, predicted_s=0.156)
+    assert one_size.scaling == (one_size.factor, 0.0)
 
 
 def test_length_scaled_deadlines_admit_a_short_prompt_ahead_of_long_ones() -> None:
