@@ -18,12 +18,12 @@ with the same ``prefill_ns`` are gathered into one measured batch (closed when a
 next batch comes, or when nothing of this router's is left in prefill), and its measured time
 (prefill plus the slowest handoff: prefill_svc starts its next batch only after them) over the
 perf model's prediction for those prompts feeds ``PrefillCalibration``, whose factor scales
-every prediction (and, once batches of different sizes have been measured, a fixed cost per batch
-beside a factor: ``PrefillCalibration.scaling``). So the default stack, with no profile, follows the measured prefill speed,
-and keeps following it when the engine or the machine changes. The prediction is made as
-admission made it, from whole prompts on the units it assumed when it admitted them, so the
-factor also corrects those assumptions and absorbs the workload's usual share of prefix-cache
-hits. The first batch this router measures only warms up (a fresh prefill_svc pays one-time
+every prediction (and, once batches of different sizes have been measured, a fixed cost per
+batch beside a factor: ``PrefillCalibration.scaling``). So the default stack, with no profile,
+follows the measured prefill speed, and keeps following it when the engine or the machine
+changes. The prediction is made as admission made it, from whole prompts on the units it
+assumed when it admitted them, so the factor also corrects those assumptions and absorbs the
+workload's usual share of prefix-cache hits. The first batch this router measures only warms up (a fresh prefill_svc pays one-time
 costs in it: first touches of the shared weights, kernel set-up); until a batch has been
 folded in the model is uncalibrated and the margin is wider (``cold_margin``). Each regime
 (``PromptRegime``: the prefill units, and in aggregated mode whether streams of this router were
