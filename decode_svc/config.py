@@ -13,6 +13,11 @@ from tandem.service.step_profile import parse_window
 
 
 CHUNK_ORDERS = ("deadline", "fcfs")
+# A router whose token stream stays away this long is gone: its requests are cancelled. Counted
+# from when decode_svc serves (a successor resumes requests before it listens). A live router
+# reconnects within its stream backoff (1 s) and its channel's (1 s), but on a loaded host (CI,
+# two decode kills in a row) one took over 5 s, and its resumed streams were cancelled unseen.
+ROUTER_GRACE_S = 10.0
 GRAPH_ATTENTION = ("auto", "flashinfer", "torch")  # tandem.cuda.graphs.GRAPH_ATTENTION (that module imports torch)
 
 
@@ -46,6 +51,10 @@ class DecodeConfig(MemberConfig):
         "--chunk-order", "deadline", "order of the prompts computed in decode's steps (aggregated mode): 'deadline' "
         "(earliest deadline first, prompts that cannot make theirs even if next, at the measured prompt rate, "
         "after those that can, until their deadline is one SLO past) or 'fcfs'", choices=CHUNK_ORDERS))
+    router_grace_s: float = field(metadata=flag(
+        "--router-grace-s", ROUTER_GRACE_S, "cancel the requests of a router whose token stream has been away this "
+        "many seconds (counted from when this service serves); a router that comes back later is told they failed",
+        type=float))
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
@@ -54,6 +63,8 @@ class DecodeConfig(MemberConfig):
         super().__post_init__()
         if self.max_batch_requests <= 0:
             raise ValueError(f"--max-batch-requests must be positive, got {self.max_batch_requests}")
+        if self.router_grace_s <= 0:
+            raise ValueError(f"--router-grace-s must be positive, got {self.router_grace_s}")
         if self.step_stats_s <= 0:
             raise ValueError(f"--step-stats-s must be positive, got {self.step_stats_s}")
         parse_window(self.torch_profile_steps)

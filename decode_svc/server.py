@@ -72,11 +72,6 @@ FRESH_PARTITION_WAIT_S = 0.05
 # it ended a step early and led the next wave the same way.
 GATHER_QUIET_S = 0.02
 GATHER_MAX_S = 0.1
-# A router whose token stream stays away this long is gone: its requests are cancelled. Counted
-# from when this service serves (a successor resumes requests before it listens). A live router
-# reconnects within its stream backoff (1 s) and its channel's (1 s), but on a loaded host (CI,
-# two decode kills in a row) one took over 5 s, and its resumed streams were cancelled unseen.
-ROUTER_GRACE_S = 10.0
 # Routers whose cancelled requests are remembered, so that one coming back after its grace hears
 # that they failed instead of waiting out its stall timeout.
 _GONE_ROUTERS_KEPT = 64
@@ -432,7 +427,7 @@ class DecodeWorker:
         cancelled = self._cancelled_for.pop(router_id, None)
         if cancelled:  # back after its grace: its clients still wait; they fail now, clearly
             error = (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
-                     f"more than {ROUTER_GRACE_S:g} s")
+                     f"more than {self.config.router_grace_s:g} s")
             self.router_queue(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
                 decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)
                 for rid in cancelled]))
@@ -444,14 +439,14 @@ class DecodeWorker:
             self._expect_router(router_id)
 
     def _expect_router(self, router_id: str) -> None:
-        """Unless ``router_id`` opens its stream within ROUTER_GRACE_S (of serving), cancel its requests."""
+        """Unless ``router_id`` opens its stream within ``--router-grace-s`` of serving, cancel its requests."""
         if router_id in self._router_streams or router_id in self._router_lost:
             return
         if not self._serving:
             self._awaited_routers.add(router_id)
             return
         self._router_lost[router_id] = asyncio.get_running_loop().call_later(
-            ROUTER_GRACE_S, self._router_gone, router_id)
+            self.config.router_grace_s, self._router_gone, router_id)
 
     def _router_gone(self, router_id: str) -> None:
         self._router_lost.pop(router_id, None)
@@ -467,7 +462,7 @@ class DecodeWorker:
             while len(self._cancelled_for) > _GONE_ROUTERS_KEPT:
                 self._cancelled_for.popitem(last=False)
             self.num_orphans_cancelled += len(orphans)
-            log.warning("router %s has been away %.0f s: cancelled its %d requests", router_id, ROUTER_GRACE_S,
+            log.warning("router %s has been away %g s: cancelled its %d requests", router_id, self.config.router_grace_s,
                         len(orphans))
             self._wake.set()
 

@@ -16,6 +16,7 @@ import contextlib
 import glob
 import random
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TypeAlias
 import grpc
 import pytest
 
-from decode_svc import server as decode_server
+from decode_svc.config import ROUTER_GRACE_S
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.rpc.v1 import common_pb2
@@ -265,7 +266,59 @@ def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Sta
         assert streaming <= orphans <= len(work), f"seed {seed}: {streaming} streaming, {orphans} orphans"
         return freed_s
 
-    assert asyncio.run(run()) < decode_server.ROUTER_GRACE_S + 10.0
+    assert asyncio.run(run()) < ROUTER_GRACE_S + 10.0
+
+
+def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -> None:
+    """The router is frozen (SIGSTOP) while decode_svc dies and a successor resumes its streams
+    with a short ``--router-grace-s``: the successor cancels them once the grace has passed. When
+    the router thaws and reconnects, each client gets a clear error at once (the successor tells
+    the router), not the router's 30 s stall; every block comes back. The stack's decode_svc is
+    then restarted with the default grace for the module's later tests."""
+    seed = fault_seed()
+    rng = random.Random(seed)
+    work = _workload(rng, rng.randint(2, 6), prompt_len=(3, 200), max_tokens=(1500, 1800))
+    grace_s = rng.uniform(0.5, 1.5)
+    router = stack.procs["router"]
+
+    async def run() -> tuple[list[Outcome], float]:
+        started = [asyncio.Event() for _ in work]
+        tasks = [asyncio.create_task(generate(stack.address("router"), ids, params, event, timeout_s=120))
+                 for (ids, params), event in zip(work, started, strict=True)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # all streaming
+            offset = len(stack.logs("decode_svc"))
+            router.send_signal(signal.SIGSTOP)
+            try:
+                async with _revived(stack, "decode_svc"):
+                    stack.kill("decode_svc")
+                    stack.extra_env["TANDEM_ROUTER_GRACE_S"] = str(grace_s)
+                    try:
+                        await asyncio.to_thread(stack.start_process, "decode_svc")
+                    finally:
+                        del stack.extra_env["TANDEM_ROUTER_GRACE_S"]
+                    await asyncio.to_thread(stack.wait_log, "decode_svc", "has been away", 30.0, offset)
+            finally:
+                router.send_signal(signal.SIGCONT)
+            thawed = time.monotonic()
+            outcomes = await _outcomes(tasks)
+            return outcomes, time.monotonic() - thawed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def restart_with_default_grace() -> None:
+        async with _revived(stack, "decode_svc"):
+            stack.kill("decode_svc")
+
+    outcomes, waited_s = asyncio.run(run())
+    for outcome in outcomes:
+        assert isinstance(outcome, grpc.aio.AioRpcError), f"seed {seed}: a stream outlived its cancellation"
+        assert "its router's token stream was away" in (outcome.details() or ""), f"seed {seed}: {outcome.details()}"
+    assert waited_s < 10.0, f"seed {seed}: the errors came {waited_s:.1f} s after the router thawed"
+    asyncio.run(_drained(stack))
+    asyncio.run(restart_with_default_grace())
 
 
 def test_redis_restarted_empty_mid_stream_loses_nothing_and_serves_after(stack: Stack, engine: LLMEngine) -> None:
