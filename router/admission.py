@@ -23,11 +23,11 @@ batch beside a factor: ``PrefillCalibration.scaling``). So the default stack, wi
 follows the measured prefill speed, and keeps following it when the engine or the machine
 changes. The prediction is made as admission made it, from whole prompts on the units it
 assumed when it admitted them, so the factor also corrects those assumptions and absorbs the
-workload's usual share of prefix-cache hits. The first batch this router measures only warms up (a fresh prefill_svc pays one-time
-costs in it: first touches of the shared weights, kernel set-up); until a batch has been
-folded in the model is uncalibrated and the margin is wider (``cold_margin``). Each regime
-(``PromptRegime``: the prefill units, and in aggregated mode whether streams of this router were
-decoding when the request came) keeps its own factor besides the one over all measurements: a
+workload's usual share of prefix-cache hits. The first batch this router measures only warms
+up (a fresh prefill_svc pays one-time costs in it: first touches of the shared weights, kernel
+set-up); until a batch has been folded in the model is uncalibrated and the margin is wider
+(``cold_margin``). Each regime (``PromptRegime``: the prefill units, and in aggregated mode
+whether streams of this router were decoding when the request came) keeps its own factor besides the one over all measurements: a
 prompt beside running streams gets the TBT budget's small chunks, one that comes to an idle
 decode whole steps, and a factor learnt from the first refused most of a burst of the second. In
 aggregated mode there is no prefill batch to time: the first tokens one of decode's hybrid steps
@@ -349,9 +349,9 @@ class AdmissionController:
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
         if self.enabled:
-            calibrated = self.scale(regime)[1]
-            scale, overhead_s = self.scaling(regime)
-            margin = self.margin if calibrated else self.cold_margin
+            calibration = self._calibration_of(regime)
+            scale, overhead_s = calibration.scaling
+            margin = self.margin if calibration is not self.calibration else self.cold_margin
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
                                   overhead_s=overhead_s)

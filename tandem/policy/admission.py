@@ -19,6 +19,7 @@ been measured), so that admission follows the real prefill speed without a profi
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -309,10 +310,9 @@ def admit_one(
     ``predict_ttft`` (batches as prefill_svc's local scheduler takes them within ``batching``'s
     limits, so the newcomer never joins a batch it would make late for the request that leads
     it; behind the batch running since ``running_since_s``, each batch's prediction times ``scale``
-    plus ``overhead_s``). It is refused
-    only when predicted to miss its deadline by more than ``margin`` x the TTFT SLO: a
-    prediction is an estimate, and a refusal of a request that would have made it costs more
-    than a slightly late first token. One work-conserving exception: a request too long to
+    plus ``overhead_s``). It is refused only when predicted to miss its deadline by more than
+    ``margin`` x the TTFT SLO: a prediction is an estimate, and a refusal of a request that would
+    have made it costs more than a slightly late first token. One work-conserving exception: a request too long to
     meet the SLO even alone is admitted when nothing is ahead of it, since serving it late
     then delays nobody.
     """
@@ -429,22 +429,16 @@ class PrefillCalibration:
         size, then the median intercept. (1.0, 0.0) when no pair is that far apart or the fit
         finds no fixed cost."""
         points = [(1.0 / p, min(self.max_factor, max(self.min_factor, m / p)), m) for p, m in recent]
-        slopes = sorted((yj - yi) / (xj - xi) for i, (xi, yi, _) in enumerate(points)
-                        for xj, yj, _ in points[i + 1:]
-                        if max(xi, xj) >= self.min_spread * min(xi, xj))
+        slopes = [(yj - yi) / (xj - xi) for i, (xi, yi, _) in enumerate(points)
+                  for xj, yj, _ in points[i + 1:]
+                  if max(xi, xj) >= self.min_spread * min(xi, xj)]
         if not slopes:
             return 1.0, 0.0
-        overhead_s = min(_median(slopes), min(m for _, _, m in points))
+        overhead_s = min(statistics.median(slopes), min(m for _, _, m in points))
         if overhead_s <= 0:
             return 1.0, 0.0
-        slope = _median([y - overhead_s * x for x, y, _ in points])
+        slope = statistics.median([y - overhead_s * x for x, y, _ in points])
         return min(self.max_factor, max(self.min_factor, slope)), overhead_s
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 REASON_TBT = "decode is at the most streams that keep the TBT SLO"
