@@ -359,7 +359,11 @@ class PrefillCalibration:
     overhead_s + slope x p. It is fitted robustly (Theil-Sen on measured / predicted against
     1 / predicted, over the pairs of measurements that far apart, so that one stall cannot move
     it), and used only when it finds a fixed cost (overhead_s > 0, at most the fastest
-    measurement); otherwise `scaling` is (factor, 0).
+    measurement) from at least `min_fit_points` measurements and explains them at least as well
+    as one factor does (median error in log space); otherwise `scaling` is (factor, 0). A
+    line through two measurements is no fit: in CI a lone prompt whose first token reached the
+    router with the next step's (x13.6 the model) beside a 15-prompt batch made a fixed cost of
+    1.3 s, and admission refused a burst that met the SLO.
     """
 
     factor: float = 1.0
@@ -373,6 +377,7 @@ class PrefillCalibration:
     recent: tuple[tuple[float, float], ...] = ()  # the last (predicted_s, measured_s), oldest first
     max_recent: int = 32
     min_spread: float = 2.0
+    min_fit_points: int = 4
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
@@ -384,8 +389,8 @@ class PrefillCalibration:
                              f"{self.factor}, {self.max_factor}")
         if self.num_samples < 0:
             raise ValueError("num_samples must be >= 0")
-        if self.overhead_s < 0 or self.max_recent < 2 or self.min_spread <= 1:
-            raise ValueError("need overhead_s >= 0, max_recent >= 2 and min_spread > 1")
+        if self.overhead_s < 0 or self.min_spread <= 1 or not 3 <= self.min_fit_points <= self.max_recent:
+            raise ValueError("need overhead_s >= 0, min_spread > 1 and 3 <= min_fit_points <= max_recent")
 
     @property
     def calibrated(self) -> bool:
@@ -426,8 +431,11 @@ class PrefillCalibration:
     def _fit(self, recent: Sequence[tuple[float, float]]) -> tuple[float, float]:
         """Theil-Sen fit of measured / predicted = slope + overhead_s / predicted over ``recent``:
         the median of the slopes between measurements at least ``min_spread`` apart in predicted
-        size, then the median intercept. (1.0, 0.0) when no pair is that far apart or the fit
-        finds no fixed cost."""
+        size, then the median intercept. (1.0, 0.0) with fewer than ``min_fit_points``
+        measurements, when no pair is that far apart, when the fit finds no fixed cost, or when
+        one factor explains the measurements better."""
+        if len(recent) < self.min_fit_points:
+            return 1.0, 0.0
         points = [(1.0 / p, min(self.max_factor, max(self.min_factor, m / p)), m) for p, m in recent]
         slopes = [(yj - yi) / (xj - xi) for i, (xi, yi, _) in enumerate(points)
                   for xj, yj, _ in points[i + 1:]
@@ -438,7 +446,13 @@ class PrefillCalibration:
         if overhead_s <= 0:
             return 1.0, 0.0
         slope = statistics.median([y - overhead_s * x for x, y, _ in points])
-        return min(self.max_factor, max(self.min_factor, slope)), overhead_s
+        slope = min(self.max_factor, max(self.min_factor, slope))
+        factor = statistics.median([y for _, y, _ in points])
+        affine_error = statistics.median([abs(math.log((slope + overhead_s * x) / y)) for x, y, _ in points])
+        factor_error = statistics.median([abs(math.log(factor / y)) for _, y, _ in points])
+        if affine_error > factor_error:
+            return 1.0, 0.0
+        return slope, overhead_s
 
 
 REASON_TBT = "decode is at the most streams that keep the TBT SLO"

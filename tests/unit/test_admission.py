@@ -407,6 +407,30 @@ def test_the_fixed_cost_is_neither_negative_nor_moved_by_one_stall() -> None:
     assert one_size.scaling == (one_size.factor, 0.0)
 
 
+@given(measured=st.lists(st.tuples(st.floats(0.01, 3.0), st.floats(0.01, 3.0)), min_size=1, max_size=3),
+       outlier=st.floats(5.0, 20.0))
+@settings(max_examples=200, deadline=None)
+def test_a_few_measurements_are_no_fixed_cost(measured: list[tuple[float, float]], outlier: float) -> None:
+    """CI, 2026-11-28: a lone prompt measured at x13.6 the model (its first token reached the
+    router with the next step's) and a 15-prompt batch at x0.93 made a line with a 1.3 s fixed
+    cost, and admission refused 15 of 16 prompts of a burst that met its 2 s SLO. Fewer than
+    `min_fit_points` measurements, whatever they are, leave the factor alone; so do the CI's
+    two. One such outlier among singles and bursts of an affine engine barely moves the fit."""
+    c = PrefillCalibration()
+    for p, m in measured:
+        c = c.observe(measured_s=m, predicted_s=p)
+    assert c.scaling == (c.factor, 0.0)
+    ci = PrefillCalibration().observe(measured_s=1.330, predicted_s=0.098).observe(measured_s=1.381, predicted_s=1.479)
+    assert ci.scaling == (ci.factor, 0.0) and ci.predict(1.479) < 2.0
+    clean, stalled = PrefillCalibration(), PrefillCalibration().observe(measured_s=outlier * 0.098, predicted_s=0.098)
+    for p in (0.098, 1.479, 0.098, 0.7, 0.098):
+        clean = clean.observe(measured_s=0.05 + 0.6 * p, predicted_s=p)
+        stalled = stalled.observe(measured_s=0.05 + 0.6 * p, predicted_s=p)
+    for p in (0.098, 1.479, 3.0):
+        assert clean.predict(p) == pytest.approx(0.05 + 0.6 * p, rel=1e-6)
+        assert stalled.predict(p) == pytest.approx(clean.predict(p), rel=0.25), stalled.scaling
+
+
 def test_length_scaled_deadlines_admit_a_short_prompt_ahead_of_long_ones() -> None:
     """With a TTFT SLO that grows with the prompt, prefill serves deadlines first: a short
     prompt arriving behind long ones is predicted (and admitted) at the front, where the flat
