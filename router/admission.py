@@ -131,10 +131,15 @@ class AdmissionStats:
     calibration_beside_streams: tuple[tuple[int, float], ...] = ()
     num_tbt_refusals: int = 0  # of num_refused: over the stream cap (never judged false or confirmed)
     stream_limit: int | None = None  # the cap on streams in flight now (None: none)
+    # (units, beside streams, slope, overhead_s) of the regimes whose calibration found a fixed cost
+    calibration_fixed_costs: tuple[tuple[int, bool, float, float], ...] = ()
 
     def summary(self) -> str:
-        by_units = ", ".join([f"x{f:.2f} on {u}" for u, f in self.calibration_by_units]
-                             + [f"x{f:.2f} on {u} beside streams" for u, f in self.calibration_beside_streams])
+        fits = {(u, beside): f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch"
+                for u, beside, slope, overhead_s in self.calibration_fixed_costs}
+        by_units = ", ".join([f"{fits.get((u, False), f'x{f:.2f}')} on {u}" for u, f in self.calibration_by_units]
+                             + [f"{fits.get((u, True), f'x{f:.2f}')} on {u} beside streams"
+                                for u, f in self.calibration_beside_streams])
         limit = f"streams capped at {self.stream_limit}" if self.stream_limit is not None else "no stream cap"
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
@@ -323,6 +328,9 @@ class AdmissionController:
             num_calibration_batches=self.calibration.num_samples,
             calibration_by_units=self._factors(beside=False),
             calibration_beside_streams=self._factors(beside=True),
+            calibration_fixed_costs=tuple((r.units, r.beside_streams, *c.scaling)
+                                          for r, c in sorted(self.calibration_by_regime.items())
+                                          if c.calibrated and c.overhead_s > 0),
             num_tbt_refusals=self.num_tbt_refusals, stream_limit=self.streams.limit,
         )
 

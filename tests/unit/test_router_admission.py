@@ -353,3 +353,5 @@ def test_a_burst_after_single_prompts_and_one_wave_is_admitted_when_it_meets_the
     wave([rng.randint(55, 80) for _ in range(rng.randint(6, 8))], "eight")
     assert len(wave(burst, "burst")) == len(burst), c.scaling(c.regime())
     assert c.stats().num_missed == 0
+    slope, overhead_s = c.scaling(c.regime())
+    assert overhead_s > 0 and f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch on 2" in c.stats().summary()
