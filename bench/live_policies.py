@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.request
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
