@@ -88,6 +88,12 @@ SUMMARY_INTERVAL_S = 30.0
 _CLOSED_BATCHES_KEPT = 64
 
 
+def describe_scaling(slope: float, overhead_s: float) -> str:
+    """A calibration's scaling as the logs print it: "x0.51 + 47 ms a batch", or "x1.20"
+    without a fixed cost."""
+    return f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch" if overhead_s > 0 else f"x{slope:.2f}"
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request was refused, and when, resubmitted, it is predicted to fit."""
@@ -135,10 +141,11 @@ class AdmissionStats:
     calibration_fixed_costs: tuple[tuple[int, bool, float, float], ...] = ()
 
     def summary(self) -> str:
-        fits = {(u, beside): f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch"
+        fits = {(u, beside): describe_scaling(slope, overhead_s)
                 for u, beside, slope, overhead_s in self.calibration_fixed_costs}
-        by_units = ", ".join([f"{fits.get((u, False), f'x{f:.2f}')} on {u}" for u, f in self.calibration_by_units]
-                             + [f"{fits.get((u, True), f'x{f:.2f}')} on {u} beside streams"
+        by_units = ", ".join([f"{fits.get((u, False)) or describe_scaling(f, 0.0)} on {u}"
+                              for u, f in self.calibration_by_units]
+                             + [f"{fits.get((u, True)) or describe_scaling(f, 0.0)} on {u} beside streams"
                                 for u, f in self.calibration_beside_streams])
         limit = f"streams capped at {self.stream_limit}" if self.stream_limit is not None else "no stream cap"
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
@@ -522,7 +529,7 @@ class AdmissionController:
         if not warmup:
             self._observe(regime, measured_s, predicted_s)
         slope, overhead_s = self.scaling(regime)
-        there = f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch" if overhead_s > 0 else f"x{slope:.2f}"
+        there = describe_scaling(slope, overhead_s)
         (log.info if first or (overhead_s > 0) != was_affine else log.debug)(
             "admission %s: %s %s: measured %.0f ms, model %.0f ms; calibration there %s, "
             "over all %d measurements x%.2f", "warm-up, not used" if warmup else "calibrated", what, regime,
