@@ -450,7 +450,7 @@ class PrefillCalibration:
         factor = statistics.median([y for _, y, _ in points])
         affine_error = statistics.median([abs(math.log((slope + overhead_s * x) / y)) for x, y, _ in points])
         factor_error = statistics.median([abs(math.log(factor / y)) for _, y, _ in points])
-        if affine_error > factor_error:
+        if affine_error > factor_error + 1e-9:  # an exact fit's rounding is no worse than a factor's 0
             return 1.0, 0.0
         return slope, overhead_s
 
