@@ -635,7 +635,11 @@ def _in_trace(pending: _Pending) -> Iterator[None]:
 def _goes_again(exc: Exception, attempt: int, pending: _Pending) -> bool:
     """Whether a handoff call that raised ``exc`` on try ``attempt`` goes again: decode_svc (or
     its connection) broke, tries are left, and the client still waits."""
-    broken = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+    # A connection that broke mid-call can also end it UNKNOWN "Stream removed" (grpc/grpc#34076;
+    # seen here when decode_svc was killed during a handoff).
+    broken = isinstance(exc, grpc.aio.AioRpcError) and (
+        exc.code() == grpc.StatusCode.UNAVAILABLE
+        or (exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed")))
     return broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done()
 
 

@@ -124,3 +124,27 @@ def test_a_prompt_waits_no_longer_than_the_pool_wait(monkeypatch: pytest.MonkeyP
     for result, error in asyncio.run(run()):
         assert result is None
         assert isinstance(error, Exception) and "KV cache is full" in str(error)
+
+
+@pytest.mark.parametrize(("code", "details", "again"), [
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", True),
+    (grpc.StatusCode.UNKNOWN, "Stream removed (Delayed close due to in-progress write (Socket closed))", True),
+    (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", False),
+    (grpc.StatusCode.INVALID_ARGUMENT, "Stream removed", False),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV pool is full", False),
+])
+def test_a_handoff_goes_again_only_when_its_connection_broke(code: grpc.StatusCode, details: str, again: bool) -> None:
+    """A decode_svc killed during a handoff can end the call UNKNOWN "Stream removed" rather than
+    UNAVAILABLE (grpc/grpc#34076; a fault test's client got "handoff to decode failed: Stream
+    removed"): both go again to the successor, while tries are left and the client waits; an
+    application's error never does."""
+    async def run() -> None:
+        exc = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+        pending = _Pending(prefill_pb2.PrefillRequest(request_id="r"), SamplingParams(),
+                           asyncio.get_running_loop().create_future())
+        assert server._goes_again(exc, 1, pending) is again
+        assert not server._goes_again(exc, server.MAX_FORWARDS, pending)
+        pending.cancelled = True
+        assert not server._goes_again(exc, 1, pending)
+
+    asyncio.run(run())
