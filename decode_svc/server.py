@@ -23,7 +23,7 @@ import logging
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
+_ENDS_KEPT = 1024  # requests whose end went into a stream, kept to send again (DecodeWorker.reopened)
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
 DEFAULT_PREFILL_TOKEN_BUDGET = 256
@@ -136,7 +137,10 @@ class DecodeWorker:
         self.running: list[_Active] = []
         self.prefilling: list[_Active] = []  # aggregated mode: prompts computed in chunks
         self.by_id: dict[str, _Active] = {}
-        self.routers: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
+        self.routers: dict[str, _Outbox] = {}
+        # The last requests whose end went into a router's stream, with their finish reason: a
+        # stream that broke may have lost it (``reopened``).
+        self._ended_recently: OrderedDict[str, tuple[str, decode_pb2.TokenUpdate]] = OrderedDict()
         self.num_steps = 0
         self.last_step_ns = 0
         self.last_step_compute_ns = 0  # the last step's compute alone, without its wait for the cores
@@ -182,7 +186,7 @@ class DecodeWorker:
         self._cancelled_for: OrderedDict[str, list[str]] = OrderedDict()  # a gone router's cancelled ids
         self._serving = False  # until then, routers of resumed requests are awaited without a timer
         self._awaited_routers: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.num_orphans_cancelled = 0
 
     @property
@@ -330,12 +334,12 @@ class DecodeWorker:
         self._wake.set()
         return True
 
-    def router_queue(self, router_id: str) -> asyncio.Queue[decode_pb2.TokenBatch]:
-        queue = self.routers.get(router_id)
-        if queue is None:
-            queue = asyncio.Queue(maxsize=_STREAM_QUEUE_LIMIT)
-            self.routers[router_id] = queue
-        return queue
+    def router_outbox(self, router_id: str) -> _Outbox:
+        outbox = self.routers.get(router_id)
+        if outbox is None:
+            outbox = _Outbox(_STREAM_QUEUE_LIMIT)
+            self.routers[router_id] = outbox
+        return outbox
 
     async def resume(self) -> int:
         """Take over the cell's decoding requests recorded in Redis (after a restart)."""
@@ -361,32 +365,96 @@ class DecodeWorker:
                 await self.records.set_state(rec.request_id, "failed")
         records = [rec for rec in records if rec.request_id in held]
         for rec in records:
-            params = SamplingParams.from_dict(rec.sampling)
-            req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
-            req.output_token_ids = list(rec.output_token_ids)
-            req.block_ids = held[rec.request_id]
-            req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
-            await self.records.set_state(rec.request_id, "decode", decode_service_id=self.service_id)
-            # num_sent=0: the router may have missed tokens recorded just before the crash;
-            # it drops the ones it already has.
-            active = _Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids))
             self._expect_router(rec.router_id)
-            # Its last token had ended it, but the end never reached the router: send it again.
-            reason = check_stop(req.output_token_ids[-1], len(req.output_token_ids), params, self.eos_token_ids)
-            if reason is None and len(req.all_token_ids) >= self.runner.config.max_position_embeddings:
-                reason = "length"
-            if reason is not None:
-                self.by_id[req.request_id] = active
-                await self._finish(active, reason)
-                continue
-            if req.block_ids:
-                self._admit(active)
-            else:
-                self.by_id[req.request_id] = active
-                active.preempted_ns = time.perf_counter_ns()
-                self.preempted.append(active)
+            await self._take_over(rec, held[rec.request_id])
         self._wake.set()
         return len(records)
+
+    async def _take_over(self, rec: RequestRecord, block_ids: list[int]) -> None:
+        """Decode ``rec``'s request from its record on, in ``block_ids`` (none: it recomputes),
+        or send its end again at once if its last recorded token had ended it."""
+        assert self.records is not None
+        params = SamplingParams.from_dict(rec.sampling)
+        req = Request(rec.request_id, rec.prompt_token_ids, params, restore_generator(params, rec.generator_state))
+        req.output_token_ids = list(rec.output_token_ids)
+        req.block_ids = block_ids
+        req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
+        await self.records.set_state(rec.request_id, "decode", decode_service_id=self.service_id)
+        # num_sent=0: the router may have missed tokens recorded just before the crash;
+        # it drops the ones it already has.
+        active = _Active(req, rec.router_id, num_sent=0, logprobs_from=len(req.output_token_ids))
+        # Its last token had ended it, but the end never reached the router: send it again.
+        reason = check_stop(req.output_token_ids[-1], len(req.output_token_ids), params, self.eos_token_ids)
+        if reason is None and len(req.all_token_ids) >= self.runner.config.max_position_embeddings:
+            reason = "length"
+        if reason is not None:
+            self.by_id[req.request_id] = active
+            await self._finish(active, reason)
+            return
+        if req.block_ids:
+            self._admit(active)
+        else:
+            self.by_id[req.request_id] = active
+            active.preempted_ns = time.perf_counter_ns()
+            self.preempted.append(active)
+
+    def reopened(self, router_id: str, awaiting: Sequence[decode_pb2.StreamOffset]) -> list[str]:
+        """Send ``router_id`` again what a stream of it wrote and it never read: a stream that
+        breaks loses what was written to it, and a router opening a new one names what it waits
+        for and the output tokens it has of each. Before anything else waiting for it, and
+        never beyond what was sent before (every token sent is recorded first): the tokens from
+        the router's offset (at least 1: the first token is prefill's reply) of each request
+        still decoding here, and the whole output and end of each that ended here recently.
+        Returns the other ids, for ``resend_ended`` to look up."""
+        updates: list[decode_pb2.TokenUpdate] = []
+        unknown: list[str] = []
+        for offset in awaiting:
+            rid, start = offset.request_id, max(1, offset.num_tokens)
+            active = self.by_id.get(rid)
+            ended = self._ended_recently.get(rid)
+            if active is not None:
+                if active.router_id == router_id and start < active.num_sent:
+                    updates.append(_token_update(active, start, active.num_sent, None))
+            elif ended is not None:
+                ended_for, end = ended
+                if ended_for == router_id:
+                    start = min(start, len(end.tokens))
+                    updates.append(decode_pb2.TokenUpdate(request_id=rid, first_index=start, tokens=end.tokens[start:],
+                                                          finish_reason=end.finish_reason, error=end.error))
+            else:
+                unknown.append(rid)
+        if updates:
+            self.router_outbox(router_id).put_first(decode_pb2.TokenBatch(updates=updates, step=self.num_steps))
+        return unknown
+
+    async def resend_ended(self, router_id: str, request_ids: Sequence[str]) -> int:
+        """End again the requests ``router_id`` waits for whose record says this cell's decode
+        ended them (state done) but that this service did not end recently: a predecessor that
+        died ended them, and their end never reached the router. A cell runs one decode
+        service per model, so a record ended by another service id was ended by a dead
+        predecessor. The blocks were given back (or are the agent's to reclaim from the dead
+        lease), so a request whose last recorded token does not end it (a stop the record
+        cannot show) recomputes and decodes on; the router drops the tokens it already has.
+        Returns how many."""
+        if self.records is None or not request_ids:
+            return 0
+        try:
+            records = await self.records.get_many(request_ids)
+        except _RECORD_ERRORS as exc:  # Redis away: the router's stall timeout fails them
+            log.warning("could not read the records of the %d requests router %s waits for (%s)",
+                        len(request_ids), router_id, exc)
+            return 0
+        ended = [rec for rec in records
+                 if rec is not None and rec.state == "done" and rec.router_id == router_id
+                 and rec.cell_id == self.member.cell_id and rec.model in ("", self.member.model)
+                 and rec.decode_service_id and rec.output_token_ids]
+        for rec in ended:
+            if rec.request_id not in self.by_id:  # a second stream of the router may race this one
+                log.warning("request %s: its end (recorded by %s) never reached router %s; sending it again",
+                            rec.request_id, rec.decode_service_id, router_id)
+                await self._take_over(rec, [])
+        self._wake.set()
+        return len(ended)
 
     async def _claim_resumed(self, request_ids: list[str]) -> dict[str, list[int]]:
         """The blocks of the requests to resume, taken over from the dead predecessor, by id ([]
@@ -428,7 +496,7 @@ class DecodeWorker:
         if cancelled:  # back after its grace: its clients still wait; they fail now, clearly
             error = (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
                      f"more than {self.config.router_grace_s:g} s")
-            self.router_queue(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
+            self.router_outbox(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
                 decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)
                 for rid in cancelled]))
 
@@ -956,19 +1024,9 @@ class DecodeWorker:
             log.warning("could not publish the prompt of %s: %s", req.request_id, exc.details())
 
     def _update(self, active: _Active, finish_reason: str | None) -> decode_pb2.TokenUpdate:
-        req = active.req
-        tokens = []
-        for i in range(active.num_sent, len(req.output_token_ids)):
-            known = i >= active.logprobs_from and req.params.logprobs is not None
-            j = i - active.logprobs_from
-            tokens.append(token_to_proto(
-                req.output_token_ids[i],
-                req.output_logprobs[j] if known and j < len(req.output_logprobs) else None,
-                req.output_top_logprobs[j] if known and j < len(req.output_top_logprobs) else None,
-            ))
-        update = decode_pb2.TokenUpdate(request_id=req.request_id, first_index=active.num_sent, tokens=tokens,
-                                        finish_reason=finish_to_proto(finish_reason), error=active.error)
-        active.num_sent = len(req.output_token_ids)
+        """The request's output tokens not yet sent, marked sent."""
+        update = _token_update(active, active.num_sent, len(active.req.output_token_ids), finish_reason)
+        active.num_sent = len(active.req.output_token_ids)
         return update
 
     def _updates(self, batch: list[_Active], finish: dict[str, str] | None = None) -> dict[str, decode_pb2.TokenBatch]:
@@ -980,17 +1038,21 @@ class DecodeWorker:
         return {router_id: decode_pb2.TokenBatch(updates=updates, step=self.num_steps, step_ns=self.last_step_ns)
                 for router_id, updates in per_router.items()}
 
+    def spawn(self, call: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``call`` beside the steps, referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(call, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _put(self, router_id: str, message: decode_pb2.TokenBatch) -> None:
         if router_id in self._gone_routers:
             return
         try:
-            self.router_queue(router_id).put_nowait(message)
+            self.router_outbox(router_id).put_nowait(message)
         except asyncio.QueueFull:
             log.error("router %s is not reading its stream; dropping a step for %d requests",
                       router_id, len(message.updates))
-            task = asyncio.get_running_loop().create_task(self.delivered(message))  # ends nobody will read
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self.delivered(message), f"delivered-{router_id}")  # ends nobody will read
 
     def _send(self, batch: list[_Active], finish: dict[str, str] | None = None) -> None:
         for router_id, message in self._updates(batch, finish).items():
@@ -1016,6 +1078,11 @@ class DecodeWorker:
             if pending is not None and not pending.done() and pending is not asyncio.current_task():
                 await asyncio.gather(pending, return_exceptions=True)
             self._send([active], {req.request_id: reason})
+        if (send or end_streamed) and active.router_id not in self._gone_routers:
+            # Its whole output and end (a few bytes a token; not the prompt), for `reopened`
+            self._ended_recently[req.request_id] = (active.router_id, _token_update(active, 0, active.num_sent, reason))
+            while len(self._ended_recently) > _ENDS_KEPT:
+                self._ended_recently.popitem(last=False)
         if active.span is not None:
             active.span.set_attribute("tandem.output_tokens", len(req.output_token_ids))
             active.span.set_attribute("tandem.finish_reason", reason)
@@ -1050,6 +1117,62 @@ class DecodeWorker:
         """Give the request's blocks back, publishing the K/V written so far."""
         await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
         self._readmit_after_ns = 0  # the preempted may fit now
+
+
+def _token_update(active: _Active, start: int, stop: int, finish_reason: str | None) -> decode_pb2.TokenUpdate:
+    """The update of ``active``'s output tokens [start, stop) (with their logprobs where known)."""
+    req = active.req
+    tokens = []
+    for i in range(start, min(stop, len(req.output_token_ids))):
+        known = i >= active.logprobs_from and req.params.logprobs is not None
+        j = i - active.logprobs_from
+        tokens.append(token_to_proto(
+            req.output_token_ids[i],
+            req.output_logprobs[j] if known and j < len(req.output_logprobs) else None,
+            req.output_top_logprobs[j] if known and j < len(req.output_top_logprobs) else None,
+        ))
+    return decode_pb2.TokenUpdate(request_id=req.request_id, first_index=start, tokens=tokens,
+                                  finish_reason=finish_to_proto(finish_reason), error=active.error)
+
+
+class _Outbox:
+    """One router's TokenBatches, read by its newest stream alone. A router opens a new stream
+    when its old one broke, and the old one's handler may not have noticed yet: it would take
+    messages into a dead call (and mark their ends delivered). Each ``open`` supersedes the
+    streams before it: their ``get`` returns None and they end. A bounded FIFO (``put_nowait``
+    raises asyncio.QueueFull when full)."""
+
+    def __init__(self, limit: int) -> None:
+        self._items: deque[decode_pb2.TokenBatch] = deque()
+        self._limit = limit
+        self._changed = asyncio.Event()
+        self._newest = 0
+
+    def open(self) -> int:
+        """A new stream: the number it reads with."""
+        self._newest += 1
+        self._changed.set()
+        return self._newest
+
+    def put_nowait(self, message: decode_pb2.TokenBatch) -> None:
+        if len(self._items) >= self._limit:
+            raise asyncio.QueueFull
+        self._items.append(message)
+        self._changed.set()
+
+    def put_first(self, message: decode_pb2.TokenBatch) -> None:
+        """``message`` goes out before every one waiting (over the limit if need be)."""
+        self._items.appendleft(message)
+        self._changed.set()
+
+    async def get(self, stream: int) -> decode_pb2.TokenBatch | None:
+        """The next message for stream number ``stream``; None once a newer stream opened."""
+        while stream == self._newest:
+            if self._items:
+                return self._items.popleft()
+            self._changed.clear()
+            await self._changed.wait()
+        return None
 
 
 def _beside(active: _Active, call: Coroutine[Any, Any, None], name: str) -> None:
@@ -1148,15 +1271,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return stats
 
     async def Stream(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
-        queue = self.worker.router_queue(request.router_id)
+        outbox = self.worker.router_outbox(request.router_id)
+        stream = outbox.open()  # an older stream of this router takes nothing more
         self.worker.router_opened(request.router_id)
         try:
             # An empty batch first tells the router the stream is live.
             yield decode_pb2.TokenBatch(step=self.worker.num_steps)
-            while True:
-                message = await queue.get()
-                yield message
-                await self.worker.delivered(message)
+            unknown = self.worker.reopened(request.router_id, request.awaiting)
+            if unknown:
+                self.worker.spawn(self.worker.resend_ended(request.router_id, unknown), f"resend-{request.router_id}")
+            while (message := await outbox.get(stream)) is not None:
+                try:
+                    yield message
+                finally:
+                    # The ends are recorded once written, or lost with a broken stream: the
+                    # router names them when it opens its next one (DecodeWorker.reopened).
+                    # Beside the stream: a router that cancels it cancels this handler.
+                    if any(u.finish_reason for u in message.updates):
+                        self.worker.spawn(self.worker.delivered(message), "delivered")
         finally:
             # A router that stays away loses its requests (see DecodeWorker._router_gone).
             self.worker.router_closed(request.router_id)

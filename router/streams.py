@@ -38,7 +38,11 @@ class DecodeStreams:
     - a stream that fails or ends is reopened after a backoff (doubling from
       ``reconnect_initial_s`` up to ``reconnect_max_s``) until ``close`` or until its address
       is removed by ``set_addresses``; requests are not told, their stall timeout covers a
-      decode service that does not come back.
+      decode service that does not come back;
+    - every (re)open names the registered requests whose final update has not arrived, with
+      the tokens received of each (``awaiting``): what a stream wrote but never delivered
+      before it broke, or before its decode service died, is sent again (a decode service
+      marks a request done once its end is written to the stream).
     The object keeps a reference to every task it starts; ``close`` cancels and awaits them.
     """
 
@@ -60,6 +64,8 @@ class DecodeStreams:
         self._reconnect_initial_s = reconnect_initial_s
         self._reconnect_max_s = reconnect_max_s
         self._queues: dict[str, asyncio.Queue[decode_pb2.TokenUpdate]] = {}
+        self._ended: set[str] = set()  # registered ids whose final update has been dispatched
+        self._received: dict[str, int] = {}  # registered id -> output tokens dispatched (up to)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retired: set[asyncio.Task[None]] = set()
         self._orphans: OrderedDict[str, None] = OrderedDict()
@@ -111,6 +117,14 @@ class DecodeStreams:
     def unregister(self, request_id: str) -> None:
         """Stop routing ``request_id``'s updates (idempotent)."""
         self._queues.pop(request_id, None)
+        self._ended.discard(request_id)
+        self._received.pop(request_id, None)
+
+    def awaiting(self) -> list[decode_pb2.StreamOffset]:
+        """The registered requests whose final update has not arrived, with the output tokens
+        received of each (told to a stream when it opens)."""
+        return [decode_pb2.StreamOffset(request_id=rid, num_tokens=self._received.get(rid, 0))
+                for rid in self._queues if rid not in self._ended]
 
     async def close(self) -> None:
         """Cancel every stream task and wait until they are gone."""
@@ -128,6 +142,11 @@ class DecodeStreams:
             queue = self._queues.get(update.request_id)
             if queue is not None:
                 queue.put_nowait(update)
+                end = update.first_index + len(update.tokens)
+                if end > self._received.get(update.request_id, 0):
+                    self._received[update.request_id] = end
+                if update.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self._ended.add(update.request_id)
             elif update.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._note_orphan(address, update.request_id)
 
@@ -148,7 +167,8 @@ class DecodeStreams:
             stub = decode_pb2_grpc.DecodeStub(self._channels.get(address))
             # The one RPC without a deadline: the stream lives as long as the process. A hung
             # decode service is caught per request by the router's stall timeout.
-            call = stub.Stream(decode_pb2.StreamRequest(router_id=self._router_id))
+            call = stub.Stream(decode_pb2.StreamRequest(router_id=self._router_id,
+                                                        awaiting=self.awaiting()))
             try:
                 async for batch in call:
                     if num_failures:

@@ -193,6 +193,18 @@ class RequestStore:
             fields, outputs = await pipe.execute()
         return request_from_fields(fields, outputs) if fields else None
 
+    async def get_many(self, request_ids: Sequence[str]) -> builtins.list[RequestRecord | None]:
+        """The records of ``request_ids`` (None where there is none), in one round trip."""
+        if not request_ids:
+            return []
+        async with self._client.pipeline(transaction=True) as pipe:  # one instant for all
+            for request_id in request_ids:
+                pipe.hgetall(self._keys.request(request_id))
+                pipe.get(self._keys.outputs(request_id))
+            replies = await pipe.execute()
+        return [request_from_fields(fields, outputs) if fields else None
+                for fields, outputs in zip(replies[::2], replies[1::2], strict=True)]
+
     async def append_outputs(
         self, updates: Iterable[tuple[str, Sequence[int], int, bytes, Sequence[int] | None]],
     ) -> builtins.list[str]:

@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -28,7 +28,8 @@ import pytest
 from decode_svc.config import ROUTER_GRACE_S
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.rpc.v1 import common_pb2
+from tandem.rpc.convert import sampling_to_proto
+from tandem.rpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.state.redis_server import RedisServer
 from tests.integration.mesh_client import agent_stats, decode_stats, generate, wait_all_blocks_free
 from tests.integration.stack import Stack, assert_greedy_output, fault_seed, with_top2, write_stepping_chat_model
@@ -151,6 +152,100 @@ def test_decode_killed_at_random_moments_resumes_every_stream(stack: Stack, engi
         return outcomes
 
     _check_complete(engine, work, asyncio.run(run()), seed)
+
+
+def test_a_reopened_stream_gets_what_the_broken_one_never_delivered(stack: Stack, engine: LLMEngine) -> None:
+    """decode_svc records a request done once its end is written to the router's stream; a
+    stream that breaks, or a decode killed, right after loses that end, and the router waited
+    30 s for it (CI, seed 363233724: one of twelve streams after two decode kills). A router of
+    the test's own reads every end of a few short requests while a long one streams, drops its
+    stream (at a random moment of the long one), and opens a new one naming what it still
+    "waits for" with the tokens it has of each: from the same decode_svc, then from the
+    successor of a killed one. Each short request ends again, whole and with its reason, from
+    its record; the long one streams on from where the router was, without a gap, to the
+    engine's output; an id nobody knows gets nothing; every block comes back."""
+    seed = fault_seed()
+    rng = random.Random(seed)
+    router_id = f"test-router-{seed}"
+
+    async def read(call: Any, got: dict[str, tuple[list[int], int]], until: set[str], timeout_s: float = 90) -> None:
+        """Fold ``call``'s updates into ``got`` (request id -> (output tokens from index 0,
+        finish reason)) until every id in ``until`` has ended: an update may repeat tokens the
+        router has (they must be the same), never skip one."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not until <= {rid for rid, (_, reason) in got.items() if reason}:
+                    batch = await call.read()
+                    assert batch is not grpc.aio.EOF, f"seed {seed}: the stream ended"
+                    for u in (u for u in batch.updates if u.request_id in got):  # not an earlier round's
+                        have, _ = got[u.request_id]
+                        new = [t.token_id for t in u.tokens]
+                        assert u.first_index <= len(have), f"seed {seed}: {u.request_id} skipped tokens"
+                        assert have[u.first_index:u.first_index + len(new)] == new[:len(have) - u.first_index]
+                        got[u.request_id] = (have + new[len(have) - u.first_index:], u.finish_reason)
+        except TimeoutError:
+            raise AssertionError(f"seed {seed}: {sorted(until - {r for r, (_, f) in got.items() if f})} never "
+                                 f"ended") from None
+
+    async def round_trip(channels: Any, restart: bool) -> None:
+        decode = decode_pb2_grpc.DecodeStub(channels["decode"])
+        prefill = prefill_pb2_grpc.PrefillStub(channels["prefill"])
+        call = decode.Stream(decode_pb2.StreamRequest(router_id=router_id))
+        await call.read()  # the empty batch that says the stream is live
+        short = [f"{router_id}-{restart}-{i}" for i in range(rng.randint(2, 6))]
+        long = f"{router_id}-{restart}-long"
+        prompts = {rid: [rng.randrange(100, 40000) for _ in range(rng.randint(3, 300))] for rid in [*short, long]}
+        params = {rid: SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 60), ignore_eos=rng.random() < 0.5)
+                  for rid in short}
+        params[long] = SamplingParams(temperature=0.0, max_tokens=rng.randint(150, 400), ignore_eos=True)
+        replies = await asyncio.gather(*[prefill.Submit(prefill_pb2.PrefillRequest(
+            request_id=rid, token_ids=prompts[rid], sampling=sampling_to_proto(params[rid]), router_id=router_id,
+            arrival_unix_ns=time.time_ns()), timeout=60) for rid in prompts])
+        got = {r.request_id: ([r.first_token.token_id], r.finish_reason) for r in replies}
+        at_decode = {rid for rid, (_, reason) in got.items() if not reason}
+        assert long in at_decode
+        await read(call, got, at_decode - {long})
+        await asyncio.sleep(rng.uniform(0.0, 0.5))  # the long one streams on meanwhile
+        call.cancel()
+        await asyncio.sleep(rng.uniform(0.0, 0.3))  # what decode writes now reaches nobody
+        if restart:
+            stack.kill("decode_svc")
+            await asyncio.to_thread(stack.start_process, "decode_svc")
+            channels["decode"] = grpc.aio.insecure_channel(stack.address("decode_svc"))
+            decode = decode_pb2_grpc.DecodeStub(channels["decode"])
+        ended = {rid: got[rid] for rid in at_decode - {long}}
+        assert all(reason for _, reason in ended.values())
+        # The router "missed" every short end; it has what it has of the long one.
+        lost = {rid: ([tokens[0]], 0) for rid, (tokens, _) in ended.items()}
+        unknown = f"{router_id}-nobody"
+        awaiting = [decode_pb2.StreamOffset(request_id=rid, num_tokens=1) for rid in lost]
+        awaiting += [decode_pb2.StreamOffset(request_id=long, num_tokens=len(got[long][0])),
+                     decode_pb2.StreamOffset(request_id=unknown, num_tokens=0)]
+        again = decode.Stream(decode_pb2.StreamRequest(router_id=router_id, awaiting=awaiting))
+        resent = {**lost, long: (got[long][0], 0), unknown: ([], 0)}
+        await read(again, resent, at_decode)
+        again.cancel()
+        assert resent[unknown] == ([], 0)
+        for rid, outcome in ended.items():
+            assert resent[rid] == outcome, f"seed {seed}: {rid}"
+        want = engine.generate([prompts[long]], [with_top2(params[long])])[0]
+        assert resent[long][1] == common_pb2.FINISH_REASON_LENGTH
+        assert_greedy_output(resent[long][0], want, TIE, f"seed {seed}: the long one")
+
+    async def run() -> None:
+        channels = {"decode": grpc.aio.insecure_channel(stack.address("decode_svc")),
+                    "prefill": grpc.aio.insecure_channel(stack.address("prefill_svc"))}
+        try:
+            async with _revived(stack, "decode_svc"):
+                await round_trip(channels, restart=False)
+                await round_trip(channels, restart=True)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+        await _drained(stack)
+
+    asyncio.run(run())
+    assert stack.logs("decode_svc").count("never reached router") >= 2
 
 
 async def _kill_decode(stack: Stack, rng: random.Random, kills: int, after_s: tuple[float, float]) -> None:

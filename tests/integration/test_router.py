@@ -114,12 +114,14 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     def __init__(self) -> None:
         self.streams: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
         self.stream_opened = asyncio.Event()
+        self.opened: list[decode_pb2.StreamRequest] = []
         self.cancelled: list[str] = []
         self.cancel_seen = asyncio.Event()
         self._step = 0
 
     async def Stream(self, request: decode_pb2.StreamRequest, context: Any) -> AsyncIterator[decode_pb2.TokenBatch]:
         queue: asyncio.Queue[decode_pb2.TokenBatch] = asyncio.Queue()
+        self.opened.append(request)
         self.streams[request.router_id] = queue
         self.stream_opened.set()
         while True:
@@ -456,6 +458,9 @@ def test_decode_restart_reconnects_and_resend_is_deduplicated(model_dir: Path) -
             server, _ = await start_server(restarted, decode_pb2_grpc.add_DecodeServicer_to_server, port)
             s.servers.append(server)
             await asyncio.wait_for(restarted.stream_opened.wait(), 10)
+            # The new stream names what the router waits for: tokens 11 and 12 came by stream.
+            assert list(restarted.opened[-1].awaiting) == [
+                decode_pb2.StreamOffset(request_id=upstream_id(s, "restart-1"), num_tokens=3)]
             restarted.emit(update(upstream_id(s, "restart-1"), 0, [10, 11, 12, 13, 14], finish=STOP))
             while (response := await call.read()) is not grpc.aio.EOF:
                 seen.append(response)

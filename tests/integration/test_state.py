@@ -387,6 +387,10 @@ def test_request_record_round_trip(redis_client: aredis.Redis) -> None:
         assert bare is not None
         assert (bare.output_token_ids, bare.block_ids, bare.decode_service_id) == ([], [], None)
         assert bare.generator_state == b"" and bare.sampling == {}
+        # Many at once, in the order asked, None where there is none.
+        ids = ["req-2", "req-missing", "req-1", "req-2"]
+        assert await store.get_many(ids) == [await store.get(i) for i in ids]
+        assert await store.get_many([]) == []
 
     run(redis_client, body)
 

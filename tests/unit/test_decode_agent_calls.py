@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +75,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker._publishing = None
     worker._unrecorded = set()
     worker._gone_routers = set()
+    worker._ended_recently = OrderedDict()
     worker.records = None
     worker._wake = asyncio.Event()
     worker._readmit_after_ns = 0

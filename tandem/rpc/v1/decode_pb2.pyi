@@ -54,10 +54,20 @@ class HandoffReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prefill_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("router_id",)
+    __slots__ = ("router_id", "awaiting")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_FIELD_NUMBER: _ClassVar[int]
     router_id: str
-    def __init__(self, router_id: _Optional[str] = ...) -> None: ...
+    awaiting: _containers.RepeatedCompositeFieldContainer[StreamOffset]
+    def __init__(self, router_id: _Optional[str] = ..., awaiting: _Optional[_Iterable[_Union[StreamOffset, _Mapping]]] = ...) -> None: ...
+
+class StreamOffset(_message.Message):
+    __slots__ = ("request_id", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
     __slots__ = ("request_id", "first_index", "tokens", "finish_reason", "error")
