@@ -89,9 +89,12 @@ _CLOSED_BATCHES_KEPT = 64
 
 
 def describe_scaling(slope: float, overhead_s: float) -> str:
-    """A calibration's scaling as the logs print it: "x0.51 + 47 ms a batch", or "x1.20"
-    without a fixed cost."""
-    return f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch" if overhead_s > 0 else f"x{slope:.2f}"
+    """A calibration's scaling as the logs print it: "x0.51 + 47 ms a batch" (two significant
+    digits under 10 ms: "+ 0.52 ms"), or "x1.20" without a fixed cost."""
+    if overhead_s <= 0:
+        return f"x{slope:.2f}"
+    ms = overhead_s * 1000
+    return f"x{slope:.2f} + {ms:.0f} ms a batch" if ms >= 10 else f"x{slope:.2f} + {ms:.2g} ms a batch"
 
 
 @dataclass(frozen=True)

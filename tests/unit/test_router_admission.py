@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.admission import AdmissionController, PromptRegime
+from router.admission import AdmissionController, PromptRegime, describe_scaling
 from tandem.policy.types import Slo
 from tandem.state.schema import LoadReport
 from tests.unit.test_admission import BatchPredictor, TokenPredictor
@@ -354,4 +354,13 @@ def test_a_burst_after_single_prompts_and_one_wave_is_admitted_when_it_meets_the
     assert len(wave(burst, "burst")) == len(burst), c.scaling(c.regime())
     assert c.stats().num_missed == 0
     slope, overhead_s = c.scaling(c.regime())
-    assert overhead_s > 0 and f"x{slope:.2f} + {overhead_s * 1000:.0f} ms a batch on 2" in c.stats().summary()
+    assert overhead_s > 0 and f"{describe_scaling(slope, overhead_s)} on 2" in c.stats().summary()
+
+
+@pytest.mark.parametrize(("slope", "overhead_s", "text"), [
+    (1.2, 0.0, "x1.20"), (0.51, 0.047, "x0.51 + 47 ms a batch"), (0.647, 0.0005, "x0.65 + 0.5 ms a batch"),
+    (0.9, 0.00123, "x0.90 + 1.2 ms a batch"), (2.0, 0.0099, "x2.00 + 9.9 ms a batch"), (1.0, 0.01, "x1.00 + 10 ms a batch"),
+])
+def test_the_scaling_prints_a_small_fixed_cost_in_fractions_of_a_ms(slope: float, overhead_s: float, text: str) -> None:
+    """A fixed cost under 1 ms printed as "+ 0 ms a batch" read as none at all."""
+    assert describe_scaling(slope, overhead_s) == text
