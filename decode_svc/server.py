@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
+# An agent call that failed so says a service was away: the client may try again.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE", grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE"}
 _ENDS_KEPT = 1024  # requests whose end went into a stream, kept to send again (DecodeWorker.reopened)
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
@@ -103,6 +105,7 @@ class _Active:
     logprobs_from: int = 0  # output index from which logprobs are known (not after a resume)
     cancelled: bool = False
     error: str = ""
+    error_status: str = ""  # with error: the gRPC status name the router answers with ("": INTERNAL)
     span: trace.Span | None = None  # "decode" span of the request, handoff to finish
     # needs_prefill: the Handoff call waiting for the first token, and when the request came
     first_token: asyncio.Future[decode_pb2.HandoffReply] | None = None
@@ -420,7 +423,8 @@ class DecodeWorker:
                 if ended_for == router_id:
                     start = min(start, len(end.tokens))
                     updates.append(decode_pb2.TokenUpdate(request_id=rid, first_index=start, tokens=end.tokens[start:],
-                                                          finish_reason=end.finish_reason, error=end.error))
+                                                          finish_reason=end.finish_reason, error=end.error,
+                                                          error_status=end.error_status))
             else:
                 unknown.append(rid)
         if updates:
@@ -497,7 +501,8 @@ class DecodeWorker:
             error = (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
                      f"more than {self.config.router_grace_s:g} s")
             self.router_outbox(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
-                decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)
+                decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error,
+                                       error_status="UNAVAILABLE")
                 for rid in cancelled]))
 
     def router_closed(self, router_id: str) -> None:
@@ -734,6 +739,7 @@ class DecodeWorker:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     return None  # pool full: preempt and retry
                 active.error = f"growing the request's KV blocks failed: {exc.details()}"
+                active.error_status = _TRANSIENT.get(exc.code(), "")
                 return False
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
@@ -815,6 +821,7 @@ class DecodeWorker:
             if len(tokens) + 1 > pool_tokens:
                 self.preempted.popleft()
                 active.error = f"the request needs {len(tokens) + 1} tokens of KV cache; the pool holds {pool_tokens}"
+                active.error_status = "INVALID_ARGUMENT"
                 await self._finish(active, "error")
                 continue
             try:
@@ -828,6 +835,8 @@ class DecodeWorker:
                     return  # blocks come back as running requests finish
                 self.preempted.popleft()
                 active.error = f"KV cache exhausted: no blocks for {waited_s:.0f} s ({exc.details()})"
+                active.error_status = ("RESOURCE_EXHAUSTED" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                       else _TRANSIENT.get(exc.code(), ""))
                 await self._finish(active, "error")
                 continue
             self.preempted.popleft()
@@ -1132,7 +1141,8 @@ def _token_update(active: _Active, start: int, stop: int, finish_reason: str | N
             req.output_top_logprobs[j] if known and j < len(req.output_top_logprobs) else None,
         ))
     return decode_pb2.TokenUpdate(request_id=req.request_id, first_index=start, tokens=tokens,
-                                  finish_reason=finish_to_proto(finish_reason), error=active.error)
+                                  finish_reason=finish_to_proto(finish_reason), error=active.error,
+                                  error_status=active.error_status)
 
 
 class _Outbox:

@@ -363,7 +363,7 @@ class RouterCore:
                         last_update_s = now_s
                     if update.finish_reason == _ERROR:
                         generation.ended_by_upstream = True
-                        raise RequestError(Status.INTERNAL,
+                        raise RequestError(Status.__members__.get(update.error_status, Status.INTERNAL),
                                            update.error or "decode service failed the request without a message")
                     try:
                         response = generation.advance(update.first_index, update.tokens, update.finish_reason)

@@ -423,6 +423,7 @@ def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -
     for outcome in outcomes:
         assert isinstance(outcome, grpc.aio.AioRpcError), f"seed {seed}: a stream outlived its cancellation"
         assert "its router's token stream was away" in (outcome.details() or ""), f"seed {seed}: {outcome.details()}"
+        assert outcome.code() == grpc.StatusCode.UNAVAILABLE, f"seed {seed}: {outcome.code()}"
     assert waited_s < 10.0, f"seed {seed}: the errors came {waited_s:.1f} s after the router thawed"
     asyncio.run(_drained(stack))
     asyncio.run(restart_with_default_grace())

@@ -410,11 +410,21 @@ def test_prefill_down_is_unavailable(model_dir: Path) -> None:
     run(body())
 
 
-def test_decode_error_aborts_with_internal(model_dir: Path) -> None:
+@pytest.mark.parametrize(("error_status", "code"), [
+    ("", grpc.StatusCode.INTERNAL), ("NOT_A_STATUS", grpc.StatusCode.INTERNAL),
+    ("UNAVAILABLE", grpc.StatusCode.UNAVAILABLE), ("RESOURCE_EXHAUSTED", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("INVALID_ARGUMENT", grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_decode_error_aborts_with_the_status_decode_names(model_dir: Path, error_status: str,
+                                                          code: grpc.StatusCode) -> None:
+    """A request decode_svc fails ends with the status it names (an agent that was away:
+    UNAVAILABLE, so the client knows it may try again), INTERNAL when it names none it knows."""
     async def body() -> None:
         async with stack(model_dir) as s:
             async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
-                s.decode.emit(update(request.request_id, 1, [], finish=ERROR, error="KV pool exploded"))
+                failed = update(request.request_id, 1, [], finish=ERROR, error="KV pool exploded")
+                failed.error_status = error_status
+                s.decode.emit(failed)
                 return first_token_reply(request, 42)
 
             s.prefill.behaviour = behaviour
@@ -423,7 +433,7 @@ def test_decode_error_aborts_with_internal(model_dir: Path) -> None:
             assert all_tokens([first]) == [42]
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
-            assert info.value.code() == grpc.StatusCode.INTERNAL and info.value.details() == "KV pool exploded"
+            assert info.value.code() == code and info.value.details() == "KV pool exploded"
 
     run(body())
 

@@ -87,3 +87,41 @@ def test_preempted_requests_ask_once_per_interval_or_after_a_release(monkeypatch
     asked, elapsed, before, after = asyncio.run(run())
     assert 1 <= asked <= elapsed / retry_s + 2  # about one per interval, not one per step (~100)
     assert after == before - 1
+
+
+class _FailingAgent(_Agent):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__()
+        self.code = code
+
+    async def Allocate(self, request: agent_pb2.AllocateRequest, timeout: float) -> agent_pb2.AllocateReply:  # noqa: N802
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+
+
+@pytest.mark.parametrize(("code", "prompt_len", "status"), [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 3, "RESOURCE_EXHAUSTED"),  # the pool stayed full past the timeout
+    (grpc.StatusCode.UNAVAILABLE, 3, "UNAVAILABLE"),  # the agent was away: try again
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 3, "UNAVAILABLE"),
+    (grpc.StatusCode.INTERNAL, 3, ""),  # a failure of the agent's own: INTERNAL
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 1600, "INVALID_ARGUMENT"),  # more than the whole pool: never fits
+])
+def test_a_preempted_request_that_cannot_come_back_fails_with_the_status_that_says_why(
+        code: grpc.StatusCode, prompt_len: int, status: str) -> None:
+    """The router answers the client with the status decode names (TokenUpdate.error_status)."""
+    async def run() -> list[tuple[_Active, str]]:
+        worker = _worker(_FailingAgent(code))
+        finished: list[tuple[_Active, str]] = []
+
+        async def finish(active: _Active, reason: str) -> None:
+            finished.append((active, reason))
+
+        worker._finish = finish  # type: ignore[method-assign]
+        waiter = _Active(Request("r", list(range(prompt_len)), SamplingParams(max_tokens=4), None), "router", 0,
+                         preempted_ns=1)  # preempted long ago: past READMIT_TIMEOUT_S
+        worker.preempted.append(waiter)
+        await worker._readmit()
+        return finished
+
+    finished = asyncio.run(run())
+    assert len(finished) == 1 and finished[0][1] == "error"
+    assert finished[0][0].error_status == status and finished[0][0].error
