@@ -51,8 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.decode")
 _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not reading
-# An agent call that failed so says a service was away: the client may try again.
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE", grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE"}
+# What an agent call that failed so tells the client of the request it failed (other codes:
+# INTERNAL): the pool stayed full, or a service was away; either way it may try again.
+_AGENT_ERROR_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+                       grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE", grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE"}
 _ENDS_KEPT = 1024  # requests whose end went into a stream, kept to send again (DecodeWorker.reopened)
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
@@ -739,7 +741,7 @@ class DecodeWorker:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     return None  # pool full: preempt and retry
                 active.error = f"growing the request's KV blocks failed: {exc.details()}"
-                active.error_status = _TRANSIENT.get(exc.code(), "")
+                active.error_status = _AGENT_ERROR_STATUS.get(exc.code(), "")
                 return False
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
@@ -835,8 +837,7 @@ class DecodeWorker:
                     return  # blocks come back as running requests finish
                 self.preempted.popleft()
                 active.error = f"KV cache exhausted: no blocks for {waited_s:.0f} s ({exc.details()})"
-                active.error_status = ("RESOURCE_EXHAUSTED" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                                       else _TRANSIENT.get(exc.code(), ""))
+                active.error_status = _AGENT_ERROR_STATUS.get(exc.code(), "")
                 await self._finish(active, "error")
                 continue
             self.preempted.popleft()

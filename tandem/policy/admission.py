@@ -434,9 +434,9 @@ class PrefillCalibration:
     def _fit(self, recent: Sequence[tuple[float, float]]) -> tuple[float, float]:
         """Theil-Sen fit of measured / predicted = slope + overhead_s / predicted over ``recent``:
         the median of the slopes between measurements at least ``min_spread`` apart in predicted
-        size, each weighted by the distance between the pair, then the median intercept. (1.0, 0.0) with fewer than ``min_fit_points``
-        measurements, when no pair is that far apart, when the fit finds no fixed cost, or when
-        one factor explains the measurements better."""
+        size, each weighted by the distance between the pair, then the median intercept. (1.0,
+        0.0) with fewer than ``min_fit_points`` measurements, when no pair is that far apart,
+        when the fit finds no fixed cost, or when one factor explains the measurements better."""
         if len(recent) < self.min_fit_points:
             return 1.0, 0.0
         points = [(1.0 / p, min(self.max_factor, max(self.min_factor, m / p)), m) for p, m in recent]

@@ -187,11 +187,7 @@ class RequestStore:
 
     async def get(self, request_id: str) -> RequestRecord | None:
         """The record of ``request_id`` as of one instant, or None if there is none."""
-        async with self._client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._keys.request(request_id))
-            pipe.get(self._keys.outputs(request_id))
-            fields, outputs = await pipe.execute()
-        return request_from_fields(fields, outputs) if fields else None
+        return (await self.get_many([request_id]))[0]
 
     async def get_many(self, request_ids: Sequence[str]) -> builtins.list[RequestRecord | None]:
         """The records of ``request_ids`` (None where there is none), in one round trip."""
