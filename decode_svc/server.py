@@ -37,7 +37,9 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
 from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, step_inputs
+from tandem.policy.local import out_of_reach
 from tandem.policy.policies import ChunkedConfig
+from tandem.policy.types import QueuedRequest
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -95,6 +97,16 @@ GROW_AHEAD_TOKENS = 4
 RESUME_CLAIM_WAIT_S = 1.0
 # Weight of each step with prompt chunks in the measured prompt rate (an exponential average).
 RATE_WEIGHT = 0.2
+# --drop-late in aggregated mode: a prompt is dropped when, computed next at the best prompt
+# rate of the last PROMPT_RATES_KEPT steps with at least RATE_MIN_CHUNK_TOKENS prompt tokens
+# (MIN_TIMED_PROMPT_STEPS of them at least), its first token would still come DROP_MARGIN of the
+# TTFT SLO after its deadline (the margin prefill_svc's local scheduler gives). A step's fixed
+# cost (its decode rows, reading the weights) makes a small chunk's rate far below a prompt's:
+# 16 tokens a step measured 409 tokens/s here, where a whole prompt computes at ~800.
+PROMPT_RATES_KEPT = 64
+RATE_MIN_CHUNK_TOKENS = 64
+MIN_TIMED_PROMPT_STEPS = 3
+DROP_MARGIN = 0.25
 # Redis errors a decode step survives: the step streams anyway and is recorded later.
 _RECORD_ERRORS = (RedisError, OSError)
 
@@ -115,6 +127,7 @@ class _Active:
     arrival_unix_ns: int = 0
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
     rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
+    chunked: bool = False  # aggregated mode: a chunk of its prompt has been computed here
     # agent calls in flight while it decodes (its prompt's Publish, the Extend of its next
     # block); awaited before its blocks go back
     background: list[asyncio.Task[None]] = field(default_factory=list)
@@ -152,6 +165,8 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self._prompt_rate = 0.0  # prompt tokens/s of recent steps with prompt chunks (0: none timed yet)
+        # each of those steps' own, those with RATE_MIN_CHUNK_TOKENS or more (_drop_out_of_reach)
+        self._prompt_rates: deque[float] = deque(maxlen=PROMPT_RATES_KEPT)
         self.slo = config.ttft_slo()  # the prompts' deadlines (_chunk_order)
         self.last_step_num_seqs = 0
         self._step_stats = _StepStats(config.step_stats_s)
@@ -179,6 +194,7 @@ class DecodeWorker:
         self.preempted: deque[_Active] = deque()
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
         self.num_preemptions = 0
+        self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
         # whose final state Redis has not taken yet.
         self._unrecorded: set[str] = set()
@@ -328,7 +344,7 @@ class DecodeWorker:
             self.runner.pool.spec.num_blocks, num_queued_requests=len(self.pending), num_running=len(self.running),
             batch_size=min(len(self.running), self.config.max_batch_requests),
             last_step_ms=self.last_step_ns / 1e6, num_preemptions=self.num_preemptions,
-            model=self.member.model,
+            num_dropped=self.num_dropped, model=self.member.model,
         )
 
     def cancel(self, request_id: str) -> bool:
@@ -591,6 +607,7 @@ class DecodeWorker:
             self.running.extend(self.pending)
             self.pending.clear()
             await self._drop_cancelled()
+            await self._drop_out_of_reach()
             await self._readmit()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
             if self._budget_without_streams() and self.member.partition.epoch != self._waited_epoch:
@@ -717,6 +734,42 @@ class DecodeWorker:
             return late and now <= deadline + ttft_s, deadline
 
         return sorted(self.prefilling, key=key)
+
+    async def _drop_out_of_reach(self) -> None:
+        """``--drop-late``, aggregated mode: FineServe's early drop (``tandem.policy.local``) over
+        the prompts waiting here for their first chunk. One whose first token, computed next and
+        alone at the best prompt rate of the last steps with chunks of RATE_MIN_CHUNK_TOKENS or more
+        (their fixed cost is in that rate, so a longer prompt's time is somewhat overestimated:
+        the margin is for that too), would still miss its TTFT deadline by
+        more than DROP_MARGIN of the SLO fails now, RESOURCE_EXHAUSTED with a retry hint, as
+        prefill_svc's queue drops: it is late whatever runs, and every chunk it took would delay
+        the prompts behind it. A prompt already in chunks runs to its end."""
+        if not self.config.drop_late or len(self._prompt_rates) < MIN_TIMED_PROMPT_STEPS:
+            return
+        rate = max(self._prompt_rates)
+        waiting = {a.req.request_id: a for a in self.prefilling
+                   if not a.chunked and not a.cancelled and a.first_token is not None and a.arrival_unix_ns}
+        if not waiting:
+            return
+        slots = [QueuedRequest(rid, a.arrival_unix_ns / 1e9, len(a.req.prompt_token_ids),
+                               min(a.req.num_computed_tokens, len(a.req.prompt_token_ids) - 1))
+                 for rid, a in waiting.items()]
+
+        def predict(batch: Sequence[QueuedRequest]) -> float:
+            return sum(r.new_tokens for r in batch) / rate
+
+        now = time.time()
+        for slot in out_of_reach(slots, now, self.slo, predict, DROP_MARGIN * self.slo.ttft_s):
+            active = waiting[slot.request_id]
+            late_s = now + predict([slot]) - slot.deadline(self.slo)
+            self.num_dropped += 1
+            log.info("%s dropped %s (%d prompt tokens): predicted %.2f s past its TTFT deadline even if next, at "
+                     "%.0f prompt tokens/s", self.service_id, slot.request_id, slot.prompt_tokens, late_s, rate)
+            active.error = (f"dropped before prefill: its first token would miss its TTFT deadline "
+                            f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) "
+                            f"by {late_s:.2f} s even if computed next; retry after {max(late_s, 0.1):.1f} s")
+            active.error_status = "RESOURCE_EXHAUSTED"
+            await self._finish(active, "error", send=False)
 
     async def _drop_cancelled(self) -> None:
         for active in [a for a in [*self.running, *self.prefilling, *self.preempted] if a.cancelled]:
@@ -868,6 +921,8 @@ class DecodeWorker:
         requests = [a.req for a in batch]
         runner, member = self.runner, self.member
         chunk_reqs = [(a.req, n) for a, n in chunks]
+        for active, _ in chunks:
+            active.chunked = True
         firsts: list[StepOutput | None] = []  # one per chunk: the first token when its prompt is done
 
         compute_ns = forward_ns = 0
@@ -909,6 +964,8 @@ class DecodeWorker:
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
         if self.last_step_chunk_tokens:  # prompt tokens per second of the steps that carry them
             rate = self.last_step_chunk_tokens / max(self.last_step_ns + gap_ns, 1) * 1e9
+            if self.last_step_chunk_tokens >= RATE_MIN_CHUNK_TOKENS:
+                self._prompt_rates.append(rate)
             old = self._prompt_rate or rate
             self._prompt_rate = (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
         self.last_step_num_seqs = len(batch)
@@ -1080,7 +1137,8 @@ class DecodeWorker:
             self.prefilling.remove(active)
             if active.first_token is not None and not active.first_token.done():
                 active.first_token.set_result(decode_pb2.HandoffReply(
-                    accepted=False, message="cancelled" if reason == "abort" else active.error or reason))
+                    accepted=False, message="cancelled" if reason == "abort" else active.error or reason,
+                    status=active.error_status))
         self.by_id.pop(req.request_id, None)
         self._prefill_done_unix_ns.pop(req.request_id, None)
         if send:

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.service.flags import flag, parse_bool, parse_config
+from tandem.service.flags import flag, parse_config
 from tandem.service.member_config import MemberConfig
-
-
-def _drop_late(text: str) -> bool:
-    # On by default where the stack admits by SLO (tandem up passes TANDEM_ADMISSION to every process).
-    return parse_bool(text) if text else os.environ.get("TANDEM_ADMISSION", "off") == "on"
 
 
 @dataclass(frozen=True)
@@ -29,9 +23,6 @@ class PrefillConfig(MemberConfig):
     max_batch_requests: int = field(metadata=flag("--max-batch-requests", 16, "requests per prefill batch", type=int))
     layer_group_size: int = field(metadata=flag(
         "--layer-group-size", 6, "layers run between partition/preemption checks", type=int))
-    drop_late: bool = field(metadata=flag(
-        "--drop-late", "", "drop a queued prompt that cannot make its deadline even alone and at once (clear "
-        "error, retry hint); default: on when TANDEM_ADMISSION=on", parse=_drop_late))
 
     def __post_init__(self) -> None:
         super().__post_init__()

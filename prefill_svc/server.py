@@ -298,6 +298,9 @@ class PrefillWorker:
                     return
                 if not answer.accepted:
                     await self.member.release(rid)
+                    if answer.status == "RESOURCE_EXHAUSTED":  # dropped: out of reach of its deadline
+                        _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED, answer.message)
+                        return
                     code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
                     _fail(pending, code, f"decode did not prefill the request: {answer.message}")
                     return

@@ -35,6 +35,14 @@ def plan_prefill(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict
     edf = sorted(queue, key=lambda r: r.edf_key(slo))
     drop: list[QueuedRequest] = []
     if drop_late:
-        drop = [r for r in edf if now_s + predict([r]) > r.deadline(slo) + drop_margin_s]
+        drop = out_of_reach(edf, now_s, slo, predict, drop_margin_s)
         edf = [r for r in edf if r not in drop]
     return PrefillPlan(take_batch(edf, now_s, slo, predict, batching), tuple(drop))
+
+
+def out_of_reach(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict: PredictBatch,
+                 margin_s: float) -> list[QueuedRequest]:
+    """Rule 2 alone: the requests of ``queue`` (in its order) whose first token, computed alone
+    and at once, would still come more than ``margin_s`` after their deadline. decode_svc drops
+    by it too, in aggregated mode, where its prompts wait for chunks of its steps."""
+    return [r for r in queue if now_s + predict([r]) > r.deadline(slo) + margin_s]

@@ -4,11 +4,17 @@ where they listen, how others find them. Each service's config extends it (``por
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from tandem.policy.types import Slo
-from tandem.service.flags import env_or, flag
+from tandem.service.flags import env_or, flag, parse_bool
 from tandem.service.registry import announced_address
+
+
+def _drop_late(text: str) -> bool:
+    # On by default where the stack admits by SLO (tandem up passes TANDEM_ADMISSION to every process).
+    return parse_bool(text) if text else os.environ.get("TANDEM_ADMISSION", "off") == "on"
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,10 @@ class MemberConfig:
         "--ttft-slo-ms", 2000.0, "time-to-first-token SLO: a prompt's deadline is arrival + this ...", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(
         "--ttft-slo-ms-per-1k", 0.0, "... + this per 1000 prompt tokens", type=float))
+    drop_late: bool = field(metadata=flag(
+        "--drop-late", "", "drop a waiting prompt that cannot make its deadline even alone and at once (clear "
+        "error, retry hint): prefill_svc's queue, decode_svc's prompts in aggregated mode; default: on when "
+        "TANDEM_ADMISSION=on", parse=_drop_late))
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:

@@ -70,21 +70,25 @@ def _metric(stack: Stack, name: str, want: float, timeout_s: float = 5.0) -> flo
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("policy", ["dynamic", "chunked"])
 def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served(
-        smollm2_dir: Path, tmp_path: Path) -> None:
+        smollm2_dir: Path, tmp_path: Path, policy: str) -> None:
     rng = random.Random()
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     # A flat 600 ms TTFT SLO: a prompt of 1200-2000 tokens takes seconds alone here (and over a
     # second on a CPU twice as fast); one of 4-24 tokens a few tens of milliseconds, and three of
     # them queued together on one core ~0.2 s on a slow day (at 300 ms one of them was dropped
-    # in a clean-clone CI run: the SLO left no room for the queue). Early drop is prefill_svc's
-    # local scheduler, which runs in split mode (dynamic).
-    env = {"TANDEM_TTFT_SLO_MS": "600", "TANDEM_DROP_LATE": "true", "TANDEM_POLICY": "dynamic"}
+    # in a clean-clone CI run: the SLO left no room for the queue). Split mode (dynamic here)
+    # drops from prefill_svc's queue (its local scheduler); aggregated mode (chunked, the CPU
+    # default) from decode_svc's prompts waiting for their first chunk.
+    env = {"TANDEM_TTFT_SLO_MS": "600", "TANDEM_DROP_LATE": "true", "TANDEM_POLICY": policy}
     with Stack(smollm2_dir, tmp_path, num_blocks=1024, extra_env=env) as stack:
         async def run() -> list[tuple[int, object]]:
             address = stack.address("router")
-            for _ in range(4):  # prefill drops only once it has timed a few batches
-                await generate(address, [rng.randrange(100, 40000) for _ in range(16)], params)
+            # Nothing is dropped before a few batches (prefill_svc) or steps of 64 prompt tokens
+            # or more (decode_svc) were timed.
+            for _ in range(4):
+                await generate(address, [rng.randrange(100, 40000) for _ in range(rng.randint(64, 96))], params)
             work = [[rng.randrange(100, 40000) for _ in range(rng.randint(1200, 2000))] for _ in range(3)]
             work += [[rng.randrange(100, 40000) for _ in range(rng.randint(4, 24))] for _ in range(3)]
             rng.shuffle(work)
@@ -103,5 +107,5 @@ def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served
                 assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "dropped before prefill" in outcome.details() and "retry after" in outcome.details()
                 dropped += 1
-        assert stack.logs("prefill_svc").count(" prompt tokens): predicted") == dropped
+        assert sum(stack.logs(name).count(" prompt tokens): predicted") for name in ("prefill_svc", "decode_svc")) == dropped
         assert _metric(stack, "tandem:num_requests_dropped_total", dropped) == dropped
