@@ -99,10 +99,11 @@ RESUME_CLAIM_WAIT_S = 1.0
 RATE_WEIGHT = 0.2
 # --drop-late in aggregated mode: a prompt is dropped when, computed next at the best prompt
 # rate of the last PROMPT_RATES_KEPT steps with at least RATE_MIN_CHUNK_TOKENS prompt tokens
-# (MIN_TIMED_PROMPT_STEPS of them at least), its first token would still come DROP_MARGIN of the
-# TTFT SLO after its deadline (the margin prefill_svc's local scheduler gives). A step's fixed
-# cost (its decode rows, reading the weights) makes a small chunk's rate far below a prompt's:
-# 16 tokens a step measured 409 tokens/s here, where a whole prompt computes at ~800.
+# (MIN_TIMED_PROMPT_STEPS of them at least; their decode rows' time taken out), its first token
+# would still come DROP_MARGIN of the TTFT SLO after its deadline (the margin prefill_svc's local
+# scheduler gives). A step's fixed cost (reading the weights) makes a small chunk's rate far
+# below a prompt's: 16 tokens a step measured 409 tokens/s here, where a whole prompt computes
+# at ~800.
 PROMPT_RATES_KEPT = 64
 RATE_MIN_CHUNK_TOKENS = 64
 MIN_TIMED_PROMPT_STEPS = 3
@@ -165,8 +166,7 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self._prompt_rate = 0.0  # prompt tokens/s of recent steps with prompt chunks (0: none timed yet)
-        # each of those steps' own, those with RATE_MIN_CHUNK_TOKENS or more (_drop_out_of_reach)
-        self._prompt_rates: deque[float] = deque(maxlen=PROMPT_RATES_KEPT)
+        self._prompt_rates = _PromptRates()  # for _drop_out_of_reach
         self.slo = config.ttft_slo()  # the prompts' deadlines (_chunk_order)
         self.last_step_num_seqs = 0
         self._step_stats = _StepStats(config.step_stats_s)
@@ -738,15 +738,16 @@ class DecodeWorker:
     async def _drop_out_of_reach(self) -> None:
         """``--drop-late``, aggregated mode: FineServe's early drop (``tandem.policy.local``) over
         the prompts waiting here for their first chunk. One whose first token, computed next and
-        alone at the best prompt rate of the last steps with chunks of RATE_MIN_CHUNK_TOKENS or more
-        (their fixed cost is in that rate, so a longer prompt's time is somewhat overestimated:
-        the margin is for that too), would still miss its TTFT deadline by
-        more than DROP_MARGIN of the SLO fails now, RESOURCE_EXHAUSTED with a retry hint, as
+        alone at the best prompt rate of the last steps with RATE_MIN_CHUNK_TOKENS or more prompt
+        tokens (less the time of their decode rows), would still miss its TTFT deadline by more
+        than DROP_MARGIN of the SLO fails now, RESOURCE_EXHAUSTED with a retry hint, as
         prefill_svc's queue drops: it is late whatever runs, and every chunk it took would delay
-        the prompts behind it. A prompt already in chunks runs to its end."""
-        if not self.config.drop_late or len(self._prompt_rates) < MIN_TIMED_PROMPT_STEPS:
+        the prompts behind it. Those steps' fixed cost is in that rate, so a longer prompt's time
+        is somewhat overestimated: the margin covers that too. A prompt already in chunks runs to
+        its end."""
+        rate = self._prompt_rates.best()
+        if not self.config.drop_late or not rate:
             return
-        rate = max(self._prompt_rates)
         waiting = {a.req.request_id: a for a in self.prefilling
                    if not a.chunked and not a.cancelled and a.first_token is not None and a.arrival_unix_ns}
         if not waiting:
@@ -962,12 +963,12 @@ class DecodeWorker:
         self.last_step_compute_ns = compute_ns
         self.last_step_end_unix_ns = time.time_ns()
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
+        step_ns = self.last_step_ns + gap_ns
         if self.last_step_chunk_tokens:  # prompt tokens per second of the steps that carry them
-            rate = self.last_step_chunk_tokens / max(self.last_step_ns + gap_ns, 1) * 1e9
-            if self.last_step_chunk_tokens >= RATE_MIN_CHUNK_TOKENS:
-                self._prompt_rates.append(rate)
+            rate = self.last_step_chunk_tokens / max(step_ns, 1) * 1e9
             old = self._prompt_rate or rate
             self._prompt_rate = (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
+        self._prompt_rates.add(self.last_step_chunk_tokens, step_ns, bool(batch))
         self.last_step_num_seqs = len(batch)
         self.num_steps += 1
         if self._step_log is not None:
@@ -1260,6 +1261,31 @@ async def _settled(active: _Active) -> None:
     if active.background:
         await asyncio.gather(*active.background, return_exceptions=True)
         active.background.clear()
+
+
+class _PromptRates:
+    """The prompt rates early drop predicts with (``DecodeWorker._drop_out_of_reach``): each of
+    the last PROMPT_RATES_KEPT steps with RATE_MIN_CHUNK_TOKENS prompt tokens or more, the time
+    of its decode rows taken out (about a step without prompts: their exponential average)."""
+
+    def __init__(self) -> None:
+        self.rates: deque[float] = deque(maxlen=PROMPT_RATES_KEPT)
+        self.decode_step_ns = 0
+
+    def add(self, chunk_tokens: int, step_ns: int, decode_rows: bool) -> None:
+        if not chunk_tokens:
+            if decode_rows:
+                old_ns = self.decode_step_ns or step_ns
+                self.decode_step_ns = int((1 - RATE_WEIGHT) * old_ns + RATE_WEIGHT * step_ns)
+            return
+        if chunk_tokens >= RATE_MIN_CHUNK_TOKENS:
+            # What the chunks added to the step; a quarter of it at least, whatever the average says.
+            prompt_ns = max(step_ns - (self.decode_step_ns if decode_rows else 0), step_ns // 4, 1)
+            self.rates.append(chunk_tokens / prompt_ns * 1e9)
+
+    def best(self) -> float:
+        """Prompt tokens per second at best; 0 before MIN_TIMED_PROMPT_STEPS steps were timed."""
+        return max(self.rates) if len(self.rates) >= MIN_TIMED_PROMPT_STEPS else 0.0
 
 
 class _StepStats:

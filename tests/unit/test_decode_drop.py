@@ -35,7 +35,8 @@ def _worker(drop_late: bool, rates: list[float], slo: Slo, released: list[str]) 
     worker.config = SimpleNamespace(service_id="decode-test", drop_late=drop_late)  # type: ignore[assignment]
     worker.member = SimpleNamespace(release=release)  # type: ignore[assignment]
     worker.slo = slo
-    worker._prompt_rates = deque(rates, maxlen=server.PROMPT_RATES_KEPT)
+    worker._prompt_rates = server._PromptRates()
+    worker._prompt_rates.rates.extend(rates)
     worker.num_dropped = 0
     worker.running, worker.prefilling, worker.preempted = [], [], deque()
     worker.by_id, worker._prefill_done_unix_ns = {}, {}
@@ -138,3 +139,28 @@ def test_no_drop_until_prompt_steps_were_timed() -> None:
         loop.run_until_complete(worker._drop_out_of_reach())
         loop.close()
         assert worker.num_dropped == (num_rates >= server.MIN_TIMED_PROMPT_STEPS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 400), st.integers(1_000_000, 900_000_000), st.booleans()),
+                      max_size=80))
+def test_prompt_rates_take_out_the_decode_rows_and_keep_the_best_of_the_last_steps(
+        steps: list[tuple[int, int, bool]]) -> None:
+    rates = server._PromptRates()
+    decode_ns = 0  # the average of the steps without prompts, in whole nanoseconds as the worker keeps it
+    kept: list[float] = []
+    for chunk_tokens, step_ns, decode_rows in steps:
+        if not chunk_tokens and decode_rows:
+            decode_ns = int((1 - server.RATE_WEIGHT) * (decode_ns or step_ns) + server.RATE_WEIGHT * step_ns)
+        if chunk_tokens >= server.RATE_MIN_CHUNK_TOKENS:
+            prompt_ns = max(step_ns - (decode_ns if decode_rows else 0), step_ns // 4)
+            kept.append(chunk_tokens / prompt_ns * 1e9)
+        rates.add(chunk_tokens, step_ns, decode_rows)
+    kept = kept[-server.PROMPT_RATES_KEPT:]
+    if len(kept) < server.MIN_TIMED_PROMPT_STEPS:
+        assert rates.best() == 0.0
+    else:
+        assert rates.best() == max(kept)
+        # At most 4x a step's own rate: the chunks took a quarter of their step at least.
+        raw = max(t / s * 1e9 for t, s, _ in steps if t >= server.RATE_MIN_CHUNK_TOKENS)
+        assert rates.best() <= 4 * raw * (1 + 1e-5)  # (step_ns // 4: whole nanoseconds)
