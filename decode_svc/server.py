@@ -121,6 +121,7 @@ class _Active:
     cancelled: bool = False
     error: str = ""
     error_status: str = ""  # with error: the gRPC status name the router answers with ("": INTERNAL)
+    retry_after_s: float | None = None  # with RESOURCE_EXHAUSTED before its first token: the hint
     span: trace.Span | None = None  # "decode" span of the request, handoff to finish
     # needs_prefill: the Handoff call waiting for the first token, and when the request came
     first_token: asyncio.Future[decode_pb2.HandoffReply] | None = None
@@ -770,6 +771,7 @@ class DecodeWorker:
                             f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) "
                             f"by {late_s:.2f} s even if computed next; retry after {max(late_s, 0.1):.1f} s")
             active.error_status = "RESOURCE_EXHAUSTED"
+            active.retry_after_s = max(late_s, 0.1)
             await self._finish(active, "error", send=False)
 
     async def _drop_cancelled(self) -> None:
@@ -1139,7 +1141,7 @@ class DecodeWorker:
             if active.first_token is not None and not active.first_token.done():
                 active.first_token.set_result(decode_pb2.HandoffReply(
                     accepted=False, message="cancelled" if reason == "abort" else active.error or reason,
-                    status=active.error_status))
+                    status=active.error_status, retry_after_s=active.retry_after_s))
         self.by_id.pop(req.request_id, None)
         self._prefill_done_unix_ns.pop(req.request_id, None)
         if send:

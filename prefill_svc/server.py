@@ -31,7 +31,7 @@ from tandem.policy.admission import PrefillBatching
 from tandem.policy.local import plan_prefill
 from tandem.policy.types import QueuedRequest
 from tandem.rpc.channels import ChannelPool
-from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
+from tandem.rpc.convert import finish_to_proto, retry_after_metadata, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.service.cell import RPC_TIMEOUT_S, CellMember
@@ -61,10 +61,11 @@ log = logging.getLogger("tandem.prefill")
 
 
 class RequestFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # a dropped prompt's hint (trailing ``retry-after``)
 
 
 @dataclass
@@ -299,7 +300,8 @@ class PrefillWorker:
                 if not answer.accepted:
                     await self.member.release(rid)
                     if answer.status == "RESOURCE_EXHAUSTED":  # dropped: out of reach of its deadline
-                        _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED, answer.message)
+                        _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED, answer.message,
+                              answer.retry_after_s if answer.HasField("retry_after_s") else None)
                         return
                     code = grpc.StatusCode.CANCELLED if pending.cancelled else grpc.StatusCode.UNAVAILABLE
                     _fail(pending, code, f"decode did not prefill the request: {answer.message}")
@@ -401,7 +403,8 @@ class PrefillWorker:
             _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"dropped before prefill: its first token would miss its TTFT deadline "
                   f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) by "
-                  f"{late_s:.2f} s even if computed alone now; retry after {max(late_s, 0.1):.1f} s")
+                  f"{late_s:.2f} s even if computed alone now; retry after {max(late_s, 0.1):.1f} s",
+                  max(late_s, 0.1))
         batch = [by_id[slot.request_id] for slot in plan.batch]
         for pending in batch:
             self.queue.remove(pending)
@@ -650,9 +653,9 @@ def _detail(exc: Exception) -> str:
     return (exc.details() or str(exc.code())) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
-def _fail(pending: _Pending, code: grpc.StatusCode, message: str) -> None:
+def _fail(pending: _Pending, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
     if not pending.future.done():
-        pending.future.set_exception(RequestFailed(code, message))
+        pending.future.set_exception(RequestFailed(code, message, retry_after_s))
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -676,7 +679,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             return await self.worker.submit(request, params)
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, retry_after_metadata(exc.retry_after_s))
         except asyncio.CancelledError:
             # The router went away: whatever stage the request is in, its blocks come back.
             self.worker.cancel(request.request_id)

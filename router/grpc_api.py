@@ -14,6 +14,7 @@ import grpc.aio
 
 from router.models import ServedModels
 from tandem.protocol import RequestError
+from tandem.rpc.convert import retry_after_metadata
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
 
 
@@ -24,9 +25,7 @@ def grpc_status(error: RequestError) -> grpc.StatusCode:
 
 def trailing_metadata(error: RequestError) -> tuple[tuple[str, str], ...]:
     """``retry-after`` (seconds) when there is a hint."""
-    if error.retry_after_s is None:
-        return ()
-    return (("retry-after", f"{error.retry_after_s:.3f}"),)
+    return retry_after_metadata(error.retry_after_s)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

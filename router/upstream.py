@@ -22,7 +22,7 @@ import grpc.aio
 from router.streams import DecodeStreams
 from tandem.protocol import RequestError, SamplingParams, Status
 from tandem.rpc.channels import ChannelPool
-from tandem.rpc.convert import sampling_to_proto
+from tandem.rpc.convert import retry_after_from, sampling_to_proto
 from tandem.rpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.service.registry import ServiceLister, addresses_by_role
 
@@ -143,7 +143,9 @@ class Upstream:
                                    f"prefill did not answer within the request's {timeout_s:.3g}s") from None
             # The client can act on these as they are: fix the request, or retry later.
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                raise RequestError(Status[code.name], f"prefill: {exc.details()}") from None
+                # A dropped prompt's retry hint goes on to the client (Retry-After, retry-after).
+                raise RequestError(Status[code.name], f"prefill: {exc.details()}",
+                                   retry_after_s=retry_after_from(exc.trailing_metadata())) from None
             log.warning("prefill at %s failed request %s: %s %s", address, upstream_id, code.name, exc.details())
             raise RequestError(Status.UNAVAILABLE,
                                f"prefill service at {address} is unavailable ({code.name}: {exc.details()})") from None

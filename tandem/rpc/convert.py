@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tandem.protocol import SamplingParams
 from tandem.rpc.v1 import common_pb2
 
@@ -47,6 +49,24 @@ def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
 
 def finish_from_proto(value: int) -> str | None:
     return _FINISH_NAMES.get(value)
+
+
+def retry_after_metadata(retry_after_s: float | None) -> tuple[tuple[str, str], ...]:
+    """A RESOURCE_EXHAUSTED answer's retry hint as gRPC trailing metadata (``retry-after``, in
+    seconds); none without a hint."""
+    return () if retry_after_s is None else (("retry-after", f"{retry_after_s:.3f}"),)
+
+
+def retry_after_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
+    """The ``retry-after`` hint of gRPC trailing metadata (seconds), None when absent or unreadable."""
+    for key, value in metadata or ():
+        if key == "retry-after":
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                return None
+            return seconds if seconds >= 0 else None
+    return None
 
 
 def token_to_proto(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> common_pb2.GeneratedToken:

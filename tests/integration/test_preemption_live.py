@@ -18,6 +18,7 @@ import pytest
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.rpc.convert import retry_after_from
 from tests.integration.mesh_client import generate, wait_all_blocks_free
 from tests.integration.stack import Stack, metric_value
 
@@ -106,6 +107,8 @@ def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served
                 assert isinstance(outcome, grpc.aio.AioRpcError), f"a {prompt_len}-token prompt was served"
                 assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "dropped before prefill" in outcome.details() and "retry after" in outcome.details()
+                # the hint also as metadata, as admission's refusals carry it (HTTP: Retry-After)
+                assert (retry_after_from(outcome.trailing_metadata()) or 0) >= 0.1, outcome.trailing_metadata()
                 dropped += 1
         logged = sum(stack.logs(name).count(" prompt tokens): predicted") for name in ("prefill_svc", "decode_svc"))
         assert logged == dropped

@@ -123,6 +123,7 @@ def test_exactly_the_waiting_prompts_out_of_reach_are_dropped_with_a_clear_error
         assert not reply.accepted and reply.status == "RESOURCE_EXHAUSTED"
         assert reply.message.startswith("dropped before prefill: its first token would miss its TTFT deadline")
         assert "retry after" in reply.message
+        assert reply.HasField("retry_after_s") and reply.retry_after_s >= 0.1
         assert active.req.request_id not in worker.by_id
 
 

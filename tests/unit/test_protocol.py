@@ -8,11 +8,13 @@ import sys
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.http import HTTPError, openapi_schema, parse_request
 from tandem.engine.errors import InvalidRequestError
 from tandem.protocol import SAMPLING_LIMITS, FinishReason, LoadReport, RequestError, SamplingParams, Status
-from tandem.rpc.convert import finish_from_proto, finish_to_proto
+from tandem.rpc.convert import finish_from_proto, finish_to_proto, retry_after_from, retry_after_metadata
 
 CONTEXT = 64
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -172,3 +174,19 @@ def test_router_flag_overrides_the_model_generation_config(tmp_path: Any) -> Non
     for bad in ('{"temperature": 5}', '[1]', '{"nope": 1}', "not json"):
         with pytest.raises(ValueError, match="override-generation-config"):
             config(override_generation_config=bad)
+
+
+@given(st.one_of(st.none(), st.floats(0.0, 1e6)), st.lists(st.tuples(st.sampled_from(["a", "b", "x-retry"]),
+                                                                     st.text(max_size=5)), max_size=3))
+def test_a_retry_hint_survives_grpc_trailing_metadata(retry_after_s: float | None, others: list[tuple[str, str]]) -> None:
+    """A dropped prompt's hint travels prefill_svc -> router as ``retry-after`` (milliseconds kept)."""
+    metadata = [*others, *retry_after_metadata(retry_after_s)]
+    got = retry_after_from(metadata)
+    if retry_after_s is None:
+        assert got is None
+    else:
+        assert got is not None and abs(got - retry_after_s) <= 0.0006
+    assert retry_after_from([("retry-after", b"2.5")]) == 2.5  # grpc may give bytes
+    for bad in ("soon", "-1", ""):
+        assert retry_after_from([("retry-after", bad)]) is None
+    assert retry_after_from(None) is None

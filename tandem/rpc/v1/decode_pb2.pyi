@@ -36,7 +36,7 @@ class HandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., router_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., arrival_unix_ns: _Optional[int] = ..., prefill_done_unix_ns: _Optional[int] = ..., needs_prefill: _Optional[bool] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
-    __slots__ = ("accepted", "message", "server_ns", "first_token", "finish_reason", "prefill_ns", "num_cached_tokens", "status")
+    __slots__ = ("accepted", "message", "server_ns", "first_token", "finish_reason", "prefill_ns", "num_cached_tokens", "status", "retry_after_s")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SERVER_NS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class HandoffReply(_message.Message):
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     message: str
     server_ns: int
@@ -53,7 +54,8 @@ class HandoffReply(_message.Message):
     prefill_ns: int
     num_cached_tokens: int
     status: str
-    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prefill_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., status: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prefill_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., status: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("router_id", "awaiting")
