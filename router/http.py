@@ -83,7 +83,7 @@ Kind = Literal["chat", "completion"]
 
 def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
     """A 429's hint: HTTP's ``Retry-After`` in whole seconds (at least 1), and, when admission
-    gave a hint, OpenAI's ``retry-after-ms`` with it to the millisecond. The openai client reads
+    or an early drop gave a hint, OpenAI's ``retry-after-ms`` with it to the millisecond. The openai client reads
     ``retry-after-ms`` first, so it retries when admission predicted room (a stream ending, the
     queue draining: often a few hundred ms) rather than a whole second later, a wait that
     counted in the retried request's TTFT and made it miss."""
