@@ -37,7 +37,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
 from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, step_inputs
-from tandem.policy.local import out_of_reach
+from tandem.policy.local import DROP_MARGIN, drop_error, out_of_reach
 from tandem.policy.policies import ChunkedConfig
 from tandem.policy.types import QueuedRequest
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
@@ -100,14 +100,13 @@ RATE_WEIGHT = 0.2
 # --drop-late in aggregated mode: a prompt is dropped when, computed next at the best prompt
 # rate of the last PROMPT_RATES_KEPT steps with at least RATE_MIN_CHUNK_TOKENS prompt tokens
 # (MIN_TIMED_PROMPT_STEPS of them at least; their decode rows' time taken out), its first token
-# would still come DROP_MARGIN of the TTFT SLO after its deadline (the margin prefill_svc's local
-# scheduler gives). A step's fixed cost (reading the weights) makes a small chunk's rate far
+# would still come DROP_MARGIN (tandem.policy.local, prefill_svc's too) of the TTFT SLO after its
+# deadline. A step's fixed cost (reading the weights) makes a small chunk's rate far
 # below a prompt's: 16 tokens a step measured 409 tokens/s here, where a whole prompt computes
 # at ~800.
 PROMPT_RATES_KEPT = 64
 RATE_MIN_CHUNK_TOKENS = 64
 MIN_TIMED_PROMPT_STEPS = 3
-DROP_MARGIN = 0.25
 # Redis errors a decode step survives: the step streams anyway and is recorded later.
 _RECORD_ERRORS = (RedisError, OSError)
 
@@ -763,15 +762,12 @@ class DecodeWorker:
         now = time.time()
         for slot in out_of_reach(slots, now, self.slo, predict, DROP_MARGIN * self.slo.ttft_s):
             active = waiting[slot.request_id]
-            late_s = now + predict([slot]) - slot.deadline(self.slo)
+            error = drop_error(slot, now, self.slo, predict)
             self.num_dropped += 1
             log.info("%s dropped %s (%d prompt tokens): predicted %.2f s past its TTFT deadline even if next, at "
-                     "%.0f prompt tokens/s", self.service_id, slot.request_id, slot.prompt_tokens, late_s, rate)
-            active.error = (f"dropped before prefill: its first token would miss its TTFT deadline "
-                            f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) "
-                            f"by {late_s:.2f} s even if computed next; retry after {max(late_s, 0.1):.1f} s")
-            active.error_status = "RESOURCE_EXHAUSTED"
-            active.retry_after_s = max(late_s, 0.1)
+                     "%.0f prompt tokens/s", self.service_id, slot.request_id, slot.prompt_tokens, error.late_s, rate)
+            active.error, active.error_status = error.message, "RESOURCE_EXHAUSTED"
+            active.retry_after_s = error.retry_after_s
             await self._finish(active, "error", send=False)
 
     async def _drop_cancelled(self) -> None:

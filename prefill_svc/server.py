@@ -28,7 +28,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
-from tandem.policy.local import plan_prefill
+from tandem.policy.local import DROP_MARGIN, drop_error, plan_prefill
 from tandem.policy.types import QueuedRequest
 from tandem.rpc.channels import ChannelPool
 from tandem.rpc.convert import finish_to_proto, retry_after_metadata, sampling_from_proto, token_to_proto
@@ -55,7 +55,6 @@ POOL_RETRY_S = 0.05
 # Early drop (--drop-late) needs a measured prefill rate, and spares a prompt predicted late by
 # less than this fraction of the TTFT SLO: the rate is an estimate.
 MIN_TIMED_BATCHES = 3
-DROP_MARGIN = 0.25
 
 log = logging.getLogger("tandem.prefill")
 
@@ -397,14 +396,10 @@ class PrefillWorker:
             pending = by_id[slot.request_id]
             self.queue.remove(pending)
             self.num_dropped += 1
-            late_s = time.time() + self._predict_batch([slot]) - slot.deadline(self.slo)
+            error = drop_error(slot, time.time(), self.slo, self._predict_batch)
             log.info("dropped %s (%d prompt tokens): predicted %.2f s past its TTFT deadline even alone",
-                     slot.request_id, slot.prompt_tokens, late_s)
-            _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  f"dropped before prefill: its first token would miss its TTFT deadline "
-                  f"({self.slo.ttft_for(slot.prompt_tokens):.2f} s for {slot.prompt_tokens} prompt tokens) by "
-                  f"{late_s:.2f} s even if computed alone now; retry after {max(late_s, 0.1):.1f} s",
-                  max(late_s, 0.1))
+                     slot.request_id, slot.prompt_tokens, error.late_s)
+            _fail(pending, grpc.StatusCode.RESOURCE_EXHAUSTED, error.message, error.retry_after_s)
         batch = [by_id[slot.request_id] for slot in plan.batch]
         for pending in batch:
             self.queue.remove(pending)

@@ -83,10 +83,10 @@ Kind = Literal["chat", "completion"]
 
 def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
     """A 429's hint: HTTP's ``Retry-After`` in whole seconds (at least 1), and, when admission
-    or an early drop gave a hint, OpenAI's ``retry-after-ms`` with it to the millisecond. The openai client reads
-    ``retry-after-ms`` first, so it retries when admission predicted room (a stream ending, the
-    queue draining: often a few hundred ms) rather than a whole second later, a wait that
-    counted in the retried request's TTFT and made it miss."""
+    or an early drop gave a hint, OpenAI's ``retry-after-ms`` with it to the millisecond. The
+    openai client reads ``retry-after-ms`` first, so it retries when admission predicted room (a
+    stream ending, the queue draining: often a few hundred ms) rather than a whole second later,
+    a wait that counted in the retried request's TTFT and made it miss."""
     if retry_after_s is None:
         return {"Retry-After": str(RETRY_AFTER_S)}
     retry_after_ms = max(1, round(retry_after_s * 1000))

@@ -23,6 +23,9 @@ from tandem.policy.admission import PrefillBatching, take_batch
 from tandem.policy.types import QueuedRequest, Slo
 
 PredictBatch = Callable[[Sequence[QueuedRequest]], float]
+# The benefit of the doubt before a drop, as a fraction of the flat TTFT SLO (prefill_svc's queue
+# and decode_svc's prompts in aggregated mode both drop by it).
+DROP_MARGIN = 0.25
 
 
 class PrefillPlan(NamedTuple):
@@ -46,3 +49,19 @@ def out_of_reach(queue: Sequence[QueuedRequest], now_s: float, slo: Slo, predict
     and at once, would still come more than ``margin_s`` after their deadline. decode_svc drops
     by it too, in aggregated mode, where its prompts wait for chunks of its steps."""
     return [r for r in queue if now_s + predict([r]) > r.deadline(slo) + margin_s]
+
+
+class DropError(NamedTuple):
+    late_s: float  # how long after its deadline the first token would come, computed alone now
+    message: str  # for the client
+    retry_after_s: float  # the hint (at least 0.1 s)
+
+
+def drop_error(r: QueuedRequest, now_s: float, slo: Slo, predict: PredictBatch) -> DropError:
+    """What a request dropped by ``out_of_reach`` is told, whichever service dropped it."""
+    late_s = now_s + predict([r]) - r.deadline(slo)
+    retry_after_s = max(late_s, 0.1)
+    return DropError(late_s, f"dropped before prefill: its first token would miss its TTFT deadline "
+                             f"({slo.ttft_for(r.prompt_tokens):.2f} s for {r.prompt_tokens} prompt tokens) by "
+                             f"{late_s:.2f} s even if computed alone now; retry after {retry_after_s:.1f} s",
+                     retry_after_s)
