@@ -95,6 +95,15 @@ GROW_AHEAD_TOKENS = 4
 # A request to resume whose blocks a live service holds is asked for again this long (the agent
 # ends the predecessor's lease when it sees its stream close); after that it is that service's.
 RESUME_CLAIM_WAIT_S = 1.0
+# A request this service holds but does not step (preempted, waiting for blocks; or past the
+# batch limit) is named to its router this often, in an update without tokens, or
+# HOLD_NOTICES_PER_STALL times within the router's stall timeout where that is shorter (not more
+# often than every HOLD_NOTICE_MIN_S): the stall timeout (--stall-timeout-s, 30 s) is for a
+# decode service that stopped, and it failed requests that were only waiting their turn with
+# "decode service stopped producing tokens".
+HOLD_NOTICE_S = 1.0
+HOLD_NOTICES_PER_STALL = 4
+HOLD_NOTICE_MIN_S = 0.05
 # Weight of each step with prompt chunks in the measured prompt rate (an exponential average).
 RATE_WEIGHT = 0.2
 # --drop-late in aggregated mode: a prompt is dropped when, computed next at the best prompt
@@ -193,6 +202,8 @@ class DecodeWorker:
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
         self.preempted: deque[_Active] = deque()
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
+        self._next_hold_notice_ns = 0  # perf_counter: when the held requests are next named (HOLD_NOTICE_S)
+        self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
@@ -507,8 +518,10 @@ class DecodeWorker:
             self._expect_router(router_id)
         self._awaited_routers.clear()
 
-    def router_opened(self, router_id: str) -> None:
+    def router_opened(self, router_id: str, stall_timeout_s: float = 0.0) -> None:
         self._router_streams[router_id] = self._router_streams.get(router_id, 0) + 1
+        if stall_timeout_s > 0:
+            self._router_stall_s[router_id] = stall_timeout_s
         self._gone_routers.discard(router_id)
         self._awaited_routers.discard(router_id)
         timer = self._router_lost.pop(router_id, None)
@@ -547,6 +560,7 @@ class DecodeWorker:
         for active in orphans:
             active.cancelled = True
         self.routers.pop(router_id, None)  # nobody reads its queue
+        self._router_stall_s.pop(router_id, None)
         self._gone_routers.add(router_id)
         if orphans:
             self._cancelled_for[router_id] = [a.req.request_id for a in orphans]
@@ -609,6 +623,7 @@ class DecodeWorker:
             await self._drop_cancelled()
             await self._drop_out_of_reach()
             await self._readmit()
+            self._notice_held()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
             if self._budget_without_streams() and self.member.partition.epoch != self._waited_epoch:
                 await self._await_fresh_partition(reported)
@@ -624,6 +639,27 @@ class DecodeWorker:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(READMIT_RETRY_S if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
+
+    def _notice_held(self) -> None:
+        """Every HOLD_NOTICE_S (a quarter of a router's stall timeout where that is shorter), tell
+        each router which of its requests this service holds without stepping them (preempted,
+        or past the batch limit): one update without tokens each, which the router takes as a
+        sign of life and nothing more. It carries no tokens
+        (those go out once recorded, with their step), and its ``first_index`` is the next one
+        the router is to get."""
+        now = time.perf_counter_ns()
+        if now < self._next_hold_notice_ns:
+            return
+        every_s = min([HOLD_NOTICE_S, *(s / HOLD_NOTICES_PER_STALL for s in self._router_stall_s.values())])
+        self._next_hold_notice_ns = now + int(max(HOLD_NOTICE_MIN_S, every_s) * 1e9)
+        per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
+        for active in [*self.preempted, *self.running[self.config.max_batch_requests:]]:
+            if not active.cancelled and (active.first_token is None or active.first_token.done()):
+                per_router.setdefault(active.router_id, []).append(
+                    decode_pb2.TokenUpdate(request_id=active.req.request_id, first_index=active.num_sent))
+        for router_id, updates in per_router.items():
+            with contextlib.suppress(asyncio.QueueFull):  # a router this far behind has bigger news waiting
+                self.router_outbox(router_id).put_nowait(decode_pb2.TokenBatch(updates=updates, step=self.num_steps))
 
     def close_step_log(self) -> None:
         """Close ``--step-log``'s file (after the decode loop stopped; the lines are flushed)."""
@@ -896,6 +932,8 @@ class DecodeWorker:
             req.block_ids = list(reply.block_ids)
             # At least the last token is computed again: its logits give the next token.
             req.num_computed_tokens = min(reply.num_cached_tokens, len(tokens) - 1)
+            log.info("readmitted %s after %.2f s without blocks (%d tokens, %d cached)", req.request_id,
+                     (time.perf_counter_ns() - active.preempted_ns) / 1e9, len(tokens), reply.num_cached_tokens)
             active.preempted_ns = 0
             self.running.append(active)
 
@@ -1366,7 +1404,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Stream(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
         outbox = self.worker.router_outbox(request.router_id)
         stream = outbox.open()  # an older stream of this router takes nothing more
-        self.worker.router_opened(request.router_id)
+        self.worker.router_opened(request.router_id, request.stall_timeout_s)
         try:
             # An empty batch first tells the router the stream is live.
             yield decode_pb2.TokenBatch(step=self.worker.num_steps)

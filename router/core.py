@@ -357,6 +357,8 @@ class RouterCore:
                 yield first
                 while not generation.finished:
                     update = await next_update(queue, deadline_s, self._config.stall_timeout_s)
+                    if not update.tokens and update.finish_reason == _UNSPECIFIED:
+                        continue  # decode holds it without stepping it (waiting for KV blocks): alive
                     if admission is not None:
                         now_s = time.monotonic()
                         admission.token_gap(now_s - last_update_s, now_s)

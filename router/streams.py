@@ -42,7 +42,10 @@ class DecodeStreams:
     - every (re)open names the registered requests whose final update has not arrived, with
       the tokens received of each (``awaiting``): what a stream wrote but never delivered
       before it broke, or before its decode service died, is sent again (a decode service
-      marks a request done once its end is written to the stream).
+      marks a request done once its end is written to the stream), and ``stall_timeout_s``:
+      decode names the requests it holds without stepping them (waiting for KV blocks) in
+      updates without tokens, several times within it; such an update reaches the request's
+      queue and counts as no tokens received.
     The object keeps a reference to every task it starts; ``close`` cancels and awaits them.
     """
 
@@ -57,8 +60,10 @@ class DecodeStreams:
         on_orphan: OrphanCallback | None = None,
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 1.0,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self._router_id = router_id
+        self._stall_timeout_s = stall_timeout_s  # told to each stream, for decode's notices of held requests
         self._channels = channels
         self._on_orphan = on_orphan
         self._reconnect_initial_s = reconnect_initial_s
@@ -143,7 +148,8 @@ class DecodeStreams:
             if queue is not None:
                 queue.put_nowait(update)
                 end = update.first_index + len(update.tokens)
-                if end > self._received.get(update.request_id, 0):
+                # (a notice without tokens says nothing of what arrived: see DecodeWorker._notice_held)
+                if update.tokens and end > self._received.get(update.request_id, 0):
                     self._received[update.request_id] = end
                 if update.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._ended.add(update.request_id)
@@ -167,8 +173,8 @@ class DecodeStreams:
             stub = decode_pb2_grpc.DecodeStub(self._channels.get(address))
             # The one RPC without a deadline: the stream lives as long as the process. A hung
             # decode service is caught per request by the router's stall timeout.
-            call = stub.Stream(decode_pb2.StreamRequest(router_id=self._router_id,
-                                                        awaiting=self.awaiting()))
+            call = stub.Stream(decode_pb2.StreamRequest(router_id=self._router_id, awaiting=self.awaiting(),
+                                                        stall_timeout_s=self._stall_timeout_s))
             try:
                 async for batch in call:
                     if num_failures:

@@ -87,11 +87,13 @@ class Upstream:
     to the caller. ``close`` waits for pending cancels and closes the streams.
     """
 
-    def __init__(self, router_id: str, channels: ChannelPool, cancel_timeout_s: float) -> None:
+    def __init__(self, router_id: str, channels: ChannelPool, cancel_timeout_s: float,
+                 stall_timeout_s: float = 0.0) -> None:
         self._router_id = router_id
         self._channels = channels
         self._cancel_timeout_s = cancel_timeout_s
-        self.streams = DecodeStreams(router_id, channels, on_orphan=self._cancel_orphan)
+        self.streams = DecodeStreams(router_id, channels, on_orphan=self._cancel_orphan,
+                                     stall_timeout_s=stall_timeout_s)
         self._prefill_addresses: tuple[str, ...] = ()
         self._next_prefill = itertools.count()
         self._background: set[asyncio.Task[None]] = set()

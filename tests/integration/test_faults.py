@@ -461,14 +461,16 @@ def test_redis_restarted_empty_mid_stream_loses_nothing_and_serves_after(stack: 
 
 def test_a_full_pool_preempts_and_every_request_completes(model_dir: Path, engine: LLMEngine,
                                                           tmp_path: Path) -> None:
-    """A pool that holds about a fifth of what the requests grow to (prompts may not even fit
+    """A pool that holds about an eighth of what the requests grow to (prompts may not even fit
     at once): prefill waits for blocks, decode preempts the youngest and recomputes it later, and
-    every output is still the engine's."""
+    every output is still the engine's. The router's stall timeout is short (0.3 s) and preempted
+    requests wait longer than that for blocks: decode names the requests it holds to the router,
+    which before failed them as "decode service stopped producing tokens"."""
     seed = fault_seed()
     rng = random.Random(seed)
-    work = _workload(rng, 10, prompt_len=(20, 300), max_tokens=(200, 400))
+    work = _workload(rng, 16, prompt_len=(20, 300), max_tokens=(200, 400))
     sizes = [-(-(len(ids) + p.max_tokens + 1) // BLOCK_SIZE) for ids, p in work]
-    num_blocks = max(sum(sizes) // 5, max(sizes) + 1)  # every request fits alone
+    num_blocks = max(sum(sizes) // 8, max(sizes) + 1)  # every request fits alone
 
     async def run(small: Stack) -> list[Outcome]:
         async with _run(small.address("router"), work) as tasks:
@@ -478,5 +480,8 @@ def test_a_full_pool_preempts_and_every_request_completes(model_dir: Path, engin
         await _drained(small)
         return outcomes
 
-    with Stack(model_dir, tmp_path, num_blocks=num_blocks) as small:
+    stall_s = 0.3
+    with Stack(model_dir, tmp_path, num_blocks=num_blocks, extra_env={"TANDEM_STALL_TIMEOUT_S": str(stall_s)}) as small:
         _check_complete(engine, work, asyncio.run(run(small)), seed)
+        waits = [float(w) for w in re.findall(r"readmitted \S+ after ([0-9.]+) s", small.logs("decode_svc"))]
+    assert waits and max(waits) > stall_s, f"seed {seed}: no preempted request waited past the stall timeout: {waits}"

@@ -27,7 +27,7 @@ from tandem.rpc.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.rpc.v1 import prefill_pb2 as tandem_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/prefill.proto\"\xaf\x02\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fgenerator_state\x18\x08 \x01(\x0c\x12\x17\n\x0f\x61rrival_unix_ns\x18\t \x01(\x04\x12\x1c\n\x14prefill_done_unix_ns\x18\n \x01(\x04\x12\x15\n\rneeds_prefill\x18\x0b \x01(\x08\"\x91\x02\n\x0cHandoffReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tserver_ns\x18\x03 \x01(\x04\x12.\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x19.tandem.v1.GeneratedToken\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\nprefill_ns\x18\x06 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\x1a\n\rretry_after_s\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"M\n\rStreamRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12)\n\x08\x61waiting\x18\x02 \x03(\x0b\x32\x17.tandem.v1.StreamOffset\"6\n\x0cStreamOffset\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xb6\x01\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12)\n\x06tokens\x18\x03 \x03(\x0b\x32\x19.tandem.v1.GeneratedToken\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x06 \x01(\t\"T\n\nTokenBatch\x12\'\n\x07updates\x18\x01 \x03(\x0b\x32\x16.tandem.v1.TokenUpdate\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07step_ns\x18\x03 \x01(\x04\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\x96\x02\n\x0b\x44\x65\x63odeStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x14\n\x0clast_step_ns\x18\x03 \x01(\x04\x12\x14\n\x0cnum_handoffs\x18\x04 \x01(\r\x12\x16\n\x0ehandoff_p50_ns\x18\x05 \x01(\x04\x12\x16\n\x0ehandoff_p99_ns\x18\x06 \x01(\x04\x12\x17\n\x0fhandoff_mean_ns\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x15\n\rnum_preempted\x18\t \x01(\r\x12\x1d\n\x15num_orphans_cancelled\x18\n \x01(\x04\x12\x1b\n\x13num_record_failures\x18\x0b \x01(\x04\x32\x83\x02\n\x06\x44\x65\x63ode\x12=\n\x07Handoff\x12\x19.tandem.v1.HandoffRequest\x1a\x17.tandem.v1.HandoffReply\x12:\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x16.tandem.v1.CancelReply\x12;\n\x06Stream\x12\x18.tandem.v1.StreamRequest\x1a\x15.tandem.v1.TokenBatch0\x01\x12\x41\n\x08GetStats\x12\x1d.tandem.v1.DecodeStatsRequest\x1a\x16.tandem.v1.DecodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/prefill.proto\"\xaf\x02\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fgenerator_state\x18\x08 \x01(\x0c\x12\x17\n\x0f\x61rrival_unix_ns\x18\t \x01(\x04\x12\x1c\n\x14prefill_done_unix_ns\x18\n \x01(\x04\x12\x15\n\rneeds_prefill\x18\x0b \x01(\x08\"\x91\x02\n\x0cHandoffReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tserver_ns\x18\x03 \x01(\x04\x12.\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x19.tandem.v1.GeneratedToken\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\nprefill_ns\x18\x06 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\x1a\n\rretry_after_s\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"f\n\rStreamRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12)\n\x08\x61waiting\x18\x02 \x03(\x0b\x32\x17.tandem.v1.StreamOffset\x12\x17\n\x0fstall_timeout_s\x18\x03 \x01(\x01\"6\n\x0cStreamOffset\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xb6\x01\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12)\n\x06tokens\x18\x03 \x03(\x0b\x32\x19.tandem.v1.GeneratedToken\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x06 \x01(\t\"T\n\nTokenBatch\x12\'\n\x07updates\x18\x01 \x03(\x0b\x32\x16.tandem.v1.TokenUpdate\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07step_ns\x18\x03 \x01(\x04\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\x96\x02\n\x0b\x44\x65\x63odeStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x14\n\x0clast_step_ns\x18\x03 \x01(\x04\x12\x14\n\x0cnum_handoffs\x18\x04 \x01(\r\x12\x16\n\x0ehandoff_p50_ns\x18\x05 \x01(\x04\x12\x16\n\x0ehandoff_p99_ns\x18\x06 \x01(\x04\x12\x17\n\x0fhandoff_mean_ns\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x15\n\rnum_preempted\x18\t \x01(\r\x12\x1d\n\x15num_orphans_cancelled\x18\n \x01(\x04\x12\x1b\n\x13num_record_failures\x18\x0b \x01(\x04\x32\x83\x02\n\x06\x44\x65\x63ode\x12=\n\x07Handoff\x12\x19.tandem.v1.HandoffRequest\x1a\x17.tandem.v1.HandoffReply\x12:\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x16.tandem.v1.CancelReply\x12;\n\x06Stream\x12\x18.tandem.v1.StreamRequest\x1a\x15.tandem.v1.TokenBatch0\x01\x12\x41\n\x08GetStats\x12\x1d.tandem.v1.DecodeStatsRequest\x1a\x16.tandem.v1.DecodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDOFFREPLY']._serialized_start=393
   _globals['_HANDOFFREPLY']._serialized_end=666
   _globals['_STREAMREQUEST']._serialized_start=668
-  _globals['_STREAMREQUEST']._serialized_end=745
-  _globals['_STREAMOFFSET']._serialized_start=747
-  _globals['_STREAMOFFSET']._serialized_end=801
-  _globals['_TOKENUPDATE']._serialized_start=804
-  _globals['_TOKENUPDATE']._serialized_end=986
-  _globals['_TOKENBATCH']._serialized_start=988
-  _globals['_TOKENBATCH']._serialized_end=1072
-  _globals['_DECODESTATSREQUEST']._serialized_start=1074
-  _globals['_DECODESTATSREQUEST']._serialized_end=1094
-  _globals['_DECODESTATS']._serialized_start=1097
-  _globals['_DECODESTATS']._serialized_end=1375
-  _globals['_DECODE']._serialized_start=1378
-  _globals['_DECODE']._serialized_end=1637
+  _globals['_STREAMREQUEST']._serialized_end=770
+  _globals['_STREAMOFFSET']._serialized_start=772
+  _globals['_STREAMOFFSET']._serialized_end=826
+  _globals['_TOKENUPDATE']._serialized_start=829
+  _globals['_TOKENUPDATE']._serialized_end=1011
+  _globals['_TOKENBATCH']._serialized_start=1013
+  _globals['_TOKENBATCH']._serialized_end=1097
+  _globals['_DECODESTATSREQUEST']._serialized_start=1099
+  _globals['_DECODESTATSREQUEST']._serialized_end=1119
+  _globals['_DECODESTATS']._serialized_start=1122
+  _globals['_DECODESTATS']._serialized_end=1400
+  _globals['_DECODE']._serialized_start=1403
+  _globals['_DECODE']._serialized_end=1662
 # @@protoc_insertion_point(module_scope)

@@ -58,12 +58,14 @@ class HandoffReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ..., server_ns: _Optional[int] = ..., first_token: _Optional[_Union[_common_pb2.GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prefill_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., status: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("router_id", "awaiting")
+    __slots__ = ("router_id", "awaiting", "stall_timeout_s")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     AWAITING_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     awaiting: _containers.RepeatedCompositeFieldContainer[StreamOffset]
-    def __init__(self, router_id: _Optional[str] = ..., awaiting: _Optional[_Iterable[_Union[StreamOffset, _Mapping]]] = ...) -> None: ...
+    stall_timeout_s: float
+    def __init__(self, router_id: _Optional[str] = ..., awaiting: _Optional[_Iterable[_Union[StreamOffset, _Mapping]]] = ..., stall_timeout_s: _Optional[float] = ...) -> None: ...
 
 class StreamOffset(_message.Message):
     __slots__ = ("request_id", "num_tokens")
