@@ -47,6 +47,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--trace", default=None, help="CSV/JSONL trace (timestamp_s,input_len,output_len); --rate rescales it")
     p("--rate", type=float, nargs="+", action="extend", default=None, metavar="R",
       help="request rates to sweep, req/s; repeatable (default: 1)")
+    p("--arrival", choices=("poisson", "gamma"), default="poisson",
+      help="inter-arrival times (gamma: bursty, with --cv; ignored with --trace)")
+    p("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival times")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--duration-s", type=float, default=None, help="simulated seconds of arrivals per rate")
     group.add_argument("--num-requests", type=int, default=None, help="requests per rate (default: 500)")
@@ -61,6 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--policy-tbt-ms", type=float, default=None,
       help="TBT the policies aim at, as the services' --tbt-slo-ms (default: --tbt-slo-ms)")
     p("--no-admission", action="store_true", help="admit every request (no SLO-aware refusal at the router)")
+    p("--drop-late", action="store_true",
+      help="drop a prompt not yet started that cannot make its TTFT deadline even computed alone now "
+           "(FineServe's early drop, as the services' --drop-late)")
     p("--contention", type=float, default=None,
       help="flat slowdown of a phase while the other runs beside it (default: the profile's guard; GPUs: none)")
     p("--num-blocks", type=int, default=None, help="KV blocks per cell (default: from device memory minus weights)")
@@ -104,7 +110,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     print(f"sim: {shape.name} (TP {shape.tp_degree}) on {spec.name} x{args.num_cells}: {cell.total_units} units, "
           f"{cell.num_blocks} KV blocks of {cell.block_size}; SLO TTFT {args.ttft_slo_ms:.0f} ms + "
           f"{args.ttft_slo_ms_per_1k_input:.0f} ms/1k, TBT {args.tbt_slo_ms:.0f} ms; admission "
-          f"{'off' if args.no_admission else 'on'}", file=sys.stderr)
+          f"{'off' if args.no_admission else 'on'}; early drop {'on' if args.drop_late else 'off'}", file=sys.stderr)
 
     runs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
@@ -112,13 +118,14 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for rate in rates:
         requests = workload_requests(
             args.workload, rate_rps=rate, num_requests=num_requests, duration_s=args.duration_s, seed=args.seed,
-            arrival="trace" if args.trace else "poisson", trace_path=args.trace, max_input_len=args.max_input_len,
+            arrival="trace" if args.trace else args.arrival, cv=args.cv, trace_path=args.trace, max_input_len=args.max_input_len,
             max_output_len=args.max_output_len, num_turns=args.num_turns)
         by_policy = {}
         for name in policies:
             start = time.perf_counter()
             result = simulate(requests, policy=name, predictor=predictor, cell_config=cell, slo=slo,
                               num_cells=args.num_cells, admission=not args.no_admission, rate_rps=rate,
+                              drop_late=args.drop_late,
                               policy_tbt_s=args.policy_tbt_ms / 1e3 if args.policy_tbt_ms else None)
             wall_s = time.perf_counter() - start
             print(f"sim: {name} at {rate:g} req/s: {len(requests)} requests, {result.num_events} events, "
@@ -144,7 +151,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name:<10}" + "".join(f"{_fmt_ratio(by_rate[f'{rate:g}']):>10}" for rate in rates))
     result_json = {
         "hardware": spec.name, "model": shape.name, "tp": shape.tp_degree, "workload": args.workload,
-        "num_cells": args.num_cells, "admission": not args.no_admission, "contention": args.contention,
+        "num_cells": args.num_cells, "admission": not args.no_admission, "drop_late": args.drop_late,
+        "arrival": "trace" if args.trace else args.arrival, "cv": args.cv, "contention": args.contention,
         "policy_tbt_ms": args.policy_tbt_ms,
         "slo": {"ttft_ms": args.ttft_slo_ms, "ttft_ms_per_1k_input": args.ttft_slo_ms_per_1k_input,
                 "tbt_ms": args.tbt_slo_ms, "tbt_quantile": args.tbt_quantile},

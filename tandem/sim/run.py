@@ -64,11 +64,13 @@ def simulate(
     admission: bool = True,
     rate_rps: float | None = None,
     policy_tbt_s: float | None = None,
+    drop_late: bool = False,
 ) -> RunResult:
-    """``policy``: a name (``get_policy``) or a configured policy itself, named after its class."""
+    """``policy``: a name (``get_policy``) or a configured policy itself, named after its class.
+    ``drop_late``: FineServe's early drop, as the services' ``--drop-late`` (tandem.sim.simulator)."""
     sim = Simulator(policy=get_policy(policy) if isinstance(policy, str) else policy, predictor=predictor,
                     cell_config=cell_config, slo=slo, num_cells=num_cells, admission=admission,
-                    policy_tbt_s=policy_tbt_s)
+                    policy_tbt_s=policy_tbt_s, drop_late=drop_late)
     result: SimResult = sim.run(requests)
     summary = summarize(result.records, duration_s=result.duration_s, slo=slo)
     name = policy if isinstance(policy, str) else type(policy).__name__

@@ -6,7 +6,10 @@ Each cell runs the live code: the partition policy (`tandem.policy.policies`) on
 clock (a phase lasts what `predict_*` says on the decided units, times the contention factor
 when the other phase runs beside it), the engine's `BlockAllocator` with its prefix index, and
 the router's admission rule (`tandem.policy.admission.admit_one`, as router/admission.py
-calls it). Time only moves through a heap of events; nothing reads a wall clock,
+calls it), and with `drop_late` FineServe's early drop as prefill_svc and decode_svc apply it
+(`tandem.policy.local.out_of_reach`: at each decision point, a prompt not yet started whose
+first token, computed alone at once on the whole cell, would come more than DROP_MARGIN of the
+TTFT SLO after its deadline fails, and its blocks go back). Time only moves through a heap of events; nothing reads a wall clock,
 and every container iterated is ordered, so a run is a pure function of its inputs.
 
 The cell's two phases and their decision points:
@@ -42,6 +45,7 @@ from tandem.bench.metrics import RequestRecord, SloSpec
 from tandem.bench.workload import RequestSpec
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.policy.admission import admit_one
+from tandem.policy.local import DROP_MARGIN, drop_error, out_of_reach
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.sim.config import CellConfig
 
@@ -112,7 +116,7 @@ class SimRequest:
 
     __slots__ = (
         "spec", "token_ids", "deadline_s", "blocks", "prefilled", "first_token_s", "join_step",
-        "finish_step", "error", "token_times", "queued",
+        "finish_step", "error", "token_times", "queued", "started",
     )
 
     def __init__(self, spec: RequestSpec, token_ids: Sequence[int], deadline_s: float) -> None:
@@ -127,6 +131,7 @@ class SimRequest:
         self.error: str | None = None
         self.token_times: tuple[float, ...] = ()
         self.queued: QueuedRequest | None = None  # the policy's view while it waits for prefill
+        self.started = False  # a chunk or a layer group of its prompt has been computed (no early drop)
 
     @property
     def request_id(self) -> str:
@@ -177,6 +182,7 @@ class CellStats:
     num_preemptions: int = 0
     num_layers_discarded: int = 0  # layer-group progress lost when a split batch went aggregated
     num_kv_waits: int = 0
+    num_dropped: int = 0  # prompts dropped before prefill as out of reach of their deadline (drop_late)
     decode_units_time: float = 0.0  # integral of decode units over decode-busy time
     decode_busy_s: float = 0.0
     prefill_units_time: float = 0.0
@@ -303,6 +309,39 @@ class _Cell:
         while self.kv_wait and self._fits(self.kv_wait[0]):
             self._allocate(self.kv_wait.popleft())
 
+    def _drop_late(self, now: float) -> None:
+        """Early drop (the live services' rule, see the module docstring) over the prompts not
+        yet started: those queued with blocks and those waiting for blocks."""
+        waiting = [r for r in [*self.queue.values(), *self.kv_wait] if not r.started]
+        if not waiting:
+            return
+        units = self.cfg.total_units
+        slo = self.sim.policy_slo
+        views = {r.request_id: r.queued or QueuedRequest(r.request_id, r.spec.arrival_s, r.spec.input_len,
+                                                          deadline_s=r.deadline_s) for r in waiting}
+
+        def predict(batch: Sequence[QueuedRequest]) -> float:
+            return self.sim.predict_prefill([q.seq for q in batch], units)
+
+        late = out_of_reach(list(views.values()), now, slo, predict, DROP_MARGIN * slo.ttft_s)
+        if not late:
+            return
+        gone = {q.request_id for q in late}
+        for req in waiting:
+            if req.request_id not in gone:
+                continue
+            req.error = drop_error(views[req.request_id], now, slo, predict).message
+            if self.queue.pop(req.request_id, None) is not None:
+                self.allocator.free(req.blocks)  # nothing computed: nothing to publish
+                req.blocks = []
+            else:
+                self.kv_wait.remove(req)
+            req.queued = None
+            self.router_pending.pop(req.request_id, None)
+            self.stats.num_dropped += 1
+            self.sim.reject(req)
+        self._drain_kv_wait()
+
     def _release(self, req: SimRequest) -> None:
         if req.spec.session_id is not None:
             num_computed = req.spec.input_len + req.spec.output_len - 1
@@ -370,6 +409,9 @@ class _Cell:
         has_decode = bool(self.decoding)
         prefill_can = prefill_idle and has_prefill
         decode_can = decode_idle and has_decode
+        if prefill_idle and self.sim.drop_late:
+            self._drop_late(now)
+            prefill_can = prefill_idle and (bool(self.queue) or self.running is not None or self.paused is not None)
         if not prefill_can and not decode_can:
             return
         snap = self.snapshot(now, at_decode_boundary)
@@ -429,6 +471,7 @@ class _Cell:
             raise SimError(f"cell {self.index}: decision names {exc} which is not queued: {decision}") from None
         for m in members:
             m.queued = None
+            m.started = True
         job = PrefillJob(members, now, preempted)
         self.running = job
         return job
@@ -541,6 +584,7 @@ class _Cell:
         touched: list[SimRequest] = []
         for req, take in plan:
             req.prefilled += take
+            req.started = True
             touched.append(req)
         touched_ids = {req.request_id for req in touched}
         for job_attr in ("running", "paused"):
@@ -648,6 +692,7 @@ class Simulator:
         num_cells: int = 1,
         admission: bool = True,
         policy_tbt_s: float | None = None,
+        drop_late: bool = False,
     ) -> None:
         if num_cells < 1:
             raise ValueError("num_cells must be >= 1")
@@ -657,10 +702,12 @@ class Simulator:
         self.slo = slo
         self.policy_slo = Slo(ttft_s=slo.ttft_s, tbt_s=policy_tbt_s if policy_tbt_s is not None else slo.tbt_s)
         self.admission = admission
+        self.drop_late = drop_late
         self.cells = [_Cell(i, self) for i in range(num_cells)]
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._done: dict[str, SimRequest] = {}
+        self._rejected: dict[str, SimRequest] = {}  # refused, or dropped before prefill; with .error
         self.now = 0.0
 
     # ------------------------------------------------------------------ plumbing
@@ -673,6 +720,10 @@ class Simulator:
 
     def done(self, req: SimRequest) -> None:
         self._done[req.request_id] = req
+
+    def reject(self, req: SimRequest) -> None:
+        """``req`` ends without a token (refused, or dropped before prefill); ``req.error`` says why."""
+        self._rejected[req.request_id] = req
 
     # The clock: the same (cached) predictor the policies consult.
     def prefill_time(self, seq: tuple[int, int], units: int) -> float:
@@ -718,7 +769,7 @@ class Simulator:
     def run(self, requests: Sequence[RequestSpec]) -> SimResult:
         """Simulate until every request has finished or been refused."""
         ordered = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
-        rejected: dict[str, SimRequest] = {}
+        rejected = self._rejected
         capacity = self.cell_config.num_blocks * self.cell_config.block_size
         for spec, ids in zip(ordered, self._token_ids(ordered)):
             req = SimRequest(spec, ids, spec.arrival_s + self.slo.ttft_limit_s(spec.input_len))
@@ -733,13 +784,13 @@ class Simulator:
                 req = payload
                 if req.spec.input_len + req.spec.output_len > capacity:
                     req.error = REASON_NO_KV
-                    rejected[req.request_id] = req
+                    self.reject(req)
                     continue
                 target = self.pick_cell()
                 reason = target.try_admit(req, now)
                 if reason is not None:
                     req.error = reason
-                    rejected[req.request_id] = req
+                    self.reject(req)
                     continue
                 target.accept(req, now)
             elif kind == _DECODE_DONE:

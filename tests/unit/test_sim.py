@@ -344,3 +344,68 @@ def test_a_burst_waits_for_decodes_step_in_flight(monkeypatch: pytest.MonkeyPatc
     assert all(r.error is None for r in records)
     assert launches and sim.cells[0].stats.num_bursts == len(launches)
     assert all(not busy and units == CELL.total_units for busy, units in launches)
+
+
+def _drop_run(requests: Sequence[RequestSpec], policy: str, drop_late: bool, slo: SloSpec = SLO,
+              cell: CellConfig = CELL) -> tuple[Simulator, list[RequestRecord], list[tuple[str, bool, int]]]:
+    """A run with admission off; also every request the simulator rejects, as (id, started,
+    prompt tokens computed) when it is rejected."""
+    sim = Simulator(policy=get_policy(policy), predictor=PREDICTOR, cell_config=cell, slo=slo,
+                    admission=False, drop_late=drop_late)
+    rejected: list[tuple[str, bool, int]] = []
+    reject = sim.reject
+
+    def spy(req):  # type: ignore[no-untyped-def]
+        rejected.append((req.request_id, req.started, req.prefilled))
+        reject(req)
+
+    sim.reject = spy  # type: ignore[method-assign]
+    records = sim.run(requests).records
+    return sim, records, rejected
+
+
+def test_early_drop_drops_a_prompt_that_cannot_make_it_alone_and_serves_the_rest() -> None:
+    """Crafted: a long prompt whose prefill alone takes twice its whole TTFT SLO (no per-1k term)
+    arrives with short ones; with early drop it fails at once with the services' message and the
+    short ones are served; without, everything is computed."""
+    alone_s = PREDICTOR.predict_prefill([(8000, 0)], CELL.total_units)
+    slo = SloSpec(ttft_s=alone_s / 2, tbt_s=1.0)
+    requests = [RequestSpec("r0", 0.0, 8000, 4), *(RequestSpec(f"r{i}", 0.001 * i, 16, 4) for i in range(1, 6))]
+    for policy in ("chunked", "dynamic"):
+        sim, records, rejected = _drop_run(requests, policy, True, slo)
+        by_id = {r.request_id: r for r in records}
+        assert not by_id["r0"].ok and by_id["r0"].error.startswith("dropped before prefill")
+        assert by_id["r0"].token_times_s == ()
+        assert rejected == [("r0", False, 0)]
+        assert all(by_id[f"r{i}"].ok for i in range(1, 6))
+        assert sum(c.stats.num_dropped for c in sim.cells) == 1
+        _, kept, _ = _drop_run(requests, policy, False, slo)
+        assert all(r.ok for r in kept)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "dynamic"])
+@pytest.mark.parametrize("seed", [4, 5])
+def test_early_drop_only_when_asked_only_unstarted_prompts_late_past_the_margin(policy: str, seed: int) -> None:
+    """Bursty overload (gamma arrivals, CV 4, admission off): with early drop some prompts fail
+    before any of their prefill ran, each told it would be late by more than DROP_MARGIN of the
+    TTFT SLO even alone; every other request gets all its tokens, and every block comes back
+    (the simulator checks that at the end). Without it, nothing is dropped."""
+    from tandem.policy.local import DROP_MARGIN
+
+    requests = workload_requests("azure-code", rate_rps=16.0, num_requests=150, seed=seed, arrival="gamma", cv=4.0)
+    specs = {r.request_id: r for r in requests}
+    sim, records, rejected = _drop_run(requests, policy, False)
+    assert all(r.ok for r in records) and not rejected
+    assert sum(c.stats.num_dropped for c in sim.cells) == 0
+
+    sim, records, rejected = _drop_run(requests, policy, True)
+    dropped = [r for r in records if not r.ok]
+    assert dropped and sum(c.stats.num_dropped for c in sim.cells) == len(dropped) == len(rejected)
+    assert all(not started and computed == 0 for _, started, computed in rejected)
+    for r in dropped:
+        assert r.error.startswith("dropped before prefill") and r.token_times_s == ()
+        late_s = float(r.error.split(" by ")[1].split(" s even")[0])
+        assert late_s > DROP_MARGIN * SLO.ttft_s - 0.005  # the message rounds to 10 ms
+    for r in records:
+        if r.ok:
+            assert len(r.token_times_s) == specs[r.request_id].output_len
