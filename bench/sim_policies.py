@@ -21,6 +21,11 @@ Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-
 
 With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
 "capacity" is the ratio of the best goodput over the rates swept (each policy's knee).
+
+A policy name ending in ``+drop`` runs that policy with FineServe's early drop (`tandem sim
+--drop-late`, the services' --drop-late): ``--policies chunked,chunked+drop,dynamic,dynamic+drop``
+gives drop's effect on each policy against the same chunked baseline. ``--arrival gamma --cv 4``
+makes the arrivals bursty.
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ POLICIES = ("chunked", "static", "dynamic", "adaptive")
 SLO = SloSpec(ttft_s=0.25, tbt_s=0.1, ttft_s_per_1k_input=0.25, tbt_quantile=0.99)
 # Request rates (req/s) per device and workload: light load to past chunked's knee.
 RATES: dict[tuple[str, str], tuple[float, ...]] = {
-    ("A100-80G", "azure-code"): (2, 3, 4, 5, 6, 7),
+    ("A100-80G", "azure-code"): (2, 3, 4, 5, 6, 7, 8, 10),
     ("A100-80G", "azure-conv"): (3, 5, 7, 8, 9, 11),
     ("A100-80G", "sharegpt"): (10, 25, 40, 55, 70),
-    ("H100-SXM", "azure-code"): (5, 8, 11, 14, 17, 20),
+    ("H100-SXM", "azure-code"): (5, 8, 11, 14, 17, 20, 24),
     ("H100-SXM", "azure-conv"): (6, 12, 18, 22, 26, 30),
     ("H100-SXM", "sharegpt"): (25, 50, 100, 150, 200),
 }
@@ -85,19 +90,22 @@ def policy_variant(name: str) -> Policy:
 
 def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
     hardware, workload, rate, policy, opts = job
+    drop_late = policy.endswith("+drop")
     shape = load_shape(MODEL)
     predictor, spec = build_predictor(hardware, shape, contention=opts["contention"])
     cell = cell_config_for(spec, shape, reconfig_s=RECONFIG_S)
     num = int(min(opts["max_requests"], max(opts["min_requests"], math.ceil(rate * opts["span_s"]))))
-    requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"])
+    requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"],
+                                 arrival=opts["arrival"], cv=opts["cv"])
     start = time.process_time()
     policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
-    result = simulate(requests, policy=policy_variant(policy), predictor=predictor, cell_config=cell, slo=SLO,
-                      admission=False, rate_rps=rate, policy_tbt_s=policy_tbt_s)
+    result = simulate(requests, policy=policy_variant(policy.removesuffix("+drop")), predictor=predictor,
+                      cell_config=cell, slo=SLO, admission=False, rate_rps=rate, policy_tbt_s=policy_tbt_s,
+                      drop_late=drop_late)
     s = result.summary
     return {
         "hardware": hardware, "workload": workload, "rate_rps": rate, "policy": policy, "seed": opts["seed"],
-        "num_requests": num,
+        "num_requests": num, "num_dropped": result.cells[0]["num_dropped"],
         "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
         "ttft_attainment": s["ttft_attainment"], "tbt_attainment": s["tbt_attainment"],
         "duration_s": s["duration_s"], "ttft_p99_s": s["ttft_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
@@ -119,14 +127,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out-dir", default="docs/results")
     parser.add_argument("--tag", default="", help="suffix of the output names, e.g. -contention1.2")
+    parser.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    parser.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
     args = parser.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     policies = tuple(args.policies.split(","))
-    if policies[0] != "chunked":
-        raise SystemExit("--policies must start with chunked (the baseline)")
+    if policies[0].removesuffix("+drop") != "chunked":
+        raise SystemExit("--policies must start with chunked or chunked+drop (the baseline)")
     rates_run = {key: r for key, r in RATES.items() if key[1] in args.workloads.split(",")}
     base_opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
-                 "max_requests": args.max_requests, "policy_tbt_ms": args.policy_tbt_ms}
+                 "max_requests": args.max_requests, "policy_tbt_ms": args.policy_tbt_ms,
+                 "arrival": args.arrival, "cv": args.cv}
     jobs = [(hw, wl, float(rate), policy, {**base_opts, "seed": seed}) for (hw, wl), rates in rates_run.items()
             for rate in rates for policy in policies for seed in seeds]
     # Longest first so the pool ends together.
@@ -141,6 +152,7 @@ def main() -> None:
     intervals: dict[str, dict[str, dict[str, list[float] | None]]] = {}
     capacity: dict[str, dict[str, Any]] = {}
     table_lines = []
+    base = policies[0]  # chunked, with or without early drop
     for (hw, wl), rates in rates_run.items():
         key = f"{hw}/{wl}"
         mine = [p for p in points if p["hardware"] == hw and p["workload"] == wl]
@@ -151,35 +163,36 @@ def main() -> None:
         for policy in policies[1:]:
             ratios[key][policy], intervals[key][policy] = {}, {}
             for r in rates:
-                per_seed = [good[policy, float(r), sd] / good["chunked", float(r), sd]
-                            for sd in seeds if good["chunked", float(r), sd] > 0]
+                per_seed = [good[policy, float(r), sd] / good[base, float(r), sd]
+                            for sd in seeds if good[base, float(r), sd] > 0]
                 ratios[key][policy][f"{r:g}"] = statistics.mean(per_seed) if per_seed else None
                 intervals[key][policy][f"{r:g}"] = list(mean_interval(per_seed)) if len(per_seed) > 1 else None
         # Capacity: the best goodput over the rates swept (the knee), per seed.
         capacity[key] = {}
         for policy in policies:
             best = [max(good[policy, float(r), sd] for r in rates) for sd in seeds]
-            base_best = [max(good["chunked", float(r), sd] for r in rates) for sd in seeds]
+            base_best = [max(good[base, float(r), sd] for r in rates) for sd in seeds]
             per_seed = [b / c for b, c in zip(best, base_best)]
             capacity[key][policy] = {"max_goodput_rps": statistics.mean(best), "ratio": statistics.mean(per_seed),
                                      "ratio_ci95": list(mean_interval(per_seed)) if len(seeds) > 1 else None}
         curves = {policy: [(float(r), mean_good[policy, float(r)]) for r in rates] for policy in policies}
         plot_goodput_vs_rate(curves, out_dir / f"sim-{hw}-{wl}{args.tag}.png")
         table_lines.append(f"{key}: rates {' '.join(f'{r:g}' for r in rates)}")
-        table_lines.append("  chunked goodput " + " ".join(f"{mean_good['chunked', float(r)]:.2f}" for r in rates))
+        table_lines.append(f"  {base} goodput " + " ".join(f"{mean_good[base, float(r)]:.2f}" for r in rates))
         for policy in policies[1:]:
             cells = []
             for r in rates:
                 v, ci = ratios[key][policy][f"{r:g}"], intervals[key][policy][f"{r:g}"]
                 cells.append("-" if v is None else f"{v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
             cap = capacity[key][policy]
-            table_lines.append(f"  {policy:<8} x chunked " + " | ".join(cells)
+            table_lines.append(f"  {policy:<8} x {base} " + " | ".join(cells)
                                + f" || capacity {cap['ratio']:.2f}" + (
                                    f" [{cap['ratio_ci95'][0]:.2f}, {cap['ratio_ci95'][1]:.2f}]" if cap["ratio_ci95"] else ""))
     result = {
-        "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / chunked's at the same rate",
+        "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's (chunked, with or without early drop) at the same rate",
         "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
+        "arrival": args.arrival, "cv": args.cv,
         "span_s": args.span_s, "seeds": seeds, "cell_fixed_costs": {"reconfig_s": RECONFIG_S},
         "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in rates_run.items()},
         "goodput_ratio_vs_chunked": ratios, "goodput_ratio_ci95": intervals,

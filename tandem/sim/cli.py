@@ -66,7 +66,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--no-admission", action="store_true", help="admit every request (no SLO-aware refusal at the router)")
     p("--drop-late", action="store_true",
       help="drop a prompt not yet started that cannot make its TTFT deadline even computed alone now "
-           "(FineServe's early drop, as the services' --drop-late)")
+           "(FineServe's early drop, as the services' --drop-late; they turn it on with admission, "
+           "the simulator only when asked)")
     p("--contention", type=float, default=None,
       help="flat slowdown of a phase while the other runs beside it (default: the profile's guard; GPUs: none)")
     p("--num-blocks", type=int, default=None, help="KV blocks per cell (default: from device memory minus weights)")
