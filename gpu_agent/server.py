@@ -104,8 +104,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         start = time.perf_counter_ns()
         try:
             alloc = self._ledger_of(request.owner).allocate(request.request_id, list(request.token_ids),
-                                                            request.num_extra_tokens, owner=request.owner,
-                                                            readmit=request.readmit)
+                                                            request.num_extra_tokens, owner=request.owner)
         except OutOfBlocksError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
         except InvalidRequestError as exc:
