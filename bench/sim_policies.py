@@ -189,7 +189,8 @@ def main() -> None:
                                + f" || capacity {cap['ratio']:.2f}" + (
                                    f" [{cap['ratio_ci95'][0]:.2f}, {cap['ratio_ci95'][1]:.2f}]" if cap["ratio_ci95"] else ""))
     result = {
-        "what": "simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's (chunked, with or without early drop) at the same rate",
+        "what": ("simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's "
+                 "(chunked, with or without early drop) at the same rate"),
         "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
         "arrival": args.arrival, "cv": args.cv,

@@ -643,10 +643,9 @@ class DecodeWorker:
     def _notice_held(self) -> None:
         """Every HOLD_NOTICE_S (a quarter of a router's stall timeout where that is shorter), tell
         each router which of its requests this service holds without stepping them (preempted,
-        or past the batch limit): one update without tokens each, which the router takes as a
-        sign of life and nothing more. It carries no tokens
-        (those go out once recorded, with their step), and its ``first_index`` is the next one
-        the router is to get."""
+        or past the batch limit): one update each, which the router takes as a sign of life and
+        nothing more. It carries no tokens (those go out once recorded, with their step); its
+        ``first_index`` is the next one the router is to get."""
         now = time.perf_counter_ns()
         if now < self._next_hold_notice_ns:
             return

@@ -111,7 +111,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     print(f"sim: {shape.name} (TP {shape.tp_degree}) on {spec.name} x{args.num_cells}: {cell.total_units} units, "
           f"{cell.num_blocks} KV blocks of {cell.block_size}; SLO TTFT {args.ttft_slo_ms:.0f} ms + "
           f"{args.ttft_slo_ms_per_1k_input:.0f} ms/1k, TBT {args.tbt_slo_ms:.0f} ms; admission "
-          f"{'off' if args.no_admission else 'on'}; early drop {'on' if args.drop_late else 'off'}", file=sys.stderr)
+          f"{'off' if args.no_admission else 'on'}; early drop {'on' if args.drop_late else 'off'}",
+          file=sys.stderr)
 
     runs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
@@ -119,8 +120,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for rate in rates:
         requests = workload_requests(
             args.workload, rate_rps=rate, num_requests=num_requests, duration_s=args.duration_s, seed=args.seed,
-            arrival="trace" if args.trace else args.arrival, cv=args.cv, trace_path=args.trace, max_input_len=args.max_input_len,
-            max_output_len=args.max_output_len, num_turns=args.num_turns)
+            arrival="trace" if args.trace else args.arrival, cv=args.cv, trace_path=args.trace,
+            max_input_len=args.max_input_len, max_output_len=args.max_output_len, num_turns=args.num_turns)
         by_policy = {}
         for name in policies:
             start = time.perf_counter()

@@ -9,8 +9,9 @@ the router's admission rule (`tandem.policy.admission.admit_one`, as router/admi
 calls it), and with `drop_late` FineServe's early drop as prefill_svc and decode_svc apply it
 (`tandem.policy.local.out_of_reach`: at each decision point, a prompt not yet started whose
 first token, computed alone at once on the whole cell, would come more than DROP_MARGIN of the
-TTFT SLO after its deadline fails, and its blocks go back). Time only moves through a heap of events; nothing reads a wall clock,
-and every container iterated is ordered, so a run is a pure function of its inputs.
+TTFT SLO after its deadline fails, and its blocks go back). Time only moves through a heap of
+events; nothing reads a wall clock, and every container iterated is ordered, so a run is a pure
+function of its inputs.
 
 The cell's two phases and their decision points:
 - split mode (`Decision.aggregated` False): prefill runs `prefill_layers` layers of its batch on
