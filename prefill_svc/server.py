@@ -52,8 +52,8 @@ TAKE_BACK_RETRY_S = 0.05
 # requests finish, and preempts to make room for its own) before it fails.
 POOL_WAIT_S = 30.0
 POOL_RETRY_S = 0.05
-# Early drop (--drop-late) needs a measured prefill rate, and spares a prompt predicted late by
-# less than this fraction of the TTFT SLO: the rate is an estimate.
+# Early drop (--drop-late) needs a measured prefill rate: this many timed batches. (It spares a
+# prompt predicted late by less than tandem.policy.local.DROP_MARGIN of the TTFT SLO.)
 MIN_TIMED_BATCHES = 3
 
 log = logging.getLogger("tandem.prefill")

@@ -23,11 +23,6 @@ def grpc_status(error: RequestError) -> grpc.StatusCode:
     return status
 
 
-def trailing_metadata(error: RequestError) -> tuple[tuple[str, str], ...]:
-    """``retry-after`` (seconds) when there is a hint."""
-    return retry_after_metadata(error.retry_after_s)
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate / ListModels / Health for the router's models (one core each, by ``model``)."""
 
@@ -42,7 +37,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for response in stream:
                     await context.write(response)
         except RequestError as exc:
-            await context.abort(grpc_status(exc), exc.message, trailing_metadata=trailing_metadata(exc))
+            await context.abort(grpc_status(exc), exc.message, trailing_metadata=retry_after_metadata(exc.retry_after_s))
 
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsReply:

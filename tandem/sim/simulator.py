@@ -204,6 +204,12 @@ class SimResult:
     num_events: int = 0
 
 
+def _queued_view(req: SimRequest) -> QueuedRequest:
+    """The policy's view of ``req`` waiting for (more) prefill, its computed tokens as cached."""
+    return QueuedRequest(req.request_id, req.spec.arrival_s, req.spec.input_len, req.prefilled,
+                         deadline_s=req.deadline_s)
+
+
 class _Cell:
     def __init__(self, index: int, sim: Simulator) -> None:
         self.index = index
@@ -293,8 +299,7 @@ class _Cell:
         self._enqueue(req)
 
     def _enqueue(self, req: SimRequest) -> None:
-        req.queued = QueuedRequest(req.request_id, req.spec.arrival_s, req.spec.input_len, req.prefilled,
-                                   deadline_s=req.deadline_s)
+        req.queued = _queued_view(req)
         self.queue[req.request_id] = req
 
     def accept(self, req: SimRequest, now: float) -> None:
@@ -318,8 +323,7 @@ class _Cell:
             return
         units = self.cfg.total_units
         slo = self.sim.policy_slo
-        views = {r.request_id: r.queued or QueuedRequest(r.request_id, r.spec.arrival_s, r.spec.input_len,
-                                                          deadline_s=r.deadline_s) for r in waiting}
+        views = {r.request_id: _queued_view(r) for r in waiting}
 
         def predict(batch: Sequence[QueuedRequest]) -> float:
             return self.sim.predict_prefill([q.seq for q in batch], units)
@@ -406,13 +410,12 @@ class _Cell:
                 heapq.heappush(self.finish_heap, (req.finish_step, self.sim.next_seq(), req))
             self.joining = []
             self._ctx_version += 1
+        if prefill_idle and self.sim.drop_late:
+            self._drop_late(now)
         has_prefill = bool(self.queue) or self.running is not None or self.paused is not None
         has_decode = bool(self.decoding)
         prefill_can = prefill_idle and has_prefill
         decode_can = decode_idle and has_decode
-        if prefill_idle and self.sim.drop_late:
-            self._drop_late(now)
-            prefill_can = prefill_idle and (bool(self.queue) or self.running is not None or self.paused is not None)
         if not prefill_can and not decode_can:
             return
         snap = self.snapshot(now, at_decode_boundary)
