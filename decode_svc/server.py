@@ -916,7 +916,7 @@ class DecodeWorker:
             try:
                 reply = await self.member.agent.Allocate(
                     agent_pb2.AllocateRequest(request_id=req.request_id, token_ids=tokens, num_extra_tokens=1,
-                                              owner=self.service_id), timeout=RPC_TIMEOUT_S)
+                                              owner=self.service_id, readmit=True), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 waited_s = (time.perf_counter_ns() - active.preempted_ns) / 1e9
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or waited_s < READMIT_TIMEOUT_S):

@@ -11,14 +11,23 @@ request's current owner, so a late call of a former holder (a prefill whose hand
 out after decode had accepted it) never frees blocks the new holder reads. ``reclaim`` frees
 everything a dead service held; a request reclaimed is gone from the ledger, so a later
 release, claim or reclaim of it does nothing: its blocks come back exactly once.
+
+Readmission first: a preempted request asking for its blocks back (``allocate(readmit=True)``)
+that the pool refuses holds what it needs for READMIT_HOLD_S (decode asks again every 50 ms,
+renewing it); while any such hold stands, a new prompt is refused unless the pool has room for
+it and for every hold. Before, new prompts took blocks as they came free and a preempted
+request, whose client already had tokens, could wait until decode's 30 s limit failed it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from tandem.engine.block_allocator import Allocation, BlockAllocator
-from tandem.engine.errors import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
+
+READMIT_HOLD_S = 1.0
 
 
 class NotOwnerError(InvalidRequestError):
@@ -30,6 +39,11 @@ class BlockLedger:
         self.allocator = allocator
         self._held: dict[str, list[int]] = {}
         self._owner: dict[str, str] = {}
+        # Refused readmissions: request id -> (blocks it needs, monotonic time its hold ends).
+        self._readmits: dict[str, tuple[int, float]] = {}
+        # Blocks ever given back (release, reclaim): prefill's wait for blocks fails only when
+        # this stops moving (a wedged pool), not while requests keep finishing (a busy one).
+        self.num_blocks_freed = 0
 
     @property
     def num_requests(self) -> int:
@@ -45,22 +59,43 @@ class BlockLedger:
     def owned_by(self, owner: str) -> list[str]:
         return [rid for rid, holder in self._owner.items() if holder == owner]
 
+    def held_for_readmission(self, now_s: float | None = None) -> int:
+        """Blocks the standing holds of refused readmissions need (expired holds are dropped)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        for rid in [rid for rid, (_, until) in self._readmits.items() if until <= now_s]:
+            del self._readmits[rid]
+        return sum(need for need, _ in self._readmits.values())
+
     def allocate(self, request_id: str, token_ids: Sequence[int], num_extra_tokens: int = 0, *,
-                 owner: str) -> Allocation:
+                 owner: str, readmit: bool = False, now_s: float | None = None) -> Allocation:
         """Blocks for a prompt plus room for ``num_extra_tokens``, held by ``owner``; raises
-        OutOfBlocksError."""
+        OutOfBlocksError. ``readmit``: a preempted request asking its blocks back, which goes
+        ahead of new prompts (see the module docstring); ``now_s`` is time.monotonic()'s."""
         if not owner:
             raise InvalidRequestError("an allocation needs an owner (the allocating service's id)")
         if request_id in self._held:
             raise InvalidRequestError(f"request {request_id!r} already holds blocks")
-        alloc = self.allocator.allocate(token_ids)
-        blocks = list(alloc.block_ids)
+        now_s = time.monotonic() if now_s is None else now_s
+        need = self.allocator.num_blocks_for(len(token_ids) + num_extra_tokens)
+        if not readmit:
+            held = self.held_for_readmission(now_s)
+            if held and self.allocator.num_free_blocks < held + need:
+                raise OutOfBlocksError(f"{held} blocks are held back for {len(self._readmits)} preempted "
+                                       f"request(s) waiting to resume; {self.allocator.num_free_blocks} free")
         try:
-            blocks += self.allocator.extend(blocks, len(token_ids) + num_extra_tokens)
-        except Exception:
-            # A refusal leaves nothing half-allocated.
-            self.allocator.free(blocks)
+            alloc = self.allocator.allocate(token_ids)
+            blocks = list(alloc.block_ids)
+            try:
+                blocks += self.allocator.extend(blocks, len(token_ids) + num_extra_tokens)
+            except Exception:
+                # A refusal leaves nothing half-allocated.
+                self.allocator.free(blocks)
+                raise
+        except OutOfBlocksError:
+            if readmit:
+                self._readmits[request_id] = (need, now_s + READMIT_HOLD_S)
             raise
+        self._readmits.pop(request_id, None)
         self._held[request_id] = blocks
         self._owner[request_id] = owner
         return Allocation(tuple(blocks), alloc.num_cached_tokens)
@@ -86,6 +121,7 @@ class BlockLedger:
         if token_ids:
             self.allocator.publish(blocks, token_ids)
         self.allocator.free(blocks)
+        self.num_blocks_freed += len(blocks)
         return len(blocks)
 
     def claim(self, owner: str, request_ids: Iterable[str], may_take_from: Callable[[str], bool] | None = None,

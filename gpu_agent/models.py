@@ -119,6 +119,12 @@ class CellLedgers:
     def num_requests(self) -> int:
         return sum(ledger.num_requests for ledger in self)
 
+    @property
+    def num_blocks_freed(self) -> int:
+        """Blocks ever given back, every model's (with a slab pool, a block one model frees can
+        free the slab another needs)."""
+        return sum(ledger.num_blocks_freed for ledger in self)
+
     def owned_by(self, owner: str) -> list[str]:
         return [rid for ledger in self for rid in ledger.owned_by(owner)]
 

@@ -19,6 +19,7 @@ from gpu_agent.models import Cell, build_cell, build_cuda_cell
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_slab import SlabBlockAllocator
+from tandem.rpc.convert import kv_freed_metadata
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("tandem.gpu_agent")
@@ -104,9 +105,11 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
         start = time.perf_counter_ns()
         try:
             alloc = self._ledger_of(request.owner).allocate(request.request_id, list(request.token_ids),
-                                                            request.num_extra_tokens, owner=request.owner)
+                                                            request.num_extra_tokens, owner=request.owner,
+                                                            readmit=request.readmit)
         except OutOfBlocksError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}",
+                                trailing_metadata=kv_freed_metadata(self.ledgers.num_blocks_freed))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return agent_pb2.AllocateReply(

@@ -69,6 +69,27 @@ def retry_after_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> floa
     return None
 
 
+KV_FREED_KEY = "tandem-kv-freed"
+
+
+def kv_freed_metadata(num_blocks_freed: int) -> tuple[tuple[str, str], ...]:
+    """The agent's count of KV blocks ever given back to its pool, as trailing metadata of an
+    Allocate it refused: a caller waiting for blocks tells a busy pool (the count moves) from a
+    wedged one."""
+    return ((KV_FREED_KEY, str(num_blocks_freed)),)
+
+
+def kv_freed_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The count ``kv_freed_metadata`` wrote; None when absent or unreadable."""
+    for key, value in metadata or ():
+        if key == KV_FREED_KEY:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def token_to_proto(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> common_pb2.GeneratedToken:
     msg = common_pb2.GeneratedToken(
         token_id=token_id, top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top or []]

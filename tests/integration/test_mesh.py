@@ -16,6 +16,7 @@ import torch
 
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.rpc.convert import kv_freed_from
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tests.integration.mesh_client import agent_stats, generate, wait_all_blocks_free
 from tests.integration.stack import Stack
@@ -145,6 +146,43 @@ def test_registry_and_load_board_show_the_cell(stack: Stack) -> None:
         # the dynamic policy may lend an idle phase's cores to the other, never beyond the machine
         assert set(report.prefill_units) | set(report.decode_units) <= {0, 1}
         assert report.prefill_units or report.decode_units
+
+
+def test_a_refused_allocation_names_the_blocks_ever_freed(stack: Stack) -> None:
+    """The agent's RESOURCE_EXHAUSTED carries its count of blocks ever given back, which moves
+    with each release: prefill waits for blocks while it moves and fails once it stops."""
+    async def run() -> tuple[int, int | None, int | None]:
+        free = (await wait_all_blocks_free(stack)).num_free_blocks
+        async with grpc.aio.insecure_channel(stack.address("gpu_agent")) as channel:
+            agent = agent_pb2_grpc.GpuAgentStub(channel)
+            tag = uuid.uuid4().hex[:6]
+
+            async def allocate(name: str, num_tokens: int) -> agent_pb2.AllocateReply:
+                return await agent.Allocate(agent_pb2.AllocateRequest(
+                    request_id=f"{name}-{tag}", token_ids=[1], num_extra_tokens=num_tokens - 1, owner="test"), timeout=5)
+
+            async def refused_count() -> int | None:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await allocate("late", 3 * block_size)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return kv_freed_from(refused.value.trailing_metadata())
+
+            probe = await allocate("probe", 256)
+            block_size = 256 // len(probe.block_ids)
+            await agent.Release(agent_pb2.ReleaseRequest(request_id=f"probe-{tag}"), timeout=5)
+            await allocate("small", 1)
+            await allocate("big", (free - 2) * block_size)  # one block left free
+            try:
+                first = await refused_count()
+                await agent.Release(agent_pb2.ReleaseRequest(request_id=f"small-{tag}"), timeout=5)
+                second = await refused_count()  # two free, three needed
+            finally:
+                for name in ("small", "big"):
+                    await agent.Release(agent_pb2.ReleaseRequest(request_id=f"{name}-{tag}"), timeout=5)
+            return len(probe.block_ids), first, second
+
+    probe_blocks, first, second = asyncio.run(run())
+    assert first is not None and first >= probe_blocks and second == first + 1
 
 
 def test_extend_answers_every_block_the_ledger_holds(stack: Stack) -> None:

@@ -85,8 +85,10 @@ def test_random_ownership_histories_never_lose_or_double_free_a_block(ops: list[
     ledger = BlockLedger(BlockAllocator(num_blocks=24, block_size=4))
     owners = ["prefill", "decode-old", "decode-new"]
     held: dict[str, str] = {}  # the model: request -> owner
+    freed = 0  # blocks given back, which prefill's wait for blocks reads as the pool's progress
     for op, r, o, n in ops:
         rid, owner = f"r{r}", owners[o]
+        before = {k: len(ledger.blocks_of(k) or []) for k in held}
         if op == "allocate":
             try:
                 ledger.allocate(rid, list(range(n)), owner=owner)
@@ -129,6 +131,8 @@ def test_random_ownership_histories_never_lose_or_double_free_a_block(ops: list[
             assert ledger.reclaim(owner)[0] == len(mine)
             for k in mine:
                 del held[k]
+        freed += sum(n for k, n in before.items() if k not in held)
+        assert ledger.num_blocks_freed == freed
         in_use = [b for k in held for b in ledger.blocks_of(k) or []]
         assert len(in_use) == len(set(in_use))
         assert ledger.allocator.num_free_blocks + len(in_use) == 24
@@ -162,3 +166,71 @@ def test_a_lease_that_ends_reclaims_after_its_grace_unless_the_service_comes_bac
         assert leases.num_reclaimed_requests == 3 and leases.num_reclaimed_blocks == 6
 
     asyncio.run(body())
+
+
+def test_a_refused_readmission_goes_ahead_of_new_prompts_until_it_fits_or_its_hold_ends() -> None:
+    ledger = BlockLedger(BlockAllocator(num_blocks=8, block_size=4))
+    ledger.allocate("running", list(range(20)), owner="d")  # 5 blocks, 3 free
+    with pytest.raises(OutOfBlocksError):  # needs 4 (15 tokens + 1)
+        ledger.allocate("back", [7] * 15, num_extra_tokens=1, owner="d", readmit=True, now_s=10.0)
+    assert ledger.held_for_readmission(10.5) == 4
+    with pytest.raises(OutOfBlocksError, match="held back for 1 preempted"):
+        ledger.allocate("new", [1], owner="p", now_s=10.5)  # 1 block would fit, but not beside the hold
+    assert ledger.num_requests == 1
+    ledger.release("running")
+    ledger.allocate("new", [1], owner="p", now_s=10.6)  # 8 free: room for the hold and the prompt
+    assert ledger.allocate("back", [7] * 15, num_extra_tokens=1, owner="d", readmit=True, now_s=10.7).block_ids
+    assert ledger.held_for_readmission(10.7) == 0  # granted: the hold is gone
+    with pytest.raises(OutOfBlocksError):  # needs 5, 3 free: held until 21.0 unless it asks again
+        ledger.allocate("late", list(range(20)), owner="d", readmit=True, now_s=20.0)
+    with pytest.raises(OutOfBlocksError):
+        ledger.allocate("new2", [2], owner="p", now_s=20.9)
+    ledger.allocate("new2", [2], owner="p", now_s=21.0)  # it stopped asking (cancelled): the hold ended
+    assert ledger.held_for_readmission(21.0) == 0
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "readmit", "release", "wait"]), st.integers(1, 40),
+                              st.floats(0.0, 1.5)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_new_prompts_never_take_what_standing_readmissions_need(ops: list[tuple[str, int, float]]) -> None:
+    """Against a model of the holds: a new prompt is granted only if the pool has room for it and
+    every standing hold; a readmission is refused only for want of blocks, and then holds what
+    it needs for READMIT_HOLD_S; a granted one holds nothing. Every block comes back."""
+    from gpu_agent.blocks import READMIT_HOLD_S
+
+    ledger = BlockLedger(BlockAllocator(num_blocks=12, block_size=4))
+    holds: dict[str, tuple[int, float]] = {}
+    now, live, n = 0.0, [], 0
+    for kind, tokens, dt in ops:
+        now += dt
+        holds = {r: h for r, h in holds.items() if h[1] > now}
+        if kind == "wait":
+            continue
+        if kind == "release":
+            if live:
+                ledger.release(live.pop(tokens % len(live)))
+            continue
+        rid = f"{kind}-{tokens % 3}" if kind == "readmit" else f"new-{n}"
+        n += 1
+        if rid in live:
+            continue
+        need = -(-(tokens + 1) // 4)
+        free = ledger.allocator.num_free_blocks
+        held = sum(h[0] for r, h in holds.items())
+        try:
+            ledger.allocate(rid, list(range(1000 * n, 1000 * n + tokens)), num_extra_tokens=1, owner="s",
+                            readmit=kind == "readmit", now_s=now)
+        except OutOfBlocksError:
+            if kind == "readmit":
+                assert need > free
+                holds[rid] = (need, now + READMIT_HOLD_S)
+            else:
+                assert need > free or (held and free < held + need)
+        else:
+            assert need <= free and (kind == "readmit" or not held or free >= held + need)
+            holds.pop(rid, None)
+            live.append(rid)
+        assert ledger.held_for_readmission(now) == sum(h[0] for h in holds.values())
+    for rid in live:
+        ledger.release(rid)
+    assert ledger.allocator.num_free_blocks == 12

@@ -1,9 +1,11 @@
 """prefill_svc: forwarded prompts that find the KV pool full wait in line, and only the first
-in line asks the agent again (prefill_svc.server.PrefillWorker._allocate_waiting).
+in line asks the agent again (prefill_svc.server.PrefillWorker._allocate_waiting); they fail
+only once the pool stops moving.
 
 The agent here is a stand-in for its Allocate RPC alone (a counter of free blocks that raises
-gRPC's RESOURCE_EXHAUSTED as the agent does): what is tested is the worker's waiting, not the
-agent's ledger, which has its own tests."""
+gRPC's RESOURCE_EXHAUSTED as the agent does, with the agent's count of blocks ever freed in the
+trailing metadata): what is tested is the worker's waiting, not the agent's ledger, which has
+its own tests."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 from prefill_svc import server
 from prefill_svc.server import PrefillWorker, _Pending
 from tandem.engine.sampling import SamplingParams
+from tandem.rpc.convert import kv_freed_metadata
 from tandem.rpc.v1 import agent_pb2, prefill_pb2
 
 
@@ -29,13 +32,14 @@ class _FullPool:
         self.free = free
         self.refused = 0
         self.granted: list[str] = []
+        self.freed = 0  # blocks ever given back, as the agent counts them
 
     async def Allocate(self, request: agent_pb2.AllocateRequest, timeout: float) -> agent_pb2.AllocateReply:  # noqa: N802
         await asyncio.sleep(0)
         if self.free <= 0:
             self.refused += 1
-            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "KV pool full")
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(*kv_freed_metadata(self.freed)), "KV pool full")
         self.free -= 1
         self.granted.append(request.request_id)
         return agent_pb2.AllocateReply(block_ids=[len(self.granted)], num_cached_tokens=0)
@@ -44,6 +48,7 @@ class _FullPool:
 def _worker(pool: _FullPool) -> PrefillWorker:
     worker = PrefillWorker.__new__(PrefillWorker)  # only what _allocate_waiting touches
     worker._pool_gate = asyncio.Lock()
+    worker._pool_freed, worker._pool_moved_ns = None, 0
     worker.member = SimpleNamespace(agent=pool)  # type: ignore[assignment]
     worker.config = SimpleNamespace(service_id="prefill-test")  # type: ignore[assignment]
     spec = SimpleNamespace(num_blocks=1000, block_size=16)
@@ -124,6 +129,46 @@ def test_a_prompt_waits_no_longer_than_the_pool_wait(monkeypatch: pytest.MonkeyP
     for result, error in asyncio.run(run()):
         assert result is None
         assert isinstance(error, Exception) and "KV cache is full" in str(error)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_busy_pool_keeps_prompts_waiting_and_a_stalled_one_fails_them(monkeypatch: pytest.MonkeyPatch,
+                                                                        seed: int) -> None:
+    """While blocks keep coming back to the pool (taken by others: the prompts in line stay
+    refused), no prompt fails, however long past POOL_WAIT_S that lasts; once none comes back
+    for POOL_WAIT_S, every prompt in line fails with the documented error, not much later."""
+    rng = random.Random(seed)
+    wait_s = 0.15
+    monkeypatch.setattr(server, "POOL_RETRY_S", 0.01)
+    monkeypatch.setattr(server, "POOL_WAIT_S", wait_s)
+    busy_s = rng.uniform(2.5, 4.0) * wait_s  # far past the limit: a flat limit fails them all
+
+    async def run() -> tuple[list[Any], float, list[float]]:
+        pool = _FullPool(0)
+        worker = _worker(pool)
+        pendings = [_pending(i) for i in range(rng.randint(2, 6))]
+        ended: list[float] = []
+
+        async def wait(p: _Pending) -> Any:
+            result = await worker._allocate_waiting(p)
+            ended.append(time.monotonic())
+            return result
+
+        start = time.monotonic()
+        tasks = [asyncio.create_task(wait(p)) for p in pendings]
+        while time.monotonic() - start < busy_s:  # others' requests finish, others take their blocks
+            await asyncio.sleep(rng.uniform(0.005, wait_s / 3))
+            pool.freed += rng.randint(1, 4)
+        stalled = time.monotonic()
+        assert not any(t.done() for t in tasks)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return [(r, p.future.exception()) for r, p in zip(results, pendings, strict=True)], stalled, ended
+
+    outcomes, stalled, ended = asyncio.run(run())
+    for result, error in outcomes:
+        assert result is None
+        assert isinstance(error, Exception) and "without a block coming back" in str(error)
+    assert all(wait_s * 0.9 <= t - stalled <= wait_s + 1.0 for t in ended)
 
 
 @pytest.mark.parametrize(("code", "details", "again"), [

@@ -79,16 +79,18 @@ class RegisterReply(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., model: _Optional[str] = ..., cuda_weights: _Optional[bytes] = ..., cuda_kv: _Optional[bytes] = ..., scratch_block: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_extra_tokens", "owner")
+    __slots__ = ("request_id", "token_ids", "num_extra_tokens", "owner", "readmit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXTRA_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    READMIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_extra_tokens: int
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_extra_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    readmit: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_extra_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., readmit: _Optional[bool] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "server_ns")
