@@ -52,7 +52,8 @@ TAKE_BACK_RETRY_S = 0.05
 # finish, and preempts to make room for its own) as long as the pool keeps moving: it fails once
 # no block came back to the pool and no prompt in line got any for this long (a wedged cell).
 # A flat limit failed prompts of a cell that was busy, not wedged: 20 of the 26 failures among
-# 800 requests of the two-model benchmark, and every failure once preempted requests went first.
+# 800 requests of the two-model benchmark, and 7-14 of 60 new prompts under 1.5-2x overload once
+# preempted requests went first at the agent (bench/kv_pressure.py).
 POOL_WAIT_S = 30.0
 POOL_RETRY_S = 0.05
 # Early drop (--drop-late) needs a measured prefill rate: this many timed batches. (It spares a
