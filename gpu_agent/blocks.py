@@ -16,7 +16,9 @@ Readmission first: a preempted request asking for its blocks back (``allocate(re
 that the pool refuses holds what it needs for READMIT_HOLD_S (decode asks again every 50 ms,
 renewing it); while any such hold stands, a new prompt is refused unless the pool has room for
 it and for every hold. Before, new prompts took blocks as they came free and a preempted
-request, whose client already had tokens, could wait until decode's 30 s limit failed it.
+request, whose client already had tokens, could wait until decode's 30 s limit failed it. In a
+slab pool the holds of every model count (``peers``): a new prompt of one model is refused the
+free slabs another model's preempted requests wait for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tandem.engine.block_allocator import Allocation, BlockAllocator
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
+from tandem.engine.kv_slab import SlabBlockAllocator
 
 READMIT_HOLD_S = 1.0
 
@@ -44,6 +47,9 @@ class BlockLedger:
         # Blocks ever given back (release, reclaim): prefill's wait for blocks fails only when
         # this stops moving (a wedged pool), not while requests keep finishing (a busy one).
         self.num_blocks_freed = 0
+        # A slab pool: the other models' ledgers, whose readmission holds keep free slabs from
+        # this model's new prompts (set by the cell).
+        self.peers: Sequence[BlockLedger] = ()
 
     @property
     def num_requests(self) -> int:
@@ -66,6 +72,14 @@ class BlockLedger:
             del self._readmits[rid]
         return sum(need for need, _ in self._readmits.values())
 
+    def slabs_held_back(self, now_s: float | None = None) -> int:
+        """A slab pool: the free slabs this model's standing holds need beyond its own slabs'
+        free blocks (0 in a pool of one model)."""
+        held = self.held_for_readmission(now_s)
+        if not held or not isinstance(self.allocator, SlabBlockAllocator):
+            return 0
+        return self.allocator.free_slabs_needed(held)
+
     def allocate(self, request_id: str, token_ids: Sequence[int], num_extra_tokens: int = 0, *,
                  owner: str, readmit: bool = False, now_s: float | None = None) -> Allocation:
         """Blocks for a prompt plus room for ``num_extra_tokens``, held by ``owner``; raises
@@ -82,6 +96,12 @@ class BlockLedger:
             if held and self.allocator.num_free_blocks < held + need:
                 raise OutOfBlocksError(f"{held} blocks are held back for {len(self._readmits)} preempted "
                                        f"request(s) waiting to resume; {self.allocator.num_free_blocks} free")
+            others = sum(peer.slabs_held_back(now_s) for peer in self.peers)
+            if others and isinstance(self.allocator, SlabBlockAllocator):
+                slabs = self.allocator.free_slabs_needed(need)
+                if slabs and self.allocator.pool.num_free_slabs < others + slabs:
+                    raise OutOfBlocksError(f"{others} free slab(s) are held back for preempted requests of other "
+                                           f"models waiting to resume; {self.allocator.pool.num_free_slabs} free")
         try:
             alloc = self.allocator.allocate(token_ids)
             blocks = list(alloc.block_ids)

@@ -231,5 +231,8 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
         fmt = effective_format(WeightFormat.parse(spec.quantization or quantization), parse_dtype(dtype))
         models[name] = ServedModel(name, model_dir, config, store, view, offset, dtype, kv, fmt,
                                    BlockLedger(allocator))
+    if slabs is not None:  # each model's new prompts leave the slabs the others' preempted requests wait for
+        for model in models.values():
+            model.ledger.peers = [other.ledger for other in models.values() if other is not model]
     return Cell(models, kv_store, slabs)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gpu_agent.blocks import BlockLedger, NotOwnerError
 from gpu_agent.leases import Leases
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.kv_slab import KVSlabPool
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 
 
@@ -234,3 +235,71 @@ def test_new_prompts_never_take_what_standing_readmissions_need(ops: list[tuple[
     for rid in live:
         ledger.release(rid)
     assert ledger.allocator.num_free_blocks == 12
+
+
+def test_in_a_slab_pool_new_prompts_of_one_model_leave_the_slabs_another_models_readmission_waits_for() -> None:
+    """Two models on one slab pool (4 slabs; a slab holds 2 blocks of model a, 4 of model b): a
+    refused readmission of a holds the free slabs it needs against b's new prompts too, while b
+    may still fill the free blocks of its own slabs; the hold ends when a is granted or stops
+    asking."""
+    pool = KVSlabPool(16, {"a": 2, "b": 1}, slab_multiple=2)
+    a, b = BlockLedger(pool.view("a", 4)), BlockLedger(pool.view("b", 4))
+    a.peers, b.peers = [b], [a]
+    a.allocate("a1", list(range(16)), owner="da")  # 4 blocks: 2 slabs
+    a.allocate("a2", list(range(8)), owner="da")  # 1 slab
+    b.allocate("b1", list(range(8)), owner="db")  # 2 of the last slab's 4 blocks
+    assert pool.num_free_slabs == 0
+    a.release("a2")  # preempted: its slab is free again
+    with pytest.raises(OutOfBlocksError):  # 4 blocks: 2 slabs, 1 free
+        a.allocate("a2", list(range(16)), owner="da", readmit=True, now_s=5.0)
+    assert a.slabs_held_back(5.1) == 2 and b.slabs_held_back(5.1) == 0
+    with pytest.raises(OutOfBlocksError, match="held back for preempted requests of other models"):
+        b.allocate("b2", list(range(12)), owner="pb", now_s=5.1)  # 3 blocks: would open a new slab
+    b.allocate("b3", list(range(8)), owner="pb", now_s=5.2)  # fits in b's own slab: no slab taken
+    a.release("a1")  # two more slabs free: room for the hold
+    assert a.allocate("a2", list(range(16)), owner="da", readmit=True, now_s=5.3).block_ids
+    assert a.slabs_held_back(5.3) == 0
+    with pytest.raises(OutOfBlocksError):  # a refused again (needs 2 slabs, 1 free): held until 7.0
+        a.allocate("a3", list(range(16)), owner="da", readmit=True, now_s=6.0)
+    with pytest.raises(OutOfBlocksError, match="other models"):
+        b.allocate("b2", list(range(4)), owner="pb", now_s=6.9)
+    b.allocate("b2", list(range(4)), owner="pb", now_s=7.0)  # a stopped asking: the hold ended
+    for ledger in (a, b):
+        for owner in ("da", "db", "pb"):
+            ledger.reclaim(owner)
+    pool.check()
+    assert pool.num_free_slabs == 4
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "readmit", "release", "wait"]), st.sampled_from("ab"),
+                              st.integers(1, 40), st.floats(0.0, 1.5)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_needs(
+        ops: list[tuple[str, str, int, float]]) -> None:
+    """Random histories of two models on one slab pool: whenever a new prompt of one model is
+    granted a fresh slab, the free slabs left still cover every standing hold of the other;
+    every block and slab comes back."""
+    pool = KVSlabPool(48, {"a": 2, "b": 1}, slab_multiple=2)  # 12 slabs: 2 blocks of a or 4 of b each
+    ledgers = {"a": BlockLedger(pool.view("a", 4)), "b": BlockLedger(pool.view("b", 4))}
+    ledgers["a"].peers, ledgers["b"].peers = [ledgers["b"]], [ledgers["a"]]
+    now, held, ids = 0.0, {"a": [], "b": []}, iter(range(10**6))  # type: dict[str, list[str]]
+    for op, model, n, dt in ops:
+        ledger, other = ledgers[model], ledgers["b" if model == "a" else "a"]
+        if op in ("new", "readmit"):
+            rid = f"{model}{next(ids)}"
+            slabs_before = pool.num_free_slabs
+            try:
+                ledger.allocate(rid, list(range(n)), owner=model, readmit=op == "readmit", now_s=now)
+            except OutOfBlocksError:
+                continue
+            held[model].append(rid)
+            if op == "new" and pool.num_free_slabs < slabs_before:
+                assert other.slabs_held_back(now) <= pool.num_free_slabs
+        elif op == "release" and held[model]:
+            ledger.release(held[model].pop(n % len(held[model])))
+        elif op == "wait":
+            now += dt
+    for model, ledger in ledgers.items():
+        ledger.reclaim(model)
+    pool.check()
+    assert pool.num_free_slabs == 12

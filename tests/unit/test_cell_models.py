@@ -76,6 +76,7 @@ def test_two_models_share_slabs_and_one_byte_pool(tiny: Path, prefix: str) -> No
     assert b.ledger.allocator.num_free_blocks == cell.slabs.num_free_slabs * cell.slabs.blocks_per_slab(b.name)
     a.ledger.release("r1", list(range(9)))  # published: its slabs keep a's cached blocks
     assert cell.slabs.num_free_slabs == cell.slabs.num_slabs
+    assert list(a.ledger.peers) == [b.ledger] and list(b.ledger.peers) == [a.ledger]  # holds count across models
 
 
 def test_every_slab_goes_from_one_model_to_the_other_and_back(tiny: Path, prefix: str) -> None:
@@ -100,6 +101,7 @@ def test_a_static_split_gives_each_model_its_own_byte_range(tiny: Path, prefix: 
     a, b = cell.models.values()
     assert cell.slabs is None and (a.kv_offset, b.kv_offset) == (0, 3 << 17)
     assert a.kv.num_bytes <= b.kv_offset and b.kv_offset + b.kv.num_bytes <= cell.kv_store.tensors["kv"].numel()
+    assert not a.ledger.peers and not b.ledger.peers  # separate pools: one model's holds are not the other's
     assert b.kv.num_blocks == 2 * a.kv.num_blocks  # the same bytes, blocks half the size
     view_a, view_b = KVPool.view_of(a.kv, cell.kv_store, a.kv_offset), KVPool.view_of(b.kv, cell.kv_store,
                                                                                     b.kv_offset)
