@@ -2,7 +2,7 @@
 
 One stack (router -> prefill -> decode, the default model and CPU defaults) on a pool far
 smaller than the load needs (``--num-blocks``), fed Poisson arrivals of mixed prompts with long
-answers (greedy, ``ignore_eos``), admission off. Decode preempts when the pool fills and
+answers (greedy, ``ignore_eos``), admission off unless ``--admission on``. Decode preempts when the pool fills and
 readmits the preempted requests when blocks come back, while prefill keeps asking for blocks
 for new prompts. Reports, per run: requests served and failed (with their errors), TTFT
 and end-to-end percentiles, decode's preemptions, and each readmission's wait (from decode's
@@ -37,6 +37,7 @@ from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.sampling import SamplingParams  # noqa: E402
 from tandem.rpc.convert import sampling_to_proto  # noqa: E402
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from router.config import DEFAULT_TTFT_SLO_MS  # noqa: E402
 from tests.integration.stack import Stack  # noqa: E402
 
 
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks of 16 tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--admission", choices=("off", "on"), default="off",
+                        help="the router's SLO admission (on: its default TTFT / TBT SLOs)")
     parser.add_argument("--label", default="", help="names this checkout in the JSON")
     parser.add_argument("--out", type=Path, default=Path("kv-pressure.json"))
     args = parser.parse_args()
@@ -89,7 +92,7 @@ def main() -> None:
         jobs.append({"arrival_s": t, "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(32, 320))],
                      "max_tokens": rng.randint(100, 300)})
     with tempfile.TemporaryDirectory() as logs:
-        stack = Stack(resolve_model("default"), Path(logs), num_blocks=args.num_blocks)
+        stack = Stack(resolve_model("default"), Path(logs), num_blocks=args.num_blocks, admission=args.admission)
         try:
             stack.start()
             began = time.perf_counter()
@@ -113,6 +116,8 @@ def main() -> None:
         "num_preemptions": len(re.findall(r"KV pool full: preempted", decode_log)),
         "readmit_wait_s": percentiles(waits),
         "ttft_s": percentiles([o["ttft_s"] for o in ok]), "e2e_s": percentiles([o["e2e_s"] for o in ok]),
+        # served past the router's default TTFT SLO (the one its admission judges by when on)
+        "num_ttft_over_default_slo": sum(o["ttft_s"] > DEFAULT_TTFT_SLO_MS / 1e3 for o in ok),
         "output_tok_s": sum(o["tokens"] for o in outcomes) / duration,
     }
     args.out.write_text(json.dumps(result, indent=1))
