@@ -47,6 +47,7 @@ class BlockLedger:
         # Blocks ever given back (release, reclaim): prefill's wait for blocks fails only when
         # this stops moving (a wedged pool), not while requests keep finishing (a busy one).
         self.num_blocks_freed = 0
+        self.num_prompt_blocks_granted = 0  # blocks given to new prompts (not readmissions): admission's rate
         # A slab pool: the other models' ledgers, whose readmission holds keep free slabs from
         # this model's new prompts (set by the cell).
         self.peers: Sequence[BlockLedger] = ()
@@ -116,6 +117,8 @@ class BlockLedger:
                 self._readmits[request_id] = (need, now_s + READMIT_HOLD_S)
             raise
         self._readmits.pop(request_id, None)
+        if not readmit:
+            self.num_prompt_blocks_granted += len(blocks)
         self._held[request_id] = blocks
         self._owner[request_id] = owner
         return Allocation(tuple(blocks), alloc.num_cached_tokens)

@@ -65,11 +65,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from tandem.policy.admission import (
+    REASON_KV,
     REASON_TBT,
     PrefillBatching,
     PrefillCalibration,
+    PromptBlockRate,
     StreamLimit,
     admit_one,
+    kv_wait_s,
     predict_ttft,
     running_batch,
 )
@@ -142,6 +145,7 @@ class AdmissionStats:
     stream_limit: int | None = None  # the cap on streams in flight now (None: none)
     # (units, beside streams, slope, overhead_s) of the regimes whose calibration found a fixed cost
     calibration_fixed_costs: tuple[tuple[int, bool, float, float], ...] = ()
+    num_kv_refusals: int = 0  # of num_refused: the KV pool would give the prompt blocks too late (not judged)
 
     def summary(self) -> str:
         fits = {(u, beside): describe_scaling(slope, overhead_s)
@@ -153,7 +157,8 @@ class AdmissionStats:
         limit = f"streams capped at {self.stream_limit}" if self.stream_limit is not None else "no stream cap"
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
-                f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap; {limit}); "
+                f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap, "
+                f"{self.num_kv_refusals} for KV blocks; {limit}); "
                 f"prefill calibration x{self.calibration_factor:.2f} "
                 f"from {self.num_calibration_batches} measured batches" + (f" ({by_units} units)" if by_units else ""))
 
@@ -256,6 +261,8 @@ class AdmissionController:
         self._num_measured = 0
         self._default_units = default_units or len(os.sched_getaffinity(0))
         self._agent: LoadReport | None = None
+        self._prompt_blocks = PromptBlockRate()  # how fast new prompts get KV blocks (the agent's count)
+        self.num_kv_refusals = 0
         # When the prefill batch now running started (None: none of ours is running), and the
         # requests whose batch has ended but whose reply has not come yet (handoffs).
         self._running_since_s: float | None = None
@@ -284,6 +291,20 @@ class AdmissionController:
 
     def set_agent_load(self, report: LoadReport | None) -> None:
         self._agent = report
+        if report is not None and report.kv_block_size:
+            self._prompt_blocks.add(report.updated_unix_ns / 1e9, report.kv_prompt_blocks_granted)
+
+    def kv_wait_s(self, request: QueuedRequest, ahead: list[QueuedRequest]) -> float:
+        """How long ``request`` is predicted to wait for KV blocks behind ``ahead`` (see
+        ``tandem.policy.admission.kv_wait_s``), from the agent's last report; 0 without one,
+        and in a cell of several models (its figures are in one model's blocks)."""
+        agent = self._agent
+        if agent is None or not agent.kv_block_size or len(agent.kv_used_by_model) > 1:
+            return 0.0
+        size = agent.kv_block_size
+        blocks = lambda r: -(-(r.prompt_tokens + 1) // size)  # noqa: E731
+        return kv_wait_s(blocks(request), sum(blocks(r) for r in ahead), agent.kv_free_blocks,
+                         agent.kv_held_back_blocks, self._prompt_blocks.rate())
 
     def prefill_units(self) -> int:
         """Units prompts will run on: in aggregated mode decode's (it computes them in its
@@ -342,6 +363,7 @@ class AdmissionController:
                                           for r, c in sorted(self.calibration_by_regime.items())
                                           if c.calibrated and c.overhead_s > 0),
             num_tbt_refusals=self.num_tbt_refusals, stream_limit=self.streams.limit,
+            num_kv_refusals=self.num_kv_refusals,
         )
 
     def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
@@ -383,6 +405,16 @@ class AdmissionController:
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
                 return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s,
                                self.slo.ttft_for(request.prompt_tokens))
+            # A full KV pool: the prompt waits for blocks however short the prefill queue is.
+            kv_s = self.kv_wait_s(request, ahead)
+            if kv_s > 0:
+                alone_s = overhead_s + scale * self.predictor.predict_prefill([request.seq], units)
+                late_s = now_s + kv_s + alone_s - request.deadline(self.slo) - margin * self.slo.ttft_s
+                if late_s > 0:
+                    self.num_refused += 1
+                    self.num_kv_refusals += 1
+                    return Refusal(REASON_KV, kv_s if math.isfinite(kv_s) else self._end_interval_s,
+                                   kv_s + alone_s, self.slo.ttft_for(request.prompt_tokens))
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts

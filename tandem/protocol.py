@@ -331,6 +331,10 @@ class LoadReport:
     agent's) is the fraction of the cell's KV bytes each model's held blocks take; the fractions
     sum to the cell's use, whatever the split (one slab pool or a fixed share per model).
     ``aggregated``: the partition in force runs prompts in decode's steps, on decode's units.
+    The agent's KV figures for admission, in its first model's blocks of ``kv_block_size``
+    tokens: ``kv_held_back_blocks``, what preempted requests refused blocks wait for (they go
+    ahead of new prompts), and ``kv_prompt_blocks_granted``, the blocks given to new prompts
+    since it started (its rate is how fast prompts get blocks when the pool is full).
     """
 
     service_id: str
@@ -353,6 +357,9 @@ class LoadReport:
     model: str = ""
     kv_used_by_model: dict[str, float] = field(default_factory=dict)
     aggregated: bool = False
+    kv_block_size: int = 0
+    kv_held_back_blocks: int = 0
+    kv_prompt_blocks_granted: int = 0
 
     @classmethod
     def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
@@ -370,7 +377,7 @@ class LoadReport:
             raise ValueError(f"LoadReport.role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("num_queued_requests", "num_queued_tokens", "num_running", "batch_size",
                      "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns", "num_dropped",
-                     "num_preemptions"):
+                     "num_preemptions", "kv_block_size", "kv_held_back_blocks", "kv_prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         for name, used in self.kv_used_by_model.items():

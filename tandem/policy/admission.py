@@ -30,6 +30,7 @@ from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step
 REASON_PAST_DEADLINE = "deadline already passed"
 REASON_TOO_LONG = "prefill alone exceeds the TTFT SLO"
 REASON_QUEUE = "queue ahead pushes TTFT past the deadline"
+REASON_KV = "the KV cache is full: blocks for the prompt come too late"
 
 
 class Rejection(NamedTuple):
@@ -474,6 +475,46 @@ def _weighted_median(values: Sequence[tuple[float, float]]) -> float:
 
 
 REASON_TBT = "decode is at the most streams that keep the TBT SLO"
+
+
+class PromptBlockRate:
+    """How fast the KV pool gives blocks to new prompts: the agent's count of blocks granted to
+    them (cumulative), sampled as its load reports come, over the last ``window_s``."""
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self.min_span_s = min_span_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, t_s: float, granted: int) -> None:
+        if self._samples and (t_s <= self._samples[-1][0] or granted < self._samples[-1][1]):
+            if granted < self._samples[-1][1]:  # the agent restarted: its count began again
+                self._samples.clear()
+            else:
+                return
+        self._samples.append((t_s, granted))
+        while len(self._samples) > 2 and t_s - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float | None:
+        """Blocks per second; None until the samples span ``min_span_s``."""
+        if len(self._samples) < 2:
+            return None
+        (t0, g0), (t1, g1) = self._samples[0], self._samples[-1]
+        return (g1 - g0) / (t1 - t0) if t1 - t0 >= self.min_span_s else None
+
+
+def kv_wait_s(need_blocks: int, ahead_blocks: int, free_blocks: int, held_back_blocks: int,
+              rate: float | None) -> float:
+    """How long a new prompt of ``need_blocks`` waits for KV blocks, behind ``ahead_blocks`` of
+    prompts admitted before it and the ``held_back_blocks`` preempted requests wait for (they go
+    first), when the pool has ``free_blocks`` and gives new prompts ``rate`` blocks a second.
+    0 when they fit now, or when the rate is not measured yet (no wait is predicted on a
+    guess); inf when it is measured and nothing was given."""
+    deficit = ahead_blocks + need_blocks + held_back_blocks - free_blocks
+    if deficit <= 0 or rate is None:
+        return 0.0
+    return deficit / rate if rate > 0 else math.inf
 
 
 class StreamLimit:

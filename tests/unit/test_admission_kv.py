@@ -1,0 +1,126 @@
+"""Admission under a full KV pool: a prompt waits for blocks behind the prompts admitted before it
+and the preempted requests refused blocks (they go first), at the rate the pool gives new
+prompts blocks (tandem.policy.admission.kv_wait_s, PromptBlockRate), and the router refuses it
+when that wait makes it miss its TTFT (router.admission.AdmissionController)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.admission import AdmissionController
+from tandem.policy.admission import REASON_KV, PromptBlockRate, kv_wait_s
+from tandem.policy.types import Slo
+from tandem.state.schema import LoadReport
+from tests.unit.test_admission import TokenPredictor
+
+SLO = Slo(ttft_s=2.0, tbt_s=0.2)
+
+
+def agent_report(t_s: float, free: int, granted: int, held: int = 0, total: int = 96, block_size: int = 16,
+                 models: int = 1) -> LoadReport:
+    return LoadReport(service_id="agent", cell_id="c", role="agent", partition_epoch=1, prefill_units=[],
+                      decode_units=[0, 1], aggregated=True, kv_total_blocks=total, kv_free_blocks=free,
+                      updated_unix_ns=int(t_s * 1e9), kv_block_size=block_size, kv_held_back_blocks=held,
+                      kv_prompt_blocks_granted=granted,
+                      kv_used_by_model={f"m{i}": 0.5 / models for i in range(models)})
+
+
+@given(need=st.integers(1, 50), ahead=st.integers(0, 200), free=st.integers(0, 300), held=st.integers(0, 100),
+       rate=st.one_of(st.none(), st.just(0.0), st.floats(0.01, 100.0)))
+@settings(max_examples=300, deadline=None)
+def test_the_wait_is_the_deficit_at_the_rate(need: int, ahead: int, free: int, held: int, rate: float | None) -> None:
+    wait = kv_wait_s(need, ahead, free, held, rate)
+    deficit = need + ahead + held - free
+    if deficit <= 0 or rate is None:
+        assert wait == 0.0
+    elif rate == 0:
+        assert wait == math.inf
+    else:
+        assert wait == pytest.approx(deficit / rate)
+        assert kv_wait_s(need + 1, ahead, free, held, rate) > wait  # more to wait for, longer
+        assert kv_wait_s(need, ahead, free, held, rate * 2) < wait  # a faster pool, shorter
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_rate_is_blocks_granted_over_the_window(seed: int) -> None:
+    rng = random.Random(seed)
+    rate = PromptBlockRate(window_s=10.0, min_span_s=1.0)
+    assert rate.rate() is None
+    t, granted, samples = 100.0, rng.randint(0, 1000), []
+    rate.add(t, granted)
+    samples.append((t, granted))
+    rate.add(t, granted + 5)  # a report read twice (same time): ignored
+    assert rate.rate() is None  # one sample
+    while t < 140:
+        t += rng.uniform(0.2, 0.5)
+        granted += rng.randint(0, 8)
+        rate.add(t, granted)
+        samples.append((t, granted))
+        kept = [s for s in samples if t - s[0] < 10.0]
+        first = samples[len(samples) - len(kept) - 1] if len(kept) < len(samples) else samples[0]
+        span = t - first[0]
+        got = rate.rate()
+        if span < 1.0:
+            assert got is None
+        else:
+            assert got == pytest.approx((granted - first[1]) / span)
+    rate.add(t + 1, 3)  # the agent restarted: its count began again
+    assert rate.rate() is None
+    rate.add(t + 3, 13)
+    assert rate.rate() == pytest.approx(5.0)
+
+
+def _controller(reports: list[LoadReport]) -> AdmissionController:
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, margin=0.0, cold_margin=0.0,
+                            stream_cap=False)
+    for r in reports:
+        c.set_agent_load(r)
+    return c
+
+
+def test_a_full_pool_refuses_what_its_blocks_would_make_late_and_admits_what_fits() -> None:
+    # The pool gave new prompts 4 blocks a second over the last 5 s; 2 free, 6 held for preempted requests.
+    history = [agent_report(t, free=2, granted=100 + 4 * t, held=6) for t in range(6)]
+    c = _controller(history)
+    # 300 tokens: 19 blocks; deficit 19 + 6 - 2 = 23 blocks -> 5.75 s of waiting, past the 2 s SLO.
+    refusal = c.try_admit("long", 300, now_s=10.0)
+    assert refusal is not None and refusal.reason == REASON_KV
+    assert refusal.retry_after_s == pytest.approx(23 / 4) and refusal.predicted_ttft_s > 5.75
+    assert "KV cache is full" in refusal.message() and c.stats().num_kv_refusals == 1
+    # 15 tokens: 1 block; deficit 5 blocks -> 1.25 s: admitted, and now ahead of the next one.
+    assert c.try_admit("short", 15, now_s=10.0) is None
+    assert c.kv_wait_s(c._pending["short"], []) == pytest.approx(5 / 4)
+    # The next short one waits for the first one's block too: 6 blocks, 1.5 s: still in.
+    assert c.try_admit("short2", 15, now_s=10.0) is None
+    # With room for all of them, nothing waits and the long one is admitted.
+    c.set_agent_load(agent_report(6, free=96, granted=124))
+    assert c.try_admit("long", 300, now_s=10.0) is None
+
+
+@pytest.mark.parametrize("case", ["no rate yet", "several models", "no block size", "no report"])
+def test_no_refusal_for_blocks_on_a_guess(case: str) -> None:
+    """Without a measured rate (the agent's first second), in a cell of several models (its
+    figures are in one model's blocks), or from an agent that does not report its blocks, no
+    wait for blocks is predicted."""
+    if case == "no rate yet":
+        reports = [agent_report(0.0, free=0, granted=0), agent_report(0.5, free=0, granted=0)]
+    elif case == "several models":
+        reports = [agent_report(t, free=0, granted=0, models=2) for t in range(5)]
+    elif case == "no block size":
+        reports = [agent_report(t, free=0, granted=0, block_size=0) for t in range(5)]
+    else:
+        reports = []
+    c = _controller(reports)
+    assert c.try_admit("r", 300, now_s=10.0) is None
+
+
+def test_a_pool_that_gave_nothing_refuses_with_a_finite_hint() -> None:
+    c = _controller([agent_report(t, free=0, granted=50) for t in range(5)])
+    refusal = c.try_admit("r", 100, now_s=10.0)
+    assert refusal is not None and refusal.reason == REASON_KV and math.isfinite(refusal.retry_after_s)
+    assert int(refusal.retry_after_header) >= 1
