@@ -120,7 +120,9 @@ class Refusal:
     def message(self) -> str:
         if self.reason == REASON_TBT:
             return f"admission refused: {self.reason}; retry after {self.retry_after_s:.2f} s"
-        return (f"admission refused: {self.reason} (predicted TTFT {self.predicted_ttft_s * 1000:.0f} ms, "
+        predicted = (f"{self.predicted_ttft_s * 1000:.0f} ms" if math.isfinite(self.predicted_ttft_s)
+                     else "unbounded: no blocks went to new prompts lately")
+        return (f"admission refused: {self.reason} (predicted TTFT {predicted}, "
                 f"SLO {self.ttft_slo_s * 1000:.0f} ms); retry after {self.retry_after_s:.2f} s")
 
     @property

@@ -124,3 +124,4 @@ def test_a_pool_that_gave_nothing_refuses_with_a_finite_hint() -> None:
     refusal = c.try_admit("r", 100, now_s=10.0)
     assert refusal is not None and refusal.reason == REASON_KV and math.isfinite(refusal.retry_after_s)
     assert int(refusal.retry_after_header) >= 1
+    assert "predicted TTFT unbounded: no blocks went to new prompts lately" in refusal.message()
