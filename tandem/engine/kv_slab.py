@@ -292,11 +292,6 @@ class SlabBlockAllocator(BlockAllocator):
     def num_free_blocks(self) -> int:
         return self._num_own_free + self.pool.num_free_slabs * self.blocks_per_slab
 
-    @property
-    def num_own_free_blocks(self) -> int:
-        """Free blocks in the slabs this model holds (without the free slabs)."""
-        return self._num_own_free
-
     def free_slabs_needed(self, num_blocks: int) -> int:
         """Free slabs ``num_blocks`` more blocks of this model would take beyond its own slabs' free blocks."""
         return -(-max(0, num_blocks - self._num_own_free) // self.blocks_per_slab)

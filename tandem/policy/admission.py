@@ -487,10 +487,11 @@ class PromptBlockRate:
         self._samples: deque[tuple[float, int]] = deque()
 
     def add(self, t_s: float, granted: int) -> None:
-        if self._samples and (t_s <= self._samples[-1][0] or granted < self._samples[-1][1]):
-            if granted < self._samples[-1][1]:  # the agent restarted: its count began again
+        if self._samples:
+            last_t, last_granted = self._samples[-1]
+            if granted < last_granted:  # the agent restarted: its count began again
                 self._samples.clear()
-            else:
+            elif t_s <= last_t:  # a report read again
                 return
         self._samples.append((t_s, granted))
         while len(self._samples) > 2 and t_s - self._samples[1][0] >= self.window_s:

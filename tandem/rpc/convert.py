@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from tandem.protocol import SamplingParams
 from tandem.rpc.v1 import common_pb2
+
+_N = TypeVar("_N", int, float)
 
 _FINISH: dict[str | None, common_pb2.FinishReason] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -57,16 +60,22 @@ def retry_after_metadata(retry_after_s: float | None) -> tuple[tuple[str, str], 
     return () if retry_after_s is None else (("retry-after", f"{retry_after_s:.3f}"),)
 
 
-def retry_after_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
-    """The ``retry-after`` hint of gRPC trailing metadata (seconds), None when absent or unreadable."""
-    for key, value in metadata or ():
-        if key == "retry-after":
+def _metadata_number(metadata: Iterable[tuple[str, str | bytes]] | None, key: str,
+                     parse: Callable[[str | bytes], _N]) -> _N | None:
+    """The first value under ``key`` in gRPC metadata, parsed; None when absent or unreadable."""
+    for name, value in metadata or ():
+        if name == key:
             try:
-                seconds = float(value)
+                return parse(value)
             except (TypeError, ValueError):
                 return None
-            return seconds if seconds >= 0 else None
     return None
+
+
+def retry_after_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
+    """The ``retry-after`` hint of gRPC trailing metadata (seconds), None when absent or unreadable."""
+    seconds = _metadata_number(metadata, "retry-after", float)
+    return seconds if seconds is not None and seconds >= 0 else None
 
 
 KV_FREED_KEY = "tandem-kv-freed"
@@ -81,13 +90,7 @@ def kv_freed_metadata(num_blocks_freed: int) -> tuple[tuple[str, str], ...]:
 
 def kv_freed_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
     """The count ``kv_freed_metadata`` wrote; None when absent or unreadable."""
-    for key, value in metadata or ():
-        if key == KV_FREED_KEY:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                return None
-    return None
+    return _metadata_number(metadata, KV_FREED_KEY, int)
 
 
 def token_to_proto(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> common_pb2.GeneratedToken:
