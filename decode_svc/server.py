@@ -100,10 +100,14 @@ RESUME_CLAIM_WAIT_S = 1.0
 # HOLD_NOTICES_PER_STALL times within the router's stall timeout where that is shorter (not more
 # often than every HOLD_NOTICE_MIN_S): the stall timeout (--stall-timeout-s, 30 s) is for a
 # decode service that stopped, and it failed requests that were only waiting their turn with
-# "decode service stopped producing tokens".
+# "decode service stopped producing tokens". While one step computes longer than that interval,
+# every request held is named, the step's own too.
 HOLD_NOTICE_S = 1.0
 HOLD_NOTICES_PER_STALL = 4
 HOLD_NOTICE_MIN_S = 0.05
+# A step that has computed this long is taken as hung (a stuck kernel, a deadlock): its
+# requests are named no more, and the router's stall timeout fails them.
+STEP_NOTICE_MAX_S = 30.0
 # Weight of each step with prompt chunks in the measured prompt rate (an exponential average).
 RATE_WEIGHT = 0.2
 # --drop-late in aggregated mode: a prompt is dropped when, computed next at the best prompt
@@ -203,6 +207,8 @@ class DecodeWorker:
         self.preempted: deque[_Active] = deque()
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
         self._next_hold_notice_ns = 0  # perf_counter: when the held requests are next named (HOLD_NOTICE_S)
+        self._step_notice: asyncio.TimerHandle | None = None  # names them during a long step
+        self._step_notice_until = 0.0  # loop time: no naming after (STEP_NOTICE_MAX_S)
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
@@ -640,19 +646,38 @@ class DecodeWorker:
                     async with asyncio.timeout(READMIT_RETRY_S if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
 
+    def _hold_notice_s(self) -> float:
+        """How often held requests are named: HOLD_NOTICE_S, or a quarter of the shortest stall
+        timeout a router's stream named where that is shorter (HOLD_NOTICE_MIN_S at least)."""
+        every_s = min([HOLD_NOTICE_S, *(s / HOLD_NOTICES_PER_STALL for s in self._router_stall_s.values())])
+        return max(HOLD_NOTICE_MIN_S, every_s)
+
     def _notice_held(self) -> None:
-        """Every HOLD_NOTICE_S (a quarter of a router's stall timeout where that is shorter), tell
-        each router which of its requests this service holds without stepping them (preempted,
-        or past the batch limit): one update each, which the router takes as a sign of life and
-        nothing more. It carries no tokens (those go out once recorded, with their step); its
-        ``first_index`` is the next one the router is to get."""
+        """Every ``_hold_notice_s``, tell each router which of its requests this service holds
+        without stepping them (preempted, or past the batch limit): one update each, which the
+        router takes as a sign of life and nothing more. It carries no tokens (those go out once
+        recorded, with their step); its ``first_index`` is the next one the router is to get."""
         now = time.perf_counter_ns()
         if now < self._next_hold_notice_ns:
             return
-        every_s = min([HOLD_NOTICE_S, *(s / HOLD_NOTICES_PER_STALL for s in self._router_stall_s.values())])
-        self._next_hold_notice_ns = now + int(max(HOLD_NOTICE_MIN_S, every_s) * 1e9)
+        self._next_hold_notice_ns = now + int(self._hold_notice_s() * 1e9)
+        self._send_notices([*self.preempted, *self.running[self.config.max_batch_requests:]])
+
+    def _notice_while_stepping(self) -> None:
+        """While one step computes past a notice interval (a hybrid step carrying a long prompt
+        chunk on busy cores; a CUDA graph's capture), name every held request, the step's own
+        included, to its router, and again each interval until the step ends (``_step`` arms it
+        and cancels it), for STEP_NOTICE_MAX_S at most. A router's stall timeout is for a
+        decode service that stopped: on a 0.3 s one, a 1.6 s step once failed the four streams
+        it carried."""
+        self._send_notices([*self.preempted, *self.running])
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._step_notice_until:
+            self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_while_stepping)
+
+    def _send_notices(self, held: list[_Active]) -> None:
         per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
-        for active in [*self.preempted, *self.running[self.config.max_batch_requests:]]:
+        for active in held:
             if not active.cancelled and (active.first_token is None or active.first_token.done()):
                 per_router.setdefault(active.router_id, []).append(
                     decode_pb2.TokenUpdate(request_id=active.req.request_id, first_index=active.num_sent))
@@ -992,7 +1017,14 @@ class DecodeWorker:
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
         gap_ns = start - self._last_step_end_ns if self._last_step_end_ns else 0
-        outputs = await member.run(work)
+        loop = asyncio.get_running_loop()
+        self._step_notice_until = loop.time() + STEP_NOTICE_MAX_S
+        self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_while_stepping)
+        try:
+            outputs = await member.run(work)
+        finally:
+            if self._step_notice is not None:
+                self._step_notice.cancel()
         self._last_step_end_ns = time.perf_counter_ns()
         self.last_step_ns = self._last_step_end_ns - start
         self.last_step_compute_ns = compute_ns

@@ -133,3 +133,49 @@ def test_a_notice_reaches_the_request_but_moves_no_offset(received: int, first_i
         await streams.close()
 
     asyncio.run(run())
+
+
+@given(data=st.data())
+@settings(max_examples=12, deadline=None)
+def test_while_a_long_step_computes_every_held_request_is_named_each_interval(data: st.DataObject) -> None:
+    """A step that computes past the notice interval (a long prompt chunk on busy cores): every
+    request held, those in the step included, is named to its router (not cancelled ones nor
+    prompts awaiting their first token), again each interval, and never once the step ended nor
+    after STEP_NOTICE_MAX_S (a hung step is the router's stall timeout's to fail)."""
+    routers = ["r1", "r2"]
+    make = st.tuples(st.sampled_from(routers), st.integers(1, 50), st.booleans(), st.booleans())
+    drawn_p, drawn_r = data.draw(st.lists(make, max_size=4)), data.draw(st.lists(make, min_size=1, max_size=8))
+    preempted = [_active(f"p{i}", r, n) for i, (r, n, _, _) in enumerate(drawn_p)]
+    running = [_active(f"q{i}", r, n) for i, (r, n, _, _) in enumerate(drawn_r)]
+    for active, (_, _, cancelled, awaiting_first) in zip([*preempted, *running], [*drawn_p, *drawn_r], strict=True):
+        active.cancelled = cancelled
+        if awaiting_first:
+            active.first_token = concurrent.futures.Future()  # type: ignore[assignment]
+    worker = _worker(preempted, running, max_batch=data.draw(st.integers(1, 8)))
+    worker._router_stall_s = {"r1": 0.2, "r2": 30.0}  # notices every 0.05 s
+    held = [a for a in [*preempted, *running] if not a.cancelled and a.first_token is None]
+
+    async def step(seconds: float, notices_for_s: float = 30.0) -> None:
+        loop = asyncio.get_running_loop()
+        worker._step_notice_until = loop.time() + notices_for_s
+        worker._step_notice = loop.call_later(worker._hold_notice_s(), worker._notice_while_stepping)
+        try:
+            await asyncio.sleep(seconds)  # the torch thread's compute, as the loop sees it
+        finally:
+            assert worker._step_notice is not None
+            worker._step_notice.cancel()
+
+    asyncio.run(step(0.02))  # a step shorter than the interval: nothing
+    assert not _drain(worker)
+    asyncio.run(step(0.18))  # three intervals at least
+    sent = _drain(worker)
+    for router_id in routers:
+        mine = [(a.req.request_id, a.num_sent) for a in held if a.router_id == router_id]
+        batches = sent.get(router_id, [])
+        assert (len(batches) >= 2) if mine else not batches
+        for batch in batches:
+            assert [(u.request_id, u.first_index) for u in batch.updates] == mine
+            assert all(not u.tokens for u in batch.updates)
+    assert worker._step_notice.cancelled()
+    asyncio.run(step(0.18, notices_for_s=0.0))  # a step past STEP_NOTICE_MAX_S (hung): named once, then no more
+    assert sum(len(b) for b in _drain(worker).values()) == len({a.router_id for a in held})
