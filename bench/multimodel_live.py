@@ -12,7 +12,12 @@ every 0.2 s: blocks held × block size / pool MiB; mean and peak), with its phas
 alternate within a repeat on the same requests (new requests per repeat), and the summary gives
 each figure as mean ± 95 % interval and the paired slab − static difference.
 
+``--compare admission`` runs the slab pool with the router's admission on and off instead (the
+router's defaults, its wait for each model's KV blocks included), and counts, besides, the
+requests refused (429 / RESOURCE_EXHAUSTED) and the admitted ones that missed the SLO.
+
   python bench/multimodel_live.py --repeats 3 --out docs/results/multimodel-live-cpu.json
+  python bench/multimodel_live.py --compare admission --repeats 3 --out F
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.bench.metrics import RequestRecord, SloSpec, mean_ci95, summarize  # noqa: E402
+from tandem.bench.metrics import RequestRecord, SloSpec, mean_ci95, meets_slo, summarize  # noqa: E402
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 from tandem.service.runtime import free_port  # noqa: E402
 
@@ -45,14 +50,15 @@ MODELS = ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-kv-bfloat16")
 BLOCK_SIZE = 16
 
 
-def start_stack(split: str, kv_cache_gb: float, log_path: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_stack(split: str, kv_cache_gb: float, log_path: Path, admission: str = "off",
+                slo_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str, str]:
     grpc_port, http_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", "default", "--model", "default:kv=bfloat16",
-             "--kv-split", split, "--kv-cache-gb", str(kv_cache_gb), "--admission", "off",
+             "--kv-split", split, "--kv-cache-gb", str(kv_cache_gb), "--admission", admission, *slo_args,
              "--grpc-port", str(grpc_port), "--port", str(http_port), "--cell-id", f"mmb-{uuid.uuid4().hex[:6]}"],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -155,17 +161,25 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", choices=("split", "admission"), default="split",
+                        help="split: slab against static (admission off); admission: the slab pool with the "
+                             "router's admission on against off (the stack's SLOs set to the benchmark's)")
     parser.add_argument("--out", type=Path, default=Path("multimodel-live.json"))
     args = parser.parse_args()
     slo = SloSpec(args.ttft_slo_ms / 1000, args.tbt_slo_ms / 1000, args.ttft_slo_ms_per_1k / 1000)
     runs: list[dict[str, Any]] = []
     logs = Path(f"/tmp/multimodel-live-{os.getpid()}")
     logs.mkdir(exist_ok=True)
+    # (label, KV split, admission) of the two variants compared, the first minus the second.
+    variants = ([("slab", "slab", "off"), ("static", "static", "off")] if args.compare == "split" else
+                [("admission", "slab", "on"), ("admission-off", "slab", "off")])
+    slo_args = ("--ttft-slo-ms", str(args.ttft_slo_ms), "--ttft-slo-ms-per-1k", str(args.ttft_slo_ms_per_1k),
+                "--tbt-slo-ms", str(args.tbt_slo_ms)) if args.compare == "admission" else ()
     for repeat in range(args.repeats):
         jobs = make_requests(args.seed + repeat, args.requests, args.rate, args.skew)
-        splits = ["slab", "static"] if repeat % 2 == 0 else ["static", "slab"]
-        for split in splits:
-            proc, address, agent = start_stack(split, args.kv_cache_gb, logs / f"{split}-{repeat}.log")
+        for label, split, admission in (variants if repeat % 2 == 0 else variants[::-1]):
+            proc, address, agent = start_stack(split, args.kv_cache_gb, logs / f"{label}-{repeat}.log", admission,
+                                               slo_args)
             try:
                 records, kv, duration = asyncio.run(drive(address, agent, jobs))
             finally:
@@ -174,41 +188,51 @@ def main() -> None:
             per_model = {m: summarize([r for r, j in zip(records, jobs) if j["model"] == m], duration_s=duration,
                                       slo=slo) for m in MODELS}
             kv_per_mib = kv_tokens_per_mib(kv, args.kv_cache_gb)
-            run: dict[str, Any] = {"repeat": repeat, "split": split, "duration_s": duration, "summary": summary,
-                   "per_model": per_model, "kv_tokens_per_mib": kv_per_mib,
-                   "kv_samples": kv, "records": [asdict(r) for r in records]}
+            refused = [r for r in records if r.error is not None and r.error.startswith("RESOURCE_EXHAUSTED")]
+            admitted = [r for r in records if r not in refused]
+            summary["num_refused"] = len(refused)
+            summary["num_admitted_missed"] = sum(not meets_slo(r, slo) for r in admitted)
+            run: dict[str, Any] = {"repeat": repeat, "variant": label, "split": split, "admission": admission,
+                                   "duration_s": duration, "summary": summary, "per_model": per_model,
+                                   "kv_tokens_per_mib": kv_per_mib, "kv_samples": kv,
+                                   "records": [asdict(r) for r in records]}
             runs.append(run)
-            print(f"repeat {repeat} {split:6s}: goodput {summary['goodput_rps']:.3f} req/s, attainment "
+            print(f"repeat {repeat} {label:13s}: goodput {summary['goodput_rps']:.3f} req/s, attainment "
                   f"{summary['slo_attainment']:.2f}, output {summary['output_token_throughput']:.1f} tok/s, "
                   f"KV tokens/MiB mean {kv_per_mib['mean']:.1f} peak {kv_per_mib['peak']:.1f}, "
-                  f"failed {summary['num_failed']}", flush=True)
+                  f"failed {summary['num_failed']} (refused {len(refused)}), admitted missed "
+                  f"{summary['num_admitted_missed']} of {len(admitted)}", flush=True)
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "models": MODELS, "runs": runs, "summary": summarize_runs(runs)}
+              "models": MODELS, "runs": runs, "summary": summarize_runs(runs, variants[0][0], variants[1][0])}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
 
 
-def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_runs(runs: list[dict[str, Any]], first: str = "slab", second: str = "static") -> dict[str, Any]:
+    """Each variant's figures (mean and 95 % interval over repeats) and the paired differences,
+    ``first`` minus ``second``. Runs of an older file name their variant by ``split``."""
     def figure(run: dict[str, Any], name: str) -> float:
         if name.startswith("kv_"):
             return float(run["kv_tokens_per_mib"][name[3:]])
-        return float(run["summary"][name])
+        return float(run["summary"].get(name, 0))
 
-    names = ["goodput_rps", "slo_attainment", "output_token_throughput", "kv_mean", "kv_peak"]
+    names = ["goodput_rps", "slo_attainment", "output_token_throughput", "kv_mean", "kv_peak", "num_refused",
+             "num_admitted_missed"]
+    variant = lambda run: run.get("variant", run["split"])  # noqa: E731
     out: dict[str, Any] = {}
-    for split in ("slab", "static"):
-        mine = [r for r in runs if r["split"] == split]
-        out[split] = {n: dict(zip(("mean", "ci95"), mean_ci95([figure(r, n) for r in mine]))) for n in names}
+    for label in (first, second):
+        mine = [r for r in runs if variant(r) == label]
+        out[label] = {n: dict(zip(("mean", "ci95"), mean_ci95([figure(r, n) for r in mine]))) for n in names}
     paired = {}
     repeats = sorted({r["repeat"] for r in runs})
     for n in names:
         diffs = []
         for rep in repeats:
-            by = {r["split"]: r for r in runs if r["repeat"] == rep}
-            if {"slab", "static"} <= set(by):
-                diffs.append(figure(by["slab"], n) - figure(by["static"], n))
+            by = {variant(r): r for r in runs if r["repeat"] == rep}
+            if {first, second} <= set(by):
+                diffs.append(figure(by[first], n) - figure(by[second], n))
         paired[n] = dict(zip(("mean", "ci95"), mean_ci95(diffs))) if len(diffs) > 1 else {"diffs": diffs}
-    out["slab_minus_static"] = paired
+    out[f"{first}_minus_{second}"] = paired
     return out
 
 

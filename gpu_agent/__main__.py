@@ -89,7 +89,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                               stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests,
                               kv_used_by_model=cell.kv_used_by_model(), kv_block_size=first.allocator.block_size,
                               kv_held_back_blocks=first.held_for_readmission(),
-                              kv_prompt_blocks_granted=first.num_prompt_blocks_granted)
+                              kv_prompt_blocks_granted=first.num_prompt_blocks_granted,
+                              kv_by_model={name: m.ledger.kv_load() for name, m in cell.models.items()})
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from tandem.engine.block_allocator import Allocation, BlockAllocator
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_slab import SlabBlockAllocator
+from tandem.protocol import ModelKVLoad
 
 READMIT_HOLD_S = 1.0
 
@@ -80,6 +81,17 @@ class BlockLedger:
         if not held or not isinstance(self.allocator, SlabBlockAllocator):
             return 0
         return self.allocator.free_slabs_needed(held)
+
+    def kv_load(self, now_s: float | None = None) -> ModelKVLoad:
+        """What admission needs of this model's pool, in its blocks: what is free, what new
+        prompts must leave to preempted requests (in a slab pool the other models' holds on free
+        slabs too, at this model's blocks per slab), and the blocks given to new prompts so far."""
+        now_s = time.monotonic() if now_s is None else now_s
+        held = self.held_for_readmission(now_s)
+        if isinstance(self.allocator, SlabBlockAllocator):
+            held += sum(peer.slabs_held_back(now_s) for peer in self.peers) * self.allocator.blocks_per_slab
+        return ModelKVLoad(block_size=self.allocator.block_size, free_blocks=self.allocator.num_free_blocks,
+                           held_back_blocks=held, prompt_blocks_granted=self.num_prompt_blocks_granted)
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_extra_tokens: int = 0, *,
                  owner: str, readmit: bool = False, now_s: float | None = None) -> Allocation:

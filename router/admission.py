@@ -43,8 +43,9 @@ the first overload, and none while nothing is in flight.
 
 The KV side: a prompt also waits for KV blocks when the pool is full, however short the
 prefill queue, behind the prompts admitted before it and the preempted requests refused blocks
-(they go first). The agent's load report names those held-back blocks and how many blocks it
-has given new prompts; ``PromptBlockRate`` turns that count into a rate over the last 10 s, and a
+(they go first). The agent's load report names, for each model of the cell in its own blocks
+(``LoadReport.kv_by_model``), the free blocks, those held back and how many blocks it has given
+new prompts; ``PromptBlockRate`` turns that count into a rate over the last 10 s, and a
 prompt whose predicted wait for blocks (``tandem.policy.admission.kv_wait_s``) plus its own
 prefill passes its deadline is refused (``REASON_KV``). On a full 96-block pool this cut the
 admitted requests that missed a 2 s TTFT from 21 of 58 to 6 of 51.
@@ -85,7 +86,7 @@ from tandem.policy.admission import (
     running_batch,
 )
 from tandem.policy.types import Predictor, QueuedRequest, Slo
-from tandem.protocol import LoadReport
+from tandem.protocol import LoadReport, ModelKVLoad
 
 log = logging.getLogger("tandem.router.admission")
 
@@ -246,12 +247,15 @@ class AdmissionController:
     def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None,
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
                  cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
-                 streams: StreamLimit | None = None, stream_cap: bool = True) -> None:
+                 streams: StreamLimit | None = None, stream_cap: bool = True, model: str = "") -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
+        # The served name whose KV figures it reads from the agent's report; "" in a router of
+        # one model (the cell's only model's figures, whatever the cell names it).
+        self.model = model
         self.batching = batching or PrefillBatching()
         self.margin = margin
         self.cold_margin = cold_margin
@@ -301,20 +305,38 @@ class AdmissionController:
 
     def set_agent_load(self, report: LoadReport | None) -> None:
         self._agent = report
-        if report is not None and report.kv_block_size:
-            self._prompt_blocks.add(report.updated_unix_ns / 1e9, report.kv_prompt_blocks_granted)
+        kv = self._model_kv(report)
+        if report is not None and kv is not None:
+            self._prompt_blocks.add(report.updated_unix_ns / 1e9, kv.prompt_blocks_granted)
+
+    def _model_kv(self, report: LoadReport | None) -> ModelKVLoad | None:
+        """This router's model's KV figures in the agent's report: with ``model`` named (a
+        router of several models), its entry of ``kv_by_model``; else (a router of one model,
+        which may serve it under another name) the cell's only entry, or, from an agent that
+        sends no such map, the first model's fields when the cell has only that one. None
+        when there is no such entry."""
+        if report is None:
+            return None
+        if self.model:
+            return report.kv_by_model.get(self.model)
+        if report.kv_by_model:
+            return next(iter(report.kv_by_model.values())) if len(report.kv_by_model) == 1 else None
+        if not report.kv_block_size or len(report.kv_used_by_model) > 1:
+            return None
+        return ModelKVLoad(report.kv_block_size, report.kv_free_blocks, report.kv_held_back_blocks,
+                           report.kv_prompt_blocks_granted)
 
     def kv_wait_s(self, request: QueuedRequest, ahead: list[QueuedRequest]) -> float:
         """How long ``request`` is predicted to wait for KV blocks behind ``ahead`` (see
-        ``tandem.policy.admission.kv_wait_s``), from the agent's last report; 0 without one,
-        and in a cell of several models (its figures are in one model's blocks)."""
-        agent = self._agent
-        if agent is None or not agent.kv_block_size or len(agent.kv_used_by_model) > 1:
+        ``tandem.policy.admission.kv_wait_s``), from the agent's last report, in this model's
+        blocks; 0 without a report or without figures for this model."""
+        kv = self._model_kv(self._agent)
+        if kv is None or not kv.block_size:
             return 0.0
-        size = agent.kv_block_size
+        size = kv.block_size
         blocks = lambda r: -(-(r.prompt_tokens + 1) // size)  # noqa: E731
-        return kv_wait_s(blocks(request), sum(blocks(r) for r in ahead), agent.kv_free_blocks,
-                         agent.kv_held_back_blocks, self._prompt_blocks.rate())
+        return kv_wait_s(blocks(request), sum(blocks(r) for r in ahead), kv.free_blocks, kv.held_back_blocks,
+                         self._prompt_blocks.rate())
 
     def prefill_units(self) -> int:
         """Units prompts will run on: in aggregated mode decode's (it computes them in its

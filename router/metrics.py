@@ -59,6 +59,9 @@ class RouterMetrics:
         self.kv_cache_usage_perc = Gauge(
             f"{PREFIX}kv_cache_usage_perc", "Fraction of the cell's KV bytes the model's blocks hold (0 to 1).",
             model, registry=r)
+        self.kv_free_blocks = Gauge(
+            f"{PREFIX}kv_free_blocks", "KV blocks the model could take now, in its own blocks (a slab pool's free "
+            "slabs count for every model).", model, registry=r)
         self.prefix_cache_hit_rate = Gauge(
             f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.", model,
             registry=r)
@@ -111,8 +114,13 @@ class RouterMetrics:
                 used[self.label(model)] = used.get(self.label(model), 0.0) + fraction
         elif agent is not None and agent.kv_total_blocks and self._names:  # an agent that names no model
             used[self._names[0]] = 1 - agent.kv_free_blocks / agent.kv_total_blocks
+        free = dict.fromkeys(self._names, 0)
+        if agent is not None:
+            for model, kv in agent.kv_by_model.items():
+                free[self.label(model)] = kv.free_blocks
         for name, fraction in used.items():
             self.kv_cache_usage_perc.labels(model_name=name).set(fraction)
+            self.kv_free_blocks.labels(model_name=name).set(free.get(name, 0))
             self.num_prefill_units.labels(model_name=name).set(len(agent.prefill_units) if agent else 0)
             self.num_decode_units.labels(model_name=name).set(len(agent.decode_units) if agent else 0)
             self.partition_epoch.labels(model_name=name).set(agent.partition_epoch if agent else 0)

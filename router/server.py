@@ -156,7 +156,8 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     cores = []
     for index, (name, model_dir) in enumerate(config.served_models):
         tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, model_dir)
-        admission = await asyncio.to_thread(_admission_controller, config, model_config)
+        admission = await asyncio.to_thread(_admission_controller, config, model_config,
+                                            name if config.extra_models else "")
         sampling_defaults = await asyncio.to_thread(config.sampling_defaults, model_dir)
         if sampling_defaults.changed():
             log.info("sampling defaults of %s for what requests leave out: %s", name, sampling_defaults.changed())
@@ -215,7 +216,7 @@ def _load_tokenizer(model_dir: Path) -> tuple[Tokenizer, ModelConfig]:
     return tokenizer, ModelConfig.from_dir(model_dir)
 
 
-def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> AdmissionController:
+def _admission_controller(config: RouterConfig, model_config: ModelConfig, model: str) -> AdmissionController:
     from router.admission import AdmissionController
     from tandem.perf.predictor import cpu_predictor
     from tandem.policy.admission import PrefillBatching
@@ -226,7 +227,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig) -> Ad
     slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000, config.ttft_slo_ms_per_1k / 1000)
     batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
-                               stream_cap=config.stream_cap)
+                               stream_cap=config.stream_cap, model=model)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:

@@ -315,6 +315,26 @@ class PartitionView(Protocol):
 
 
 @dataclass(frozen=True)
+class ModelKVLoad:
+    """The agent's KV figures for one model's admission, in that model's blocks of ``block_size``
+    tokens: ``free_blocks`` it could take now (with a slab pool, its own slabs' free blocks and
+    every free slab's), ``held_back_blocks`` that preempted requests refused blocks wait for (they
+    go ahead of new prompts; with a slab pool, the other models' holds on free slabs as well),
+    and ``prompt_blocks_granted``, the blocks given to its new prompts since the agent started
+    (its rate is how fast prompts get blocks when the pool is full)."""
+
+    block_size: int
+    free_blocks: int = 0
+    held_back_blocks: int = 0
+    prompt_blocks_granted: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "free_blocks", "held_back_blocks", "prompt_blocks_granted"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelKVLoad.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """One service's live load, published every scheduling tick and read by every scheduler.
 
@@ -335,6 +355,8 @@ class LoadReport:
     tokens: ``kv_held_back_blocks``, what preempted requests refused blocks wait for (they go
     ahead of new prompts), and ``kv_prompt_blocks_granted``, the blocks given to new prompts
     since it started (its rate is how fast prompts get blocks when the pool is full).
+    ``kv_by_model`` (the agent's) has those figures for every model of the cell, by served name
+    (``ModelKVLoad``; JSON objects are read back into it).
     """
 
     service_id: str
@@ -360,6 +382,7 @@ class LoadReport:
     kv_block_size: int = 0
     kv_held_back_blocks: int = 0
     kv_prompt_blocks_granted: int = 0
+    kv_by_model: dict[str, ModelKVLoad] = field(default_factory=dict)
 
     @classmethod
     def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
@@ -380,6 +403,9 @@ class LoadReport:
                      "num_preemptions", "kv_block_size", "kv_held_back_blocks", "kv_prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
+        # Read back from JSON, each model's figures are a plain object.
+        object.__setattr__(self, "kv_by_model", {
+            name: kv if isinstance(kv, ModelKVLoad) else ModelKVLoad(**kv) for name, kv in self.kv_by_model.items()})
         for name, used in self.kv_used_by_model.items():
             if not 0.0 <= used <= 1.0:
                 raise ValueError(f"LoadReport.kv_used_by_model[{name!r}] must be in [0, 1], got {used}")

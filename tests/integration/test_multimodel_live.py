@@ -181,3 +181,17 @@ def test_the_router_lists_both_models_and_refuses_an_unknown_one(up: Up) -> None
     metrics = httpx.get(f"{up.http_address}/metrics", timeout=10).text
     for model in (FP32_KV, BF16_KV):
         assert f'model_name="{model}"' in metrics
+    # The agent's per-model KV figures reach each model's router core under its served name
+    # (admission's wait for blocks reads them): idle, every block of the pool is free to both.
+    stats = asyncio.run(up.drained())
+    deadline = time.monotonic() + 10
+    while True:
+        page = httpx.get(f"{up.http_address}/metrics", timeout=10).text
+        free = {sample.labels["model_name"]: sample.value
+                for family in text_string_to_metric_families(page) for sample in family.samples
+                if sample.name == "tandem:kv_free_blocks"}
+        expected = {m.model: float(m.num_free_blocks) for m in stats.models}
+        if free == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert free == expected and min(free.values()) > 0, (free, expected)

@@ -5,6 +5,8 @@ when that wait makes it miss its TTFT (router.admission.AdmissionController)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 
@@ -15,7 +17,9 @@ from hypothesis import strategies as st
 from router.admission import AdmissionController
 from tandem.policy.admission import REASON_KV, PromptBlockRate, kv_wait_s
 from tandem.policy.types import Slo
-from tandem.state.schema import LoadReport
+from tandem.policy.types import QueuedRequest
+from tandem.protocol import ModelKVLoad
+from tandem.state.schema import LoadReport, from_json_fields
 from tests.unit.test_admission import TokenPredictor
 
 SLO = Slo(ttft_s=2.0, tbt_s=0.2)
@@ -102,11 +106,55 @@ def test_a_full_pool_refuses_what_its_blocks_would_make_late_and_admits_what_fit
     assert c.try_admit("long", 300, now_s=10.0) is None
 
 
+def test_in_a_cell_of_several_models_each_router_core_reads_its_own_models_blocks() -> None:
+    """The agent reports every model's figures in that model's blocks (``kv_by_model``): model a's
+    pool is full and slow, b's has room; a's admission refuses the long prompt, b's admits it,
+    and a model the report does not name predicts no wait."""
+    def report(t: float) -> LoadReport:
+        return dataclasses.replace(
+            agent_report(t, free=0, granted=0, models=2),
+            kv_by_model={"a": ModelKVLoad(16, free_blocks=2, held_back_blocks=4, prompt_blocks_granted=int(3 * t)),
+                         "b": ModelKVLoad(32, free_blocks=40, prompt_blocks_granted=int(50 * t))})
+
+    history = [report(t) for t in range(6)]
+    controllers = {m: AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, margin=0.0,
+                                          cold_margin=0.0, stream_cap=False, model=m) for m in ("a", "b", "c")}
+    for c in controllers.values():
+        for r in history:
+            c.set_agent_load(r)
+    # a: 300 tokens = 19 blocks of 16; deficit 19 + 4 - 2 = 21 blocks at 3 a second: 7 s.
+    assert controllers["a"].kv_wait_s(QueuedRequest("x", 10.0, 300), []) == pytest.approx(7.0)
+    refusal = controllers["a"].try_admit("long", 300, now_s=10.0)
+    assert refusal is not None and refusal.reason == REASON_KV
+    # b: 10 blocks of 32, 40 free: no wait.
+    assert controllers["b"].kv_wait_s(QueuedRequest("x", 10.0, 300), []) == 0.0
+    assert controllers["b"].try_admit("long", 300, now_s=10.0) is None
+    assert controllers["c"].try_admit("long", 300, now_s=10.0) is None
+    # A router of one model ("" : it may serve the cell's model under another name) reads the
+    # cell's only entry, and none of a cell of several.
+    alone = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, margin=0.0, cold_margin=0.0,
+                                stream_cap=False)
+    for t in range(6):
+        alone.set_agent_load(dataclasses.replace(report(t), kv_by_model={"cell-name": report(t).kv_by_model["a"]}))
+    assert alone.kv_wait_s(QueuedRequest("x", 10.0, 300), []) == pytest.approx(7.0)
+    alone.set_agent_load(report(6))
+    assert alone.kv_wait_s(QueuedRequest("x", 10.0, 300), []) == 0.0
+
+
+def test_the_per_model_figures_survive_the_load_board_json() -> None:
+    report = dataclasses.replace(agent_report(3.0, free=5, granted=7, models=2),
+                                 kv_by_model={"a": ModelKVLoad(16, 5, 2, 7), "b": ModelKVLoad(32, 9, 0, 1)})
+    back = from_json_fields(LoadReport, json.dumps(dataclasses.asdict(report)))
+    assert back == report and isinstance(back.kv_by_model["b"], ModelKVLoad)
+    with pytest.raises(ValueError, match="held_back_blocks"):
+        ModelKVLoad(16, 5, -1, 0)
+
+
 @pytest.mark.parametrize("case", ["no rate yet", "several models", "no block size", "no report"])
 def test_no_refusal_for_blocks_on_a_guess(case: str) -> None:
-    """Without a measured rate (the agent's first second), in a cell of several models (its
-    figures are in one model's blocks), or from an agent that does not report its blocks, no
-    wait for blocks is predicted."""
+    """Without a measured rate (the agent's first second), in a cell of several models from an
+    agent that sends its first model's figures only (they are in that model's blocks), or from
+    an agent that does not report its blocks, no wait for blocks is predicted."""
     if case == "no rate yet":
         reports = [agent_report(0.0, free=0, granted=0), agent_report(0.5, free=0, granted=0)]
     elif case == "several models":

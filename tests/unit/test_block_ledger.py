@@ -14,6 +14,7 @@ from gpu_agent.leases import Leases
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.kv_slab import KVSlabPool
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
+from tandem.protocol import ModelKVLoad
 
 
 def test_allocate_extend_release_by_request_id() -> None:
@@ -253,6 +254,11 @@ def test_in_a_slab_pool_new_prompts_of_one_model_leave_the_slabs_another_models_
     with pytest.raises(OutOfBlocksError):  # 4 blocks: 2 slabs, 1 free
         a.allocate("a2", list(range(16)), owner="da", readmit=True, now_s=5.0)
     assert a.slabs_held_back(5.1) == 2 and b.slabs_held_back(5.1) == 0
+    # Admission's figures, in each model's blocks: a has 1 free slab (2 blocks) and holds 4 back
+    # for its readmission; b has 2 free blocks in its slab and the free slab's 4, and a's hold
+    # keeps 2 slabs (8 of b's blocks) back from it.
+    assert a.kv_load(5.1) == ModelKVLoad(4, free_blocks=2, held_back_blocks=4, prompt_blocks_granted=6)
+    assert b.kv_load(5.1) == ModelKVLoad(4, free_blocks=6, held_back_blocks=8, prompt_blocks_granted=2)
     with pytest.raises(OutOfBlocksError, match="held back for preempted requests of other models"):
         b.allocate("b2", list(range(12)), owner="pb", now_s=5.1)  # 3 blocks: would open a new slab
     b.allocate("b3", list(range(8)), owner="pb", now_s=5.2)  # fits in b's own slab: no slab taken
@@ -277,8 +283,9 @@ def test_in_a_slab_pool_new_prompts_of_one_model_leave_the_slabs_another_models_
 def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_needs(
         ops: list[tuple[str, str, int, float]]) -> None:
     """Random histories of two models on one slab pool: whenever a new prompt of one model is
-    granted a fresh slab, the free slabs left still cover every standing hold of the other;
-    every block and slab comes back."""
+    granted a fresh slab, the free slabs left still cover every standing hold of the other; a new
+    prompt that the model's admission figures (``kv_load``: free blocks less those held back,
+    the other model's holds included) say fits is granted; every block and slab comes back."""
     pool = KVSlabPool(48, {"a": 2, "b": 1}, slab_multiple=2)  # 12 slabs: 2 blocks of a or 4 of b each
     ledgers = {"a": BlockLedger(pool.view("a", 4)), "b": BlockLedger(pool.view("b", 4))}
     ledgers["a"].peers, ledgers["b"].peers = [ledgers["b"]], [ledgers["a"]]
@@ -288,9 +295,13 @@ def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_need
         if op in ("new", "readmit"):
             rid = f"{model}{next(ids)}"
             slabs_before = pool.num_free_slabs
+            kv = ledger.kv_load(now)
+            assert kv.block_size == 4 and kv.free_blocks == ledger.allocator.num_free_blocks
+            fits = kv.free_blocks - kv.held_back_blocks >= ledger.allocator.num_blocks_for(n)
             try:
                 ledger.allocate(rid, list(range(n)), owner=model, readmit=op == "readmit", now_s=now)
             except OutOfBlocksError:
+                assert not (op == "new" and fits), (kv, n)
                 continue
             held[model].append(rid)
             if op == "new" and pool.num_free_slabs < slabs_before:
