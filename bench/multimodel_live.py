@@ -188,10 +188,7 @@ def main() -> None:
             per_model = {m: summarize([r for r, j in zip(records, jobs) if j["model"] == m], duration_s=duration,
                                       slo=slo) for m in MODELS}
             kv_per_mib = kv_tokens_per_mib(kv, args.kv_cache_gb)
-            refused = [r for r in records if r.error is not None and r.error.startswith("RESOURCE_EXHAUSTED")]
-            admitted = [r for r in records if r not in refused]
-            summary["num_refused"] = len(refused)
-            summary["num_admitted_missed"] = sum(not meets_slo(r, slo) for r in admitted)
+            summary.update(admission_counts(records, slo))
             run: dict[str, Any] = {"repeat": repeat, "variant": label, "split": split, "admission": admission,
                                    "duration_s": duration, "summary": summary, "per_model": per_model,
                                    "kv_tokens_per_mib": kv_per_mib, "kv_samples": kv,
@@ -200,12 +197,21 @@ def main() -> None:
             print(f"repeat {repeat} {label:13s}: goodput {summary['goodput_rps']:.3f} req/s, attainment "
                   f"{summary['slo_attainment']:.2f}, output {summary['output_token_throughput']:.1f} tok/s, "
                   f"KV tokens/MiB mean {kv_per_mib['mean']:.1f} peak {kv_per_mib['peak']:.1f}, "
-                  f"failed {summary['num_failed']} (refused {len(refused)}), admitted missed "
-                  f"{summary['num_admitted_missed']} of {len(admitted)}", flush=True)
+                  f"failed {summary['num_failed']} (refused {summary['num_refused']}), admitted missed "
+                  f"{summary['num_admitted_missed']} of {len(records) - summary['num_refused']}", flush=True)
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "models": MODELS, "runs": runs, "summary": summarize_runs(runs, variants[0][0], variants[1][0])}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
+
+
+def admission_counts(records: list[RequestRecord], slo: SloSpec) -> dict[str, int]:
+    """Requests the router's admission refused (429 / RESOURCE_EXHAUSTED "admission refused"),
+    and admitted ones that missed the SLO: failed later (a prompt prefill dropped as out of
+    reach of its deadline included) or served late."""
+    refused = [r for r in records if r.error is not None and "admission refused" in r.error]
+    return {"num_refused": len(refused),
+            "num_admitted_missed": sum(not meets_slo(r, slo) for r in records if r not in refused)}
 
 
 def summarize_runs(runs: list[dict[str, Any]], first: str = "slab", second: str = "static") -> dict[str, Any]:
