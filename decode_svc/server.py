@@ -100,8 +100,8 @@ RESUME_CLAIM_WAIT_S = 1.0
 # HOLD_NOTICES_PER_STALL times within the router's stall timeout where that is shorter (not more
 # often than every HOLD_NOTICE_MIN_S): the stall timeout (--stall-timeout-s, 30 s) is for a
 # decode service that stopped, and it failed requests that were only waiting their turn with
-# "decode service stopped producing tokens". While one step computes longer than that interval,
-# every request held is named, the step's own too.
+# "decode service stopped producing tokens". Besides, every request held, stepped or not, is
+# named each interval whatever the loop is doing (a long step, calls between steps).
 HOLD_NOTICE_S = 1.0
 HOLD_NOTICES_PER_STALL = 4
 HOLD_NOTICE_MIN_S = 0.05
@@ -206,9 +206,9 @@ class DecodeWorker:
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
         self.preempted: deque[_Active] = deque()
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
-        self._next_hold_notice_ns = 0  # perf_counter: when the held requests are next named (HOLD_NOTICE_S)
-        self._step_notice: asyncio.TimerHandle | None = None  # names them during a long step
-        self._step_notice_until = 0.0  # loop time: no naming after (STEP_NOTICE_MAX_S)
+        self._step_notice: asyncio.TimerHandle | None = None  # names every held request periodically
+        self._step_began: float | None = None  # loop time the step in flight began (STEP_NOTICE_MAX_S)
+        self._stepping: set[int] = set()  # ids of that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
@@ -593,6 +593,14 @@ class DecodeWorker:
         ))
 
     async def run(self) -> None:
+        self._step_notice = asyncio.get_running_loop().call_later(self._hold_notice_s(), self._notice_periodically)
+        try:
+            await self._run()
+        finally:
+            if self._step_notice is not None:
+                self._step_notice.cancel()
+
+    async def _run(self) -> None:
         was_state = (False, 0)
         while True:
             if self._joining is not None:
@@ -629,7 +637,6 @@ class DecodeWorker:
             await self._drop_cancelled()
             await self._drop_out_of_reach()
             await self._readmit()
-            self._notice_held()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
             if self._budget_without_streams() and self.member.partition.epoch != self._waited_epoch:
                 await self._await_fresh_partition(reported)
@@ -652,28 +659,19 @@ class DecodeWorker:
         every_s = min([HOLD_NOTICE_S, *(s / HOLD_NOTICES_PER_STALL for s in self._router_stall_s.values())])
         return max(HOLD_NOTICE_MIN_S, every_s)
 
-    def _notice_held(self) -> None:
-        """Every ``_hold_notice_s``, tell each router which of its requests this service holds
-        without stepping them (preempted, or past the batch limit): one update each, which the
-        router takes as a sign of life and nothing more. It carries no tokens (those go out once
-        recorded, with their step); its ``first_index`` is the next one the router is to get."""
-        now = time.perf_counter_ns()
-        if now < self._next_hold_notice_ns:
-            return
-        self._next_hold_notice_ns = now + int(self._hold_notice_s() * 1e9)
-        self._send_notices([*self.preempted, *self.running[self.config.max_batch_requests:]])
-
-    def _notice_while_stepping(self) -> None:
-        """While one step computes past a notice interval (a hybrid step carrying a long prompt
-        chunk on busy cores; a CUDA graph's capture), name every held request, the step's own
-        included, to its router, and again each interval until the step ends (``_step`` arms it
-        and cancels it), for STEP_NOTICE_MAX_S at most. A router's stall timeout is for a
-        decode service that stopped: on a 0.3 s one, a 1.6 s step once failed the four streams
-        it carried."""
-        self._send_notices([*self.preempted, *self.running])
+    def _notice_periodically(self) -> None:
+        """Every ``_hold_notice_s``, whatever the loop is doing (a long step: a hybrid step
+        carrying a long prompt chunk on busy cores, a CUDA graph's capture; the Allocate and
+        Extend calls between steps), name every request held, stepped or not, to its router,
+        and arm the next. A router's stall timeout is for a decode service that stopped: on a
+        0.3 s one, a 1.6 s step once failed the four streams it carried, and a readmission
+        another. A step computing longer than STEP_NOTICE_MAX_S is taken as hung: the requests
+        it carries are named no more, for the stall timeout to fail."""
         loop = asyncio.get_running_loop()
-        if loop.time() < self._step_notice_until:
-            self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_while_stepping)
+        hung = self._step_began is not None and loop.time() - self._step_began > STEP_NOTICE_MAX_S
+        stepping = self._stepping if hung else set()
+        self._send_notices([a for a in [*self.preempted, *self.running, *self.pending] if id(a) not in stepping])
+        self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_periodically)
 
     def _send_notices(self, held: list[_Active]) -> None:
         per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
@@ -1017,14 +1015,11 @@ class DecodeWorker:
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
         gap_ns = start - self._last_step_end_ns if self._last_step_end_ns else 0
-        loop = asyncio.get_running_loop()
-        self._step_notice_until = loop.time() + STEP_NOTICE_MAX_S
-        self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_while_stepping)
+        self._step_began, self._stepping = asyncio.get_running_loop().time(), {id(a) for a in batch}
         try:
             outputs = await member.run(work)
         finally:
-            if self._step_notice is not None:
-                self._step_notice.cancel()
+            self._step_began = None
         self._last_step_end_ns = time.perf_counter_ns()
         self.last_step_ns = self._last_step_end_ns - start
         self.last_step_compute_ns = compute_ns

@@ -85,7 +85,9 @@ def _record(rid: str, rng: random.Random, blocks: list[int]) -> RequestRecord:
 def test_resume_leaves_requests_a_live_service_took_back_to_it(redis_client: aredis.Redis, seed: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
-    monkeypatch.setattr(server, "RESUME_CLAIM_WAIT_S", 0.2)
+    # The service's own wait (1 s) against the late holder's end 0.05 s in: with 0.2 s, a pause of
+    # the host past the wait before the loop ever yielded (a CI run, seed 3) left it unclaimed.
+    monkeypatch.setattr(server, "RESUME_CLAIM_WAIT_S", 1.0)
     ledger = BlockLedger(BlockAllocator(num_blocks=512, block_size=4))
     # Each request: its blocks held by the dead predecessor, taken back by prefill (alive), held
     # by nobody (reclaimed), or by a service whose end the agent sees only during the resume.
