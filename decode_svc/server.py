@@ -674,11 +674,13 @@ class DecodeWorker:
         self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_periodically)
 
     def _send_notices(self, held: list[_Active]) -> None:
+        """One update per request without tokens and with first_index 0: a notice says nothing of
+        what was sent (a running request's last tokens may still be on their way to the outbox,
+        behind their Redis record, and its ``num_sent`` already counts them)."""
         per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
         for active in held:
             if not active.cancelled and (active.first_token is None or active.first_token.done()):
-                per_router.setdefault(active.router_id, []).append(
-                    decode_pb2.TokenUpdate(request_id=active.req.request_id, first_index=active.num_sent))
+                per_router.setdefault(active.router_id, []).append(decode_pb2.TokenUpdate(request_id=active.req.request_id))
         for router_id, updates in per_router.items():
             with contextlib.suppress(asyncio.QueueFull):  # a router this far behind has bigger news waiting
                 self.router_outbox(router_id).put_nowait(decode_pb2.TokenBatch(updates=updates, step=self.num_steps))
