@@ -95,13 +95,12 @@ GROW_AHEAD_TOKENS = 4
 # A request to resume whose blocks a live service holds is asked for again this long (the agent
 # ends the predecessor's lease when it sees its stream close); after that it is that service's.
 RESUME_CLAIM_WAIT_S = 1.0
-# A request this service holds but does not step (preempted, waiting for blocks; or past the
-# batch limit) is named to its router this often, in an update without tokens, or
+# Every request this service holds (preempted, waiting for blocks, past the batch limit, or
+# running) is named to its router this often, in an update without tokens, or
 # HOLD_NOTICES_PER_STALL times within the router's stall timeout where that is shorter (not more
-# often than every HOLD_NOTICE_MIN_S): the stall timeout (--stall-timeout-s, 30 s) is for a
-# decode service that stopped, and it failed requests that were only waiting their turn with
-# "decode service stopped producing tokens". Besides, every request held, stepped or not, is
-# named each interval whatever the loop is doing (a long step, calls between steps).
+# often than every HOLD_NOTICE_MIN_S), whatever the loop is doing (a long step, calls between
+# steps): the stall timeout (--stall-timeout-s, 30 s) is for a decode service that stopped, and it
+# failed requests that were only waiting their turn with "decode service stopped producing tokens".
 HOLD_NOTICE_S = 1.0
 HOLD_NOTICES_PER_STALL = 4
 HOLD_NOTICE_MIN_S = 0.05
@@ -206,7 +205,7 @@ class DecodeWorker:
         # reclaimed theirs), oldest first; each recomputes its K/V when it gets blocks again.
         self.preempted: deque[_Active] = deque()
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
-        self._step_notice: asyncio.TimerHandle | None = None  # names every held request periodically
+        self._notice_timer: asyncio.TimerHandle | None = None  # names every held request periodically
         self._step_began: float | None = None  # loop time the step in flight began (STEP_NOTICE_MAX_S)
         self._stepping: set[int] = set()  # ids of that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
@@ -593,12 +592,12 @@ class DecodeWorker:
         ))
 
     async def run(self) -> None:
-        self._step_notice = asyncio.get_running_loop().call_later(self._hold_notice_s(), self._notice_periodically)
+        self._notice_timer = asyncio.get_running_loop().call_later(self._hold_notice_s(), self._notice_periodically)
         try:
             await self._run()
         finally:
-            if self._step_notice is not None:
-                self._step_notice.cancel()
+            if self._notice_timer is not None:
+                self._notice_timer.cancel()
 
     async def _run(self) -> None:
         was_state = (False, 0)
@@ -671,7 +670,7 @@ class DecodeWorker:
         hung = self._step_began is not None and loop.time() - self._step_began > STEP_NOTICE_MAX_S
         stepping = self._stepping if hung else set()
         self._send_notices([a for a in [*self.preempted, *self.running, *self.pending] if id(a) not in stepping])
-        self._step_notice = loop.call_later(self._hold_notice_s(), self._notice_periodically)
+        self._notice_timer = loop.call_later(self._hold_notice_s(), self._notice_periodically)
 
     def _send_notices(self, held: list[_Active]) -> None:
         """One update per request without tokens and with first_index 0: a notice says nothing of

@@ -84,13 +84,14 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
 
     def load_report() -> LoadReport:
         stats = cell_stats(cell, partition.current, servicer.leases)
-        first = cell.first.ledger
+        kv_by_model = {name: m.ledger.kv_load() for name, m in cell.models.items()}
+        # The first model's figures at the top level too, for routers that predate the map.
+        first = next(iter(kv_by_model.values()))
         return LoadReport.now(f"agent-{config.cell_id}", config.cell_id, "agent", partition.current,
                               stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests,
-                              kv_used_by_model=cell.kv_used_by_model(), kv_block_size=first.allocator.block_size,
-                              kv_held_back_blocks=first.held_for_readmission(),
-                              kv_prompt_blocks_granted=first.num_prompt_blocks_granted,
-                              kv_by_model={name: m.ledger.kv_load() for name, m in cell.models.items()})
+                              kv_used_by_model=cell.kv_used_by_model(), kv_block_size=first.block_size,
+                              kv_held_back_blocks=first.held_back_blocks,
+                              kv_prompt_blocks_granted=first.prompt_blocks_granted, kv_by_model=kv_by_model)
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

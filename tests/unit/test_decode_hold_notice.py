@@ -62,12 +62,12 @@ def _notices(worker: DecodeWorker, seconds: float, step_age_s: float | None = No
         loop = asyncio.get_running_loop()
         if step_age_s is not None:
             worker._step_began, worker._stepping = loop.time() - step_age_s, {id(a) for a in stepping}
-        worker._step_notice = loop.call_later(worker._hold_notice_s(), worker._notice_periodically)
+        worker._notice_timer = loop.call_later(worker._hold_notice_s(), worker._notice_periodically)
         try:
             await asyncio.sleep(seconds)
         finally:
-            assert worker._step_notice is not None
-            worker._step_notice.cancel()
+            assert worker._notice_timer is not None
+            worker._notice_timer.cancel()
 
     asyncio.run(run())
 
