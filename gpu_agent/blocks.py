@@ -23,6 +23,7 @@ free slabs another model's preempted requests wait for.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -32,6 +33,12 @@ from tandem.engine.kv_slab import SlabBlockAllocator
 from tandem.protocol import ModelKVLoad
 
 READMIT_HOLD_S = 1.0
+# A new prompt given blocks is named in the load report (``ModelKVLoad.granted_prompts``) this
+# long, while it holds them, and no more than the most recent PROMPT_GRANTS_KEPT of them: long
+# enough for its first token in any wait a router admits (its TTFT deadline), short enough to
+# keep the report small.
+PROMPT_GRANT_KEEP_S = 30.0
+PROMPT_GRANTS_KEPT = 256
 
 
 class NotOwnerError(InvalidRequestError):
@@ -49,6 +56,9 @@ class BlockLedger:
         # this stops moving (a wedged pool), not while requests keep finishing (a busy one).
         self.num_blocks_freed = 0
         self.num_prompt_blocks_granted = 0  # blocks given to new prompts (not readmissions): admission's rate
+        # New prompts given blocks (request id -> monotonic time), oldest first, while they hold
+        # them: the router's admission leaves them out of the prompts still waiting for blocks.
+        self._prompt_grants: dict[str, float] = {}
         # A slab pool: the other models' ledgers, whose readmission holds keep free slabs from
         # this model's new prompts (set by the cell).
         self.peers: Sequence[BlockLedger] = ()
@@ -91,7 +101,20 @@ class BlockLedger:
         if isinstance(self.allocator, SlabBlockAllocator):
             held += sum(peer.slabs_held_back(now_s) for peer in self.peers) * self.allocator.blocks_per_slab
         return ModelKVLoad(block_size=self.allocator.block_size, free_blocks=self.allocator.num_free_blocks,
-                           held_back_blocks=held, prompt_blocks_granted=self.num_prompt_blocks_granted)
+                           held_back_blocks=held, prompt_blocks_granted=self.num_prompt_blocks_granted,
+                           granted_prompts=self.recent_prompt_grants(now_s))
+
+    def recent_prompt_grants(self, now_s: float | None = None) -> tuple[str, ...]:
+        """The new prompts given blocks in the last PROMPT_GRANT_KEEP_S that still hold them, the
+        most recent first (PROMPT_GRANTS_KEPT at most); older ones are forgotten."""
+        now_s = time.monotonic() if now_s is None else now_s
+        grants = self._prompt_grants
+        while grants:
+            rid, granted_s = next(iter(grants.items()))
+            if granted_s > now_s - PROMPT_GRANT_KEEP_S:
+                break
+            del grants[rid]
+        return tuple(itertools.islice(reversed(grants), PROMPT_GRANTS_KEPT))
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_extra_tokens: int = 0, *,
                  owner: str, readmit: bool = False, now_s: float | None = None) -> Allocation:
@@ -131,6 +154,7 @@ class BlockLedger:
         self._readmits.pop(request_id, None)
         if not readmit:
             self.num_prompt_blocks_granted += len(blocks)
+            self._prompt_grants[request_id] = now_s
         self._held[request_id] = blocks
         self._owner[request_id] = owner
         return Allocation(tuple(blocks), alloc.num_cached_tokens)
@@ -151,6 +175,7 @@ class BlockLedger:
             return 0
         blocks = self._held.pop(request_id, None)
         self._owner.pop(request_id, None)
+        self._prompt_grants.pop(request_id, None)
         if blocks is None:
             return 0
         if token_ids:

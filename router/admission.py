@@ -45,9 +45,10 @@ The KV side: a prompt also waits for KV blocks when the pool is full, however sh
 prefill queue, behind the prompts admitted before it and the preempted requests refused blocks
 (they go first). The agent's load report names, for each model of the cell in its own blocks
 (``LoadReport.kv_by_model``), the free blocks, those held back and how many blocks it has given
-new prompts; ``PromptBlockRate`` turns that count into a rate over the last 10 s, and a
-prompt whose predicted wait for blocks (``tandem.policy.admission.kv_wait_s``) plus its own
-prefill passes its deadline is refused (``REASON_KV``). On a full 96-block pool this cut the
+new prompts, and which prompts it gave blocks lately (not counted again among the prompts
+ahead that still need blocks); ``PromptBlockRate`` turns that count into a rate over the last
+10 s, and a prompt whose predicted wait for blocks (``tandem.policy.admission.kv_wait_s``) plus
+its own prefill passes its deadline is refused (``REASON_KV``). On a full 96-block pool this cut the
 admitted requests that missed a 2 s TTFT from 21 of 58 to 6 of 51.
 
 One exception to the rule (in ``admit_one``): a request too long to meet the TTFT SLO even on its
@@ -276,6 +277,7 @@ class AdmissionController:
         self._default_units = default_units or len(os.sched_getaffinity(0))
         self._agent: LoadReport | None = None
         self._prompt_blocks = PromptBlockRate()  # how fast new prompts get KV blocks (the agent's count)
+        self._granted: frozenset[str] = frozenset()  # prompts the last report names as given blocks
         self.num_kv_refusals = 0
         # When the prefill batch now running started (None: none of ours is running), and the
         # requests whose batch has ended but whose reply has not come yet (handoffs).
@@ -306,6 +308,7 @@ class AdmissionController:
     def set_agent_load(self, report: LoadReport | None) -> None:
         self._agent = report
         kv = self._model_kv(report)
+        self._granted = frozenset(kv.granted_prompts) if kv is not None else frozenset()
         if report is not None and kv is not None:
             self._prompt_blocks.add(report.updated_unix_ns / 1e9, kv.prompt_blocks_granted)
 
@@ -329,14 +332,16 @@ class AdmissionController:
     def kv_wait_s(self, request: QueuedRequest, ahead: list[QueuedRequest]) -> float:
         """How long ``request`` is predicted to wait for KV blocks behind ``ahead`` (see
         ``tandem.policy.admission.kv_wait_s``), from the agent's last report, in this model's
-        blocks; 0 without a report or without figures for this model."""
+        blocks; 0 without a report or without figures for this model. Of ``ahead``, the
+        prompts the report names as given blocks already are left out: the free blocks it
+        counts are what is left after theirs."""
         kv = self._model_kv(self._agent)
         if kv is None or not kv.block_size:
             return 0.0
         size = kv.block_size
         blocks = lambda r: -(-(r.prompt_tokens + 1) // size)  # noqa: E731
-        return kv_wait_s(blocks(request), sum(blocks(r) for r in ahead), kv.free_blocks, kv.held_back_blocks,
-                         self._prompt_blocks.rate())
+        waiting = sum(blocks(r) for r in ahead if r.request_id not in self._granted)
+        return kv_wait_s(blocks(request), waiting, kv.free_blocks, kv.held_back_blocks, self._prompt_blocks.rate())
 
     def prefill_units(self) -> int:
         """Units prompts will run on: in aggregated mode decode's (it computes them in its

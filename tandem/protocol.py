@@ -321,14 +321,19 @@ class ModelKVLoad:
     every free slab's), ``held_back_blocks`` that preempted requests refused blocks wait for (they
     go ahead of new prompts; with a slab pool, the other models' holds on free slabs as well),
     and ``prompt_blocks_granted``, the blocks given to its new prompts since the agent started
-    (its rate is how fast prompts get blocks when the pool is full)."""
+    (its rate is how fast prompts get blocks when the pool is full). ``granted_prompts``: the
+    ids of the new prompts given blocks lately that still hold them (the most recent first),
+    whose blocks ``free_blocks`` already leaves out: a router counts them no more among the
+    prompts ahead that still need blocks."""
 
     block_size: int
     free_blocks: int = 0
     held_back_blocks: int = 0
     prompt_blocks_granted: int = 0
+    granted_prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "granted_prompts", tuple(self.granted_prompts))  # a list from JSON
         for name in ("block_size", "free_blocks", "held_back_blocks", "prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelKVLoad.{name} must be >= 0, got {getattr(self, name)}")
@@ -403,9 +408,12 @@ class LoadReport:
                      "num_preemptions", "kv_block_size", "kv_held_back_blocks", "kv_prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
-        # Read back from JSON, each model's figures are a plain object.
+        # Read back from JSON, each model's figures are a plain object (keys a newer agent adds
+        # are left out, as from_json_fields does at the top level).
+        known = {f.name for f in fields(ModelKVLoad)}
         object.__setattr__(self, "kv_by_model", {
-            name: kv if isinstance(kv, ModelKVLoad) else ModelKVLoad(**kv) for name, kv in self.kv_by_model.items()})
+            name: kv if isinstance(kv, ModelKVLoad) else ModelKVLoad(**{k: v for k, v in kv.items() if k in known})
+            for name, kv in self.kv_by_model.items()})
         for name, used in self.kv_used_by_model.items():
             if not 0.0 <= used <= 1.0:
                 raise ValueError(f"LoadReport.kv_used_by_model[{name!r}] must be in [0, 1], got {used}")

@@ -143,9 +143,15 @@ def test_in_a_cell_of_several_models_each_router_core_reads_its_own_models_block
 
 def test_the_per_model_figures_survive_the_load_board_json() -> None:
     report = dataclasses.replace(agent_report(3.0, free=5, granted=7, models=2),
-                                 kv_by_model={"a": ModelKVLoad(16, 5, 2, 7), "b": ModelKVLoad(32, 9, 0, 1)})
+                                 kv_by_model={"a": ModelKVLoad(16, 5, 2, 7, granted_prompts=("r2", "r1")),
+                                              "b": ModelKVLoad(32, 9, 0, 1)})
     back = from_json_fields(LoadReport, json.dumps(dataclasses.asdict(report)))
     assert back == report and isinstance(back.kv_by_model["b"], ModelKVLoad)
+    assert back.kv_by_model["a"].granted_prompts == ("r2", "r1")
+    # A newer agent's figure this router does not know is left out (a rolling upgrade).
+    newer = dataclasses.asdict(report)
+    newer["kv_by_model"]["b"]["figure_of_a_later_release"] = 3
+    assert from_json_fields(LoadReport, json.dumps(newer)) == report
     with pytest.raises(ValueError, match="held_back_blocks"):
         ModelKVLoad(16, 5, -1, 0)
 
@@ -173,3 +179,45 @@ def test_a_pool_that_gave_nothing_refuses_with_a_finite_hint() -> None:
     assert refusal is not None and refusal.reason == REASON_KV and math.isfinite(refusal.retry_after_s)
     assert int(refusal.retry_after_header) >= 1
     assert "predicted TTFT unbounded: no blocks went to new prompts lately" in refusal.message()
+
+
+def _granted_report(t: float, free: int, granted: tuple[str, ...], held: int = 0) -> LoadReport:
+    return dataclasses.replace(agent_report(t, free=free, granted=0), kv_by_model={
+        "m": ModelKVLoad(16, free_blocks=free, held_back_blocks=held, prompt_blocks_granted=int(4 * t),
+                         granted_prompts=granted)})
+
+
+def test_prompts_ahead_that_the_agent_gave_blocks_already_are_not_counted_again() -> None:
+    """Four 100-token prompts (7 blocks each) admitted while the pool had room; the pool gives
+    new prompts 4 blocks a second. When the agent's report says three of them hold their blocks
+    already (its free figure is what is left after theirs), a 1-block prompt waits for the
+    fourth's 7 blocks only: (7 + 1 - 2) / 4 = 1.5 s, within the 2 s SLO. Counting all four again
+    predicted (28 + 1 - 2) / 4 = 6.75 s and refused it."""
+    c = _controller([_granted_report(t, free=96, granted=()) for t in range(6)])
+    for i in range(4):
+        assert c.try_admit(f"p{i}", 100, now_s=10.0) is None
+    c.set_agent_load(_granted_report(6, free=2, granted=("p2", "p1", "p0", "elsewhere")))
+    assert c.kv_wait_s(QueuedRequest("x", 10.0, 15), c._queued()) == pytest.approx(1.5)
+    assert c.try_admit("short", 15, now_s=10.0) is None
+    c.set_agent_load(_granted_report(7, free=2, granted=()))  # none of them given blocks yet
+    refusal = c.try_admit("short2", 15, now_s=10.0)
+    assert refusal is not None and refusal.reason == REASON_KV
+    assert refusal.retry_after_s == pytest.approx((28 + 1 + 1 - 2) / 4)  # "short" is ahead too
+
+
+@given(sizes=st.lists(st.integers(1, 400), max_size=12), granted=st.lists(st.booleans(), min_size=12, max_size=12),
+       free=st.integers(0, 60), held=st.integers(0, 20), need=st.integers(1, 300))
+@settings(max_examples=200, deadline=None)
+def test_the_wait_counts_the_blocks_of_the_prompts_ahead_still_without_blocks(
+        sizes: list[int], granted: list[bool], free: int, held: int, need: int) -> None:
+    """On random queues, some of them given blocks: the predicted wait is the deficit of the
+    prompts ahead not named in the report, at the pool's rate (4 blocks a second)."""
+    history = [_granted_report(t, free=free, granted=(), held=held) for t in range(6)]
+    c = _controller(history)
+    ahead = [QueuedRequest(f"p{i}", 5.0, n) for i, n in enumerate(sizes)]
+    names = tuple(r.request_id for r, g in zip(ahead, granted) if g)
+    c.set_agent_load(_granted_report(6, free=free, granted=names, held=held))
+    blocks = lambda n: -(-(n + 1) // 16)  # noqa: E731
+    deficit = blocks(need) + held - free + sum(blocks(r.prompt_tokens) for r, g in zip(ahead, granted) if not g)
+    expected = max(0.0, deficit / 4)
+    assert c.kv_wait_s(QueuedRequest("x", 10.0, need), ahead) == pytest.approx(expected)

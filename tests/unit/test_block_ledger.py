@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_agent.blocks import BlockLedger, NotOwnerError
+from gpu_agent.blocks import PROMPT_GRANT_KEEP_S, BlockLedger, NotOwnerError
 from gpu_agent.leases import Leases
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.kv_slab import KVSlabPool
@@ -257,8 +257,10 @@ def test_in_a_slab_pool_new_prompts_of_one_model_leave_the_slabs_another_models_
     # Admission's figures, in each model's blocks: a has 1 free slab (2 blocks) and holds 4 back
     # for its readmission; b has 2 free blocks in its slab and the free slab's 4, and a's hold
     # keeps 2 slabs (8 of b's blocks) back from it.
-    assert a.kv_load(5.1) == ModelKVLoad(4, free_blocks=2, held_back_blocks=4, prompt_blocks_granted=6)
-    assert b.kv_load(5.1) == ModelKVLoad(4, free_blocks=6, held_back_blocks=8, prompt_blocks_granted=2)
+    assert a.kv_load(5.1) == ModelKVLoad(4, free_blocks=2, held_back_blocks=4, prompt_blocks_granted=6,
+                                         granted_prompts=("a1",))  # a2 gave its blocks back
+    assert b.kv_load(5.1) == ModelKVLoad(4, free_blocks=6, held_back_blocks=8, prompt_blocks_granted=2,
+                                         granted_prompts=("b1",))
     with pytest.raises(OutOfBlocksError, match="held back for preempted requests of other models"):
         b.allocate("b2", list(range(12)), owner="pb", now_s=5.1)  # 3 blocks: would open a new slab
     b.allocate("b3", list(range(8)), owner="pb", now_s=5.2)  # fits in b's own slab: no slab taken
@@ -314,3 +316,48 @@ def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_need
         ledger.reclaim(model)
     pool.check()
     assert pool.num_free_slabs == 12
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "readmit", "release", "reclaim", "wait"]),
+                              st.integers(1, 12), st.floats(0.0, 20.0)), max_size=60),
+       kept=st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_the_report_names_the_new_prompts_given_blocks_lately_that_still_hold_them(
+        ops: list[tuple[str, int, float]], kept: int) -> None:
+    """``kv_load().granted_prompts`` (the router leaves those prompts out of the ones still
+    waiting for blocks) is, on random histories, every new prompt (not a readmission) granted
+    within PROMPT_GRANT_KEEP_S that holds its blocks still, the most recent first, at most
+    PROMPT_GRANTS_KEPT of them; refused prompts are never named."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gpu_agent.blocks.PROMPT_GRANTS_KEPT", kept)
+        _check_grant_history(ops, kept)
+
+
+def _check_grant_history(ops: list[tuple[str, int, float]], kept: int) -> None:
+    ledger = BlockLedger(BlockAllocator(num_blocks=16, block_size=4))
+    now, ids = 0.0, iter(range(10**6))
+    grants: list[tuple[str, float]] = []  # the model: (id, granted at), oldest first
+    owners: dict[str, str] = {}
+    for op, n, dt in ops:
+        if op in ("new", "readmit"):
+            rid = f"r{next(ids)}"
+            owner = f"svc{n % 2}"
+            try:
+                ledger.allocate(rid, list(range(n * 3)), owner=owner, readmit=op == "readmit", now_s=now)
+            except OutOfBlocksError:
+                continue
+            owners[rid] = owner
+            if op == "new":
+                grants.append((rid, now))
+        elif op == "release" and owners:
+            rid = sorted(owners)[n % len(owners)]
+            ledger.release(rid)
+            del owners[rid]
+        elif op == "reclaim":
+            for rid in ledger.owned_by(f"svc{n % 2}"):
+                del owners[rid]
+            ledger.reclaim(f"svc{n % 2}")
+        elif op == "wait":
+            now += dt
+        live = [rid for rid, at in grants if rid in owners and at > now - PROMPT_GRANT_KEEP_S]
+        assert ledger.kv_load(now).granted_prompts == tuple(reversed(live[-kept:]))
