@@ -95,19 +95,14 @@ class BlockLedger:
     def kv_load(self, now_s: float | None = None) -> ModelKVLoad:
         """What admission needs of this model's pool, in its blocks: what is free, what new
         prompts must leave to preempted requests (in a slab pool the other models' holds on free
-        slabs too, at this model's blocks per slab), the blocks given to new prompts so far, its own
-        and (a slab pool) every model's in this model's blocks, and the prompts given blocks lately."""
+        slabs too, at this model's blocks per slab), and the blocks given to new prompts so far."""
         now_s = time.monotonic() if now_s is None else now_s
         held = self.held_for_readmission(now_s)
-        pool_granted = self.num_prompt_blocks_granted
         if isinstance(self.allocator, SlabBlockAllocator):
-            per_slab = self.allocator.blocks_per_slab
-            held += sum(peer.slabs_held_back(now_s) for peer in self.peers) * per_slab
-            pool_granted += sum(peer.num_prompt_blocks_granted * per_slab // peer.allocator.blocks_per_slab
-                                for peer in self.peers if isinstance(peer.allocator, SlabBlockAllocator))
+            held += sum(peer.slabs_held_back(now_s) for peer in self.peers) * self.allocator.blocks_per_slab
         return ModelKVLoad(block_size=self.allocator.block_size, free_blocks=self.allocator.num_free_blocks,
                            held_back_blocks=held, prompt_blocks_granted=self.num_prompt_blocks_granted,
-                           granted_prompts=self.recent_prompt_grants(now_s), pool_prompt_blocks_granted=pool_granted)
+                           granted_prompts=self.recent_prompt_grants(now_s))
 
     def recent_prompt_grants(self, now_s: float | None = None) -> tuple[str, ...]:
         """The new prompts given blocks in the last PROMPT_GRANT_KEEP_S that still hold them, the

@@ -45,12 +45,11 @@ The KV side: a prompt also waits for KV blocks when the pool is full, however sh
 prefill queue, behind the prompts admitted before it and the preempted requests refused blocks
 (they go first). The agent's load report names, for each model of the cell in its own blocks
 (``LoadReport.kv_by_model``), the free blocks, those held back and how many blocks it has given
-new prompts (its own and, in a slab pool, every model's), and which prompts it gave blocks lately
-(not counted again among the prompts ahead that still need blocks); ``PromptBlockRate`` turns
-the pool's count into a rate over the last 10 s, and a prompt whose predicted wait for blocks
-(``tandem.policy.admission.kv_wait_s``) plus its own prefill passes its deadline is refused
-(``REASON_KV``). On a full 96-block pool this cut the admitted requests that missed a 2 s TTFT
-from 21 of 58 to 6 of 51.
+new prompts, and which prompts it gave blocks lately (not counted again among the prompts
+ahead that still need blocks); ``PromptBlockRate`` turns that count into a rate over the last
+10 s, and a prompt whose predicted wait for blocks (``tandem.policy.admission.kv_wait_s``) plus
+its own prefill passes its deadline is refused (``REASON_KV``). On a full 96-block pool this cut the
+admitted requests that missed a 2 s TTFT from 21 of 58 to 6 of 51.
 
 One exception to the rule (in ``admit_one``): a request too long to meet the TTFT SLO even on its
 own is admitted when nothing is queued ahead of it, since serving it late then delays nobody.
@@ -311,10 +310,7 @@ class AdmissionController:
         kv = self._model_kv(report)
         self._granted = frozenset(kv.granted_prompts) if kv is not None else frozenset()
         if report is not None and kv is not None:
-            # The whole pool's grants (a slab pool's other models' too): a model with few prompts
-            # lately was given few blocks however fast they come free (an older agent: its own).
-            self._prompt_blocks.add(report.updated_unix_ns / 1e9,
-                                    kv.pool_prompt_blocks_granted or kv.prompt_blocks_granted)
+            self._prompt_blocks.add(report.updated_unix_ns / 1e9, kv.prompt_blocks_granted)
 
     def _model_kv(self, report: LoadReport | None) -> ModelKVLoad | None:
         """This router's model's KV figures in the agent's report: with ``model`` named (a

@@ -321,10 +321,7 @@ class ModelKVLoad:
     every free slab's), ``held_back_blocks`` that preempted requests refused blocks wait for (they
     go ahead of new prompts; with a slab pool, the other models' holds on free slabs as well),
     and ``prompt_blocks_granted``, the blocks given to its new prompts since the agent started
-    (its rate is how fast prompts get blocks when the pool is full); ``pool_prompt_blocks_granted``,
-    the same count over every model sharing this model's pool (a slab pool), in this model's
-    blocks: a model that has had few prompts lately has given them few blocks, however fast the
-    pool frees them (0: an agent that predates it). ``granted_prompts``: the
+    (its rate is how fast prompts get blocks when the pool is full). ``granted_prompts``: the
     ids of the new prompts given blocks lately that still hold them (the most recent first),
     whose blocks ``free_blocks`` already leaves out: a router counts them no more among the
     prompts ahead that still need blocks."""
@@ -334,12 +331,10 @@ class ModelKVLoad:
     held_back_blocks: int = 0
     prompt_blocks_granted: int = 0
     granted_prompts: tuple[str, ...] = ()
-    pool_prompt_blocks_granted: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "granted_prompts", tuple(self.granted_prompts))  # a list from JSON
-        for name in ("block_size", "free_blocks", "held_back_blocks", "prompt_blocks_granted",
-                     "pool_prompt_blocks_granted"):
+        for name in ("block_size", "free_blocks", "held_back_blocks", "prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelKVLoad.{name} must be >= 0, got {getattr(self, name)}")
 

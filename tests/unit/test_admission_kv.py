@@ -221,30 +221,3 @@ def test_the_wait_counts_the_blocks_of_the_prompts_ahead_still_without_blocks(
     deficit = blocks(need) + held - free + sum(blocks(r.prompt_tokens) for r, g in zip(ahead, granted) if not g)
     expected = max(0.0, deficit / 4)
     assert c.kv_wait_s(QueuedRequest("x", 10.0, need), ahead) == pytest.approx(expected)
-
-
-def test_a_model_with_few_prompts_lately_waits_at_the_rate_its_slab_pool_gives_every_model() -> None:
-    """Two models on one slab pool, the mix shifting to model b: b's prompts got no blocks over
-    the last 5 s (it had none), while the pool gave a's prompts 8 blocks a second (4 of b's). A
-    new prompt of b short of 6 blocks waits 6 / 4 = 1.5 s at the pool's rate and is admitted;
-    b's own count alone (an agent that predates the pool's) says the pool gives nothing and
-    refuses it."""
-    def report(t: float, pool: bool) -> LoadReport:
-        return dataclasses.replace(agent_report(t, free=0, granted=0, models=2), kv_by_model={
-            "a": ModelKVLoad(16, free_blocks=0, prompt_blocks_granted=int(8 * t),
-                             pool_prompt_blocks_granted=int(8 * t) + 30 if pool else 0),
-            "b": ModelKVLoad(32, free_blocks=4, prompt_blocks_granted=60,
-                             pool_prompt_blocks_granted=60 + int(4 * t) if pool else 0)})
-
-    for pool in (True, False):
-        c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, margin=0.0, cold_margin=0.0,
-                                stream_cap=False, model="b")
-        for t in range(6):
-            c.set_agent_load(report(t, pool))
-        # 300 tokens: 10 blocks of 32; 4 free: 6 short.
-        if pool:
-            assert c.kv_wait_s(QueuedRequest("x", 10.0, 300), []) == pytest.approx(1.5)
-            assert c.try_admit("r", 300, now_s=10.0) is None
-        else:
-            refusal = c.try_admit("r", 300, now_s=10.0)
-            assert refusal is not None and refusal.reason == REASON_KV

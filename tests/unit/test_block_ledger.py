@@ -257,11 +257,10 @@ def test_in_a_slab_pool_new_prompts_of_one_model_leave_the_slabs_another_models_
     # Admission's figures, in each model's blocks: a has 1 free slab (2 blocks) and holds 4 back
     # for its readmission; b has 2 free blocks in its slab and the free slab's 4, and a's hold
     # keeps 2 slabs (8 of b's blocks) back from it.
-    # The pool's grants to new prompts in each model's blocks: a's 6 and b's 2 (half a slab: 1 of a's).
     assert a.kv_load(5.1) == ModelKVLoad(4, free_blocks=2, held_back_blocks=4, prompt_blocks_granted=6,
-                                         granted_prompts=("a1",), pool_prompt_blocks_granted=7)  # a2 gave its back
+                                         granted_prompts=("a1",))  # a2 gave its blocks back
     assert b.kv_load(5.1) == ModelKVLoad(4, free_blocks=6, held_back_blocks=8, prompt_blocks_granted=2,
-                                         granted_prompts=("b1",), pool_prompt_blocks_granted=14)
+                                         granted_prompts=("b1",))
     with pytest.raises(OutOfBlocksError, match="held back for preempted requests of other models"):
         b.allocate("b2", list(range(12)), owner="pb", now_s=5.1)  # 3 blocks: would open a new slab
     b.allocate("b3", list(range(8)), owner="pb", now_s=5.2)  # fits in b's own slab: no slab taken
@@ -288,14 +287,11 @@ def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_need
     """Random histories of two models on one slab pool: whenever a new prompt of one model is
     granted a fresh slab, the free slabs left still cover every standing hold of the other; a new
     prompt that the model's admission figures (``kv_load``: free blocks less those held back,
-    the other model's holds included) say fits is granted; both models count the pool's grants
-    to new prompts alike (in slabs, within a block's rounding) and never backwards; every block
-    and slab comes back."""
+    the other model's holds included) say fits is granted; every block and slab comes back."""
     pool = KVSlabPool(48, {"a": 2, "b": 1}, slab_multiple=2)  # 12 slabs: 2 blocks of a or 4 of b each
     ledgers = {"a": BlockLedger(pool.view("a", 4)), "b": BlockLedger(pool.view("b", 4))}
     ledgers["a"].peers, ledgers["b"].peers = [ledgers["b"]], [ledgers["a"]]
     now, held, ids = 0.0, {"a": [], "b": []}, iter(range(10**6))  # type: dict[str, list[str]]
-    granted_before = {"a": 0, "b": 0}
     for op, model, n, dt in ops:
         ledger, other = ledgers[model], ledgers["b" if model == "a" else "a"]
         if op in ("new", "readmit"):
@@ -316,11 +312,6 @@ def test_a_new_prompt_in_a_slab_pool_never_takes_a_slab_another_models_hold_need
             ledger.release(held[model].pop(n % len(held[model])))
         elif op == "wait":
             now += dt
-        granted = {m: ledgers[m].kv_load(now).pool_prompt_blocks_granted for m in ledgers}
-        assert granted["a"] >= granted_before["a"] and granted["b"] >= granted_before["b"]
-        own = {m: ledgers[m].num_prompt_blocks_granted for m in ledgers}
-        assert granted["a"] == own["a"] + own["b"] * 2 // 4 and abs(granted["a"] / 2 - granted["b"] / 4) <= 1
-        granted_before = granted
     for model, ledger in ledgers.items():
         ledger.reclaim(model)
     pool.check()
