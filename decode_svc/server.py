@@ -207,7 +207,7 @@ class DecodeWorker:
         self._readmit_after_ns = 0  # perf_counter: no Allocate for the preempted before then
         self._notice_timer: asyncio.TimerHandle | None = None  # names every held request periodically
         self._step_began: float | None = None  # loop time the step in flight began (STEP_NOTICE_MAX_S)
-        self._stepping: set[int] = set()  # ids of that step's requests
+        self._stepping: Sequence[_Active] = ()  # that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
@@ -668,7 +668,7 @@ class DecodeWorker:
         it carries are named no more, for the stall timeout to fail."""
         loop = asyncio.get_running_loop()
         hung = self._step_began is not None and loop.time() - self._step_began > STEP_NOTICE_MAX_S
-        stepping = self._stepping if hung else set()
+        stepping = {id(a) for a in self._stepping} if hung else set()
         self._send_notices([a for a in [*self.preempted, *self.running, *self.pending] if id(a) not in stepping])
         self._notice_timer = loop.call_later(self._hold_notice_s(), self._notice_periodically)
 
@@ -1016,11 +1016,11 @@ class DecodeWorker:
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
         gap_ns = start - self._last_step_end_ns if self._last_step_end_ns else 0
-        self._step_began, self._stepping = asyncio.get_running_loop().time(), {id(a) for a in batch}
+        self._step_began, self._stepping = asyncio.get_running_loop().time(), batch
         try:
             outputs = await member.run(work)
         finally:
-            self._step_began = None
+            self._step_began, self._stepping = None, ()
         self._last_step_end_ns = time.perf_counter_ns()
         self.last_step_ns = self._last_step_end_ns - start
         self.last_step_compute_ns = compute_ns

@@ -339,6 +339,9 @@ class ModelKVLoad:
                 raise ValueError(f"ModelKVLoad.{name} must be >= 0, got {getattr(self, name)}")
 
 
+_MODEL_KV_FIELDS = frozenset(f.name for f in fields(ModelKVLoad))
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One service's live load, published every scheduling tick and read by every scheduler.
@@ -410,9 +413,9 @@ class LoadReport:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         # Read back from JSON, each model's figures are a plain object (keys a newer agent adds
         # are left out, as from_json_fields does at the top level).
-        known = {f.name for f in fields(ModelKVLoad)}
         object.__setattr__(self, "kv_by_model", {
-            name: kv if isinstance(kv, ModelKVLoad) else ModelKVLoad(**{k: v for k, v in kv.items() if k in known})
+            name: kv if isinstance(kv, ModelKVLoad) else ModelKVLoad(**{k: v for k, v in kv.items()
+                                                                        if k in _MODEL_KV_FIELDS})
             for name, kv in self.kv_by_model.items()})
         for name, used in self.kv_used_by_model.items():
             if not 0.0 <= used <= 1.0:

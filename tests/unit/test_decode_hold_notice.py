@@ -50,7 +50,7 @@ def _worker(preempted: list[_Active], running: list[_Active], pending: list[_Act
     worker.routers = {}
     worker.num_steps = 5
     worker._router_stall_s = {}
-    worker._step_began, worker._stepping = None, set()
+    worker._step_began, worker._stepping = None, ()
     return worker
 
 
@@ -61,7 +61,7 @@ def _notices(worker: DecodeWorker, seconds: float, step_age_s: float | None = No
     async def run() -> None:
         loop = asyncio.get_running_loop()
         if step_age_s is not None:
-            worker._step_began, worker._stepping = loop.time() - step_age_s, {id(a) for a in stepping}
+            worker._step_began, worker._stepping = loop.time() - step_age_s, list(stepping)
         worker._notice_timer = loop.call_later(worker._hold_notice_s(), worker._notice_periodically)
         try:
             await asyncio.sleep(seconds)
