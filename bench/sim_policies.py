@@ -18,6 +18,12 @@ Writes docs/results/sim-policies.json and docs/results/sim-<device>-<workload>.p
 Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-tbt-ms 50] [--tag=-x]
                                     [--seeds 0,1,2] [--policies chunked,dynamic,'dynamic[kv_reserve=0]']
                                     [--workloads azure-code,sharegpt] [--jobs 2] [--out-dir docs/results]
+                                    [--tbt-slo-ms 50] [--rates H100-SXM/azure-code=5,11,17]
+
+`--tbt-slo-ms` replaces the TBT SLO (MuxWise sets 50 ms for Llama-8B, 100 ms for Llama-70B);
+the policies aim at it too. `--rates DEVICE/WORKLOAD=...` replaces one sweep's rates (a stricter
+SLO moves the knee). A variant's fields are separated by commas inside its brackets:
+`'chunked[order=edf],dynamic[rate_check=true,edf_chunks=false]'`.
 
 With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
 "capacity" is the ratio of the best goodput over the rates swept (each policy's knee).
@@ -31,6 +37,7 @@ makes the arrivals bursty.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -42,7 +49,7 @@ from typing import Any
 
 from tandem.bench.metrics import SloSpec, mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
-from tandem.policy.policies import DynamicConfig, DynamicPolicy, Policy, get_policy
+from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy, Policy, get_policy
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
 
@@ -71,25 +78,44 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 
 
 def policy_variant(name: str) -> Policy:
-    """A policy by name, or ``dynamic[key=value,...]``: dynamic with those DynamicConfig fields
-    (numbers and booleans), e.g. ``dynamic[kv_reserve=0.3]``."""
+    """A policy by name, or ``dynamic[key=value,...]`` / ``chunked[key=value,...]``: that policy
+    with those DynamicConfig / ChunkedConfig fields (numbers, booleans, words), e.g.
+    ``dynamic[kv_reserve=0.3]``, ``chunked[order=edf]``."""
     if "[" not in name:
         return get_policy(name)
     base, _, fields = name.partition("[")
-    if base != "dynamic" or not fields.endswith("]"):
-        raise SystemExit(f"bad policy variant {name!r}: use dynamic[key=value,...]")
+    if base not in ("dynamic", "chunked") or not fields.endswith("]"):
+        raise SystemExit(f"bad policy variant {name!r}: use dynamic[key=value,...] or chunked[key=value,...]")
     config: dict[str, Any] = {}
     for item in filter(None, fields[:-1].split(",")):
         key, _, value = item.partition("=")
         if value in ("true", "false"):
             config[key] = value == "true"
         else:
-            config[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+            try:
+                config[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+            except ValueError:
+                config[key] = value
+    if base == "chunked":
+        return ChunkedPolicy(ChunkedConfig(**config))
     return DynamicPolicy(DynamicConfig(**config))
+
+
+def split_policies(text: str) -> list[str]:
+    """``--policies``: names separated by commas outside brackets (``dynamic[a=1,b=2]`` is one)."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    names.append(text[start:])
+    return [n for n in names if n]
 
 
 def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
     hardware, workload, rate, policy, opts = job
+    slo = dataclasses.replace(SLO, tbt_s=opts["tbt_slo_ms"] / 1e3)
     drop_late = policy.endswith("+drop")
     shape = load_shape(MODEL)
     predictor, spec = build_predictor(hardware, shape, contention=opts["contention"])
@@ -100,7 +126,7 @@ def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any
     start = time.process_time()
     policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
     result = simulate(requests, policy=policy_variant(policy.removesuffix("+drop")), predictor=predictor,
-                      cell_config=cell, slo=SLO, admission=False, rate_rps=rate, policy_tbt_s=policy_tbt_s,
+                      cell_config=cell, slo=slo, admission=False, rate_rps=rate, policy_tbt_s=policy_tbt_s,
                       drop_late=drop_late)
     s = result.summary
     return {
@@ -129,15 +155,28 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the output names, e.g. -contention1.2")
     parser.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     parser.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
+    parser.add_argument("--tbt-slo-ms", type=float, default=SLO.tbt_s * 1e3,
+                        help="the TBT SLO (p99 of each request's gaps); MuxWise's for Llama-8B is 50")
+    parser.add_argument("--rates", action="append", default=[], metavar="DEVICE/WORKLOAD=R1,R2,...",
+                        help="the rates swept for one device and workload instead of the built-in ones")
     args = parser.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
-    policies = tuple(args.policies.split(","))
-    if policies[0].removesuffix("+drop") != "chunked":
+    policies = tuple(split_policies(args.policies))
+    for policy in policies:  # a bad name fails here, not in a pool worker (whose exit hangs the pool)
+        policy_variant(policy.removesuffix("+drop"))
+    if not policies[0].removesuffix("+drop").startswith("chunked"):
         raise SystemExit("--policies must start with chunked or chunked+drop (the baseline)")
-    rates_run = {key: r for key, r in RATES.items() if key[1] in args.workloads.split(",")}
+    sweep = dict(RATES)
+    for item in args.rates:
+        key, _, values = item.partition("=")
+        hw, _, wl = key.partition("/")
+        if (hw, wl) not in RATES or not values:
+            raise SystemExit(f"bad --rates {item!r}: use e.g. H100-SXM/azure-code=5,8,11")
+        sweep[hw, wl] = tuple(float(v) for v in values.split(","))
+    rates_run = {key: r for key, r in sweep.items() if key[1] in args.workloads.split(",")}
     base_opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
                  "max_requests": args.max_requests, "policy_tbt_ms": args.policy_tbt_ms,
-                 "arrival": args.arrival, "cv": args.cv}
+                 "arrival": args.arrival, "cv": args.cv, "tbt_slo_ms": args.tbt_slo_ms}
     jobs = [(hw, wl, float(rate), policy, {**base_opts, "seed": seed}) for (hw, wl), rates in rates_run.items()
             for rate in rates for policy in policies for seed in seeds]
     # Longest first so the pool ends together.
@@ -191,7 +230,7 @@ def main() -> None:
     result = {
         "what": ("simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's "
                  "(chunked, with or without early drop) at the same rate"),
-        "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": 100, "tbt_quantile": 0.99},
+        "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": args.tbt_slo_ms, "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
         "arrival": args.arrival, "cv": args.cv,
         "span_s": args.span_s, "seeds": seeds, "cell_fixed_costs": {"reconfig_s": RECONFIG_S},
