@@ -161,21 +161,30 @@ class ChunkedConfig:
     tbt_target: float = 1.0
     floor_within_slo: bool = False
     ttft_deadlines: bool = False
+    order: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1:
             raise ValueError("bad chunked config")
+        if self.order not in ("fcfs", "edf"):
+            raise ValueError(f"order must be fcfs or edf, got {self.order!r}")
 
 
-def _pending_prefill(snapshot: ClusterSnapshot) -> list[tuple[str, int, int]]:
-    """(id, new_tokens, cached_tokens) in service order: in-flight, paused, then FCFS queue."""
-    pending: list[tuple[str, int, int]] = []
+def _pending_prefill(snapshot: ClusterSnapshot, order: str = "fcfs") -> list[tuple[str, int, int]]:
+    """(id, new_tokens, cached_tokens) in service order. ``fcfs``: in-flight, paused, then the
+    queue by arrival. ``edf``: all of them by TTFT deadline, those whose deadline has passed
+    after the others (late anyway; first in line they would make the rest late too), as
+    decode_svc orders its chunks (``_chunk_order``)."""
+    pending: list[tuple[float, str, int, int]] = []
     for rp in (snapshot.running_prefill, snapshot.paused_prefill):
         if rp is not None:
-            pending.append((rp.request_id, rp.new_tokens, rp.cached_tokens))
+            pending.append((rp.deadline_s, rp.request_id, rp.new_tokens, rp.cached_tokens))
     for r in fcfs_order(snapshot.queued):
-        pending.append((r.request_id, r.new_tokens, r.cached_tokens))
-    return pending
+        pending.append((r.deadline(snapshot.slo), r.request_id, r.new_tokens, r.cached_tokens))
+    if order == "edf":
+        now = snapshot.now_s
+        pending.sort(key=lambda p: (p[0] < now, p[0]))
+    return [(rid, new, cached) for _, rid, new, cached in pending]
 
 
 def _chunks(pending: Sequence[tuple[str, int, int]], budget: int) -> list[tuple[str, int, int]]:
@@ -217,11 +226,11 @@ def _prompt_token_cap(snapshot: ClusterSnapshot, pending: Sequence[tuple[str, in
 
 
 def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget_tokens: int,
-                     tbt_target: float = 1.0) -> int:
+                     tbt_target: float = 1.0, order: str = "fcfs") -> int:
     """Most prefill tokens one hybrid step may carry: decode + prefill tokens within
     `max_budget_tokens` and the predicted step within `tbt_target` x TBT (bisection; monotone
-    in tokens)."""
-    pending = _pending_prefill(snapshot)
+    in tokens); the chunks taken in `order` (`_pending_prefill`)."""
+    pending = _pending_prefill(snapshot, order)
     ctx = snapshot.decode_context_lens
     cap = _prompt_token_cap(snapshot, pending, max_budget_tokens)
     if not ctx:
@@ -315,10 +324,11 @@ class ChunkedPolicy:
         self.config = config
 
     def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
-        pending = _pending_prefill(snapshot)
+        pending = _pending_prefill(snapshot, self.config.order)
         if not pending:
             return _aggregated(snapshot, [], "chunked: decode only")
-        budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target)
+        budget = tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens, self.config.tbt_target,
+                                  self.config.order)
         total = sum(n for _, n, _ in pending)
         if self.config.ttft_deadlines and snapshot.decode_context_lens and budget < total:
             cap = _prompt_token_cap(snapshot, pending, self.config.max_budget_tokens)
@@ -330,7 +340,8 @@ class ChunkedPolicy:
         floor = min(self.config.min_chunk_tokens, total)
         reason = f"chunked: {budget} prefill tokens fit TBT"
         if budget < floor and self.config.floor_within_slo and snapshot.decode_context_lens:
-            floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens))
+            floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens,
+                                                order=self.config.order))
             if floor == 0:
                 return _aggregated(snapshot, [], "chunked: no prompt chunk fits the TBT SLO beside the streams; "
                                                  "prompts wait")
@@ -432,7 +443,18 @@ class DynamicConfig:
     phases and drains the decode batch fastest. The reserve is a parameter, chosen from a sweep
     in the simulator (docs/results/sim-policies.md: goodput at 0 to 0.6 of the pool; on A100
     ShareGPT at 25 req/s best-fit decode steps averaged 60-67 ms against chunked's 42 ms, so a
-    split holds blocks 1.4-1.6x longer; Azure code's short outputs never filled half the pool)."""
+    split holds blocks 1.4-1.6x longer; Azure code's short outputs never filled half the pool).
+    `edf_chunks`: when dynamic time-shares, its chunks go by TTFT deadline (ChunkedConfig.order
+    "edf"), as decode_svc takes them live (`_chunk_order`), not first come first served.
+    `rate_check`: split only when the split's prefill is predicted at least as fast as chunked's
+    aggregated steps within TBT (`_split_prefills_slower`; DuetServe's rule: aggregated unless a
+    split does better). Off by default: the live CPU cell's split (layer groups, MuxWise's pause)
+    would seldom run. In the simulator (docs/results/sim-policies.md, five seeds) it raised
+    dynamic's best goodput on Azure code from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 /
+    H100, TBT 100 ms) and from 1.27x / 1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B,
+    where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
+    Chunked with its chunks by deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in
+    this model the gain is the order, not the split."""
 
     layer_group: int | None = None
     max_layer_group: int = 8
@@ -445,6 +467,8 @@ class DynamicConfig:
     kv_aware: bool = True
     kv_reserve: float = 0.5
     whole_hybrid: bool = True
+    rate_check: bool = False
+    edf_chunks: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.tbt_target <= 1:
@@ -492,11 +516,46 @@ def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: i
     return _aggregated(snapshot, pending, f"dynamic: one hybrid step of {t * 1e3:.1f} ms takes all prefill")
 
 
+def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan: _PrefillPlan,
+                           prefill_units: int, decode_units: int, order: str) -> str | None:
+    """Why chunked's aggregated steps would prefill faster than the split, or None.
+
+    Both keep decode within TBT; the policy's aim is the most prefill throughput that does
+    (MuxWise reserves decode its best fit and gives prefill the rest; DuetServe stays aggregated
+    unless a split does better). A split pays decode's own weight read beside prefill's and the
+    contention guard on both sides, so with a strict TBT (MuxWise's 50 ms for Llama-8B) decode's
+    best fit can take most of the units and leave prefill slower than aggregated steps with
+    chunked's TBT-bounded token budget. Compared on the plan's prompt tokens per second against
+    the budget's tokens per hybrid step time. Not when the split's batch has layer groups done
+    (aggregated steps would compute them again)."""
+    for rp in (snapshot.running_prefill, snapshot.paused_prefill):
+        if rp is not None and rp.layers_done:
+            return None
+    split_tokens = sum(new for new, _ in plan.seqs)  # whole prompts: no layer group is done
+    split_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, True)
+    if split_tokens <= 0 or split_s <= 0:
+        return None
+    budget = tbt_token_budget(snapshot, predictor, ChunkedConfig().max_budget_tokens, order=order)
+    if budget <= 0:
+        return None
+    step_s = _hybrid_s(predictor, _chunks(_pending_prefill(snapshot, order), budget), snapshot.decode_context_lens,
+                       snapshot.total_units)
+    split_rate, aggregated_rate = split_tokens / split_s, budget / step_s
+    if aggregated_rate < split_rate:
+        return None
+    return (f"aggregated steps of {budget} prompt tokens prefill {aggregated_rate:.0f} tok/s, the split "
+            f"(decode={decode_units}) {split_rate:.0f} tok/s")
+
+
 class DynamicPolicy:
     """Best-fit decode units, layer-group prefill, bursts and one-level preemption."""
 
     def __init__(self, config: DynamicConfig = DynamicConfig()) -> None:
         self.config = config
+        self._chunked = ChunkedConfig(order="edf" if config.edf_chunks else "fcfs")
+
+    def _time_shared(self, snapshot: ClusterSnapshot, predictor: Predictor, why: str) -> Decision:
+        return _time_shared(snapshot, predictor, why, self._chunked)
 
     def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
         total = snapshot.total_units
@@ -505,7 +564,7 @@ class DynamicPolicy:
         if not snapshot.has_prefill_work:
             return _decode_only(snapshot, "dynamic: no prefill work")
         if ctx and self.config.kv_aware and _kv_short(snapshot, self.config.kv_reserve):
-            return _time_shared(snapshot, predictor, f"dynamic: KV short ({snapshot.kv_free_blocks} of "
+            return self._time_shared(snapshot, predictor, f"dynamic: KV short ({snapshot.kv_free_blocks} of "
                                 f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} waiting)")
         if ctx and self.config.whole_hybrid:
             whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens)
@@ -513,7 +572,7 @@ class DynamicPolicy:
                 return whole
         if total < 2:
             # Nothing to split: share the single unit in time, as chunked does.
-            return _time_shared(snapshot, predictor, "dynamic: one unit")
+            return self._time_shared(snapshot, predictor, "dynamic: one unit")
 
         if not ctx:
             decode_units, why = 0, "no decode"
@@ -532,12 +591,16 @@ class DynamicPolicy:
                 # balanced split here, Bullet's answer for true overload, halved decode's
                 # units and the simulator showed the decode batch then growing without bound
                 # on ShareGPT at half chunked's knee.)
-                return _time_shared(snapshot, predictor, "dynamic: no split meets TBT")
+                return self._time_shared(snapshot, predictor, "dynamic: no split meets TBT")
             decode_units = best
         prefill_units = total - decode_units
 
         plan = self._plan(snapshot, predictor, prefill_units, decode_units)
         t_decode = decode_step_s(predictor, ctx, decode_units, prefill_units)
+        if ctx and self.config.rate_check:
+            slower = _split_prefills_slower(snapshot, predictor, plan, prefill_units, decode_units, self._chunked.order)
+            if slower is not None:
+                return self._time_shared(snapshot, predictor, f"dynamic: {slower}")
 
         if self.config.burst and ctx and self._at_risk(snapshot, predictor, plan, prefill_units, decode_units):
             layer_all = predictor.predict_prefill(plan.seqs, total) / snapshot.num_layers

@@ -114,6 +114,13 @@ def snap(
     )
 
 
+def split_policy(**config: object) -> DynamicPolicy:
+    """Dynamic without the rate check (``DynamicConfig.rate_check``, off by default too): these
+    tests are of its split, which LinearPredictor's numbers would mostly leave for chunked's
+    faster aggregated steps."""
+    return DynamicPolicy(DynamicConfig(rate_check=False, **config))  # type: ignore[arg-type]
+
+
 def decode_t(d: int, total: int = 16, ctx: tuple[int, ...] = DECODE) -> float:
     return decode_step_s(P, ctx, d, total - d)
 
@@ -126,7 +133,7 @@ TARGET_S = SLO.tbt_s * DynamicConfig().tbt_target  # what the best-fit decode st
 
 def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
     s = snap(queue=(q("a", LONG),))
-    d = POLICIES["dynamic"](s, P)
+    d = split_policy()(s, P)
     assert not d.aggregated
     assert d.decode_units + d.prefill_units == 16
     assert decode_t(d.decode_units) <= TARGET_S
@@ -134,7 +141,7 @@ def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
     assert d.decode_units == 5  # 108 ms / 5 * (1 + 0.2 * 11/16) = 24.6 ms <= 25; on 4: 31.1 ms
     assert d.prefill_batch == ("a",)
     # aimed at the whole SLO instead, the best fit is smaller
-    whole = DynamicPolicy(DynamicConfig(tbt_target=1.0))(s, P)
+    whole = split_policy(tbt_target=1.0)(s, P)
     assert whole.decode_units == 3  # 41.9 ms <= 50; on 2: 63.5 ms
     with pytest.raises(ValueError):
         DynamicConfig(tbt_target=0.0)
@@ -143,7 +150,7 @@ def test_dynamic_decode_share_is_the_minimum_meeting_tbt() -> None:
 @pytest.mark.parametrize("num_seqs", [1, 4, 8, 16, 32])
 def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
     ctx = (2000,) * num_seqs
-    d = DynamicPolicy()(snap(queue=(q("a", LONG),), decode=ctx), P)
+    d = split_policy()(snap(queue=(q("a", LONG),), decode=ctx), P)
     if d.aggregated:  # not even 15 of 16 units meet the SLO: time-share as chunked does
         assert decode_t(15, ctx=ctx) > SLO.tbt_s and "no split meets TBT" in d.reason
         return
@@ -159,15 +166,15 @@ def test_dynamic_best_fit_across_loads(num_seqs: int) -> None:
 
 def test_dynamic_contention_guard_costs_units() -> None:
     s = snap(queue=(q("a", LONG),))
-    plain = DynamicPolicy()(s, LinearPredictor(contention_gamma=0.0))
-    guarded = DynamicPolicy()(s, LinearPredictor(contention_gamma=1.0))
+    plain = split_policy()(s, LinearPredictor(contention_gamma=0.0))
+    guarded = split_policy()(s, LinearPredictor(contention_gamma=1.0))
     assert guarded.decode_units > plain.decode_units
 
 
 def test_dynamic_overloaded_time_shares_as_chunked() -> None:
     huge = (100_000,) * 64  # no split can hold TBT
     s = snap(queue=(q("a", 512),), decode=huge)
-    d = DynamicPolicy()(s, P)
+    d = split_policy()(s, P)
     assert decode_t(15, ctx=huge) > SLO.tbt_s
     assert d.aggregated and d.prefill_batch == ("a",) and d.decode_units == 16
     chunked = ChunkedPolicy()(s, P)
@@ -181,24 +188,24 @@ def test_dynamic_spends_the_target_headroom_before_giving_up_the_split() -> None
     ctx = (1000,) * 48
     s = snap(queue=(q("a", 512),), decode=ctx)
     assert decode_t(15, ctx=ctx) > TARGET_S and decode_t(15, ctx=ctx) <= SLO.tbt_s
-    d = DynamicPolicy()(s, P)
+    d = split_policy()(s, P)
     assert not d.aggregated and "at the SLO" in d.reason
     assert decode_t(d.decode_units, ctx=ctx) <= SLO.tbt_s < decode_t(d.decode_units - 1, ctx=ctx)
 
 
 def test_dynamic_without_prefill_gives_decode_everything() -> None:
-    d = DynamicPolicy()(snap(), P)
+    d = split_policy()(snap(), P)
     assert (d.prefill_units, d.decode_units, d.prefill_batch) == (0, 16, ())
 
 
 def test_dynamic_without_decode_gives_prefill_everything() -> None:
-    d = DynamicPolicy()(snap(queue=(q("a", 512),), decode=()), P)
+    d = split_policy()(snap(queue=(q("a", 512),), decode=()), P)
     assert (d.prefill_units, d.decode_units) == (16, 0)
 
 
 def test_dynamic_layer_group_ends_before_the_next_decode_step() -> None:
     s = snap(queue=(q("a", 4096),))
-    d = DynamicPolicy(DynamicConfig(max_layer_group=32))(s, P)
+    d = split_policy(max_layer_group=32)(s, P)
     layer_s = prefill_s(P, [(4096, 0)], d.prefill_units, d.decode_units, True) / 32
     t_dec = decode_t(d.decode_units)
     assert d.prefill_layers >= 1
@@ -209,7 +216,7 @@ def test_dynamic_layer_group_ends_before_the_next_decode_step() -> None:
 
 def test_dynamic_fixed_layer_group_and_lookahead() -> None:
     s = snap(queue=(q("a", 4096),))
-    d = DynamicPolicy(DynamicConfig(layer_group=8))(s, P)
+    d = split_policy(layer_group=8)(s, P)
     assert d.prefill_layers == 8
     layer_s = prefill_s(P, [(4096, 0)], d.prefill_units, d.decode_units, True) / 32
     assert d.decode_lookahead == max(1, int(8 * layer_s / decode_t(d.decode_units)))
@@ -217,20 +224,20 @@ def test_dynamic_fixed_layer_group_and_lookahead() -> None:
 
 def test_dynamic_continues_running_prefill_with_remaining_layers() -> None:
     r = rp("long", 2048, deadline_s=NOW + 10, layers_done=30)
-    d = DynamicPolicy()(snap(running=r), P)
+    d = split_policy()(snap(running=r), P)
     assert d.prefill_batch == ("long",) and d.prefill_layers <= 2 and d.preempt is None
 
 
 # The scenarios below (EDF batches, bursts, preemption) are crafted on the 13/3 split that a
 # decode share sized to the whole TBT SLO gives; the default aims at half of it (see above).
-WHOLE = DynamicConfig(tbt_target=1.0)
+WHOLE = DynamicConfig(tbt_target=1.0, rate_check=False)
 
 
 def test_dynamic_edf_batch_keeps_the_earliest_deadline() -> None:
     # FineServe: grow the batch in EDF order while the anchor's deadline still holds.
     anchor = q("anchor", 1000, deadline_s=NOW + 0.09)
     rest = (q("b", 1000, deadline_s=NOW + 0.5), q("c", 1000, deadline_s=NOW + 0.6), q("d", 1000, deadline_s=NOW + 0.7))
-    d = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(snap(queue=(rest[2], anchor, rest[0], rest[1])), P)
+    d = split_policy(burst=False, tbt_target=1.0)(snap(queue=(rest[2], anchor, rest[0], rest[1])), P)
     assert d.prefill_batch[0] == "anchor"
     n = len(d.prefill_batch)
     t = prefill_s(P, [(1000, 0)] * n, d.prefill_units, d.decode_units, True)
@@ -242,7 +249,7 @@ def test_dynamic_edf_batch_keeps_the_earliest_deadline() -> None:
 def test_burst_moves_every_unit_to_prefill_within_slack() -> None:
     # 4096 tokens on 13 units take ~165 ms; the deadline is 60 ms away: at risk.
     s = snap(queue=(q("hot", 4096, deadline_s=NOW + 0.06),))
-    base = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(s, P)
+    base = split_policy(burst=False, tbt_target=1.0)(s, P)
     burst = DynamicPolicy(WHOLE)(s, P)
     assert burst.prefill_units == 16 and burst.decode_units == 0
     assert burst.prefill_units > base.prefill_units
@@ -269,7 +276,7 @@ def test_burst_counts_requests_waiting_behind_the_batch() -> None:
     # The running prefill is safe, but the queue behind it is not.
     r = rp("safe", 2048, deadline_s=NOW + 5)
     s = snap(running=r, queue=(q("late", 4096, deadline_s=NOW + 0.2),))
-    d = DynamicPolicy(DynamicConfig(preemption=False, tbt_target=1.0))(s, P)
+    d = split_policy(preemption=False, tbt_target=1.0)(s, P)
     assert d.prefill_batch == ("safe",) and d.prefill_units == 16 and d.decode_units == 0
 
 
@@ -287,7 +294,7 @@ def test_short_request_preempts_long_prefill_that_still_meets_ttft() -> None:
     t_short, t_left = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + t_left + t_short + 0.01, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)  # misses if it waits
-    d = DynamicPolicy(DynamicConfig(burst=False, tbt_target=1.0))(snap(running=long, queue=(short,)), P)
+    d = split_policy(burst=False, tbt_target=1.0)(snap(running=long, queue=(short,)), P)
     assert d.preempt == "long"
     assert d.prefill_batch == ("short",)
     assert d.prefill_layers >= 1
@@ -297,7 +304,7 @@ def test_no_preemption_when_the_long_prefill_would_miss_its_ttft() -> None:
     t_short, t_left = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + t_left + t_short / 2, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)
-    for config in (WHOLE, DynamicConfig(burst=False, tbt_target=1.0)):
+    for config in (WHOLE, DynamicConfig(burst=False, tbt_target=1.0, rate_check=False)):
         d = DynamicPolicy(config)(snap(running=long, queue=(short,)), P)
         assert d.preempt is None
         assert d.prefill_batch == ("long",)
@@ -339,11 +346,123 @@ def test_preemption_can_be_switched_off() -> None:
     t_short, _ = _preemption_times(20_000, 500, 2)
     long = rp("long", 20_000, deadline_s=NOW + 10, layers_done=2)
     short = q("short", 500, deadline_s=NOW + t_short + 0.01)
-    d = DynamicPolicy(DynamicConfig(preemption=False, tbt_target=1.0))(snap(running=long, queue=(short,)), P)
+    d = split_policy(preemption=False, tbt_target=1.0)(snap(running=long, queue=(short,)), P)
     assert d.preempt is None
 
 
 # --------------------------------------------------------------------------- adaptive
+
+
+@dataclass(frozen=True)
+class SlowHybridPredictor(LinearPredictor):
+    """LinearPredictor whose hybrid steps pay a fixed extra cost (unit-microseconds a step)."""
+
+    hybrid_extra_us: float = 0.0
+
+    def predict_hybrid(
+        self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
+    ) -> float:
+        return super().predict_hybrid(prefill_seqs, decode_context_lens, units) + self.hybrid_extra_us / units / 1e6
+
+
+def _rates(s: ClusterSnapshot, predictor: LinearPredictor, split: Decision) -> tuple[float, float]:
+    """(aggregated, split) prompt tokens per second for a snapshot whose only prompt is queued
+    whole: chunked's budget (the most tokens, up to the prompt, whose hybrid step fits TBT) over
+    its hybrid step, the prompt over the split's prefill."""
+    (only,) = s.queued
+    cap = min(only.prompt_tokens, ChunkedConfig().max_budget_tokens - len(s.decode_context_lens))
+    budget = 0
+    while budget < cap and predictor.predict_hybrid([(budget + 1, 0)], s.decode_context_lens,
+                                                    s.total_units) <= s.slo.tbt_s:
+        budget += 1
+    aggregated = budget / predictor.predict_hybrid([(budget, 0)], s.decode_context_lens, s.total_units)
+    t_split = prefill_s(predictor, [(only.prompt_tokens, 0)], split.prefill_units, split.decode_units, True)
+    return aggregated, only.prompt_tokens / t_split
+
+
+RATE_CHECK = DynamicPolicy(DynamicConfig(rate_check=True))
+
+
+def test_dynamic_takes_chunked_steps_when_they_prefill_faster_than_its_split() -> None:
+    # LinearPredictor: a 1384-token hybrid step fits the 50 ms TBT (27.7k tok/s); decode's best
+    # fit (5 units at 25 ms) leaves prefill 11 units and the guard (20.7k tok/s).
+    s = snap(queue=(q("a", LONG),))
+    split = split_policy()(s, P)
+    assert not split.aggregated
+    aggregated_rate, split_rate = _rates(s, P, split)
+    assert aggregated_rate > split_rate
+    d = RATE_CHECK(s, P)
+    assert d.aggregated and d.prefill_batch == ("a",)
+    assert d.prefill_chunk_tokens == (ChunkedPolicy()(s, P).prefill_chunk_tokens)
+    assert "prefill" in d.reason and "tok/s" in d.reason
+
+
+def test_dynamic_keeps_its_split_when_it_prefills_faster() -> None:
+    # 25 ms more per hybrid step: 576 tokens fit TBT (11.5k tok/s), the split still gives 20.7k.
+    slow = SlowHybridPredictor(hybrid_extra_us=400_000.0)
+    s = snap(queue=(q("a", LONG),))
+    d = RATE_CHECK(s, slow)
+    assert not d.aggregated
+    aggregated_rate, split_rate = _rates(s, slow, d)
+    assert split_rate > aggregated_rate
+    assert d == split_policy()(s, slow)
+    # Off (the default), the split stays whatever chunked's steps would give.
+    assert not DynamicPolicy()(s, P).aggregated
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(64, 8000), extra_us=st.floats(0.0, 700_000.0), num_seqs=st.integers(1, 24),
+       ctx_len=st.integers(16, 4000))
+def test_dynamic_split_only_when_it_prefills_at_least_as_fast(tokens: int, extra_us: float, num_seqs: int,
+                                                               ctx_len: int) -> None:
+    predictor = SlowHybridPredictor(hybrid_extra_us=extra_us)
+    s = snap(queue=(q("a", tokens),), decode=(ctx_len,) * num_seqs, slack_s=SLO.tbt_s)
+    split = split_policy(whole_hybrid=False, burst=False)(s, predictor)
+    d = DynamicPolicy(DynamicConfig(whole_hybrid=False, burst=False, rate_check=True))(s, predictor)
+    if split.aggregated:  # no split meets TBT: both time-share
+        assert d.aggregated
+        return
+    aggregated_rate, split_rate = _rates(s, predictor, split)
+    budget_fits = predictor.predict_hybrid([(1, 0)], s.decode_context_lens, s.total_units) <= SLO.tbt_s
+    if budget_fits and aggregated_rate >= split_rate * (1 + 1e-9):
+        assert d.aggregated, (aggregated_rate, split_rate)
+    elif aggregated_rate < split_rate * (1 - 1e-9) or not budget_fits:
+        assert d == split, (aggregated_rate, split_rate)
+
+
+def test_dynamic_never_leaves_a_split_batch_with_layers_done_for_chunks() -> None:
+    running = rp("a", LONG, deadline_s=NOW + 30, layers_done=8)
+    d = RATE_CHECK(snap(running=running), P)
+    assert not d.aggregated and d.prefill_batch == ("a",)
+    # The same prompt with nothing done yet goes to the faster chunked steps.
+    assert RATE_CHECK(snap(running=replace(running, layers_done=0)), P).aggregated
+
+
+@settings(max_examples=80, deadline=None)
+@given(offsets=st.lists(st.floats(-5.0, 5.0), min_size=1, max_size=12), running=st.floats(-5.0, 5.0) | st.none())
+def test_edf_chunks_go_by_deadline_late_ones_last(offsets: list[float], running: float | None) -> None:
+    queue = tuple(q(f"q{i}", 10 + i, arrival_s=NOW - 1 + i * 0.01, deadline_s=NOW + o) for i, o in enumerate(offsets))
+    flight = None if running is None else rp("r", 50, deadline_s=NOW + running)
+    s = snap(queue=queue, running=flight, decode=())
+    edf = ChunkedPolicy(ChunkedConfig(order="edf"))(s, P)
+    fcfs = ChunkedPolicy()(s, P)
+    assert sorted(edf.prefill_batch) == sorted(fcfs.prefill_batch)  # the same prompts, all of them
+    deadline = {r.request_id: r.deadline(SLO) for r in queue} | ({"r": NOW + running} if running is not None else {})
+    keys = [(deadline[rid] < NOW, deadline[rid]) for rid in edf.prefill_batch]
+    assert keys == sorted(keys)
+    # First come first served: the prompt in flight, then the queue by arrival.
+    assert fcfs.prefill_batch == (("r",) if running is not None else ()) + tuple(r.request_id for r in queue)
+
+
+def test_edf_chunks_give_the_budget_to_the_earliest_deadline() -> None:
+    # A long prompt in flight with a late deadline and a short one due soon: under TBT the
+    # short one's chunk comes first; first come first served gives the budget to the long one.
+    s = snap(queue=(q("short", 100, deadline_s=NOW + 0.3),), running=rp("long", LONG, deadline_s=NOW + 20))
+    edf = ChunkedPolicy(ChunkedConfig(order="edf"))(s, P)
+    assert edf.prefill_batch[0] == "short" and edf.prefill_chunk_tokens[0] == 100
+    assert ChunkedPolicy()(s, P).prefill_batch[0] == "long"
+    with pytest.raises(ValueError):
+        ChunkedConfig(order="lifo")
 
 
 def test_adaptive_stays_aggregated_while_tbt_holds() -> None:
@@ -594,15 +713,15 @@ def kv_snap(*, free: int | None, total: int | None, waiting: int = 0, **kw: obje
 
 def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
     s = kv_snap(free=500, total=1000, waiting=2, queue=(q("a", LONG), q("b", 700, arrival_s=NOW + 1)))
-    d = DynamicPolicy()(s, P)
+    d = split_policy()(s, P)
     chunked = ChunkedPolicy()(s, P)
     assert d.aggregated and d.prefill_batch == chunked.prefill_batch
     assert d.prefill_chunk_tokens == chunked.prefill_chunk_tokens
     assert "KV short (500 of 1000 blocks free, 2 waiting)" in d.reason
     # the same load with blocks to spare splits
-    assert not DynamicPolicy()(replace(s, kv_waiting=0), P).aggregated
+    assert not split_policy()(replace(s, kv_waiting=0), P).aggregated
     # and the rule can be switched off
-    assert not DynamicPolicy(DynamicConfig(kv_aware=False))(s, P).aggregated
+    assert not split_policy(kv_aware=False)(s, P).aggregated
 
 
 @settings(max_examples=60, deadline=None)
@@ -610,10 +729,10 @@ def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
 def test_dynamic_kv_reserve_decides_aggregation(total: int, free_share: float, reserve: float) -> None:
     free = min(total, int(free_share * total))
     s = kv_snap(free=free, total=total, queue=(q("a", LONG),))
-    d = DynamicPolicy(DynamicConfig(kv_reserve=reserve))(s, P)
+    d = split_policy(kv_reserve=reserve)(s, P)
     assert d.aggregated == (free < reserve * total)
     # an unknown pool never aggregates on KV's account
-    assert not DynamicPolicy(DynamicConfig(kv_reserve=reserve))(kv_snap(free=None, total=None, queue=(q("a", LONG),)), P).aggregated
+    assert not split_policy(kv_reserve=reserve)(kv_snap(free=None, total=None, queue=(q("a", LONG),)), P).aggregated
 
 
 def test_snapshot_kv_fields_are_validated() -> None:
@@ -630,17 +749,17 @@ def test_snapshot_kv_fields_are_validated() -> None:
 def test_dynamic_runs_one_hybrid_step_when_it_takes_every_pending_prompt() -> None:
     # 100 + 60 prompt tokens beside 4 short contexts: one step on all 16 units is 4.8 ms.
     s = snap(queue=(q("a", 100), q("b", 60, arrival_s=NOW + 0.01)), decode=(10,) * 4)
-    d = DynamicPolicy()(s, P)
+    d = split_policy()(s, P)
     assert d.aggregated and d.prefill_batch == ("a", "b") and d.prefill_chunk_tokens == (100, 60)
     assert P.predict_hybrid([(100, 0), (60, 0)], (10,) * 4, 16) <= s.slack_s
     assert "takes all prefill" in d.reason
     # a prompt too long for one step within TBT splits; so does a burst's shrunk slack
-    assert not DynamicPolicy()(snap(queue=(q("a", 4000),), decode=(10,) * 4), P).aggregated
-    assert not DynamicPolicy()(replace(s, decode_slack_s=0.001), P).aggregated
-    assert not DynamicPolicy(DynamicConfig(whole_hybrid=False))(s, P).aggregated
+    assert not split_policy()(snap(queue=(q("a", 4000),), decode=(10,) * 4), P).aggregated
+    assert not split_policy()(replace(s, decode_slack_s=0.001), P).aggregated
+    assert not split_policy(whole_hybrid=False)(s, P).aggregated
     # a split batch with layers done is continued, not redone in a hybrid step
     s2 = snap(running=rp("a", 100, deadline_s=NOW + 1, layers_done=3), decode=(10,) * 4)
-    d2 = DynamicPolicy()(s2, P)
+    d2 = split_policy()(s2, P)
     assert not d2.aggregated and d2.prefill_batch == ("a",)
 
 
@@ -650,7 +769,7 @@ def test_dynamic_runs_one_hybrid_step_when_it_takes_every_pending_prompt() -> No
 def test_dynamic_aggregates_exactly_when_one_step_fits(prompts: list[int], num_seqs: int, ctx_len: int) -> None:
     queue = tuple(q(f"r{i}", n, arrival_s=NOW + i * 1e-3) for i, n in enumerate(prompts))
     ctx = (ctx_len,) * num_seqs
-    d = DynamicPolicy(DynamicConfig(kv_aware=False))(snap(queue=queue, decode=ctx), P)
+    d = split_policy(kv_aware=False)(snap(queue=queue, decode=ctx), P)
     fits = (sum(prompts) + num_seqs <= DynamicConfig().max_batch_tokens
             and P.predict_hybrid([(n, 0) for n in prompts], ctx, 16) <= SLO.tbt_s)
     if fits:

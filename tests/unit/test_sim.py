@@ -14,7 +14,7 @@ import pytest
 from tandem.bench.metrics import RequestRecord, SloSpec
 from tandem.bench.workload import RequestSpec
 from tandem.cli import main
-from tandem.policy.policies import DynamicConfig, DynamicPolicy, StaticConfig, get_policy
+from tandem.policy.policies import DynamicConfig, DynamicPolicy, Policy, StaticConfig, get_policy
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor
 from tandem.sim.config import CellConfig, build_predictor, cell_config_for, kv_num_blocks, load_shape
 from tandem.sim.run import simulate, workload_requests
@@ -26,11 +26,16 @@ PREDICTOR, A100 = build_predictor("A100-80G", SHAPE)
 CELL = cell_config_for(A100, SHAPE)
 
 
+# Dynamic without its rate check: the tests of its split (bursts, contention, decode's slack),
+# which the rate check would mostly leave for chunked's aggregated steps on these workloads.
+SPLIT = DynamicPolicy(DynamicConfig(rate_check=False))
+
+
 class Recording:
     """A policy wrapper that keeps every (snapshot, decision) pair."""
 
-    def __init__(self, name: str) -> None:
-        self.policy = get_policy(name)
+    def __init__(self, name: str | Policy) -> None:
+        self.policy = get_policy(name) if isinstance(name, str) else name
         self.calls: list[tuple[ClusterSnapshot, Decision]] = []
 
     def __call__(self, snapshot: ClusterSnapshot, predictor: Predictor) -> Decision:
@@ -39,7 +44,7 @@ class Recording:
         return decision
 
 
-def run_sim(requests: Sequence[RequestSpec], policy: str | Recording, *, cell: CellConfig = CELL,
+def run_sim(requests: Sequence[RequestSpec], policy: str | Policy, *, cell: CellConfig = CELL,
             admission: bool = True, num_cells: int = 1) -> tuple[Simulator, list[RequestRecord]]:
     sim = Simulator(policy=get_policy(policy) if isinstance(policy, str) else policy, predictor=PREDICTOR,
                     cell_config=cell, slo=SLO, num_cells=num_cells, admission=admission)
@@ -132,7 +137,7 @@ def test_a_burst_moves_units_to_prefill_under_dynamic() -> None:
     # Four long decodes, then 40 prompts of 1500 tokens at once.
     decodes = [RequestSpec(f"d{i}", 0.0, 100, 400) for i in range(4)]
     burst = [RequestSpec(f"b{i:02d}", 1.0, 1500, 20) for i in range(40)]
-    rec = Recording("dynamic")
+    rec = Recording(SPLIT)
     run_sim([*decodes, *burst], rec, admission=False)
     total = CELL.total_units
     quiet = [d for s, d in rec.calls if 0.2 < s.now_s < 1.0]
@@ -251,7 +256,7 @@ def test_split_launches_pay_contention_and_reconfiguration_aggregated_steps_do_n
     # Re-masking SMs (Bullet Table 5: 4.1 us) is paid by split launches whose units change,
     # never by chunked's aggregated steps.
     slow = replace(CELL, reconfig_s=0.01)
-    for policy, changes in (("chunked", False), ("dynamic", True)):
+    for policy, changes in (("chunked", False), (SPLIT, True)):
         base = simulate(requests, policy=policy, predictor=PREDICTOR, cell_config=CELL, slo=SLO)
         paid = simulate(requests, policy=policy, predictor=PREDICTOR, cell_config=slow, slo=SLO)
         if changes:
@@ -310,7 +315,7 @@ def test_snapshots_show_the_pool_and_dynamic_aggregates_when_kv_is_short(seed: i
 def test_decode_slack_counts_requests_waiting_for_their_first_decode_step(seed: int) -> None:
     """A request handed to decode has waited since its first token: no snapshot may give decode
     more slack than the oldest such gap leaves (else a burst pauses decode past the SLO for it)."""
-    recording = Recording("dynamic")
+    recording = Recording(SPLIT)
     _, records = run_sim(workload_requests("azure-code", rate_rps=6, num_requests=150, seed=seed), recording,
                          admission=False)
     gaps = sorted((r.token_times_s[0], r.token_times_s[1]) for r in records if len(r.token_times_s) > 1)
@@ -339,7 +344,7 @@ def test_a_burst_waits_for_decodes_step_in_flight(monkeypatch: pytest.MonkeyPatc
         original(cell, now, job, units, layers)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sim_module._Cell, "_launch_layers", launch)
-    sim, records = run_sim(workload_requests("azure-code", rate_rps=6, num_requests=150, seed=1), "dynamic",
+    sim, records = run_sim(workload_requests("azure-code", rate_rps=6, num_requests=150, seed=1), SPLIT,
                            admission=False)
     assert all(r.error is None for r in records)
     assert launches and sim.cells[0].stats.num_bursts == len(launches)
