@@ -379,7 +379,8 @@ def test_early_drop_drops_a_prompt_that_cannot_make_it_alone_and_serves_the_rest
     for policy in ("chunked", "dynamic"):
         sim, records, rejected = _drop_run(requests, policy, True, slo)
         by_id = {r.request_id: r for r in records}
-        assert not by_id["r0"].ok and by_id["r0"].error.startswith("dropped before prefill")
+        error = by_id["r0"].error
+        assert not by_id["r0"].ok and error is not None and error.startswith("dropped before prefill")
         assert by_id["r0"].token_times_s == ()
         assert rejected == [("r0", False, 0)]
         assert all(by_id[f"r{i}"].ok for i in range(1, 6))
@@ -408,7 +409,7 @@ def test_early_drop_only_when_asked_only_unstarted_prompts_late_past_the_margin(
     assert dropped and sum(c.stats.num_dropped for c in sim.cells) == len(dropped) == len(rejected)
     assert all(not started and computed == 0 for _, started, computed in rejected)
     for r in dropped:
-        assert r.error.startswith("dropped before prefill") and r.token_times_s == ()
+        assert r.error is not None and r.error.startswith("dropped before prefill") and r.token_times_s == ()
         late_s = float(r.error.split(" by ")[1].split(" s even")[0])
         assert late_s > DROP_MARGIN * SLO.ttft_s - 0.005  # the message rounds to 10 ms
     for r in records:
