@@ -49,7 +49,7 @@ from typing import Any
 
 from tandem.bench.metrics import SloSpec, mean_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
-from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy, Policy, get_policy
+from tandem.policy.policies import Policy, get_policy
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
 
@@ -79,26 +79,11 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 
 def policy_variant(name: str) -> Policy:
     """A policy by name, or ``dynamic[key=value,...]`` / ``chunked[key=value,...]``: that policy
-    with those DynamicConfig / ChunkedConfig fields (numbers, booleans, words), e.g.
-    ``dynamic[kv_reserve=0.3]``, ``chunked[order=edf]``."""
-    if "[" not in name:
+    with those config fields (``tandem.policy.get_policy``); a bad name exits with its message."""
+    try:
         return get_policy(name)
-    base, _, fields = name.partition("[")
-    if base not in ("dynamic", "chunked") or not fields.endswith("]"):
-        raise SystemExit(f"bad policy variant {name!r}: use dynamic[key=value,...] or chunked[key=value,...]")
-    config: dict[str, Any] = {}
-    for item in filter(None, fields[:-1].split(",")):
-        key, _, value = item.partition("=")
-        if value in ("true", "false"):
-            config[key] = value == "true"
-        else:
-            try:
-                config[key] = int(value) if value.lstrip("-").isdigit() else float(value)
-            except ValueError:
-                config[key] = value
-    if base == "chunked":
-        return ChunkedPolicy(ChunkedConfig(**config))
-    return DynamicPolicy(DynamicConfig(**config))
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"bad policy {name!r}: {exc}") from None
 
 
 def split_policies(text: str) -> list[str]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill
 
@@ -892,9 +893,49 @@ DEFAULT_POLICY = "dynamic"
 CPU_DEFAULT_POLICY = "chunked"
 
 
+# A policy's config, for `name[key=value,...]`.
+_CONFIGS: dict[str, tuple[type, Callable[[Any], Policy]]] = {
+    "chunked": (ChunkedConfig, ChunkedPolicy),
+    "static": (StaticConfig, StaticPolicy),
+    "dynamic": (DynamicConfig, DynamicPolicy),
+    "adaptive": (AdaptiveConfig, AdaptivePolicy),
+}
+
+
+def _config_value(text: str) -> bool | int | float | str:
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def get_policy(name: str) -> Policy:
-    """The registered policy called `name`; KeyError lists the known names."""
+    """The registered policy called `name`, or `name[key=value,...]`: that policy with those
+    fields of its config set (numbers, true / false, words), e.g. ``dynamic[rate_check=true]``,
+    ``chunked[order=edf]``. KeyError names the known policies; ValueError a field the policy's
+    config lacks or a value it refuses."""
+    base, bracket, spec = name.partition("[")
+    if not bracket:
+        try:
+            return POLICIES[name]
+        except KeyError:
+            raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    if base not in _CONFIGS or not spec.endswith("]"):
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, each optionally "
+                       f"with config fields as name[key=value,...]")
+    config_type, make = _CONFIGS[base]
+    known = [f.name for f in fields(config_type)]
+    config: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec[:-1].split(","))):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or key not in known:
+            raise ValueError(f"policy {name!r}: {base}'s config has no field {key!r}; its fields: {', '.join(known)}")
+        config[key] = _config_value(value)
     try:
-        return POLICIES[name]
-    except KeyError:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+        return make(config_type(**config))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"policy {name!r}: {exc}") from None

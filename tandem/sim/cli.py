@@ -41,8 +41,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--model-dir", default=None, help="a model directory whose config.json gives the shape (overrides --model), "
                                         "e.g. ~/.cache/tandem/models/SmolLM2-135M-Instruct")
     p("--tp", type=int, default=None, help="tensor-parallel degree (default: the preset's)")
-    p("--policy", nargs="+", action="extend", default=None, choices=sorted(POLICIES), metavar="P",
-      help=f"policies to compare, repeatable ({', '.join(POLICIES)}; default: all)")
+    p("--policy", nargs="+", action="extend", default=None, metavar="P",
+      help=f"policies to compare, repeatable ({', '.join(POLICIES)}; default: all), each optionally with "
+           "config fields, e.g. 'dynamic[rate_check=true]' 'chunked[order=edf]'")
     p("--workload", choices=NAMES, default="sharegpt", help="request length model")
     p("--trace", default=None, help="CSV/JSONL trace (timestamp_s,input_len,output_len); --rate rescales it")
     p("--rate", type=float, nargs="+", action="extend", default=None, metavar="R",
@@ -89,11 +90,13 @@ def _fmt_ratio(value: float | None) -> str:
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.bench.metrics import SloSpec
     from tandem.bench.report import format_table, plot_cdfs, plot_goodput_vs_rate, write_json
-    from tandem.policy.policies import POLICIES
+    from tandem.policy.policies import POLICIES, get_policy
     from tandem.sim.config import build_predictor, cell_config_for, load_shape
     from tandem.sim.run import simulate, workload_requests
 
     policies = list(dict.fromkeys(args.policy or list(POLICIES)))
+    for name in policies:  # a bad name or field fails before anything runs
+        get_policy(name)
     rates = args.rate or [1.0]
     model_dir = Path(args.model_dir).expanduser() if args.model_dir else None
     shape = load_shape(args.model, tp_degree=args.tp, model_dir=model_dir)

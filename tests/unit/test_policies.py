@@ -454,6 +454,27 @@ def test_edf_chunks_go_by_deadline_late_ones_last(offsets: list[float], running:
     assert fcfs.prefill_batch == (("r",) if running is not None else ()) + tuple(r.request_id for r in queue)
 
 
+def test_get_policy_sets_config_fields() -> None:
+    assert get_policy("dynamic") is POLICIES["dynamic"]
+    d = get_policy("dynamic[rate_check=true, kv_reserve=0.3,layer_group=4]")
+    assert isinstance(d, DynamicPolicy)
+    assert d.config == DynamicConfig(rate_check=True, kv_reserve=0.3, layer_group=4)
+    c = get_policy("chunked[order=edf,max_budget_tokens=512]")
+    assert isinstance(c, ChunkedPolicy) and c.config == ChunkedConfig(order="edf", max_budget_tokens=512)
+    assert isinstance(get_policy("static[]"), StaticPolicy)
+    with pytest.raises(ValueError, match="has no field 'rate_chek'.*rate_check"):
+        get_policy("dynamic[rate_chek=true]")
+    with pytest.raises(ValueError, match="order must be fcfs or edf"):
+        get_policy("chunked[order=lifo]")
+    with pytest.raises(ValueError, match="kv_reserve"):
+        get_policy("dynamic[kv_reserve=1.5]")
+    with pytest.raises(ValueError, match="no field 'order'"):
+        get_policy("dynamic[order]")
+    for bad in ("fifo[order=edf]", "dynamic[rate_check=true", "dynamics"):
+        with pytest.raises(KeyError, match="unknown policy"):
+            get_policy(bad)
+
+
 def test_edf_chunks_give_the_budget_to_the_earliest_deadline() -> None:
     # A long prompt in flight with a late deadline and a short one due soon: under TBT the
     # short one's chunk comes first; first come first served gives the budget to the long one.
