@@ -83,7 +83,7 @@ def policy_variant(name: str) -> Policy:
     try:
         return get_policy(name)
     except (KeyError, ValueError) as exc:
-        raise SystemExit(f"bad policy {name!r}: {exc}") from None
+        raise SystemExit(str(exc.args[0])) from None
 
 
 def split_policies(text: str) -> list[str]:
