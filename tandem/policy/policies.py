@@ -518,8 +518,9 @@ def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: i
 
 
 def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan: _PrefillPlan,
-                           prefill_units: int, decode_units: int, order: str) -> str | None:
-    """Why chunked's aggregated steps would prefill faster than the split, or None.
+                           prefill_units: int, decode_units: int, chunked: ChunkedConfig) -> str | None:
+    """Why the aggregated steps of `chunked` (the fallback's config) would prefill faster than
+    the split, or None.
 
     Both keep decode within TBT; the policy's aim is the most prefill throughput that does
     (MuxWise reserves decode its best fit and gives prefill the rest; DuetServe stays aggregated
@@ -536,11 +537,11 @@ def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan
     split_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, True)
     if split_tokens <= 0 or split_s <= 0:
         return None
-    budget = tbt_token_budget(snapshot, predictor, ChunkedConfig().max_budget_tokens, order=order)
+    budget = tbt_token_budget(snapshot, predictor, chunked.max_budget_tokens, chunked.tbt_target, chunked.order)
     if budget <= 0:
         return None
-    step_s = _hybrid_s(predictor, _chunks(_pending_prefill(snapshot, order), budget), snapshot.decode_context_lens,
-                       snapshot.total_units)
+    step_s = _hybrid_s(predictor, _chunks(_pending_prefill(snapshot, chunked.order), budget),
+                       snapshot.decode_context_lens, snapshot.total_units)
     split_rate, aggregated_rate = split_tokens / split_s, budget / step_s
     if aggregated_rate < split_rate:
         return None
@@ -599,7 +600,7 @@ class DynamicPolicy:
         plan = self._plan(snapshot, predictor, prefill_units, decode_units)
         t_decode = decode_step_s(predictor, ctx, decode_units, prefill_units)
         if ctx and self.config.rate_check:
-            slower = _split_prefills_slower(snapshot, predictor, plan, prefill_units, decode_units, self._chunked.order)
+            slower = _split_prefills_slower(snapshot, predictor, plan, prefill_units, decode_units, self._chunked)
             if slower is not None:
                 return self._time_shared(snapshot, predictor, f"dynamic: {slower}")
 
