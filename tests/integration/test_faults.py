@@ -316,9 +316,10 @@ def test_prefill_killed_while_decode_computes_its_prompts_frees_their_blocks(agg
 def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
     seed = fault_seed()
     rng = random.Random(seed)
-    work = _workload(rng, 16, prompt_len=(600, 1800), max_tokens=(2, 40))
 
-    async def run() -> None:
+    async def kill_once() -> bool:
+        """One workload and one kill; whether the agent took blocks back from the dead prefill."""
+        work = _workload(rng, 16, prompt_len=(600, 1800), max_tokens=(2, 40))
         before = await agent_stats(stack)
         async with _revived(stack, "prefill_svc"):
             async with _run(stack.address("router"), work) as tasks:
@@ -336,8 +337,20 @@ def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
             # them when its lease ended; aggregated: decode dropped the prompts it held).
             await _drained(stack)
             after = await agent_stats(stack)
-            assert after.num_reclaimed_requests > before.num_reclaimed_requests or not split
-        tokens, _ = await generate(stack.address("router"), work[0][0][:50], SamplingParams(max_tokens=3))
+        return after.num_reclaimed_requests > before.num_reclaimed_requests
+
+    async def run() -> None:
+        # The tiny model prefills a prompt in tens of milliseconds: when the prompts reach prefill
+        # slowly (a loaded CI host), the kill may find its queue drained, every prompt so far
+        # handed to decode, and nothing to reclaim (CI, seed 543358307). Then the test kills again:
+        # in split mode the agent must have taken a dead prefill's blocks back within three kills.
+        for _ in range(3 if split else 1):
+            if await kill_once():
+                break
+        else:
+            assert not split, f"seed {seed}: in three kills the agent never reclaimed a dead prefill's blocks"
+        work = _workload(rng, 1, prompt_len=(50, 50), max_tokens=(3, 3))
+        tokens, _ = await generate(stack.address("router"), work[0][0], SamplingParams(max_tokens=3))
         assert len(tokens) == 3
 
     asyncio.run(run())
