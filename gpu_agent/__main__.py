@@ -22,7 +22,7 @@ from gpu_agent.models import Cell
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, cell_stats, policy_ticks
 from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
-from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, get_policy
+from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy, get_policy
 from tandem.policy.types import Slo
 from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
@@ -67,6 +67,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         # from the cell's first model when it serves several).
         model_config = cell.first.config
         chosen = get_policy(config.policy)
+        if config.policy == "dynamic":
+            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check))
         if config.policy == "chunked":
             chosen = ChunkedPolicy(ChunkedConfig(tbt_target=config.chunk_tbt_target,
                                                  floor_within_slo=config.chunk_floor_within_slo,

@@ -78,6 +78,10 @@ class AgentConfig:
         "--ttft-slo-ms-per-1k", 0.0, "the TTFT SLO grows by this per 1000 prompt tokens", type=float))
     profile: str = field(metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
+    split_rate_check: bool = field(metadata=flag(
+        "--split-rate-check", False, "dynamic: split only when the split's prefill is predicted at least as fast "
+        "as chunked's hybrid steps within TBT (DuetServe's rule; the simulator's default). Off on a CPU cell, "
+        "where it would seldom split", type=parse_bool))
     split_calibration: bool = field(metadata=flag(
         "--split-calibration", True, "scale the decode steps predicted beside a busy prefill by those measured "
         "(split decisions)", type=parse_bool))

@@ -449,8 +449,10 @@ class DynamicConfig:
     "edf"), as decode_svc takes them live (`_chunk_order`), not first come first served.
     `rate_check`: split only when the split's prefill is predicted at least as fast as chunked's
     aggregated steps within TBT (`_split_prefills_slower`; DuetServe's rule: aggregated unless a
-    split does better). Off by default: the live CPU cell's split (layer groups, MuxWise's pause)
-    would seldom run. In the simulator (docs/results/sim-policies.md, five seeds) it raised
+    split does better). On by default since 2026-11-29; the live agent sets it from
+    `--split-rate-check`, off on the CPU cell, where the split (layer groups, MuxWise's pause)
+    would seldom run and under bursts it kept TBT where chunked's steps did not
+    (docs/results/live-policies-gamma-cv4-1128.json). In the simulator (docs/results/sim-policies.md, five seeds) it raised
     dynamic's best goodput on Azure code from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 /
     H100, TBT 100 ms) and from 1.27x / 1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B,
     where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
@@ -468,7 +470,7 @@ class DynamicConfig:
     kv_aware: bool = True
     kv_reserve: float = 0.5
     whole_hybrid: bool = True
-    rate_check: bool = False
+    rate_check: bool = True
     edf_chunks: bool = True
 
     def __post_init__(self) -> None:

@@ -13,12 +13,13 @@ import pytest
 
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.perf.predictor import LiveStepPredictor
-from tandem.policy.policies import POLICIES, ChunkedConfig
+from tandem.policy.policies import POLICIES, ChunkedConfig, DynamicConfig, DynamicPolicy
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.05)
+LIVE_DYNAMIC = DynamicPolicy(DynamicConfig(rate_check=False))  # the live agent's, without --split-rate-check
 
 
 def _parts(base: LinearPredictor, chunk: int, ctx: list[int]) -> tuple[float, float]:
@@ -137,7 +138,7 @@ def test_chunked_budgets_follow_the_measured_steps(slowdown: float) -> None:
 
 
 def test_split_decisions_do_not_feed_the_calibration() -> None:
-    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), [0, 1], 32, SLO)
+    loop = PolicyLoop("dynamic", LIVE_DYNAMIC, LinearPredictor(), [0, 1], 32, SLO)
     loop.report(_decode_load([100, 200], 0.0, 0, 0))
     decided = loop.decide()
     assert decided is None or not decided[0].aggregated
@@ -187,7 +188,7 @@ def test_split_steps_calibrate_decode_beside_prefill_and_nothing_else(seed: int)
 
 
 def test_dynamic_gives_decode_more_units_when_its_steps_beside_prefill_run_slow() -> None:
-    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), list(range(16)), 32, SLO)
+    loop = PolicyLoop("dynamic", LIVE_DYNAMIC, LinearPredictor(), list(range(16)), 32, SLO)
     now_ns = time.time_ns()
     contexts = [400] * 12
 
@@ -213,7 +214,7 @@ def test_dynamic_gives_decode_more_units_when_its_steps_beside_prefill_run_slow(
 
 
 def test_split_calibration_off_leaves_the_split_predictions_alone() -> None:
-    loop = PolicyLoop("dynamic", POLICIES["dynamic"], LinearPredictor(), list(range(16)), 32, SLO,
+    loop = PolicyLoop("dynamic", LIVE_DYNAMIC, LinearPredictor(), list(range(16)), 32, SLO,
                       calibrate_split=False)
     now_ns = time.time_ns()
     for i in range(10):

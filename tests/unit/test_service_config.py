@@ -116,3 +116,5 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(ValueError, match="--chunk-tbt-target"):
             parse_agent(["--chunk-tbt-target", bad])
     assert defaults.chunk_floor_within_slo and not parse_agent(["--chunk-floor-within-slo", "false"]).chunk_floor_within_slo
+    monkeypatch.setenv(env_name("--split-rate-check"), "on")
+    assert not defaults.split_rate_check and parse_agent([]).split_rate_check
