@@ -23,7 +23,7 @@ Usage: python bench/sim_policies.py [--span-s 120] [--contention 1.2] [--policy-
 `--tbt-slo-ms` replaces the TBT SLO (MuxWise sets 50 ms for Llama-8B, 100 ms for Llama-70B);
 the policies aim at it too. `--rates DEVICE/WORKLOAD=...` replaces one sweep's rates (a stricter
 SLO moves the knee). A variant's fields are separated by commas inside its brackets:
-`'chunked[order=edf],dynamic[rate_check=true,edf_chunks=false]'`.
+`'chunked[order=edf],dynamic[rate_check=false,edf_chunks=false]'`.
 
 With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
 "capacity" is the ratio of the best goodput over the rates swept (each policy's knee).

@@ -918,7 +918,7 @@ def _config_value(text: str) -> bool | int | float | str:
 
 def get_policy(name: str) -> Policy:
     """The registered policy called `name`, or `name[key=value,...]`: that policy with those
-    fields of its config set (numbers, true / false, words), e.g. ``dynamic[rate_check=true]``,
+    fields of its config set (numbers, true / false, words), e.g. ``dynamic[rate_check=false]``,
     ``chunked[order=edf]``. KeyError names the known policies; ValueError a field the policy's
     config lacks or a value it refuses."""
     base, bracket, spec = name.partition("[")

@@ -43,7 +43,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--tp", type=int, default=None, help="tensor-parallel degree (default: the preset's)")
     p("--policy", nargs="+", action="extend", default=None, metavar="P",
       help=f"policies to compare, repeatable ({', '.join(POLICIES)}; default: all), each optionally with "
-           "config fields, e.g. 'dynamic[rate_check=true]' 'chunked[order=edf]'")
+           "config fields, e.g. 'dynamic[rate_check=false]' 'chunked[order=edf]'")
     p("--workload", choices=NAMES, default="sharegpt", help="request length model")
     p("--trace", default=None, help="CSV/JSONL trace (timestamp_s,input_len,output_len); --rate rescales it")
     p("--rate", type=float, nargs="+", action="extend", default=None, metavar="R",

@@ -456,9 +456,9 @@ def test_edf_chunks_go_by_deadline_late_ones_last(offsets: list[float], running:
 
 def test_get_policy_sets_config_fields() -> None:
     assert get_policy("dynamic") is POLICIES["dynamic"]
-    d = get_policy("dynamic[rate_check=true, kv_reserve=0.3,layer_group=4]")
+    d = get_policy("dynamic[rate_check=false, kv_reserve=0.3,layer_group=4]")
     assert isinstance(d, DynamicPolicy)
-    assert d.config == DynamicConfig(rate_check=True, kv_reserve=0.3, layer_group=4)
+    assert d.config == DynamicConfig(rate_check=False, kv_reserve=0.3, layer_group=4)
     c = get_policy("chunked[order=edf,max_budget_tokens=512]")
     assert isinstance(c, ChunkedPolicy) and c.config == ChunkedConfig(order="edf", max_budget_tokens=512)
     assert isinstance(get_policy("static[]"), StaticPolicy)

@@ -214,12 +214,12 @@ def test_cli_sweeps_policies_on_a_cpu_model_dir(tmp_path: Path, capsys: pytest.C
 def test_cli_takes_policies_with_config_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim.json"
     args = ["sim", "--hardware", "H100-SXM", "--workload", "azure-code", "--rate", "8", "--num-requests", "40"]
-    code = main([*args, "--policy", "chunked", "chunked[order=edf]", "dynamic[rate_check=true, kv_reserve=0.3]",
+    code = main([*args, "--policy", "chunked", "chunked[order=edf]", "dynamic[rate_check=false, kv_reserve=0.3]",
                  "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     assert [r["policy"] for r in result["runs"]] == ["chunked", "chunked[order=edf]",
-                                                     "dynamic[rate_check=true, kv_reserve=0.3]"]
+                                                     "dynamic[rate_check=false, kv_reserve=0.3]"]
     capsys.readouterr()
     # A field the policy's config lacks fails before anything runs, naming the fields it has.
     assert main([*args, "--policy", "chunked", "dynamic[rate_chek=true]", "--out", str(out)]) == 2
