@@ -13,7 +13,7 @@ import pytest
 
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.perf.predictor import LiveStepPredictor
-from tandem.policy.policies import POLICIES, ChunkedConfig, DynamicConfig, DynamicPolicy
+from tandem.policy.policies import POLICIES, ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
@@ -233,7 +233,7 @@ def test_chunked_holds_queued_prompts_only_when_no_chunk_fits_the_slo(num_seqs: 
     that leaves no room even for one prompt token, its partition holds the queued prompts (budget
     0, ``prefill_held``) rather than sending the fixed floor that breaks every stream's TBT."""
     base = LinearPredictor()
-    policy = POLICIES["chunked"].__class__(ChunkedConfig(tbt_target=0.9, floor_within_slo=True))
+    policy = ChunkedPolicy(ChunkedConfig(tbt_target=0.9, floor_within_slo=True))
     loop = PolicyLoop("chunked", policy, base, [0, 1], 32, SLO)
     contexts = [1000] * num_seqs
     loop.report(_decode_load(contexts, 0.0, 0, 0))
