@@ -30,6 +30,10 @@ HANDOFF_MS = 7.0
 STEP_OVERHEAD_MS = 3.0
 GOAL = 0.25
 
+# The live agent's configs where they differ from the simulator's defaults: on a CPU cell its
+# dynamic splits without the rate check unless --split-rate-check (gpu_agent/__main__.py).
+LIVE_CONFIGS = {"dynamic": "dynamic[rate_check=false]"}
+
 
 def rel_error(sim: float | None, live: float | None) -> float | None:
     return None if sim is None or not live else abs(sim - live) / live
@@ -60,7 +64,7 @@ def main() -> None:
             requests = workload_requests(cfg["workload"], rate_rps=rate, num_requests=cfg["num_requests"],
                                          seed=cfg["seed"], max_input_len=cfg["max_input_len"],
                                          max_output_len=cfg["max_output_len"])
-            sim = simulate(requests, policy=policy, predictor=predictor, cell_config=cell_config, slo=slo,
+            sim = simulate(requests, policy=LIVE_CONFIGS.get(policy, policy), predictor=predictor, cell_config=cell_config, slo=slo,
                            admission=cfg["admission"] == "on", rate_rps=rate, policy_tbt_s=slo.tbt_s)
             s, l_ = sim.summary, run["summary"]
             row = {"policy": policy, "rate_rps": rate,
