@@ -67,12 +67,12 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         # from the cell's first model when it serves several).
         model_config = cell.first.config
         chosen = get_policy(config.policy)
-        if config.policy == "dynamic":
-            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check))
+        chunked = ChunkedConfig(tbt_target=config.chunk_tbt_target, floor_within_slo=config.chunk_floor_within_slo,
+                                ttft_deadlines=config.chunk_ttft_deadlines)
         if config.policy == "chunked":
-            chosen = ChunkedPolicy(ChunkedConfig(tbt_target=config.chunk_tbt_target,
-                                                 floor_within_slo=config.chunk_floor_within_slo,
-                                                 ttft_deadlines=config.chunk_ttft_deadlines))
+            chosen = ChunkedPolicy(chunked)
+        if config.policy == "dynamic":  # its aggregated steps are chunked's, in deadline order
+            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check), chunked)
         policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),

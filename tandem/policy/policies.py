@@ -554,9 +554,12 @@ def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan
 class DynamicPolicy:
     """Best-fit decode units, layer-group prefill, bursts and one-level preemption."""
 
-    def __init__(self, config: DynamicConfig = DynamicConfig()) -> None:
+    def __init__(self, config: DynamicConfig = DynamicConfig(), chunked: ChunkedConfig = ChunkedConfig()) -> None:
+        """``chunked``: the steps it time-shares with (and its rate check weighs), in the order
+        ``config.edf_chunks`` gives; the live agent passes its chunked flags, so that its dynamic
+        falls back to the very steps its chunked would take."""
         self.config = config
-        self._chunked = ChunkedConfig(order="edf" if config.edf_chunks else "fcfs")
+        self._chunked = replace(chunked, order="edf" if config.edf_chunks else "fcfs")
 
     def _time_shared(self, snapshot: ClusterSnapshot, predictor: Predictor, why: str) -> Decision:
         return _time_shared(snapshot, predictor, why, self._chunked)

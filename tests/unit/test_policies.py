@@ -115,8 +115,8 @@ def snap(
 
 
 def split_policy(**config: object) -> DynamicPolicy:
-    """Dynamic without the rate check (``DynamicConfig.rate_check``, off by default too): these
-    tests are of its split, which LinearPredictor's numbers would mostly leave for chunked's
+    """Dynamic without the rate check (``DynamicConfig.rate_check``, on by default since
+    2026-11-29; the live CPU agent's dynamic runs without it): these tests are of its split, which LinearPredictor's numbers would mostly leave for chunked's
     faster aggregated steps."""
     return DynamicPolicy(DynamicConfig(rate_check=False, **config))  # type: ignore[arg-type]
 
@@ -743,6 +743,29 @@ def test_dynamic_time_shares_as_chunked_while_requests_wait_for_kv() -> None:
     assert not split_policy()(replace(s, kv_waiting=0), P).aggregated
     # and the rule can be switched off
     assert not split_policy(kv_aware=False)(s, P).aggregated
+
+
+@settings(max_examples=60, deadline=None)
+@given(tbt_target=st.floats(0.3, 1.0), floor=st.booleans(), deadlines=st.booleans(),
+       cap=st.integers(64, 4096), lens=st.lists(st.integers(1, 6000), min_size=1, max_size=6),
+       offsets=st.lists(st.floats(-1.0, 3.0), min_size=6, max_size=6), num_seqs=st.integers(1, 40),
+       edf=st.booleans())
+def test_dynamic_time_shares_with_the_chunked_steps_it_is_given(tbt_target: float, floor: bool, deadlines: bool,
+                                                                cap: int, lens: list[int], offsets: list[float],
+                                                                num_seqs: int, edf: bool) -> None:
+    """The live agent hands dynamic its chunked flags: where dynamic time-shares (here: requests
+    wait for KV beside running streams), its step is that chunked's, in the order edf_chunks gives."""
+    chunked = ChunkedConfig(max_budget_tokens=cap, tbt_target=tbt_target, floor_within_slo=floor,
+                            ttft_deadlines=deadlines)
+    queue = tuple(q(f"r{i}", n, arrival_s=NOW - 0.5 + i * 0.01, deadline_s=NOW + offsets[i])
+                  for i, n in enumerate(lens))
+    s = kv_snap(free=10, total=1000, waiting=1, queue=queue, decode=(700,) * num_seqs)
+    order = "edf" if edf else "fcfs"
+    for given, want_config in ((chunked, replace(chunked, order=order)), (None, ChunkedConfig(order=order))):
+        policy = split_policy(edf_chunks=edf) if given is None else DynamicPolicy(
+            DynamicConfig(rate_check=False, edf_chunks=edf), given)
+        got, want = policy(s, P), ChunkedPolicy(want_config)(s, P)
+        assert replace(got, reason=want.reason) == want and got.reason.endswith(want.reason)
 
 
 @settings(max_examples=60, deadline=None)
