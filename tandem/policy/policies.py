@@ -452,10 +452,10 @@ class DynamicConfig:
     split does better). On by default since 2026-11-29; the live agent sets it from
     `--split-rate-check`, off on the CPU cell, where the split (layer groups, MuxWise's pause)
     would seldom run and under bursts it kept TBT where chunked's steps did not
-    (docs/results/live-policies-gamma-cv4-1128.json). In the simulator (docs/results/sim-policies.md, five seeds) it raised
-    dynamic's best goodput on Azure code from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 /
-    H100, TBT 100 ms) and from 1.27x / 1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B,
-    where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
+    (docs/results/live-policies-gamma-cv4-1128.json). In the simulator
+    (docs/results/sim-policies.md, five seeds) it raised dynamic's best goodput on Azure code
+    from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 / H100, TBT 100 ms) and from 1.27x /
+    1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B, where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
     Chunked with its chunks by deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in
     this model the gain is the order, not the split."""
 
