@@ -80,8 +80,8 @@ class AgentConfig:
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
     split_rate_check: bool = field(metadata=flag(
         "--split-rate-check", False, "dynamic: split only when the split's prefill is predicted at least as fast "
-        "as chunked's hybrid steps within TBT (DuetServe's rule; the simulator's default). Off on a CPU cell, "
-        "where it would seldom split", type=parse_bool))
+        "as chunked's hybrid steps within TBT (DuetServe's rule; the simulator's default). Off by default: on "
+        "a CPU cell it would seldom split, and on a GPU it is not measured live yet", type=parse_bool))
     split_calibration: bool = field(metadata=flag(
         "--split-calibration", True, "scale the decode steps predicted beside a busy prefill by those measured "
         "(split decisions)", type=parse_bool))
