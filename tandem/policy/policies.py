@@ -503,12 +503,21 @@ def _kv_short(snapshot: ClusterSnapshot, reserve: float) -> bool:
     return free is not None and total is not None and free < reserve * total
 
 
+def _split_launched(snapshot: ClusterSnapshot) -> bool:
+    """A split batch that aggregated steps would not take over: one prefill is computing (live,
+    prefill_svc finishes the batch it launched, on whatever cores it has: a switch to aggregated
+    steps in its first layer group ran it beside decode's hybrid steps on the same cores, and the
+    steps' chunks went to prompts decode did not hold; a live burst's TBT p99 went to 1.8-2.2 s),
+    or one paused with layer groups done (they would be computed again)."""
+    paused = snapshot.paused_prefill
+    return snapshot.running_prefill is not None or (paused is not None and paused.layers_done > 0)
+
+
 def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: int) -> Decision | None:
     """One aggregated step carrying every pending prompt token, when it lands within decode's
-    slack; None when it does not, or a split batch has layer groups done (they would be redone)."""
-    for rp in (snapshot.running_prefill, snapshot.paused_prefill):
-        if rp is not None and rp.layers_done:
-            return None
+    slack; None when it does not, or a split batch is launched (`_split_launched`)."""
+    if _split_launched(snapshot):
+        return None
     pending = _pending_prefill(snapshot)
     ctx = snapshot.decode_context_lens
     if sum(n for _, n, _ in pending) + len(ctx) > max_tokens:
@@ -530,11 +539,10 @@ def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan
     contention guard on both sides, so with a strict TBT (MuxWise's 50 ms for Llama-8B) decode's
     best fit can take most of the units and leave prefill slower than aggregated steps with
     chunked's TBT-bounded token budget. Compared on the plan's prompt tokens per second against
-    the budget's tokens per hybrid step time. Not when the split's batch has layer groups done
-    (aggregated steps would compute them again)."""
-    for rp in (snapshot.running_prefill, snapshot.paused_prefill):
-        if rp is not None and rp.layers_done:
-            return None
+    the budget's tokens per hybrid step time. Not once a split batch is launched
+    (`_split_launched`)."""
+    if _split_launched(snapshot):
+        return None
     split_tokens = sum(new for new, _ in plan.seqs)  # whole prompts: no layer group is done
     split_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, True)
     if split_tokens <= 0 or split_s <= 0:

@@ -430,12 +430,21 @@ def test_dynamic_split_only_when_it_prefills_at_least_as_fast(tokens: int, extra
         assert d == split, (aggregated_rate, split_rate)
 
 
-def test_dynamic_never_leaves_a_split_batch_with_layers_done_for_chunks() -> None:
-    running = rp("a", LONG, deadline_s=NOW + 30, layers_done=8)
+@pytest.mark.parametrize("layers_done", [0, 1, 8])
+def test_dynamic_never_leaves_a_launched_split_batch_for_chunks(layers_done: int) -> None:
+    """Live, prefill_svc finishes the batch it launched whatever the partition says: chunks for
+    it would go to a prompt decode does not hold, beside it on the same cores."""
+    running = rp("a", LONG, deadline_s=NOW + 30, layers_done=layers_done)
     d = RATE_CHECK(snap(running=running), P)
     assert not d.aggregated and d.prefill_batch == ("a",)
-    # The same prompt with nothing done yet goes to the faster chunked steps.
-    assert RATE_CHECK(snap(running=replace(running, layers_done=0)), P).aggregated
+    short = rp("a", 64, deadline_s=NOW + 30, layers_done=layers_done)
+    assert not split_policy()(snap(running=short), P).aggregated
+    # The same prompts still queued go to the faster chunked steps, or whole into one step.
+    assert RATE_CHECK(snap(queue=(q("a", LONG),)), P).aggregated
+    whole = split_policy()(snap(queue=(q("a", 64),)), P)
+    assert whole.aggregated and "one hybrid step" in whole.reason
+    # Paused with layer groups done, it stays too.
+    assert not RATE_CHECK(snap(paused=replace(running, layers_done=max(1, layers_done))), P).aggregated
 
 
 @settings(max_examples=80, deadline=None)
