@@ -31,8 +31,9 @@ STEP_OVERHEAD_MS = 3.0
 GOAL = 0.25
 
 # The live agent's configs where they differ from the simulator's defaults: on a CPU cell its
-# dynamic splits without the rate check unless --split-rate-check (gpu_agent/__main__.py).
-LIVE_CONFIGS = {"dynamic": "dynamic[rate_check=false]"}
+# dynamic splits without the rate check unless --split-rate-check and holds every batch prefill
+# launched (gpu_agent/__main__.py).
+LIVE_CONFIGS = {"dynamic": "dynamic[rate_check=false,hold_launched=true]"}
 
 
 def rel_error(sim: float | None, live: float | None) -> float | None:

@@ -71,8 +71,10 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                                 ttft_deadlines=config.chunk_ttft_deadlines)
         if config.policy == "chunked":
             chosen = ChunkedPolicy(chunked)
-        if config.policy == "dynamic":  # its aggregated steps are chunked's, in deadline order
-            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check), chunked)
+        if config.policy == "dynamic":
+            # Its aggregated steps are chunked's, in deadline order; prefill_svc finishes every
+            # batch it launched, so no launched batch is left for chunks.
+            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check, hold_launched=True), chunked)
         policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),

@@ -457,7 +457,13 @@ class DynamicConfig:
     from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 / H100, TBT 100 ms) and from 1.27x /
     1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B, where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
     Chunked with its chunks by deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in
-    this model the gain is the order, not the split."""
+    this model the gain is the order, not the split.
+    `hold_launched`: a split batch prefill has launched stays split until it ends (the live
+    agent's setting: prefill_svc finishes what it launched); off, a batch with no layer group
+    done goes to the chunks (the simulator's default). With it on, the rate-checked dynamic's
+    capacity on Azure code fell to 0.80x / 1.20x chunked's (A100 / H100, 100 ms, five seeds):
+    the simulated gain of the check rests on handing just-launched batches to the chunks, which
+    the live services do not do (docs/results/sim-policies.md)."""
 
     layer_group: int | None = None
     max_layer_group: int = 8
@@ -472,6 +478,7 @@ class DynamicConfig:
     whole_hybrid: bool = True
     rate_check: bool = True
     edf_chunks: bool = True
+    hold_launched: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.tbt_target <= 1:
@@ -503,20 +510,25 @@ def _kv_short(snapshot: ClusterSnapshot, reserve: float) -> bool:
     return free is not None and total is not None and free < reserve * total
 
 
-def _split_launched(snapshot: ClusterSnapshot) -> bool:
-    """A split batch that aggregated steps would not take over: one prefill is computing (live,
+def _split_launched(snapshot: ClusterSnapshot, hold_launched: bool) -> bool:
+    """A split batch that aggregated steps would not take over: one with layer groups done (they
+    would be computed again), or with `hold_launched` any batch prefill is computing. Live,
     prefill_svc finishes the batch it launched, on whatever cores it has: a switch to aggregated
-    steps in its first layer group ran it beside decode's hybrid steps on the same cores, and the
-    steps' chunks went to prompts decode did not hold; a live burst's TBT p99 went to 1.8-2.2 s),
-    or one paused with layer groups done (they would be computed again)."""
-    paused = snapshot.paused_prefill
-    return snapshot.running_prefill is not None or (paused is not None and paused.layers_done > 0)
+    steps during its first layer group ran it beside decode's hybrid steps on the same cores while
+    the steps' chunks went to a prompt decode did not hold (a live burst's TBT p99 1.8-2.2 s). The
+    simulator hands such a batch to the chunks instead, as a prefill that gives back a batch with
+    no layer group done would (DynamicConfig.hold_launched)."""
+    running, paused = snapshot.running_prefill, snapshot.paused_prefill
+    if running is not None and (hold_launched or running.layers_done > 0):
+        return True
+    return paused is not None and paused.layers_done > 0
 
 
-def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: int) -> Decision | None:
+def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: int,
+                  hold_launched: bool = False) -> Decision | None:
     """One aggregated step carrying every pending prompt token, when it lands within decode's
     slack; None when it does not, or a split batch is launched (`_split_launched`)."""
-    if _split_launched(snapshot):
+    if _split_launched(snapshot, hold_launched):
         return None
     pending = _pending_prefill(snapshot)
     ctx = snapshot.decode_context_lens
@@ -529,7 +541,8 @@ def _whole_hybrid(snapshot: ClusterSnapshot, predictor: Predictor, max_tokens: i
 
 
 def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan: _PrefillPlan,
-                           prefill_units: int, decode_units: int, chunked: ChunkedConfig) -> str | None:
+                           prefill_units: int, decode_units: int, chunked: ChunkedConfig,
+                           hold_launched: bool = False) -> str | None:
     """Why the aggregated steps of `chunked` (the fallback's config) would prefill faster than
     the split, or None.
 
@@ -541,7 +554,7 @@ def _split_prefills_slower(snapshot: ClusterSnapshot, predictor: Predictor, plan
     chunked's TBT-bounded token budget. Compared on the plan's prompt tokens per second against
     the budget's tokens per hybrid step time. Not once a split batch is launched
     (`_split_launched`)."""
-    if _split_launched(snapshot):
+    if _split_launched(snapshot, hold_launched):
         return None
     split_tokens = sum(new for new, _ in plan.seqs)  # whole prompts: no layer group is done
     split_s = prefill_s(predictor, plan.seqs, prefill_units, decode_units, True)
@@ -582,7 +595,7 @@ class DynamicPolicy:
             return self._time_shared(snapshot, predictor, f"dynamic: KV short ({snapshot.kv_free_blocks} of "
                                 f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} waiting)")
         if ctx and self.config.whole_hybrid:
-            whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens)
+            whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens, self.config.hold_launched)
             if whole is not None:
                 return whole
         if total < 2:
@@ -613,7 +626,8 @@ class DynamicPolicy:
         plan = self._plan(snapshot, predictor, prefill_units, decode_units)
         t_decode = decode_step_s(predictor, ctx, decode_units, prefill_units)
         if ctx and self.config.rate_check:
-            slower = _split_prefills_slower(snapshot, predictor, plan, prefill_units, decode_units, self._chunked)
+            slower = _split_prefills_slower(snapshot, predictor, plan, prefill_units, decode_units, self._chunked,
+                                            self.config.hold_launched)
             if slower is not None:
                 return self._time_shared(snapshot, predictor, f"dynamic: {slower}")
 

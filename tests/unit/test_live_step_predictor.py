@@ -19,7 +19,7 @@ from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.05)
-LIVE_DYNAMIC = DynamicPolicy(DynamicConfig(rate_check=False))  # the live agent's, without --split-rate-check
+LIVE_DYNAMIC = DynamicPolicy(DynamicConfig(rate_check=False, hold_launched=True))  # the live agent's (no --split-rate-check)
 
 
 def _parts(base: LinearPredictor, chunk: int, ctx: list[int]) -> tuple[float, float]:

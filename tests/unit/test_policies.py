@@ -431,20 +431,27 @@ def test_dynamic_split_only_when_it_prefills_at_least_as_fast(tokens: int, extra
 
 
 @pytest.mark.parametrize("layers_done", [0, 1, 8])
-def test_dynamic_never_leaves_a_launched_split_batch_for_chunks(layers_done: int) -> None:
+def test_a_live_dynamic_never_leaves_a_launched_split_batch_for_chunks(layers_done: int) -> None:
     """Live, prefill_svc finishes the batch it launched whatever the partition says: chunks for
-    it would go to a prompt decode does not hold, beside it on the same cores."""
+    it would go to a prompt decode does not hold, beside it on the same cores (the live agent
+    sets hold_launched). The simulator's default hands a batch with no layer group done over."""
+    held_rate_check = DynamicPolicy(DynamicConfig(hold_launched=True))
+    held = split_policy(hold_launched=True)
     running = rp("a", LONG, deadline_s=NOW + 30, layers_done=layers_done)
-    d = RATE_CHECK(snap(running=running), P)
+    d = held_rate_check(snap(running=running), P)
     assert not d.aggregated and d.prefill_batch == ("a",)
     short = rp("a", 64, deadline_s=NOW + 30, layers_done=layers_done)
-    assert not split_policy()(snap(running=short), P).aggregated
+    assert not held(snap(running=short), P).aggregated
+    # Without the hold, only layer groups done keep the split.
+    assert RATE_CHECK(snap(running=running), P).aggregated == (layers_done == 0)
+    assert split_policy()(snap(running=short), P).aggregated == (layers_done == 0)
     # The same prompts still queued go to the faster chunked steps, or whole into one step.
-    assert RATE_CHECK(snap(queue=(q("a", LONG),)), P).aggregated
-    whole = split_policy()(snap(queue=(q("a", 64),)), P)
+    assert held_rate_check(snap(queue=(q("a", LONG),)), P).aggregated
+    whole = held(snap(queue=(q("a", 64),)), P)
     assert whole.aggregated and "one hybrid step" in whole.reason
-    # Paused with layer groups done, it stays too.
-    assert not RATE_CHECK(snap(paused=replace(running, layers_done=max(1, layers_done))), P).aggregated
+    # Paused with layer groups done, it stays either way.
+    for policy in (RATE_CHECK, held_rate_check):
+        assert not policy(snap(paused=replace(running, layers_done=max(1, layers_done))), P).aggregated
 
 
 @settings(max_examples=80, deadline=None)

@@ -253,7 +253,7 @@ def test_a_tighter_policy_tbt_target_gives_decode_more_units() -> None:
     shares = []
     for target in (None, 0.05):
         # split decisions only: the target sizes decode's share of a split
-        policy = DynamicPolicy(DynamicConfig(whole_hybrid=False, kv_aware=False, rate_check=False))
+        policy = DynamicPolicy(DynamicConfig(whole_hybrid=False, kv_aware=False))
         sim = Simulator(policy=policy, predictor=PREDICTOR, cell_config=CELL, slo=SLO,
                         admission=False, policy_tbt_s=target)
         sim.run(requests)
