@@ -21,8 +21,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gpu_agent.policy_loop import live_dynamic
 from tandem.bench.metrics import SloSpec
 from tandem.engine.model_cache import resolve_model
+from tandem.policy.policies import Policy
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
 
@@ -30,10 +32,9 @@ HANDOFF_MS = 7.0
 STEP_OVERHEAD_MS = 3.0
 GOAL = 0.25
 
-# The live agent's configs where they differ from the simulator's defaults: on a CPU cell its
-# dynamic splits without the rate check unless --split-rate-check and holds every batch prefill
-# launched (gpu_agent/__main__.py).
-LIVE_CONFIGS = {"dynamic": "dynamic[rate_check=false,hold_launched=true]"}
+# The live agent's policies where they differ from the simulator's defaults: its dynamic (no
+# rate check unless --split-rate-check, every batch prefill launched held to its end).
+LIVE_POLICIES: dict[str, Policy] = {"dynamic": live_dynamic(rate_check=False)}
 
 
 def rel_error(sim: float | None, live: float | None) -> float | None:
@@ -65,8 +66,9 @@ def main() -> None:
             requests = workload_requests(cfg["workload"], rate_rps=rate, num_requests=cfg["num_requests"],
                                          seed=cfg["seed"], max_input_len=cfg["max_input_len"],
                                          max_output_len=cfg["max_output_len"])
-            sim = simulate(requests, policy=LIVE_CONFIGS.get(policy, policy), predictor=predictor, cell_config=cell_config, slo=slo,
-                           admission=cfg["admission"] == "on", rate_rps=rate, policy_tbt_s=slo.tbt_s)
+            sim = simulate(requests, policy=LIVE_POLICIES.get(policy, policy), predictor=predictor,
+                           cell_config=cell_config, slo=slo, admission=cfg["admission"] == "on", rate_rps=rate,
+                           policy_tbt_s=slo.tbt_s)
             s, l_ = sim.summary, run["summary"]
             row = {"policy": policy, "rate_rps": rate,
                    "live_ttft_mean_s": l_["ttft_s"]["mean"], "sim_ttft_mean_s": s["ttft_s"]["mean"],

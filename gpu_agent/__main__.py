@@ -17,12 +17,12 @@ import time
 
 
 from gpu_agent.config import AgentConfig, parse_args
-from gpu_agent.policy_loop import PolicyLoop
+from gpu_agent.policy_loop import PolicyLoop, live_dynamic
 from gpu_agent.models import Cell
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, cell_stats, policy_ticks
 from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
-from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy, get_policy
+from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, get_policy
 from tandem.policy.types import Slo
 from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
@@ -72,9 +72,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         if config.policy == "chunked":
             chosen = ChunkedPolicy(chunked)
         if config.policy == "dynamic":
-            # Its aggregated steps are chunked's, in deadline order; prefill_svc finishes every
-            # batch it launched, so no launched batch is left for chunks.
-            chosen = DynamicPolicy(DynamicConfig(rate_check=config.split_rate_check, hold_launched=True), chunked)
+            chosen = live_dynamic(config.split_rate_check, chunked)
         policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),

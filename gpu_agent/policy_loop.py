@@ -45,12 +45,20 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tandem.perf.predictor import LiveStepPredictor
+from tandem.policy.policies import ChunkedConfig, DynamicConfig, DynamicPolicy
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.rpc.v1 import agent_pb2
 
 log = logging.getLogger("tandem.gpu_agent.policy")
 
 Policy = Callable[[ClusterSnapshot, Predictor], Decision]
+
+
+def live_dynamic(rate_check: bool, chunked: ChunkedConfig = ChunkedConfig()) -> DynamicPolicy:
+    """The agent's ``dynamic``: its aggregated steps are ``chunked``'s (the agent's --chunk-*
+    flags), in deadline order, and a split batch prefill launched stays split to its end
+    (``hold_launched``: prefill_svc finishes every batch it launched)."""
+    return DynamicPolicy(DynamicConfig(rate_check=rate_check, hold_launched=True), chunked)
 
 
 class Applied(NamedTuple):

@@ -11,15 +11,15 @@ import time
 
 import pytest
 
-from gpu_agent.policy_loop import PolicyLoop
+from gpu_agent.policy_loop import PolicyLoop, live_dynamic
 from tandem.perf.predictor import LiveStepPredictor
-from tandem.policy.policies import POLICIES, ChunkedConfig, ChunkedPolicy, DynamicConfig, DynamicPolicy
+from tandem.policy.policies import POLICIES, ChunkedConfig, ChunkedPolicy
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.05)
-LIVE_DYNAMIC = DynamicPolicy(DynamicConfig(rate_check=False, hold_launched=True))  # the live agent's (no --split-rate-check)
+LIVE_DYNAMIC = live_dynamic(rate_check=False)  # the agent's, without --split-rate-check
 
 
 def _parts(base: LinearPredictor, chunk: int, ctx: list[int]) -> tuple[float, float]:
