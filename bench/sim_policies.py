@@ -215,7 +215,8 @@ def main() -> None:
     result = {
         "what": ("simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's "
                  "(chunked, with or without early drop) at the same rate"),
-        "model": MODEL, "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": args.tbt_slo_ms, "tbt_quantile": 0.99},
+        "model": MODEL,
+        "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": args.tbt_slo_ms, "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
         "arrival": args.arrival, "cv": args.cv,
         "span_s": args.span_s, "seeds": seeds, "cell_fixed_costs": {"reconfig_s": RECONFIG_S},

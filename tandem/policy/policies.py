@@ -455,9 +455,10 @@ class DynamicConfig:
     (docs/results/live-policies-gamma-cv4-1128.json). In the simulator
     (docs/results/sim-policies.md, five seeds) it raised dynamic's best goodput on Azure code
     from 1.26x / 1.10x chunked's to 1.60x / 1.36x (A100 / H100, TBT 100 ms) and from 1.27x /
-    1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B, where decode's best fit takes most of the SMs and leaves prefill slower than chunked's steps.
-    Chunked with its chunks by deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in
-    this model the gain is the order, not the split.
+    1.14x to 1.57x / 1.37x at MuxWise's 50 ms for Llama-8B, where decode's best fit takes most
+    of the SMs and leaves prefill slower than chunked's steps. Chunked with its chunks by
+    deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in this model the gain is the
+    order, not the split.
     `hold_launched`: a split batch prefill has launched stays split until it ends (the live
     agent's setting: prefill_svc finishes what it launched); off, a batch with no layer group
     done goes to the chunks (the simulator's default). With it on, the rate-checked dynamic's
@@ -593,7 +594,7 @@ class DynamicPolicy:
             return _decode_only(snapshot, "dynamic: no prefill work")
         if ctx and self.config.kv_aware and _kv_short(snapshot, self.config.kv_reserve):
             return self._time_shared(snapshot, predictor, f"dynamic: KV short ({snapshot.kv_free_blocks} of "
-                                f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} waiting)")
+                                     f"{snapshot.kv_total_blocks} blocks free, {snapshot.kv_waiting} waiting)")
         if ctx and self.config.whole_hybrid:
             whole = _whole_hybrid(snapshot, predictor, self.config.max_batch_tokens, self.config.hold_launched)
             if whole is not None:

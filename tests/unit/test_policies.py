@@ -116,8 +116,8 @@ def snap(
 
 def split_policy(**config: object) -> DynamicPolicy:
     """Dynamic without the rate check (``DynamicConfig.rate_check``, on by default since
-    2026-11-29; the live CPU agent's dynamic runs without it): these tests are of its split, which LinearPredictor's numbers would mostly leave for chunked's
-    faster aggregated steps."""
+    2026-11-29; the live CPU agent's dynamic runs without it): these tests are of its split,
+    which LinearPredictor's numbers would mostly leave for chunked's faster aggregated steps."""
     return DynamicPolicy(DynamicConfig(rate_check=False, **config))  # type: ignore[arg-type]
 
 
