@@ -349,8 +349,8 @@ def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
                 break
         else:
             assert not split, f"seed {seed}: in three kills the agent never reclaimed a dead prefill's blocks"
-        work = _workload(rng, 1, prompt_len=(50, 50), max_tokens=(3, 3))
-        tokens, _ = await generate(stack.address("router"), work[0][0], SamplingParams(max_tokens=3))
+        ((ids, params),) = _workload(rng, 1, prompt_len=(50, 50), max_tokens=(3, 3))
+        tokens, _ = await generate(stack.address("router"), ids, params)
         assert len(tokens) == 3
 
     asyncio.run(run())
