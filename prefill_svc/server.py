@@ -40,12 +40,18 @@ from tandem.state.schema import LoadReport
 # Aggregated mode: decode answers the handoff with the first token, after the prompt's chunks
 # have had their turn in its steps, so the call lasts as long as a whole prefill with its queue.
 AGGREGATED_TIMEOUT_S = 600.0
-# How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds.
+# How long a handoff waits for decode_svc to (re)appear; a restart takes a few seconds. It also
+# bounds an outage: a handoff whose call keeps breaking goes again, to the successor, until its
+# breaks have gone on this long (_HandoffBreaks).
 HANDOFF_TIMEOUT_S = 30.0
-# A handoff that breaks (decode_svc died) goes again, to the successor, up to this many times in
-# all; in aggregated mode, where decode computes the prompt, after its blocks are taken back,
-# which waits up to TAKE_BACK_WAIT_S for the agent to see the dead service's lease end.
-MAX_FORWARDS = 3
+# The wait before a broken handoff goes again, doubling with each break of an outage up to the
+# most: time for gRPC to see the dead connection closed, so the next call waits for the successor
+# instead of writing on the dead socket again.
+HANDOFF_RETRY_S = 0.05
+HANDOFF_MAX_RETRY_S = 1.0
+# In aggregated mode, where decode computes the prompt, a broken forward goes again after its
+# blocks are taken back, which waits up to TAKE_BACK_WAIT_S for the agent to see the dead
+# service's lease end.
 TAKE_BACK_WAIT_S = 5.0
 TAKE_BACK_RETRY_S = 0.05
 # A prompt that finds the KV pool full waits for blocks (decode frees them as its requests
@@ -283,26 +289,31 @@ class PrefillWorker:
 
     async def _forward_traced(self, pending: _Pending) -> None:
         rid = pending.msg.request_id
+        breaks = _HandoffBreaks()
         try:
             req = await self._allocate_waiting(pending)
-            for attempt in range(1, MAX_FORWARDS + 1):
+            while True:
                 if req is None:
                     return
                 msg = self._handoff_msg(pending, req)
                 msg.needs_prefill = True
                 msg.ClearField("prefill_done_unix_ns")
+                sent_s = time.monotonic()
                 try:
                     # The reply comes with the first token: as long as the prompt's turn takes.
                     answer = await self._call_handoff(msg, AGGREGATED_TIMEOUT_S)
                 except (grpc.aio.AioRpcError, LookupError) as exc:
-                    if _goes_again(exc, attempt, pending):
+                    now_s = time.monotonic()
+                    if breaks.goes_again(exc, pending, now_s - sent_s, now_s):
                         # decode_svc died (or its connection did) before the first token: the
                         # prompt goes again, to its successor, on the blocks it had.
-                        log.warning("decode_svc broke off %s before its first token (%s); forwarding it again",
-                                    rid, _detail(exc))
+                        log.warning("decode_svc broke off %s before its first token (%s; break %d, %.1f s "
+                                    "into the outage); forwarding it again",
+                                    rid, _detail(exc), breaks.num_breaks, breaks.outage_s(now_s))
+                        await asyncio.sleep(breaks.backoff_s())
                         req = await self._take_back(pending, req)
                         continue
-                    await self._handoff_failed(pending, exc)
+                    await self._handoff_failed(pending, exc, breaks)
                     return
                 if not answer.accepted:
                     await self.member.release(rid)
@@ -593,26 +604,31 @@ class PrefillWorker:
         released and its Submit failed with UNAVAILABLE).
 
         A call that breaks (decode_svc died, or its connection did) goes again, to the successor,
-        up to MAX_FORWARDS times in all: the dead service may have taken the request over before
-        it died (claimed its blocks, recorded it), and then its successor resumed it from Redis and
-        answers the repeated handoff as accepted; otherwise the successor claims the blocks
-        itself, from prefill or from the dead service, whichever holds them."""
-        for attempt in range(1, MAX_FORWARDS + 1):
+        after a short backoff, while the client waits and for as long as the outage lasts, up to
+        HANDOFF_TIMEOUT_S (_HandoffBreaks): the dead service may have taken the request over
+        before it died (claimed its blocks, recorded it), and then its successor resumed it from
+        Redis and answers the repeated handoff as accepted; otherwise the successor claims the
+        blocks itself, from prefill or from the dead service, whichever holds them."""
+        breaks = _HandoffBreaks()
+        while True:
+            sent_s = time.monotonic()
             try:
                 return await self._call_handoff(msg, timeout_s)
             except (grpc.aio.AioRpcError, LookupError) as exc:
-                if _goes_again(exc, attempt, pending):
-                    log.warning("handoff of %s to decode_svc broke (%s); handing it over again",
-                                msg.request_id, _detail(exc))
-                    continue
-                await self._handoff_failed(pending, exc)
-                return None
-        raise AssertionError("unreachable")
+                now_s = time.monotonic()
+                if not breaks.goes_again(exc, pending, now_s - sent_s, now_s):
+                    await self._handoff_failed(pending, exc, breaks)
+                    return None
+                log.warning("handoff of %s to decode_svc broke (%s; break %d, %.1f s into the outage); "
+                            "handing it over again", msg.request_id, _detail(exc), breaks.num_breaks,
+                            breaks.outage_s(now_s))
+                await asyncio.sleep(breaks.backoff_s())
 
-    async def _handoff_failed(self, pending: _Pending, exc: Exception) -> None:
+    async def _handoff_failed(self, pending: _Pending, exc: Exception, breaks: _HandoffBreaks) -> None:
         """A handoff that will not go again: the request's blocks back, its Submit failed."""
         await self.member.release(pending.msg.request_id)
-        _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}")
+        why = f" (its connection kept breaking for {HANDOFF_TIMEOUT_S:.0f} s)" if breaks.gave_up else ""
+        _fail(pending, grpc.StatusCode.UNAVAILABLE, f"handoff to decode failed: {_detail(exc)}{why}")
 
     async def _call_handoff(self, msg: decode_pb2.HandoffRequest, timeout_s: float) -> decode_pb2.HandoffReply:
         # wait_for_ready: a decode_svc that is restarting (it resumes its requests from Redis)
@@ -654,15 +670,54 @@ def _in_trace(pending: _Pending) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _goes_again(exc: Exception, attempt: int, pending: _Pending) -> bool:
-    """Whether a handoff call that raised ``exc`` on try ``attempt`` goes again: decode_svc (or
-    its connection) broke, tries are left, and the client still waits."""
+def _connection_broke(exc: Exception) -> bool:
+    """Whether a handoff call that raised ``exc`` broke off (decode_svc died, or its connection
+    did) rather than ended with decode's answer (an application error, a refusal)."""
     # A connection that broke mid-call can also end it UNKNOWN "Stream removed" (grpc/grpc#34076;
-    # seen here when decode_svc was killed during a handoff).
-    broken = isinstance(exc, grpc.aio.AioRpcError) and (
+    # seen here when decode_svc was killed during a handoff, and on the first call after a kill,
+    # written on the dead socket: "Stream removed (sendmsg: Broken pipe (32))").
+    return isinstance(exc, grpc.aio.AioRpcError) and (
         exc.code() == grpc.StatusCode.UNAVAILABLE
         or (exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed")))
-    return broken and attempt < MAX_FORWARDS and not pending.cancelled and not pending.future.done()
+
+
+@dataclass
+class _HandoffBreaks:
+    """One handoff's broken calls, and whether the next goes again (a rule without a clock: the
+    caller passes the times).
+
+    A call whose connection broke goes again while the client waits and the outage it belongs
+    to is younger than HANDOFF_TIMEOUT_S, each try waiting for the successor (wait_for_ready)
+    within its own timeout. Tries are not counted: one death can cost several (the call it
+    broke; the next, written on a socket gRPC has not yet seen closed, or reaching the dying
+    process), and a flat three let two kills of decode_svc fail a forwarded prompt in CI. An
+    outage starts at its first break and ends with a try that lasted HANDOFF_TIMEOUT_S before
+    it broke: a decode_svc held the request that long (an aggregated forward waits for its first
+    token), so its death starts a new outage. Decode's own errors, and a client that left, never
+    go again.
+    """
+
+    outage_start_s: float | None = None  # the outage's first break (time.monotonic())
+    num_breaks: int = 0  # in this outage
+    gave_up: bool = False  # the last break came when the outage had lasted HANDOFF_TIMEOUT_S
+
+    def goes_again(self, exc: Exception, pending: _Pending, tried_s: float, now_s: float) -> bool:
+        """Note a try that raised ``exc`` after ``tried_s`` seconds at ``now_s``; whether the
+        handoff goes again."""
+        if not _connection_broke(exc) or pending.cancelled or pending.future.done():
+            return False
+        if self.outage_start_s is None or tried_s >= HANDOFF_TIMEOUT_S:
+            self.outage_start_s, self.num_breaks = now_s, 0
+        self.num_breaks += 1
+        self.gave_up = self.outage_s(now_s) >= HANDOFF_TIMEOUT_S
+        return not self.gave_up
+
+    def outage_s(self, now_s: float) -> float:
+        return 0.0 if self.outage_start_s is None else now_s - self.outage_start_s
+
+    def backoff_s(self) -> float:
+        """The wait before the next try: HANDOFF_RETRY_S, doubled with each break of the outage."""
+        return min(HANDOFF_RETRY_S * 2 ** max(self.num_breaks - 1, 0), HANDOFF_MAX_RETRY_S)
 
 
 def _detail(exc: Exception) -> str:
