@@ -9,7 +9,9 @@ What it measures, each step one line of progress:
    reach a GPU machine here): prefill passes of one prompt (eager, as prefill_svc runs them) and
    decode steps at a fixed context (CUDA graphs, as the CUDA decode runs them), on u SMs for
    every u of the grid, timed with CUDA events. Shapes between the fitting ones are held out of
-   the fit and scored: mean absolute percentage error of the calibrated model.
+   the fit and scored: mean absolute percentage error of the calibrated model. The host's time to
+   launch the smallest prefill is the prefill's floor (``Calibration.host_floor_s``): an eager
+   pass of a few hundred tokens takes as long on 132 SMs as on 64.
 3. Contention (MuxWise §3.3.2): each phase timed on its side of a split while the other phase
    keeps the other side busy, slowdown = contended / alone, into the ContentionGuard grid.
 """
@@ -69,6 +71,21 @@ def time_on(stream: torch.cuda.Stream, fn: Callable[[], object], repeats: int) -
             end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def host_time_on(stream: torch.cuda.Stream, fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds the host takes to launch ``fn`` on ``stream``, the stream idle before each
+    launch (after one warm-up): an eager run's floor, however few SMs' work it launches."""
+    times = []
+    with torch.cuda.stream(stream):
+        fn()
+        for _ in range(repeats):
+            stream.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        stream.synchronize()
     return statistics.median(times)
 
 
@@ -177,6 +194,7 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
         fit: list[CalibrationSample] = []
         held: list[CalibrationSample] = []
         raw: list[dict[str, object]] = []
+        host_s: list[float] = []  # prefill runs op by op: the host's launch time of one, per SM count
         shapes = ([("prefill", p, False) for p in grid.prefill_tokens] + [("prefill", p, True) for p in grid.heldout_prefill_tokens]
                   + [("decode", b, False) for b in grid.decode_batches] + [("decode", b, True) for b in grid.heldout_decode_batches])
         with torch.inference_mode():
@@ -185,6 +203,8 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
                     if phase == "prefill":
                         t = time_on(work.stream(u), work.prefill_fn(size), grid.repeats)
                         sample = perf.sample([(size, 0)], (), u, t)
+                        if size == min(grid.prefill_tokens):  # the launches are the same at any size
+                            host_s.append(host_time_on(work.stream(u), work.prefill_fn(size), grid.repeats))
                     else:
                         t = time_on(work.stream(u), work.decode_fn(work.stream(u), size), grid.repeats)
                         sample = perf.sample((), [ctx] * size, u, t)
@@ -193,7 +213,9 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
                                 "roofline_s": sample.predicted_s})
                     progress(f"{'held-out ' if heldout else ''}{phase} {size} on {u} SMs: {t * 1e3:.2f} ms "
                              f"(roofline {sample.predicted_s * 1e3:.2f} ms, ratio {sample.ratio:.2f})")
-            calibration = Calibration.fit(fit, per_units=True)
+            floors = {"prefill": min(host_s)} if host_s else {}
+            progress(f"host floor: prefill launches in {min(host_s) * 1e3:.1f} ms" if host_s else "no host floor")
+            calibration = Calibration.fit(fit, per_units=True, host_floor_s=floors)
             heldout_error = heldout_mape(held, calibration)
             progress("held-out error: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in sorted(heldout_error.items())))
             guard = None
@@ -202,8 +224,9 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
                 guard, contention_raw = _contention(work, parts, units, grid, progress)
     notes.append(f"profiled in {time.perf_counter() - started:.1f} s")
     profile = PerfProfile(hardware=hardware, model=shape.name, units=units, calibration_samples=tuple(fit),
-                          contention=guard, heldout_samples=tuple(held), heldout_error=heldout_error, notes=tuple(notes))
-    return profile, {"runs": raw, "contention": contention_raw, "flops": flops,
+                          contention=guard, heldout_samples=tuple(held), heldout_error=heldout_error, notes=tuple(notes),
+                          host_floor_s=floors)
+    return profile, {"runs": raw, "contention": contention_raw, "flops": flops, "prefill_host_launch_s": host_s,
                      "copy_bandwidth_rw": {str(k): v for k, v in bandwidth.items()}}
 
 

@@ -49,6 +49,12 @@ class Calibration:
     memory controller), so the per-count curves are what make held-out errors small there.
     `update` moves the nearest knot toward a live sample by an EWMA, or adds a knot when the
     sample lies more than `knot_spacing` (in log2 tokens) from every knot.
+
+    ``host_floor_s`` (per phase, seconds) is the host's time to launch a phase run op by op
+    (a GPU's eager prefill: about a thousand kernel launches whatever the token count). A run
+    takes at least that long however few its tokens, so `predict` is the larger of the floor
+    and the calibrated roofline; and a sample whose roofline time is under the floor measured
+    the host, not the device, so it gives no knot (fit) and moves none (update).
     """
 
     def __init__(
@@ -57,9 +63,14 @@ class Calibration:
         *,
         ewma_weight: float = 0.2,
         knot_spacing: float = 0.5,
+        host_floor_s: Mapping[str, float] | None = None,
     ) -> None:
         if not 0 < ewma_weight <= 1:
             raise ValueError(f"ewma_weight must be in (0, 1], got {ewma_weight}")
+        floors = dict(host_floor_s or {})
+        if any(p not in PHASES or not (v >= 0) for p, v in floors.items()):
+            raise ValueError(f"host_floor_s must map phases {PHASES} to seconds >= 0, got {floors}")
+        self.host_floor_s = floors
         self.ewma_weight = ewma_weight
         self.knot_spacing = knot_spacing
         self._xs: dict[str, list[float]] = {}
@@ -69,11 +80,16 @@ class Calibration:
                 self._insert(phase, x, y)
 
     @classmethod
-    def fit(cls, samples: Iterable[CalibrationSample], *, per_units: bool = False, **kwargs: float) -> Calibration:
+    def fit(cls, samples: Iterable[CalibrationSample], *, per_units: bool = False,
+            host_floor_s: Mapping[str, float] | None = None, **kwargs: float) -> Calibration:
         """Knots at each distinct token count: the geometric mean of its samples' ratios; with
-        ``per_units`` also one curve per unit count (see the class docstring)."""
+        ``per_units`` also one curve per unit count (see the class docstring). Samples under
+        their phase's host floor give no knot."""
+        floors = dict(host_floor_s or {})
         groups: dict[tuple[str, float], list[float]] = {}
         for s in samples:
+            if s.predicted_s < floors.get(s.phase, 0.0):
+                continue
             x = round(_token_key(s.num_tokens), 6)
             groups.setdefault((s.phase, x), []).append(math.log(s.ratio))
             if per_units:
@@ -81,7 +97,7 @@ class Calibration:
         knots: dict[str, list[tuple[float, float]]] = {}
         for (phase, x), logs in groups.items():
             knots.setdefault(phase, []).append((x, math.exp(sum(logs) / len(logs))))
-        return cls(knots, **kwargs)
+        return cls(knots, host_floor_s=floors, **kwargs)
 
     def _insert(self, phase: str, x: float, y: float) -> None:
         xs = self._xs.setdefault(phase, [])
@@ -110,7 +126,14 @@ class Calibration:
         t = (x - x0) / (x1 - x0)
         return ys[i - 1] + t * (ys[i] - ys[i - 1])
 
+    def predict(self, phase: str, roofline_s: float, num_tokens: float, units: int | None = None) -> float:
+        """Seconds of a run whose uncalibrated roofline time is ``roofline_s``: the calibrated
+        time, or the phase's host floor where that is longer."""
+        return max(self.host_floor_s.get(phase, 0.0), roofline_s * self.factor(phase, num_tokens, units))
+
     def update(self, sample: CalibrationSample) -> None:
+        if sample.predicted_s < self.host_floor_s.get(sample.phase, 0.0):
+            return  # it timed the host's launches
         phase = sample.phase
         if f"{phase}@{sample.units}" in self._xs:
             phase = f"{phase}@{sample.units}"

@@ -253,7 +253,7 @@ class PerfModel:
         factor = self.calibration.factor(phase, n, units)
         if self.contention is not None and other_units > 0:
             factor *= self.contention.lookup(phase, units, other_units)
-        return roofline_s * factor
+        return max(self.calibration.host_floor_s.get(phase, 0.0), roofline_s * factor)
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int, *, other_units: int = 0) -> float:
         """Seconds to prefill `seqs`, each (new_tokens, cached_tokens), on `units` units while the

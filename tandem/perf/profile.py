@@ -11,7 +11,8 @@ JSON, version 1:
                  "slowdowns": {"decode": [[...], ...], ...}} | null,
   "heldout_samples": [same form as calibration_samples; shapes NOT used to fit],   (optional)
   "heldout_error": {"prefill": MAPE as a fraction, "prefill@2": on 2 units, ...},  (optional)
-  "notes": ["free text for humans: what was measured, what was skipped and why"]   (optional)
+  "notes": ["free text for humans: what was measured, what was skipped and why"],  (optional)
+  "host_floor_s": {"prefill": seconds the host takes to launch a run op by op}      (optional)
 }
 The calibration is refitted from the samples on load, so a profile stays valid when the fitting
 rule changes. `profile_to_dict` / `profile_from_dict` are pure; only save/load touch files.
@@ -44,9 +45,14 @@ class PerfProfile:
     heldout_samples: tuple[CalibrationSample, ...] = ()
     heldout_error: dict[str, float] = field(default_factory=dict, compare=False)
     notes: tuple[str, ...] = ()
+    # Per phase, the host's time to launch a run op by op, which no run of that phase beats
+    # (measured for a GPU's eager prefill; see Calibration).
+    host_floor_s: dict[str, float] = field(default_factory=dict, compare=False)
 
     def calibration(self) -> Calibration:
-        return Calibration.fit(self.calibration_samples)
+        """The calibration the profile's held-out error was scored on: a curve per unit count
+        measured (the shared one for the rest), above the host floors."""
+        return Calibration.fit(self.calibration_samples, per_units=True, host_floor_s=self.host_floor_s)
 
 
 def profile_to_dict(profile: PerfProfile) -> dict[str, Any]:
@@ -62,6 +68,7 @@ def profile_to_dict(profile: PerfProfile) -> dict[str, Any]:
         "heldout_samples": [dataclasses.asdict(s) for s in profile.heldout_samples],
         "heldout_error": dict(profile.heldout_error),
         "notes": list(profile.notes),
+        "host_floor_s": dict(profile.host_floor_s),
     }
 
 
@@ -85,6 +92,7 @@ def profile_from_dict(raw: dict[str, Any]) -> PerfProfile:
         heldout_samples=tuple(CalibrationSample(**s) for s in raw.get("heldout_samples", ())),
         heldout_error={str(k): float(v) for k, v in (raw.get("heldout_error") or {}).items()},
         notes=tuple(str(n) for n in raw.get("notes", ())),
+        host_floor_s={str(k): float(v) for k, v in (raw.get("host_floor_s") or {}).items()},
     )
 
 

@@ -366,7 +366,7 @@ def heldout_mape(samples: Sequence[CalibrationSample], calibration: Calibration)
     keys "<phase>@<units>" (where a shared calibration misfits one unit count)."""
     errors: dict[str, list[float]] = {}
     for s in samples:
-        predicted = s.predicted_s * calibration.factor(s.phase, s.num_tokens, s.units)
+        predicted = calibration.predict(s.phase, s.predicted_s, s.num_tokens, s.units)
         error = abs(predicted - s.measured_s) / s.measured_s
         errors.setdefault(s.phase, []).append(error)
         errors.setdefault(f"{s.phase}@{s.units}", []).append(error)

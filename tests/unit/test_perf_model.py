@@ -387,6 +387,52 @@ def test_calibration_per_unit_count_overrides_the_shared_curve() -> None:
     assert Calibration.from_dict(per.to_dict()).factor("decode", 8, 2) == per.factor("decode", 8, 2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(floor_ms=st.floats(1.0, 50.0), scale=st.floats(0.8, 2.0), noise=st.floats(0.0, 3.0),
+       units=st.sampled_from([32, 64, 132]))
+def test_host_floor_bounds_predictions_and_its_samples_give_no_knot(floor_ms: float, scale: float, noise: float,
+                                                                    units: int) -> None:
+    """A GPU's eager prefill cannot beat its host's launch time: prediction is the larger of that
+    floor and the calibrated roofline, and samples whose roofline is under the floor (they timed
+    the host, by any ratio) neither make a knot nor move one."""
+    floor = floor_ms / 1e3
+    device = [(n, floor * n / 512) for n in (128, 256, 1024, 4096)]  # roofline seconds by token count
+    samples = [CalibrationSample("prefill", n, units, max(floor, r * scale) * (1 + noise if r < floor else 1), r)
+               for n, r in device]
+    calibration = Calibration.fit(samples, per_units=True, host_floor_s={"prefill": floor})
+    kept = [n for n, r in device if r >= floor]
+    assert [round(2 ** x) for x, _ in calibration.knots(f"prefill@{units}")] == kept
+    for n, r in device:  # each knot is its sample's ratio: the floor-bound ones did not bend them
+        assert calibration.predict("prefill", r, n, units) == pytest.approx(max(floor, r * scale))
+    assert calibration.predict("decode", 1e-4, 8, units) == pytest.approx(1e-4)  # no floor for decode
+    before = calibration.factor("prefill", 256, units)
+    calibration.update(CalibrationSample("prefill", 256, units, floor * 9, floor / 4))
+    assert calibration.factor("prefill", 256, units) == before
+    model = PerfModel(H100_SXM, LLAMA_3_1_8B, calibration)
+    roof = PerfModel(H100_SXM, LLAMA_3_1_8B).predict_prefill([(16, 0)], units)
+    assert model.predict_prefill([(16, 0)], units) == pytest.approx(max(floor, roof * calibration.factor(
+        "prefill", 16, units)))
+
+
+def test_a_profile_keeps_its_host_floor_and_loads_the_per_unit_curves(tmp_path: Path) -> None:
+    """The agent predicts from what the profile's held-out error was scored on: the floor and a
+    curve per unit count measured."""
+    samples = (CalibrationSample("prefill", 256, 32, 0.030, 0.027), CalibrationSample("prefill", 1024, 32, 0.099, 0.090),
+               CalibrationSample("prefill", 256, 132, 0.028, 0.013), CalibrationSample("prefill", 1024, 132, 0.031, 0.028))
+    profile = PerfProfile(hardware=H100_SXM, units=(32, 132), calibration_samples=samples,
+                          host_floor_s={"prefill": 0.024})
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    loaded = load_profile(path)
+    assert loaded.host_floor_s == {"prefill": 0.024}
+    calibration = loaded.calibration()
+    assert calibration.factor("prefill", 512, 32) == pytest.approx((0.030 / 0.027 + 0.099 / 0.090) / 2)
+    assert calibration.factor("prefill", 512, 132) == pytest.approx(0.031 / 0.028)  # 256 on 132 SMs timed the host
+    assert calibration.predict("prefill", 0.018, 512, 132) == pytest.approx(0.024)
+    path.write_text(path.read_text().replace('"host_floor_s"', '"ignored_by_old"'))  # a profile from before
+    assert load_profile(path).host_floor_s == {}
+
+
 def test_predictor_contention_reads_the_phase_grid() -> None:
     """Prefill's slowdown comes from prefill's row of the guard, decode's from decode's."""
     from tandem.perf.calibration import ContentionGuard
