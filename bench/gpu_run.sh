@@ -7,7 +7,7 @@
 #     fiwarm in the background: JIT-build flashinfer's decode kernels of the 8B shape and the tests' tiny
 #            model, so that the stages after it find them built
 #     tests  the graph, engine, partition and IPC GPU tests (on past a failure, up to three: one
-#            device call is too dear to learn only the first)
+#            device call is too dear to learn only the first); TANDEM_TESTS_K picks them (pytest -k)
 #     flashinfer  in the background: flashinfer's paged attention (JIT-built with the machine's nvcc)
 #            against the torch backend; 'wait' waits for it (run it beside stages that measure nothing)
 #     live   bench/cuda_live.py: chunked and dynamic on the live stack (TANDEM_LIVE_RATES,
@@ -18,7 +18,8 @@
 #     cell   bench/cuda_cell.py without its handoff and graphs parts (TANDEM_CELL_SKIP): partitions,
 #            repartition, graph decode attention (torch vs flashinfer) and this GPU's profile, which the
 #            live stage after it predicts from
-# TANDEM_LIVE_POLICIES (default "chunked dynamic") picks the live stage's policies. With
+# TANDEM_LIVE_POLICIES (default "chunked dynamic") picks the live stage's policies; TANDEM_LIVE_TAG
+# is appended to its files' names (cuda-live<TAG>.json), for a second live stage in one call. With
 # TANDEM_RUN_BUDGET_S, the live stage ends 20 s before that many seconds from the start.
 # Needs the carried .whl/ and .gpucarry/ (bench/gpu_carry.sh).
 set -uo pipefail
@@ -38,7 +39,8 @@ for stage in ${stages[@]}; do
     case $stage in
     tests)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_engine.py tests/gpu/test_cuda_partition.py \
-            tests/gpu/test_cuda_ipc.py tests/unit/test_cuda_without_gpu.py -q -o addopts="" --maxfail=3 > "$OUT/gpu-tests.log" 2>&1
+            tests/gpu/test_cuda_ipc.py tests/unit/test_cuda_without_gpu.py -q -o addopts="" --maxfail=3 \
+            ${TANDEM_TESTS_K:+-k "$TANDEM_TESTS_K"} > "$OUT/gpu-tests.log" 2>&1
         tail -3 "$OUT/gpu-tests.log" ;;
     flashinfer)
         ( timeout "${TANDEM_FI_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider tests/gpu/test_flashinfer.py -q \
@@ -72,6 +74,7 @@ print('decode kernels of', sys.argv[1:], 'built in', round(time.perf_counter() -
         [ -n "${TANDEM_LIVE_PROFILE:-}" ] && profile=(TANDEM_TORCH_PROFILE_DIR=$work/prof \
             TANDEM_TORCH_PROFILE_STEPS=$TANDEM_LIVE_PROFILE)
         limit=${TANDEM_LIVE_TIMEOUT_S:-330}
+        live=cuda-live${TANDEM_LIVE_TAG:-}  # a second live stage of one call names its files apart
         [ -n "${TANDEM_RUN_BUDGET_S:-}" ] && limit=$(( TANDEM_RUN_BUDGET_S - SECONDS - 20 < limit ?
                                                         TANDEM_RUN_BUDGET_S - SECONDS - 20 : limit ))
         gpu_profile=()  # this GPU's own profile, where the cell stage measured one
@@ -83,13 +86,13 @@ print('decode kernels of', sys.argv[1:], 'built in', round(time.perf_counter() -
             --policies ${TANDEM_LIVE_POLICIES:-chunked dynamic} \
             --rates ${TANDEM_LIVE_RATES:-8 12} --num-requests "${TANDEM_LIVE_REQUESTS:-80}" \
             --repeats "${TANDEM_LIVE_REPEATS:-1}" "${variants[@]}" \
-            --out "$work/cuda-live.json" > "$work/cuda-live.log" 2>&1
-        echo "live rc=$?"; tail -20 "$work/cuda-live.log"
-        cp "$work/cuda-live.json" "$OUT/" 2>/dev/null
-        for f in "$work"/cuda-live-*-up.log; do  # one file however many stacks ran
+            --out "$work/$live.json" > "$work/$live.log" 2>&1
+        echo "live rc=$?"; tail -20 "$work/$live.log"
+        cp "$work/$live.json" "$OUT/" 2>/dev/null
+        for f in "$work/$live"-*-up.log; do  # one file however many stacks ran
             echo "=== $(basename "$f")"; grep -av '"POST \|"GET ' "$f"
-        done > "$OUT/cuda-live-up-logs.txt"
-        grep -ah "steps:\|captured\|CUDA-graph\|attend\|Traceback\|Error" "$work"/cuda-live-*-up.log | cut -c1-300 | tail -60 ;;
+        done > "$OUT/$live-up-logs.txt"
+        grep -ah "steps:\|captured\|CUDA-graph\|attend\|Traceback\|Error" "$work/$live"-*-up.log | cut -c1-300 | tail -60 ;;
     stack)
         timeout 150 python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_stack.py -q -o addopts="" -x \
             > "$OUT/gpu-stack.log" 2>&1

@@ -173,7 +173,12 @@ def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) -> None:
     """The same graph steps with flashinfer's paged decode (the pool read in place, the block
     table re-planned before each replay) and with torch's gather: same greedy tokens, close
-    logits, over random batches, contexts and tables, look-ahead crossing block boundaries."""
+    logits, over random batches, contexts and tables, look-ahead crossing block boundaries.
+
+    A row's tokens may part only where torch's own logits of that step hold a near-tie (its top
+    two within twice the logits' bound; on the H200 on 2026-11-29 one row of a look-ahead-3 batch
+    parted at its first step, whose logits the test did not keep): each step's logits come from
+    the torch path again, one step at a time on its own tokens, and the row is compared no further."""
     pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
     from tandem.cuda.graphs import GraphDecoder
 
@@ -181,14 +186,39 @@ def test_flashinfer_graph_decode_agrees_with_torch_graph_decode(lookahead: int) 
     runners = _fp16_pair(9)
     decoders = [GraphDecoder(r.model, r.pool, scratch_block=95, lookahead=lookahead, batch_buckets=(1, 4, 8),
                              block_buckets=(4, 8), attention=name) for r, name in zip(runners, ("torch", "flashinfer"))]
+    stepper = GraphDecoder(runners[0].model, runners[0].pool, scratch_block=95, lookahead=1, batch_buckets=(1, 4, 8),
+                           block_buckets=(4, 8), attention="torch")
     assert decoders[1].block_buckets == (8,)
+    parted = compared = 0
     for trial in range(6):
         prompts, tables = _random_batch(rng, 8, 110, 88)
         firsts, _ = prefill_then_greedy(runners, prompts, tables, 0)
         outs = [d.decode(firsts, [len(p) + 1 for p in prompts], tables) for d in decoders]
         torch.cuda.synchronize()
-        assert outs[1][0].tolist() == outs[0][0].tolist(), trial
-        _assert_logits_close(outs[1][1], outs[0][1])
+        want, got = outs[0][0].tolist(), outs[1][0].tolist()  # [step][row]
+        step_logits = []  # the torch path's logits of each step, recomputed on its own tokens
+        for step in range(lookahead):
+            _, logits = stepper.decode(firsts if step == 0 else want[step - 1],
+                                       [len(p) + 1 + step for p in prompts], tables)
+            step_logits.append(logits.float())
+        torch.cuda.synchronize()
+        bound = 0.02 * float(outs[0][1].abs().max())
+        kept = []
+        for row in range(len(prompts)):
+            compared += 1
+            step = next((s for s in range(lookahead) if got[s][row] != want[s][row]), None)
+            if step is None:
+                kept.append(row)
+                continue
+            top2 = step_logits[step][row].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap <= 2 * bound, (f"trial {trial}, row {row}, step {step}: flashinfer chose {got[step][row]}, "
+                                      f"torch {want[step][row]}, whose top two logits are {gap:.3f} apart "
+                                      f"(a near-tie is within {2 * bound:.3f})")
+            parted += 1
+        if kept:
+            _assert_logits_close(outs[1][1][kept], outs[0][1][kept])
+    assert parted <= compared // 10, f"{parted} of {compared} rows parted at near-ties"
     assert decoders[1].num_graphs <= 3  # one per batch bucket: attention reads any context in place
 
 
