@@ -30,7 +30,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     address = f"{config.host}:{config.port}"
     member = CellMember(agent_pb2.ROLE_DECODE, config.service_id, address, config.agent_address,
                         weight_format=WeightFormat.parse(config.quantization) if config.quantization else None,
-                        model=config.model)
+                        model=config.model, eager_attention=config.cuda_eager_attention)
     runner = await member.join()
     graphs = await _graphs(config, member, runner, log)
     redis = open_redis(config.redis_url)

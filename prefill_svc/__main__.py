@@ -20,7 +20,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     log = setup_logging("tandem.prefill")
     setup_tracing("prefill_svc")
     address = f"{config.host}:{config.port}"
-    member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address, model=config.model)
+    member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address, model=config.model,
+                        eager_attention=config.cuda_eager_attention)
     runner = await member.join()
     discovery = Discovery(config.redis_url, member.cell_id, model=member.model)
     decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))

@@ -63,19 +63,22 @@ def flashinfer_unusable(pool: KVPool, dtype: torch.dtype) -> str | None:
     return None
 
 
-def resolve_graph_attention(choice: str, pool: KVPool, dtype: torch.dtype) -> tuple[str, str]:
+def resolve_graph_attention(choice: str, pool: KVPool, dtype: torch.dtype,
+                            option: str = "--cuda-attention") -> tuple[str, str]:
     """The attention graph steps run (``torch`` or ``flashinfer``) for ``--cuda-attention``
     ``choice``, and why: ``auto`` takes flashinfer where it can serve, ``flashinfer`` raises
-    ValueError where it cannot."""
+    ValueError where it cannot. The eager steps' choice (``option``
+    ``--cuda-eager-attention``) follows the same rule: flashinfer's paged prefill kernel needs
+    what its paged decode kernel does."""
     if choice not in GRAPH_ATTENTION:
-        raise ValueError(f"unknown graph attention {choice!r}; choose one of {GRAPH_ATTENTION}")
+        raise ValueError(f"unknown {option} {choice!r}; choose one of {GRAPH_ATTENTION}")
     if choice == "torch":
         return "torch", "asked for"
     why = flashinfer_unusable(pool, dtype)
     if why is None:
-        return "flashinfer", "flashinfer's paged decode reads the pool in place"
+        return "flashinfer", "flashinfer's paged kernels read the pool in place"
     if choice == "flashinfer":
-        raise ValueError(f"--cuda-attention flashinfer: {why}")
+        raise ValueError(f"{option} flashinfer: {why}")
     return "torch", why
 
 

@@ -28,7 +28,7 @@ import torch
 
 from tandem.cuda.graphs import GraphDecoder, resolve_graph_attention
 from tandem.cuda.partition import SmPartitions
-from tandem.engine.attention import make_backend
+from tandem.engine.attention import DEFAULT_EAGER_ATTENTION, make_backend
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.random_weights import config_for_shape, random_weights
@@ -147,6 +147,10 @@ class CudaWorkload:
         self._decoders: dict[int, GraphDecoder] = {}
         # decode_svc's default: its graph steps attend as the profiled ones do
         self.attention, self.attention_why = resolve_graph_attention(attention, self.pool, self.model.dtype)
+        # and the services' eager steps (prefill) as theirs do by default (--cuda-eager-attention)
+        self.eager_attention, _ = resolve_graph_attention(DEFAULT_EAGER_ATTENTION, self.pool, self.model.dtype,
+                                                          "--cuda-eager-attention")
+        self.model.attention = make_backend(self.eager_attention, self.config.num_heads)
 
     def prefill_fn(self, tokens: int) -> Callable[[], object]:
         ids = [(7 * i) % self.config.vocab_size for i in range(tokens)]
@@ -189,7 +193,8 @@ def profile_cuda(model: str = "Llama-3.1-8B", grid: CudaGrid = CudaGrid(), *, co
         hardware = measured_spec(parts, flops, bandwidth)
         perf = PerfModel(hardware, shape)
         work = CudaWorkload(shape, grid, parts)
-        notes.append(f"decode steps from CUDA graphs with {work.attention} attention ({work.attention_why})")
+        notes.append(f"decode steps from CUDA graphs with {work.attention} attention ({work.attention_why}); "
+                     f"prefill eager with {work.eager_attention} attention")
         ctx = grid.decode_context
         fit: list[CalibrationSample] = []
         held: list[CalibrationSample] = []

@@ -22,6 +22,7 @@ import torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat
+from tandem.engine.attention import DEFAULT_EAGER_ATTENTION
 from tandem.engine.runner import ModelRunner, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
@@ -55,8 +56,10 @@ def apply_cpu_partition(cores: list[int]) -> None:
 
 class CellMember:
     def __init__(self, role: agent_pb2.Role, service_id: str, address: str, agent_address: str,
-                 weight_format: WeightFormat | None = None, model: str = ""):
+                 weight_format: WeightFormat | None = None, model: str = "",
+                 eager_attention: str = DEFAULT_EAGER_ATTENTION):
         self.role = role
+        self.eager_attention = eager_attention  # --cuda-eager-attention (a CPU cell runs torch's)
         self.model = model  # the served name of the cell's model it computes ("": the cell's first)
         self.service_id = service_id
         self.address = address
@@ -135,7 +138,15 @@ class CellMember:
             self._stores = [store] + ([pool.store] if pool.store is not None else [])
             self._core_locks = CoreLocks()
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
-        model = build_model(self.model_dir, config, weights, "torch", fmt)
+        attention = "torch"
+        if pool.tensor.device.type == "cuda":
+            from tandem.cuda.graphs import resolve_graph_attention
+
+            attention, why = resolve_graph_attention(self.eager_attention, pool, weights["embed_tokens"].dtype,
+                                                     "--cuda-eager-attention")
+            log.info("%s: steps run op by op attend with %s (--cuda-eager-attention %s: %s)", self.service_id,
+                     attention, self.eager_attention, why)
+        model = build_model(self.model_dir, config, weights, attention, fmt)
         warm_up(model)  # before the service says it is ready, not on its first request
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":

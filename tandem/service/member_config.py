@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tandem.engine.attention import DEFAULT_EAGER_ATTENTION, EAGER_ATTENTION
 from tandem.policy.types import Slo
 from tandem.service.flags import env_or, flag, parse_bool
 from tandem.service.registry import announced_address
@@ -34,6 +35,12 @@ class MemberConfig:
         "--ttft-slo-ms", 2000.0, "time-to-first-token SLO: a prompt's deadline is arrival + this ...", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(
         "--ttft-slo-ms-per-1k", 0.0, "... + this per 1000 prompt tokens", type=float))
+    cuda_eager_attention: str = field(metadata=flag(
+        "--cuda-eager-attention", DEFAULT_EAGER_ATTENTION, "on a CUDA cell, the attention of the steps that run op "
+        "by op (prefill, prompt chunks between the piecewise graphs, eager decode): 'flashinfer' (its paged prefill "
+        "kernel over the pool's block tables; built by its JIT on first use), 'torch' (gathers each row's blocks) "
+        "or 'auto' (flashinfer where it imports and the pool is fp16/bf16 in layer layout); a CPU cell always "
+        "runs torch's", choices=EAGER_ATTENTION))
     drop_late: bool = field(metadata=flag(
         "--drop-late", "", "drop a waiting prompt that cannot make its deadline even alone and at once (clear "
         "error, retry hint): prefill_svc's queue, decode_svc's prompts in aggregated mode; default: on when "

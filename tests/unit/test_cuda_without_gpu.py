@@ -339,8 +339,10 @@ def test_graph_attention_choice_says_why_flashinfer_cannot_serve() -> None:
         assert reasons["bf16"][0] == "flashinfer"
     with pytest.raises(ValueError, match="fp16 or bf16"):
         resolve_graph_attention("flashinfer", pools["fp32"], torch.float32)
-    with pytest.raises(ValueError, match="unknown graph attention"):
+    with pytest.raises(ValueError, match="unknown --cuda-attention"):
         resolve_graph_attention("cutlass", pools["bf16"], torch.bfloat16)
+    with pytest.raises(ValueError, match="--cuda-eager-attention flashinfer: flashinfer needs fp16 or bf16"):
+        resolve_graph_attention("flashinfer", pools["fp32"], torch.float32, "--cuda-eager-attention")
 
 
 def test_decode_svc_takes_the_graph_attention_flag() -> None:
@@ -352,6 +354,79 @@ def test_decode_svc_takes_the_graph_attention_flag() -> None:
     assert parse_args(["--cuda-attention", "torch"]).cuda_attention == "torch"
     with pytest.raises(SystemExit):
         parse_args(["--cuda-attention", "cutlass"])
+
+
+def test_both_services_take_the_eager_attention_flag() -> None:
+    from decode_svc.config import parse_args as decode_args
+    from prefill_svc.config import parse_args as prefill_args
+    from tandem.cuda.graphs import GRAPH_ATTENTION
+    from tandem.engine.attention import EAGER_ATTENTION
+
+    assert set(EAGER_ATTENTION) == set(GRAPH_ATTENTION)  # one resolver serves both flags
+    for parse in (decode_args, prefill_args):
+        base = ["--decode-address", "127.0.0.1:1"] if parse is prefill_args else []
+        assert parse(base).cuda_eager_attention == "torch"  # until the stack with flashinfer is measured live
+        assert parse([*base, "--cuda-eager-attention", "auto"]).cuda_eager_attention == "auto"
+        with pytest.raises(SystemExit):
+            parse([*base, "--cuda-eager-attention", "cutlass"])
+
+
+class _PrefillWrapperStandIn:
+    """A stand-in for ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (flashinfer runs on CUDA
+    only): it keeps what it was last planned for and answers ``run`` with that. Only which
+    wrapper a plan runs on is under test; flashinfer's kernels are checked on a GPU (tests/gpu)."""
+
+    def __init__(self, workspace: torch.Tensor, layout: str) -> None:
+        self.workspace, self.planned = workspace, None
+
+    def plan(self, qo_indptr: torch.Tensor, *args: object, **kwargs: object) -> None:
+        self.planned = qo_indptr.tolist()
+
+    def run(self, q: torch.Tensor, cache: object) -> torch.Tensor:
+        return torch.full_like(q, float(self.planned[-1]))
+
+
+def test_each_live_flashinfer_plan_keeps_its_own_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch paused between layer groups keeps its plan while a preempting batch plans and runs
+    (prefill_svc's MuxWise preemption): each plan runs on a wrapper of its own, all on one
+    workspace, and a wrapper whose plan was dropped is taken again rather than a new one made."""
+    import gc
+    import sys
+    import types
+
+    from tandem.engine.attention import SeqSpan
+    from tandem.engine.attention_flashinfer import FlashInferAttention
+
+    def batch_indices_positions(qo_indptr: torch.Tensor, seq_lens: torch.Tensor, n: int):  # type: ignore[no-untyped-def]
+        return torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+
+    stand_in = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_PrefillWrapperStandIn,
+                                     get_batch_indices_positions=batch_indices_positions,
+                                     append_paged_kv_cache=lambda *args, **kwargs: None)
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    rng = random.Random(5)
+    config = tiny_config()
+    pool = KVPool.create(KVPoolSpec.for_model(config, 32, 16, torch.bfloat16))
+    backend = FlashInferAttention(config.num_heads, device="cpu")
+    live: list[tuple[object, int]] = []
+    peak = 0
+    for _ in range(40):
+        if live and rng.random() < 0.5:  # a batch ends: its plan is dropped
+            live.pop(rng.randrange(len(live)))
+            gc.collect()
+        else:
+            tokens = rng.randrange(1, 300)
+            blocks = rng.sample(range(32), -(-tokens // 16))
+            live.append((backend.plan([SeqSpan(0, tokens, 0, blocks)], pool), tokens))
+        wrappers = [plan.wrapper for plan, _ in live]  # type: ignore[attr-defined]
+        assert len({id(w) for w in wrappers}) == len(wrappers)  # no two live plans share one
+        assert all(w.workspace is backend._workspace for w in wrappers)
+        peak = max(peak, len(live))
+        assert backend.num_wrappers <= peak  # a dropped plan's wrapper is taken again
+        q = torch.zeros(2, config.num_heads, config.head_dim)
+        for plan, tokens in live:  # every paused batch still runs on its own plan
+            assert float(backend.forward(0, q, q, q, plan, pool)[0, 0, 0]) == tokens
+    assert backend.num_wrappers == len(live) + len(backend._free)
 
 
 class _PagedDecodeReference:
