@@ -250,10 +250,10 @@ class PerfModel:
     def _finish(self, roofline_s: float, n: int, phase: str, units: int, other_units: int) -> float:
         if n == 0:
             return 0.0
-        factor = self.calibration.factor(phase, n, units)
+        slowdown = 1.0
         if self.contention is not None and other_units > 0:
-            factor *= self.contention.lookup(phase, units, other_units)
-        return max(self.calibration.host_floor_s.get(phase, 0.0), roofline_s * factor)
+            slowdown = self.contention.lookup(phase, units, other_units)
+        return self.calibration.predict(phase, roofline_s * slowdown, n, units)
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int, *, other_units: int = 0) -> float:
         """Seconds to prefill `seqs`, each (new_tokens, cached_tokens), on `units` units while the
