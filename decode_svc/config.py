@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat
+from tandem.cuda import CUDA_ATTENTION
 from tandem.service.flags import flag, parse_bool, parse_config
 from tandem.service.member_config import MemberConfig
 from tandem.service.step_profile import parse_window
@@ -18,7 +19,6 @@ CHUNK_ORDERS = ("deadline", "fcfs")
 # reconnects within its stream backoff (1 s) and its channel's (1 s), but on a loaded host (CI,
 # two decode kills in a row) one took over 5 s, and its resumed streams were cancelled unseen.
 ROUTER_GRACE_S = 10.0
-GRAPH_ATTENTION = ("auto", "flashinfer", "torch")  # tandem.cuda.graphs.GRAPH_ATTENTION (that module imports torch)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class DecodeConfig(MemberConfig):
     cuda_attention: str = field(metadata=flag(
         "--cuda-attention", "auto", "attention of the CUDA-graph decode steps: 'flashinfer' (its paged decode kernel "
         "reads the pool in place), 'torch' (gathers each row's blocks, padded to a context bucket) or 'auto' "
-        "(flashinfer where it is installed and the pool is fp16/bf16 in layer layout)", choices=GRAPH_ATTENTION))
+        "(flashinfer where it is installed and the pool is fp16/bf16 in layer layout)", choices=CUDA_ATTENTION))
     step_stats_s: float = field(metadata=flag(
         "--step-stats-s", 30.0, "log the steps' mean times every this many seconds", type=float))
     step_log: str = field(metadata=flag(

@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
+from tandem.cuda import CUDA_ATTENTION
 from tandem.engine.attention import AttentionBackend, SeqSpan, gqa_sdpa
 from tandem.engine.kv_pool import KVPool, PagedLayout, slot_ids
 from tandem.engine.model import LlamaModel
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-GRAPH_ATTENTION = ("auto", "flashinfer", "torch")  # decode_svc --cuda-attention
 _FI_WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's split-K scratch, as its documentation advises
 
 
@@ -70,8 +70,8 @@ def resolve_graph_attention(choice: str, pool: KVPool, dtype: torch.dtype,
     ValueError where it cannot. The eager steps' choice (``option``
     ``--cuda-eager-attention``) follows the same rule: flashinfer's paged prefill kernel needs
     what its paged decode kernel does."""
-    if choice not in GRAPH_ATTENTION:
-        raise ValueError(f"unknown {option} {choice!r}; choose one of {GRAPH_ATTENTION}")
+    if choice not in CUDA_ATTENTION:
+        raise ValueError(f"unknown {option} {choice!r}; choose one of {CUDA_ATTENTION}")
     if choice == "torch":
         return "torch", "asked for"
     why = flashinfer_unusable(pool, dtype)

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.cuda import DEFAULT_EAGER_ATTENTION
 from tandem.cuda.graphs import GraphDecoder, resolve_graph_attention
 from tandem.cuda.partition import SmPartitions
-from tandem.engine.attention import DEFAULT_EAGER_ATTENTION, make_backend
+from tandem.engine.attention import make_backend
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.model import LlamaModel
 from tandem.engine.random_weights import config_for_shape, random_weights

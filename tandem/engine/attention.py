@@ -290,15 +290,6 @@ class TorchPagedAttention(AttentionBackend):
         return gqa_sdpa(queries.unsqueeze(2), kv[0], kv[1], group.mask, scale)
 
 
-# A CUDA cell's choice for the steps it runs op by op (--cuda-eager-attention). torch's by
-# default: flashinfer's agreed with it on an H200 (tests/gpu/test_flashinfer.py, a paused batch's
-# plan kept through a preempting one too), but the stack with it has not been measured live (its
-# kernels' JIT build took 86 s of the services' start on a fresh machine, and that call's device
-# time ran out before the first request).
-EAGER_ATTENTION = ("auto", "torch", "flashinfer")
-DEFAULT_EAGER_ATTENTION = "torch"
-
-
 def make_backend(name: str, num_qo_heads: int) -> AttentionBackend:
     """``torch`` (anywhere) or ``flashinfer`` (CUDA only; imported on first use)."""
     if name == "torch":

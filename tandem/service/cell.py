@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
+from tandem.cuda import DEFAULT_EAGER_ATTENTION
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat
-from tandem.engine.attention import DEFAULT_EAGER_ATTENTION
 from tandem.engine.runner import ModelRunner, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tandem.engine.attention import DEFAULT_EAGER_ATTENTION, EAGER_ATTENTION
+from tandem.cuda import CUDA_ATTENTION, DEFAULT_EAGER_ATTENTION
 from tandem.policy.types import Slo
 from tandem.service.flags import env_or, flag, parse_bool
 from tandem.service.registry import announced_address
@@ -40,7 +40,7 @@ class MemberConfig:
         "by op (prefill, prompt chunks between the piecewise graphs, eager decode): 'flashinfer' (its paged prefill "
         "kernel over the pool's block tables; built by its JIT on first use), 'torch' (gathers each row's blocks) "
         "or 'auto' (flashinfer where it imports and the pool is fp16/bf16 in layer layout); a CPU cell always "
-        "runs torch's", choices=EAGER_ATTENTION))
+        "runs torch's", choices=CUDA_ATTENTION))
     drop_late: bool = field(metadata=flag(
         "--drop-late", "", "drop a waiting prompt that cannot make its deadline even alone and at once (clear "
         "error, retry hint): prefill_svc's queue, decode_svc's prompts in aggregated mode; default: on when "

@@ -346,10 +346,11 @@ def test_graph_attention_choice_says_why_flashinfer_cannot_serve() -> None:
 
 
 def test_decode_svc_takes_the_graph_attention_flag() -> None:
-    from decode_svc.config import GRAPH_ATTENTION, parse_args
-    from tandem.cuda.graphs import GRAPH_ATTENTION as CHOICES
+    from decode_svc.config import parse_args
+    from tandem.cuda import CUDA_ATTENTION
 
-    assert GRAPH_ATTENTION == CHOICES
+    for choice in CUDA_ATTENTION:  # every choice the resolver takes, the flag takes
+        assert parse_args(["--cuda-attention", choice]).cuda_attention == choice
     assert parse_args([]).cuda_attention == "auto"
     assert parse_args(["--cuda-attention", "torch"]).cuda_attention == "torch"
     with pytest.raises(SystemExit):
@@ -359,14 +360,13 @@ def test_decode_svc_takes_the_graph_attention_flag() -> None:
 def test_both_services_take_the_eager_attention_flag() -> None:
     from decode_svc.config import parse_args as decode_args
     from prefill_svc.config import parse_args as prefill_args
-    from tandem.cuda.graphs import GRAPH_ATTENTION
-    from tandem.engine.attention import EAGER_ATTENTION
+    from tandem.cuda import CUDA_ATTENTION
 
-    assert set(EAGER_ATTENTION) == set(GRAPH_ATTENTION)  # one resolver serves both flags
     for parse in (decode_args, prefill_args):
         base = ["--decode-address", "127.0.0.1:1"] if parse is prefill_args else []
         assert parse(base).cuda_eager_attention == "torch"  # until the stack with flashinfer is measured live
-        assert parse([*base, "--cuda-eager-attention", "auto"]).cuda_eager_attention == "auto"
+        for choice in CUDA_ATTENTION:  # every choice the resolver takes (the graph steps' too)
+            assert parse([*base, "--cuda-eager-attention", choice]).cuda_eager_attention == choice
         with pytest.raises(SystemExit):
             parse([*base, "--cuda-eager-attention", "cutlass"])
 
