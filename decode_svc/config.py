@@ -19,6 +19,8 @@ CHUNK_ORDERS = ("deadline", "fcfs")
 # reconnects within its stream backoff (1 s) and its channel's (1 s), but on a loaded host (CI,
 # two decode kills in a row) one took over 5 s, and its resumed streams were cancelled unseen.
 ROUTER_GRACE_S = 10.0
+# The most decode steps run in one go (--lookahead-ms; a split partition's decode_lookahead).
+MAX_LOOKAHEAD = 8
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,13 @@ class DecodeConfig(MemberConfig):
         "--router-grace-s", ROUTER_GRACE_S, "cancel the requests of a router whose token stream has been away this "
         "many seconds (counted from when this service serves); a router that comes back later is told they failed",
         type=float))
+    lookahead_ms: float = field(metadata=flag(
+        "--lookahead-ms", 0.0, "on a CPU cell, run decode-only steps several at a time (up to "
+        f"{MAX_LOOKAHEAD} steps, as many as fit this many ms at the measured step time) when no prompt, "
+        "readmission or cancellation waits: the loop's work between steps (the Redis record, the token "
+        "stream, the routers' messages) is done once for the run, and tokens reach clients in bursts of "
+        "that many (vLLM's multi-step scheduling; DuetServe's look-ahead). 0: one step at a time, except "
+        "where a split partition asks for more (its decode_lookahead)", type=float))
     resume: bool = field(metadata=flag(
         "--resume", True, "resume the cell's decoding requests from Redis at start (only with a Redis URL)",
         type=parse_bool))
@@ -65,6 +74,8 @@ class DecodeConfig(MemberConfig):
             raise ValueError(f"--max-batch-requests must be positive, got {self.max_batch_requests}")
         if self.router_grace_s <= 0:
             raise ValueError(f"--router-grace-s must be positive, got {self.router_grace_s}")
+        if self.lookahead_ms < 0:
+            raise ValueError(f"--lookahead-ms must be >= 0, got {self.lookahead_ms}")
         if self.step_stats_s <= 0:
             raise ValueError(f"--step-stats-s must be positive, got {self.step_stats_s}")
         parse_window(self.torch_profile_steps)

@@ -32,7 +32,7 @@ import torch
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from decode_svc.config import DecodeConfig
+from decode_svc.config import MAX_LOOKAHEAD, DecodeConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
@@ -173,6 +173,10 @@ class DecodeWorker:
         # stream that broke may have lost it (``reopened``).
         self._ended_recently: OrderedDict[str, tuple[str, decode_pb2.TokenUpdate]] = OrderedDict()
         self.num_steps = 0
+        self._next_report_step = 0  # a busy loop reports its load every few steps
+        # With --lookahead-ms, blocks are asked for as many steps further ahead as a run may take
+        # (a run stops early where a request has no room: see _may_step_again).
+        self._max_lookahead = MAX_LOOKAHEAD if config.lookahead_ms > 0 else 1
         self.last_step_ns = 0
         self.last_step_compute_ns = 0  # the last step's compute alone, without its wait for the cores
         self.last_step_end_unix_ns = 0
@@ -210,6 +214,7 @@ class DecodeWorker:
         self._stepping: Sequence[_Active] = ()  # that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
+        self.num_lookahead_steps = 0  # decode steps run in a run's look-ahead, after its first
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
         # whose final state Redis has not taken yet.
@@ -611,10 +616,11 @@ class DecodeWorker:
                 self._joining = None
             busy = bool(self.pending or self.running or self.prefilling or self.preempted)
             state = (busy, len(self.prefilling))
-            reported = state != was_state or (busy and self.num_steps % 8 == 0)
+            reported = state != was_state or (busy and self.num_steps >= self._next_report_step)
             if reported:
                 self._report_load()  # on every change of state or of the prompts, and every few steps
                 was_state = state
+                self._next_report_step = self.num_steps + 8
             if not busy:
                 self._idle = True
                 self._last_step_end_ns = 0  # an idle wait is not time between steps
@@ -690,15 +696,17 @@ class DecodeWorker:
             self._step_log.close()
             self._step_log = None
 
-    def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int) -> None:
-        """One JSON line for ``--step-log``: the step just run and the partition it ran under."""
+    def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int,
+                  num_steps: int = 1) -> None:
+        """One JSON line for ``--step-log``: the step just run (a run of ``num_steps`` decode
+        steps: the times are each one's mean, the gap the run's) and the partition it ran under."""
         assert self._step_log is not None
         partition = self.member.partition
         self._step_log.write(json.dumps({
             "end_unix_s": round(self.last_step_end_unix_ns / 1e9, 6), "wall_ms": round(self.last_step_ns / 1e6, 3),
             "compute_ms": round(compute_ns / 1e6, 3), "gap_ms": round(gap_ns / 1e6, 3), "num_seqs": len(batch),
             "context_tokens": sum(len(a.req.all_token_ids) for a in batch),
-            "chunk_tokens": self.last_step_chunk_tokens, "num_chunks": len(chunks),
+            "chunk_tokens": self.last_step_chunk_tokens, "num_chunks": len(chunks), "steps": num_steps,
             "aggregated": partition.aggregated, "token_budget": partition.prefill_token_budget,
             "epoch": partition.epoch, "decode_units": len(partition.decode_units),
             "streams_decoding": partition.streams_decoding}) + "\n")
@@ -884,7 +892,7 @@ class DecodeWorker:
         ``GROW_AHEAD_TOKENS`` of its last block's end, unless a call of its is in flight."""
         req = active.req
         have = len(req.block_ids) * self.block_size
-        if 0 <= have - len(req.all_token_ids) < GROW_AHEAD_TOKENS and not _in_flight(active):
+        if 0 <= have - len(req.all_token_ids) < GROW_AHEAD_TOKENS + self._max_lookahead - 1 and not _in_flight(active):
             _beside(active, self._grow_ahead(active, have + 1), f"grow-{req.request_id}")
 
     async def _extend(self, req: Request, num_tokens: int) -> agent_pb2.ExtendReply:
@@ -960,6 +968,32 @@ class DecodeWorker:
             active.preempted_ns = 0
             self.running.append(active)
 
+    def _lookahead(self, batch: list[_Active], chunks: list[tuple[_Active, int]]) -> int:
+        """How many decode steps this step may run in one go (``_may_step_again`` decides each
+        one after the first): a split partition's ``decode_lookahead``, or on a CPU cell with
+        ``--lookahead-ms`` as many steps as fit that budget at the recent decode-only step time;
+        1 when the step carries prompt tokens or anything waits on the loop (prompts, requests
+        waiting for blocks, new requests)."""
+        if chunks or not batch or self.pending or self.prefilling or self.preempted:
+            return 1
+        partition = self.member.partition
+        asked = partition.decode_lookahead if not partition.aggregated else 1
+        own = 1
+        step_ns = self._prompt_rates.decode_step_ns
+        if self.config.lookahead_ms > 0 and step_ns > 0 and self.runner.model.device.type == "cpu":
+            own = int(self.config.lookahead_ms * 1e6 // step_ns)
+        return max(1, min(MAX_LOOKAHEAD, max(asked, own)))
+
+    def _may_step_again(self, batch: list[_Active], outputs: list[StepOutput], epoch: int) -> bool:
+        """Whether a run of decode steps takes one more (torch thread, between two): none of its
+        requests finished or was cancelled, each has a KV slot for its next token, nothing new
+        waits on the loop and the partition is the one the run began under."""
+        if self.pending or self.prefilling or self.preempted or self.member.partition.epoch != epoch:
+            return False
+        if any(out.finish_reason for out in outputs) or any(a.cancelled for a in batch):
+            return False
+        return all(len(a.req.block_ids) * self.block_size >= len(a.req.all_token_ids) for a in batch)
+
     def _graph_logits(self, requests: list[Request]) -> torch.Tensor | None:
         """A pure decode step's logits from a CUDA graph (torch thread), or None: no graphs, or a
         request computes more than its last token (readmitted after a preemption). A failing
@@ -988,20 +1022,30 @@ class DecodeWorker:
         compute_ns = forward_ns = 0
         graphed = False
         step = self.num_steps
+        lookahead = self._lookahead(batch, chunks)
+        num_run = 0  # decode steps the work ran (1 unless it looked ahead)
+        outputs_before = [len(r.output_token_ids) for r in requests]
+        epoch = member.partition.epoch
 
         def work() -> list[StepOutput]:
-            nonlocal compute_ns, forward_ns, graphed
+            nonlocal compute_ns, forward_ns, graphed, num_run
             began = time.perf_counter_ns()
             member.apply_partition()
             self._profiler.before(step)
             try:
                 if not chunk_reqs:
-                    logits = self._graph_logits(requests)
-                    graphed = logits is not None
-                    if logits is None:
-                        logits = runner.forward(step_inputs(requests))
-                    forward_ns = time.perf_counter_ns() - began
-                    return sample_step(runner, self.sampler, requests, logits, self.eos_token_ids)
+                    outs: list[StepOutput] = []
+                    while num_run < lookahead and (not num_run or self._may_step_again(batch, outs, epoch)):
+                        forward_began = time.perf_counter_ns()
+                        logits = self._graph_logits(requests)
+                        graphed = logits is not None
+                        if logits is None:
+                            logits = runner.forward(step_inputs(requests))
+                        forward_ns += time.perf_counter_ns() - forward_began
+                        outs = sample_step(runner, self.sampler, requests, logits, self.eos_token_ids)
+                        num_run += 1
+                    return outs
+                num_run = 1
                 outs, chunk_outs = hybrid_step(runner, self.sampler, requests, chunk_reqs, self.eos_token_ids)
                 firsts.extend(chunk_outs)
                 return outs
@@ -1022,22 +1066,31 @@ class DecodeWorker:
         finally:
             self._step_began, self._stepping = None, ()
         self._last_step_end_ns = time.perf_counter_ns()
-        self.last_step_ns = self._last_step_end_ns - start
+        # A run of several decode steps is reported as that many steps of its mean time (the
+        # agent's calibration and the load report predict one step), the gap before it once.
+        num_run = max(num_run, 1)
+        self.last_step_ns = (self._last_step_end_ns - start) // num_run
+        compute_ns //= num_run
+        forward_ns //= num_run
         self.last_step_compute_ns = compute_ns
         self.last_step_end_unix_ns = time.time_ns()
         self.last_step_chunk_tokens = sum(n for _, n in chunks)
-        step_ns = self.last_step_ns + gap_ns
+        step_ns = self.last_step_ns + gap_ns // num_run
         if self.last_step_chunk_tokens:  # prompt tokens per second of the steps that carry them
             rate = self.last_step_chunk_tokens / max(step_ns, 1) * 1e9
             old = self._prompt_rate or rate
             self._prompt_rate = (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
         self._prompt_rates.add(self.last_step_chunk_tokens, step_ns, bool(batch))
         self.last_step_num_seqs = len(batch)
-        self.num_steps += 1
+        self.num_steps += num_run
+        self.num_lookahead_steps += num_run - 1
         if self._step_log is not None:
-            self._log_step(batch, chunks, compute_ns, gap_ns)
-        summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens,
-                                       forward_ns=forward_ns, gap_ns=gap_ns, graph=graphed)
+            self._log_step(batch, chunks, compute_ns, gap_ns, num_run)
+        summary = ""
+        for i in range(num_run):
+            summary = self._step_stats.add(self.last_step_ns, compute_ns, len(batch), self.last_step_chunk_tokens,
+                                           forward_ns=forward_ns, gap_ns=gap_ns if i == 0 else 0,
+                                           graph=graphed) or summary
         if summary:
             if self.graphs is not None:  # captures within steps stall them: say how many so far
                 summary += f"; {self.graphs.num_graphs} graphs captured, {self.graphs.capture_s:.1f} s in all"
@@ -1056,10 +1109,13 @@ class DecodeWorker:
         done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
         stepped = [*zip(batch, outputs, strict=True), *done]
         # Requests Redis lacks (it was away) are recorded whole, the others get this step's token.
+        # A decode row's new tokens are every token of the run; a finished prompt's, its first.
+        new_tokens = [a.req.output_token_ids[n:] for a, n in zip(batch, outputs_before, strict=True)]
+        new_tokens += [[out.token_id] for _, out in done]
         records = [
-            OutputUpdate(a.req.request_id, [out.token_id], a.req.num_computed_tokens,
+            OutputUpdate(a.req.request_id, tokens, a.req.num_computed_tokens,
                          generator_state(a.req.generator), list(a.req.block_ids))
-            for a, out in stepped if a.req.request_id not in self._unrecorded
+            for (a, _), tokens in zip(stepped, new_tokens, strict=True) if a.req.request_id not in self._unrecorded
         ]
         rewrites = [self._record(a.req, a.router_id, a.arrival_unix_ns)
                     for a, _ in stepped if a.req.request_id in self._unrecorded]

@@ -73,6 +73,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker.preempted = deque()
     worker.by_id, worker._prefill_done_unix_ns = {}, {}
     worker._publishing = None
+    worker._max_lookahead = 1
     worker._unrecorded = set()
     worker._gone_routers = set()
     worker._ended_recently = OrderedDict()
