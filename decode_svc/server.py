@@ -421,6 +421,13 @@ class DecodeWorker:
         req.output_token_ids = list(rec.output_token_ids)
         req.block_ids = block_ids
         req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
+        if not 0 <= req.num_computed_tokens < len(req.all_token_ids) or \
+                req.num_computed_tokens > len(block_ids) * self.block_size:
+            # A record at odds with itself (more tokens computed than it holds, or than its blocks
+            # hold) would fail every step of this service: its K/V is computed again instead.
+            log.warning("record of %s says %d of its %d tokens computed in %d blocks; computing its K/V again",
+                        rec.request_id, rec.num_computed_tokens, len(req.all_token_ids), len(block_ids))
+            req.num_computed_tokens = 0
         await self.records.set_state(rec.request_id, "decode", decode_service_id=self.service_id)
         # num_sent=0: the router may have missed tokens recorded just before the crash;
         # it drops the ones it already has.

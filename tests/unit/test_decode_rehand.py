@@ -17,6 +17,7 @@ the real ``BlockLedger`` with a set of live services, as gpu_agent's Claim does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import deque
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ from tandem.state.request_store import RequestStore
 from tandem.state.schema import RequestRecord
 
 CELL = "cell-rehand"
+BLOCK_SIZE = 4  # the ledger's
 ROUTER = "router-1"
 PREDECESSOR, PREFILL, SUCCESSOR = "decode-dead", "prefill-1", "decode-new"
 
@@ -62,6 +64,7 @@ def _worker(agent: _Agent, records: RequestStore | None) -> DecodeWorker:
     worker.config = SimpleNamespace(service_id=SUCCESSOR)  # type: ignore[assignment]
     worker.runner = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))  # type: ignore[assignment]
     worker.eos_token_ids = (0,)
+    worker.block_size = BLOCK_SIZE
     worker.by_id = {}
     worker.pending = []
     worker.preempted = deque()
@@ -88,7 +91,7 @@ def test_resume_leaves_requests_a_live_service_took_back_to_it(redis_client: are
     # The service's own wait (1 s) against the late holder's end 0.05 s in: with 0.2 s, a pause of
     # the host past the wait before the loop ever yielded (a CI run, seed 3) left it unclaimed.
     monkeypatch.setattr(server, "RESUME_CLAIM_WAIT_S", 1.0)
-    ledger = BlockLedger(BlockAllocator(num_blocks=512, block_size=4))
+    ledger = BlockLedger(BlockAllocator(num_blocks=512, block_size=BLOCK_SIZE))
     # Each request: its blocks held by the dead predecessor, taken back by prefill (alive), held
     # by nobody (reclaimed), or by a service whose end the agent sees only during the resume.
     kinds = [rng.choice(["dead", "prefill", "gone", "ending"]) for _ in range(rng.randint(3, 9))]
@@ -133,6 +136,51 @@ def test_resume_leaves_requests_a_live_service_took_back_to_it(redis_client: are
         else:
             assert ledger.owner_of(rid) == SUCCESSOR
             assert active.req.block_ids == ledger.blocks_of(rid) and active in worker.pending
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_record_at_odds_with_itself_is_computed_again_not_stepped(redis_client: aredis.Redis, seed: int) -> None:
+    """A record claiming more tokens computed than it holds, or than its blocks hold, would fail
+    every step of the service that resumes it (each step's batch would hold a sequence with no
+    new token): its request resumes with its K/V computed again. Sound records keep theirs."""
+    rng = random.Random(seed)
+    ledger = BlockLedger(BlockAllocator(num_blocks=512, block_size=BLOCK_SIZE))
+    kinds = [rng.choice(["sound", "beyond tokens", "beyond blocks"]) for _ in range(rng.randint(2, 8))]
+
+    async def run() -> tuple[DecodeWorker, list[RequestRecord]]:
+        store = RequestStore(redis_client)
+        records = []
+        for i, kind in enumerate(kinds):
+            rid = f"odd{seed}-{i}"
+            rec = _record(rid, rng, [])
+            num_tokens = len(rec.prompt_token_ids) + len(rec.output_token_ids)
+            alloc = ledger.allocate(rid, list(rec.prompt_token_ids), num_tokens - len(rec.prompt_token_ids),
+                                    owner=PREDECESSOR)
+            computed, outputs = rec.num_computed_tokens, list(rec.output_token_ids)
+            if kind == "beyond tokens":
+                computed = num_tokens + rng.randint(0, 5)
+            elif kind == "beyond blocks":
+                computed = len(alloc.block_ids) * BLOCK_SIZE + rng.randint(1, 5)
+                outputs += [rng.randrange(1, 1000) for _ in range(computed + 1 - num_tokens)]
+            rec = dataclasses.replace(rec, block_ids=list(alloc.block_ids), num_computed_tokens=computed,
+                                      output_token_ids=outputs)
+            await store.create(rec)
+            records.append(rec)
+        worker = _worker(_Agent(ledger, {SUCCESSOR}), store)
+        assert await worker.resume() == len(kinds)
+        return worker, records
+
+    async def main() -> tuple[DecodeWorker, list[RequestRecord]]:
+        async with redis_client:
+            return await run()
+
+    worker, records = asyncio.run(main())
+    for kind, rec in zip(kinds, records, strict=True):
+        req = worker.by_id[rec.request_id].req
+        assert req.output_token_ids == rec.output_token_ids
+        want = rec.num_computed_tokens if kind == "sound" else 0
+        assert req.num_computed_tokens == want, (kind, rec.num_computed_tokens)
+        assert 0 <= req.num_computed_tokens < len(req.all_token_ids)  # the next step has a new token
 
 
 def _held(rng: random.Random, *, router: str = ROUTER, prefilling: bool = False, cancelled: bool = False,
