@@ -4,7 +4,8 @@ Each repeat starts ``tandem up`` once per look-ahead budget (order alternating b
 ABBA), and runs ``tandem bench`` closed loops on the peer run's chat load (35-word prompts, 64
 output tokens, greedy, ``ignore_eos``) at each ``--concurrency``. Per run: output tok/s, the
 gaps between token arrivals (a run of k steps reaches the client as one chunk of k tokens, so
-its gaps are about k steps), and the router's and decode_svc's CPU per output token. The ratio
+its gaps are about k steps), and each of the stack's processes' CPU per output token
+(``bench/stack_cpu.py``'s count). The ratio
 of each budget's tok/s to the first budget's is reported per repeat and as a mean with its 95 %
 interval. Writes JSON (default bench/results/lookahead.json).
 
@@ -27,34 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.peer import CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, run_bench, running, tandem_up  # noqa: E402
+from bench.stack_cpu import stack_cpu_s  # noqa: E402
 from tandem.bench.metrics import mean_ci95  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
-
-SERVICES = ("router", "decode_svc")
-
-
-def service_pids(root_pid: int) -> dict[str, int]:
-    """The pids of ``tandem up``'s services (``python -m NAME``) under ``root_pid``."""
-    found: dict[str, int] = {}
-    todo = [root_pid]
-    while todo:
-        pid = todo.pop()
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for name in SERVICES:
-            if b"-m" in args and name.encode() in args:
-                found[name] = pid
-    return found
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def one_stack(budget_ms: float, args: argparse.Namespace, seed: int, log_dir: Path) -> list[dict[str, Any]]:
     os.environ["TANDEM_LOOKAHEAD_MS"] = str(budget_ms)  # tandem up's services inherit it
@@ -63,22 +39,23 @@ def one_stack(budget_ms: float, args: argparse.Namespace, seed: int, log_dir: Pa
     runs = []
     with running(server, 300.0):
         assert server.proc is not None
-        pids = service_pids(server.proc.pid)
+        root_pid = server.proc.pid
         common = ["--base-url", server.base_url, "--endpoint", "chat", "--workload", "fixed",
                   "--input-len", str(CHAT_INPUT_LEN), "--output-len", str(CHAT_OUTPUT_LEN)]
         run_bench([*common, "--concurrency", "1", "--num-requests", "1", "--seed", str(seed + 999)])  # warm-up
         for c in args.concurrency:
-            before = {name: cpu_s(pid) for name, pid in pids.items()}
+            before = stack_cpu_s(root_pid)
             result = run_bench([*common, "--concurrency", str(c), "--num-requests", str(args.rounds * c),
                                 "--seed", str(seed)])
-            after = {name: cpu_s(pid) for name, pid in pids.items()}
+            after = stack_cpu_s(root_pid)
             summary = result["runs"][0]["summary"]
             tokens = max(summary["total_output_tokens"], 1)
             runs.append({
                 "lookahead_ms": budget_ms, "concurrency": c, "seed": seed,
                 "output_tok_s": round(summary["output_throughput"], 2),
                 "tbt_ms": {k: round(1e3 * v, 2) for k, v in summary["tbt_s"].items() if v is not None},
-                "cpu_ms_per_token": {name: round(1e3 * (after[name] - before[name]) / tokens, 3) for name in pids},
+                "cpu_ms_per_token": {role: round(1e3 * (after[role] - before.get(role, 0.0)) / tokens, 3)
+                                     for role in after},
                 "num_failed": summary["num_failed"],
             })
             print(f"lookahead {budget_ms:g} ms, concurrency {c}: {runs[-1]['output_tok_s']} tok/s, "

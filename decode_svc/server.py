@@ -214,7 +214,6 @@ class DecodeWorker:
         self._stepping: Sequence[_Active] = ()  # that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
-        self.num_lookahead_steps = 0  # decode steps run in a run's look-ahead, after its first
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
         # whose final state Redis has not taken yet.
@@ -421,8 +420,7 @@ class DecodeWorker:
         req.output_token_ids = list(rec.output_token_ids)
         req.block_ids = block_ids
         req.num_computed_tokens = rec.num_computed_tokens if req.block_ids else 0
-        if not 0 <= req.num_computed_tokens < len(req.all_token_ids) or \
-                req.num_computed_tokens > len(block_ids) * self.block_size:
+        if req.num_computed_tokens >= len(req.all_token_ids) or req.num_computed_tokens > len(block_ids) * self.block_size:
             # A record at odds with itself (more tokens computed than it holds, or than its blocks
             # hold) would fail every step of this service: its K/V is computed again instead.
             log.warning("record of %s says %d of its %d tokens computed in %d blocks; computing its K/V again",
@@ -1090,7 +1088,6 @@ class DecodeWorker:
         self._prompt_rates.add(self.last_step_chunk_tokens, step_ns, bool(batch))
         self.last_step_num_seqs = len(batch)
         self.num_steps += num_run
-        self.num_lookahead_steps += num_run - 1
         if self._step_log is not None:
             self._log_step(batch, chunks, compute_ns, gap_ns, num_run)
         summary = ""
