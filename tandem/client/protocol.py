@@ -20,6 +20,7 @@ from tandem.client.types import (
     TopLogprob,
     Usage,
 )
+from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -68,9 +69,12 @@ class RetryPolicy:
         return {"methodConfig": [method]}
 
     def channel_options(self, options: Sequence[tuple[str, int | str]] = ()) -> list[tuple[str, int | str]]:
-        """Channel options that install the policy, then the caller's ``options`` (which win)."""
-        ours = [("grpc.service_config", json.dumps(self.service_config())),
-                ("grpc.enable_retries", 1 if self.max_retries > 0 else 0)]
+        """Channel options that install the policy and reconnect within a second of a restarted
+        router listening again (gRPC's own reconnect backoff grows to two minutes, and a new
+        channel shares the old one's backoff), then the caller's ``options`` (which win)."""
+        ours: list[tuple[str, int | str]] = [("grpc.service_config", json.dumps(self.service_config())),
+                                             ("grpc.enable_retries", 1 if self.max_retries > 0 else 0),
+                                             *RECONNECT_OPTIONS]
         given = {key for key, _ in options}
         return [option for option in ours if option[0] not in given] + list(options)
 
