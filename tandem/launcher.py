@@ -12,6 +12,9 @@ waits until each answers, prints the addresses, and stays in the foreground, sup
 - a gpu_agent that dies takes the cell's KV pool with it, so the cell restarts whole: prefill
   and decode are stopped, the dead agent's shared-memory files removed, and a new agent (which
   fails the requests the old cell was serving), decode and prefill started; the router stays;
+- the private Redis (no ``REDIS_URL``) that dies is restarted on its port, with its password and
+  data directory (empty unless ``--redis-data-dir``): the services' heartbeats fill the registry
+  again and decode records its requests whole once Redis answers;
 - restarts wait with exponential backoff, and a process that dies more than ``--max-restarts``
   times within ``--restart-window-s`` stops the whole stack with exit code
   :data:`EXIT_GAVE_UP` and a message naming it.
@@ -48,6 +51,7 @@ from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
 from tandem.service.runtime import free_ports
+from tandem.state.redis_server import RedisServer, RedisServerError
 
 EXIT_START_FAILED = 1
 EXIT_GAVE_UP = 3  # a process kept dying: more than --max-restarts within --restart-window-s
@@ -258,9 +262,12 @@ class Supervisor:
     """
 
     def __init__(self, args: argparse.Namespace, plans: list[CellPlan], models: dict[str, Path],
-                 redis_url: str) -> None:
+                 redis_url: str, redis_server: RedisServer | None = None) -> None:
         self.args = args
         self.stopping = False
+        self.redis_server = redis_server  # the private one, which is restarted too; None: REDIS_URL's
+        self.redis_budget = self._budget()
+        self.redis_restarts = 0
         self.router_addr = f"{args.host}:{args.grpc_port}"
         # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
         # router's admission and the agent's policy work from the same numbers.
@@ -389,6 +396,13 @@ class Supervisor:
         """Restart what dies until a signal (0) or a process out of restarts (EXIT_GAVE_UP)."""
         while not self.stopping:
             time.sleep(POLL_S)
+            if self.redis_server is not None and not self.redis_server.alive():
+                try:
+                    if not self.restart_redis(self.redis_server):
+                        return EXIT_GAVE_UP
+                except StackStopping:
+                    break
+                continue  # the services that failed without Redis are restarted after it
             dead = next((c for c in self.children if not c.alive()), None)
             if dead is None:
                 continue
@@ -415,6 +429,28 @@ class Supervisor:
             except StackStopping:
                 break
         return 0
+
+    def restart_redis(self, server: RedisServer) -> bool:
+        """Restart the private Redis that died, on its port; False when it is out of restarts.
+        A failed start is said and left to the next round (which counts it)."""
+        code = server.returncode
+        delay_s = self.redis_budget.next_delay_s(time.monotonic())
+        if delay_s is None:
+            say(f"redis-server exited with code {code}, and was already restarted {self.redis_budget.num_recent} "
+                f"times within {self.args.restart_window_s:g} s (--max-restarts {self.args.max_restarts}); "
+                "giving up: stopping the stack", error=True)
+            return False
+        self.redis_restarts += 1
+        say(f"redis-server exited with code {code}; restarting it on port {server.port} in {delay_s:.1f} s "
+            f"(restart #{self.redis_restarts})", error=True)
+        self.sleep(delay_s)
+        try:
+            server.restart()
+        except RedisServerError as exc:
+            say(f"restarting redis-server failed: {exc}", error=True)
+            return True
+        say(f"redis-server ready at 127.0.0.1:{server.port} (pid {server.pid})")
+        return True
 
     def restart_cell(self, cell: CellProcs, delay_s: float) -> None:
         """The agent died and its KV pool with it: stop the cell's prefill and decode services
@@ -484,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
                                                  "TANDEM_REDIS_DATA_DIR": args.redis_data_dir})
     shown = re.sub(r"//[^@/]*@", "//***@", redis_url)  # never print a password
     say(f"redis at {shown}{' (private)' if redis_server else ''}")
-    supervisor = Supervisor(args, plans, models, redis_url)
+    supervisor = Supervisor(args, plans, models, redis_url, redis_server)
 
     def on_signal(signum: int, frame: object) -> None:
         supervisor.stopping = True

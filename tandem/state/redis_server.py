@@ -241,6 +241,25 @@ class RedisServer:
         self._finalizer = weakref.finalize(self, _terminate, proc, None if self._data_dir else dir_path,
                                            self._stop_grace_s)
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code of a server that died (negative: the signal), else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def alive(self) -> bool:
+        """Whether the started server's process still runs (False before :meth:`start`)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> RedisServer:
+        """Start the server again on its port, after it died (or stop it first): the same
+        password and data directory, whose append-only file a persistent server reloads; a
+        throw-away server starts empty. Raises :class:`RedisServerError` when the port was
+        taken meanwhile or the server does not come up."""
+        port = self.port
+        self.stop()  # reaps the dead process and removes a throw-away directory
+        self._fixed_port = port
+        return self.start()
+
     def stop(self) -> None:
         """SIGTERM the server, SIGKILL it after the grace period, remove its directory.
 

@@ -226,6 +226,32 @@ def test_private_redis_with_password_and_persistence_survives_a_restart(tmp_path
     assert (tmp_path / "appendonly.aof").exists() or (tmp_path / "appendonlydir").is_dir()
 
 
+def test_a_killed_private_redis_restarts_on_its_port_with_its_data_dir(tmp_path: Path) -> None:
+    """``restart`` after a SIGKILL: the same port and password; a persistent server reloads what
+    it had, a throw-away one starts empty (and its old directory is gone)."""
+    persistent = RedisServer(password="pw", data_dir=tmp_path).start()
+    throwaway = RedisServer().start()
+    try:
+        for server in (persistent, throwaway):
+            with redis.Redis.from_url(server.url) as client:
+                client.set("k", "v")
+            url, pid = server.url, server.pid
+            assert pid is not None and server.alive() and server.returncode is None
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while server.alive():
+                assert time.monotonic() < deadline, "the killed server still runs"
+                time.sleep(0.02)
+            assert server.returncode == -signal.SIGKILL
+            server.restart()
+            assert server.alive() and server.url == url and server.pid != pid
+            with redis.Redis.from_url(server.url) as client:
+                assert client.get("k") == (b"v" if server is persistent else None)
+    finally:
+        persistent.stop()
+        throwaway.stop()
+
+
 # ---------------------------------------------------------------------------------- Registry
 
 

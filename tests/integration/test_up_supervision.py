@@ -206,3 +206,70 @@ def test_a_process_that_keeps_dying_is_restarted_with_backoff_then_the_stack_giv
            "(--max-restarts 2); giving up: stopping the stack" in log
     assert f"tandem up: stopped (exit code {EXIT_GAVE_UP})" in log
     assert not b.files(prefix)
+
+
+def _redis_pid(port: int) -> int:
+    """The pid of the live redis-server listening on ``port``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        # redis-server retitles itself "redis-server 127.0.0.1:PORT"
+        if state != "Z" and "redis-server" in command and f":{port}" in command:
+            return int(entry.name)
+    raise AssertionError(f"no redis-server on port {port}")
+
+
+def test_the_private_redis_killed_is_restarted_and_services_restart_after_it(
+        model_dir: Path, tmp_path: Path) -> None:
+    """`tandem up`'s own Redis SIGKILLed at a random moment under streams: the streams finish
+    (decode keeps streaming through the outage) or fail clearly, the launcher restarts Redis on
+    its port, and a decode_svc killed afterwards comes back (it needs Redis to start: before,
+    it failed every restart until the stack gave up) and serves."""
+    rng = random.Random(fault_seed())
+    up = start_up(model_dir, tmp_path / "up.log")
+    try:
+        up.wait_log("tandem up: serving", 180)
+        port = int(up.wait_log(r"redis at redis://127\.0\.0\.1:(\d+)/0 \(private\)", 5).group(1))
+        jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 30)), rng.randint(8, 300)) for _ in range(4)]
+        outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(jobs)
+
+        def client(i: int) -> None:
+            try:
+                outcomes[i] = up.generate(*jobs[i])
+            except grpc.RpcError as exc:
+                outcomes[i] = exc
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        time.sleep(rng.uniform(0.0, 1.5))
+        offset = len(up.log())
+        os.kill(_redis_pid(port), signal.SIGKILL)
+        for t in threads:
+            t.join(CLIENT_BOUND_S + 5)
+            assert not t.is_alive(), "a client hung"
+        for (_, max_tokens), outcome in zip(jobs, outcomes):
+            if isinstance(outcome, grpc.RpcError):
+                assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
+                assert outcome.details()
+            else:
+                assert outcome is not None and len(outcome) == max_tokens
+        up.wait_log(rf"redis-server exited with code -9; restarting it on port {port} in 0\.2 s \(restart #1\)",
+                    30, offset)
+        up.wait_log(rf"tandem up: redis-server ready at 127\.0\.0\.1:{port}", 30, offset)
+        assert _redis_pid(port)
+
+        offset = len(up.log())
+        os.kill(up.pid("decode_svc"), signal.SIGKILL)
+        up.wait_log(r"tandem up: decode_svc ready at", 120, offset)
+        assert "restart failed" not in up.log()[offset:]
+        assert len(up.generate("Hello", 4)) == 4
+        assert up.stop() == 0
+    finally:
+        if up.proc.poll() is None:
+            up.stop()
