@@ -13,6 +13,15 @@ Request kinds, drawn at random per request (``--seed``):
   bad           an invalid request (negative max_tokens, unknown model, empty messages): must be 4xx
 Every outcome is counted; an unexpected one (a 5xx, a completed request with no tokens, a bad
 request that was served) is a failure the JSON lists.
+
+Faults (``--kill-every-s S``): meanwhile a random one of ``--kill`` (decode_svc, prefill_svc,
+router, gpu_agent, redis-server) is killed with SIGKILL at random moments, S seconds apart on
+average, and ``tandem up`` restarts it. A request may then fail, but only clearly: an HTTP status
+or an SSE error event with a message, or a gRPC status with details ("failed clearly"); a
+connection to a killed router may break ("broken by the router's kill"). A hang (the client's
+--timeout-s), a stream that ends with neither [DONE] nor an error, or an error with no message is
+unexpected. After the last kill the stack must serve ``--after-requests`` requests, every one of
+them, and then the ledger must be all-free.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import httpx
 
 from bench.peer import running, tandem_up
 from tandem.bench.report import write_json
+from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_port
 
@@ -47,10 +57,39 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.choice((1, 5, 20, 60, 200, 400))))
 
 
-async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str) -> str:
+ROUTER_RESTART_S = 60.0  # a router killed this long ago may still be restarting
+FAULT_ROLES = ("decode_svc", "prefill_svc", "router", "gpu_agent", "redis-server")
+
+
+class Faults:
+    """The kills so far (monotonic time, role), for judging how a request ended."""
+
+    def __init__(self) -> None:
+        self.kills: list[tuple[float, str]] = []
+
+    def router_killed_since(self, start_s: float) -> bool:
+        return any(role == "router" and at >= start_s for at, role in self.kills)
+
+
+def _clear_5xx(status: int, text: str) -> str:
+    """Under faults a 5xx with a message is a clear failure; one without is not."""
+    return f"failed clearly: http {status} {text[:160]}" if _has_message(text) else \
+        f"UNEXPECTED http {status} with no message: {text!r}"
+
+
+def _has_message(text: str) -> bool:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return bool(text.strip())
+    error = body.get("error") if isinstance(body, dict) else None
+    return bool(isinstance(error, dict) and str(error.get("message", "")).strip())
+
+
+async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults: Faults | None = None) -> str:
     max_tokens = rng.randint(1, 32)
     if kind == "bad":
-        body = rng.choice([
+        body: dict[str, Any] = rng.choice([
             {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
             {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
             {"model": "default", "messages": []},
@@ -63,6 +102,8 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str) -> str
         r = await client.post("/v1/completions", json={"model": "default", "prompt": _prompt(rng),
                                                        "max_tokens": max_tokens, "temperature": 0})
         if r.status_code != 200:
+            if r.status_code >= 500 and faults is not None:
+                return _clear_5xx(r.status_code, r.text)
             return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {r.text[:200]}"
         usage = r.json().get("usage", {})
         return "ok" if usage.get("completion_tokens", 0) >= 1 else f"UNEXPECTED no tokens: {r.text[:200]}"
@@ -72,11 +113,19 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str) -> str
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")[:200]
+            if r.status_code >= 500 and faults is not None:
+                return _clear_5xx(r.status_code, text)
             return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {text}"
         chunks = 0
         async for line in r.aiter_lines():
             if line.startswith("data: "):
                 chunks += 1
+                event = json.loads(line[6:]) if line != "data: [DONE]" else None
+                if isinstance(event, dict) and "error" in event:
+                    if faults is None:
+                        return f"UNEXPECTED error event: {line[:200]}"
+                    return (f"failed clearly: event {line[6:166]}" if _has_message(line[6:])
+                            else f"UNEXPECTED error event with no message: {line}")
                 if stop_after is not None and chunks > stop_after:
                     return "aborted"  # leaving the block closes the connection mid-stream
                 if line == "data: [DONE]":
@@ -84,10 +133,12 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str) -> str
         return "aborted" if stop_after is not None else "UNEXPECTED stream ended without [DONE]"
 
 
-async def _grpc(stub: router_pb2_grpc.RouterStub, rng: random.Random, kind: str) -> str:
+async def _grpc(stub: router_pb2_grpc.RouterStub, rng: random.Random, kind: str, faults: Faults | None = None,
+                timeout_s: float = 300) -> str:
+    start_s = time.monotonic()
     request = router_pb2.GenerateRequest(
         text=_prompt(rng), sampling=common_pb2.SamplingParams(max_tokens=rng.randint(1, 32), temperature=0.0))
-    call = stub.Generate(request, timeout=300)
+    call = stub.Generate(request, timeout=timeout_s)
     stop_after = rng.randint(0, 5) if kind == "grpc-cancel" else None
     if stop_after is not None and rng.random() < 0.5:
         await asyncio.sleep(rng.uniform(0, 0.2))
@@ -104,6 +155,12 @@ async def _grpc(stub: router_pb2_grpc.RouterStub, rng: random.Random, kind: str)
         code = exc.code()
         if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
             return f"grpc {code.name}"
+        if faults is not None and code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            if code == grpc.StatusCode.UNAVAILABLE and faults.router_killed_since(start_s):
+                return "broken by the router's kill"
+            details = (exc.details() or "").strip()
+            return f"failed clearly: grpc {code.name} {details[:160]}" if details else \
+                f"UNEXPECTED grpc {code.name} with no details"
         return f"UNEXPECTED grpc {code.name}: {exc.details()}"
     except asyncio.CancelledError:
         return "cancelled"
@@ -115,30 +172,127 @@ async def _agent_stats(address: str) -> agent_pb2.AgentStats:
         return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=10)
 
 
+async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats:
+    """The agent's stats once every block is free and no request is held, or at ``deadline``
+    (an agent that is restarting after a kill is asked again)."""
+    stats: agent_pb2.AgentStats | None = None
+    while True:
+        try:
+            stats = await _agent_stats(address)
+        except grpc.aio.AioRpcError:
+            if time.monotonic() >= deadline:
+                raise
+        if stats is not None and ((stats.num_free_blocks == stats.num_blocks and not stats.num_requests)
+                                  or time.monotonic() >= deadline):
+            return stats
+        await asyncio.sleep(0.5)
+
+
+async def _wait_serving(base_url: str, timeout_s: float) -> float:
+    """Seconds until the stack completes a request again."""
+    start = time.monotonic()
+    body = {"model": "default", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        while True:
+            try:
+                if (await client.post("/v1/completions", json=body)).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"the stack did not serve again within {timeout_s:.0f} s of the last kill")
+            await asyncio.sleep(0.5)
+
+
+def _role_pids(root_pid: int) -> dict[str, list[int]]:
+    """The live processes under ``root_pid`` (``tandem up``) by role (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if stat[0] != "Z":
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
+    found: dict[str, list[int]] = {}
+    todo = list(children.get(root_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        role = next((r for r in FAULT_ROLES if r in commands.get(pid, "")), None)
+        if role is not None:
+            found.setdefault(role, []).append(pid)
+    return found
+
+
+async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until: asyncio.Event, faults: Faults,
+                         rng: random.Random) -> None:
+    """SIGKILL a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x) until ``until``."""
+    while not until.is_set():
+        try:
+            await asyncio.wait_for(until.wait(), timeout=every_s * rng.uniform(0.5, 1.5))
+            return
+        except TimeoutError:
+            pass
+        role = rng.choice(roles)
+        pids = _role_pids(root_pid).get(role, [])
+        if not pids:
+            print(f"soak: no live {role} to kill (restarting?)", flush=True)
+            continue
+        faults.kills.append((time.monotonic(), role))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print(f"soak: killed {role} (pid {pids})", flush=True)
+
+
 async def soak(base_url: str, grpc_address: str, agent_address: str, num_requests: int, concurrency: int,
-               seed: int) -> dict[str, Any]:
+               seed: int, faults: Faults | None = None, timeout_s: float = 300) -> dict[str, Any]:
     rng = random.Random(seed)
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=num_requests)
     outcomes: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
     failures: list[str] = []
+    clear_failures: set[str] = set()  # with faults: what the clear failures said (ids and numbers as #)
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     for item in enumerate(kinds):
         queue.put_nowait(item)
     started = time.monotonic()
     limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client, \
-            grpc.aio.insecure_channel(grpc_address) as channel:
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client, \
+            grpc.aio.insecure_channel(grpc_address, options=RECONNECT_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
 
         async def worker(wid: int) -> None:
             wrng = random.Random(seed * 1000 + wid)
             while not queue.empty():
                 i, kind = queue.get_nowait()
+                start_s = time.monotonic()
                 try:
-                    outcome = await (_grpc(stub, wrng, kind) if kind.startswith("grpc") else _http(client, wrng, kind))
+                    outcome = await (_grpc(stub, wrng, kind, faults, timeout_s) if kind.startswith("grpc")
+                                     else _http(client, wrng, kind, faults))
+                except httpx.TimeoutException as exc:
+                    outcome = f"UNEXPECTED hang: no answer within {timeout_s:.0f} s ({type(exc).__name__})"
                 except httpx.HTTPError as exc:
-                    outcome = f"UNEXPECTED {type(exc).__name__}: {exc}"
+                    # A request sent while a killed router restarts is refused at connect, and one
+                    # sent on a kept-alive connection to the killed router finds it closed.
+                    since_s = start_s - (ROUTER_RESTART_S if isinstance(exc, (httpx.ConnectError, httpx.ReadError,
+                                                                                httpx.RemoteProtocolError)) else 0.0)
+                    if faults is not None and faults.router_killed_since(since_s):
+                        outcome = "broken by the router's kill"
+                    else:
+                        outcome = f"UNEXPECTED {type(exc).__name__}: {exc}"
+                if outcome.startswith("failed clearly") and len(clear_failures) < 40:
+                    clear_failures.add(re.sub(r"[0-9a-f]{8,}|\d+", "#", outcome.split(": ", 1)[1]))
+                if faults is not None and outcome.split(":")[0] in ("failed clearly", "broken by the router's kill",
+                                                                    "http 429", "grpc RESOURCE_EXHAUSTED"):
+                    await asyncio.sleep(1.0)  # as a client would, and so the load spans the kills
                 outcomes[outcome.split(":")[0]] += 1
                 by_kind[kind][outcome.split(":")[0]] += 1
                 if outcome.startswith("UNEXPECTED") and len(failures) < 50:
@@ -151,19 +305,40 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
     elapsed = time.monotonic() - started
     # Aborted and cancelled requests release their blocks asynchronously: give them a moment.
     deadline = time.monotonic() + 60
-    stats = await _agent_stats(agent_address)
-    while (stats.num_free_blocks != stats.num_blocks or stats.num_requests) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-        stats = await _agent_stats(agent_address)
+    stats = await _settled_stats(agent_address, deadline)
     return {
         "requests": num_requests, "concurrency": concurrency, "seed": seed, "elapsed_s": round(elapsed, 1),
         "requests_per_s": round(num_requests / elapsed, 2), "outcomes": dict(outcomes),
         "by_kind": {k: dict(v) for k, v in by_kind.items()}, "unexpected": failures,
+        "failed_clearly_said": sorted(clear_failures),
         "num_unexpected": sum(n for o, n in outcomes.items() if o.startswith("UNEXPECTED")),
         "agent": {"num_blocks": stats.num_blocks, "num_free_blocks": stats.num_free_blocks,
                   "num_requests": stats.num_requests, "leaked_blocks": stats.num_blocks - stats.num_free_blocks,
                   "num_reclaimed_requests": stats.num_reclaimed_requests},
     }
+
+
+async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str, root_pid: int,
+                           args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The soak while processes are killed at random, then ``args.after_requests`` requests after
+    the last kill, judged as without faults."""
+    faults, until = Faults(), asyncio.Event()
+    killer = asyncio.create_task(kill_at_random(root_pid, args.kill, args.kill_every_s, until, faults,
+                                                random.Random(seed)))
+    try:
+        result = await soak(base_url, grpc_address, agent_address, args.requests, args.concurrency, seed, faults,
+                            args.timeout_s)
+    finally:
+        until.set()
+        await killer
+    result["kills"] = dict(Counter(role for _, role in faults.kills))
+    result["recovery_s"] = round(await _wait_serving(base_url, 180), 2)
+    print(f"soak: {len(faults.kills)} kills {result['kills']}; serving again after {result['recovery_s']} s", flush=True)
+    after = await soak(base_url, grpc_address, agent_address, args.after_requests, min(args.concurrency, 8),
+                       seed + 1, None, args.timeout_s)
+    after.pop("by_kind", None)
+    result["after"] = after
+    return result
 
 
 def _shm_files(cell_id: str) -> list[str]:
@@ -180,8 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="0: a random seed (printed)")
     p.add_argument("--out", default="bench/results/soak.json")
+    p.add_argument("--kill-every-s", type=float, default=0.0,
+                   help="kill a random one of --kill with SIGKILL this often on average (0: no faults)")
+    p.add_argument("--kill", nargs="+", choices=FAULT_ROLES, default=["decode_svc", "prefill_svc", "router"],
+                   help="the processes --kill-every-s picks from")
+    p.add_argument("--after-requests", type=int, default=100,
+                   help="with faults: requests served after the last kill, every one of which must succeed")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="a request with no answer by then is a hang")
     p.add_argument("--tandem-args", nargs=argparse.REMAINDER, default=[], help="everything after it goes to `tandem up`")
     args = p.parse_args(argv)
+    if args.kill_every_s > 0 and not any(a.startswith("--max-restarts") for a in args.tandem_args):
+        args.tandem_args += ["--max-restarts", "1000"]  # the kills are the test, not a crash loop
     seed = args.seed or random.SystemRandom().randrange(1, 2**31)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     grpc_port = free_port()
@@ -193,12 +377,22 @@ def main(argv: list[str] | None = None) -> int:
         match = re.search(r"gpu_agent ready at (\S+)", log_path.read_text(errors="replace"))
         if match is None:
             raise RuntimeError(f"no agent address in {log_path}")
-        result = asyncio.run(soak(server.base_url, f"127.0.0.1:{grpc_port}", match.group(1), args.requests,
-                                  args.concurrency, seed))
+        grpc_address, agent_address = f"127.0.0.1:{grpc_port}", match.group(1)
+        if args.kill_every_s > 0:
+            assert server.proc is not None
+            result = asyncio.run(soak_with_faults(server.base_url, grpc_address, agent_address, server.proc.pid, args,
+                                                  seed))
+        else:
+            result = asyncio.run(soak(server.base_url, grpc_address, agent_address, args.requests, args.concurrency,
+                                      seed, timeout_s=args.timeout_s))
         result["shm_files_while_running"] = _shm_files(cell_id)
+        result["stack_running"] = server.proc is not None and server.proc.poll() is None
     result["shm_files_after_stop"] = _shm_files(cell_id)
-    result["ok"] = (result["num_unexpected"] == 0 and result["agent"]["leaked_blocks"] == 0
-                    and result["agent"]["num_requests"] == 0 and not result["shm_files_after_stop"])
+    last = result.get("after", result)  # with faults, the ledger that counts is the one after the last kill
+    result["ok"] = (result["num_unexpected"] == 0 and last["num_unexpected"] == 0
+                    and last["outcomes"].get("ok", 0) >= 1 and last["agent"]["leaked_blocks"] == 0
+                    and last["agent"]["num_requests"] == 0 and result["stack_running"]
+                    and not result["shm_files_after_stop"])
     write_json(result, args.out)
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=1))
     return 0 if result["ok"] else 1
