@@ -44,6 +44,7 @@ import grpc
 import httpx
 
 from bench.peer import running, tandem_up
+from bench.stack_cpu import ROLES, stack_processes
 from tandem.bench.report import write_json
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
@@ -59,7 +60,7 @@ def _prompt(rng: random.Random) -> str:
 
 
 ROUTER_RESTART_S = 60.0  # a router killed this long ago may still be restarting
-FAULT_ROLES = ("decode_svc", "prefill_svc", "router", "gpu_agent", "redis-server")
+FAULT_ROLES = ROLES  # what --kill picks from: every process of the stack
 
 
 class Faults:
@@ -205,31 +206,6 @@ async def _wait_serving(base_url: str, timeout_s: float) -> float:
             await asyncio.sleep(0.5)
 
 
-def _role_pids(root_pid: int) -> dict[str, list[int]]:
-    """The live processes under ``root_pid`` (``tandem up``) by role (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if stat[0] != "Z":
-            children.setdefault(int(stat[1]), []).append(int(entry.name))
-    found: dict[str, list[int]] = {}
-    todo = list(children.get(root_pid, []))
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        role = next((r for r in FAULT_ROLES if r in commands.get(pid, "")), None)
-        if role is not None:
-            found.setdefault(role, []).append(pid)
-    return found
-
-
 async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until: asyncio.Event, faults: Faults,
                          rng: random.Random) -> None:
     """SIGKILL a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x) until ``until``."""
@@ -240,7 +216,7 @@ async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until:
         except TimeoutError:
             pass
         role = rng.choice(roles)
-        pids = _role_pids(root_pid).get(role, [])
+        pids = [p.pid for p in stack_processes(root_pid) if p.role == role and not p.zombie]
         if not pids:
             print(f"soak: no live {role} to kill (restarting?)", flush=True)
             continue

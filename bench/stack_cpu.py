@@ -18,7 +18,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,11 +29,18 @@ from tandem.bench.report import write_json  # noqa: E402
 ROLES = ("decode_svc", "prefill_svc", "gpu_agent", "router", "redis-server")
 
 
-def stack_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds of ``root_pid``'s descendants, summed per role."""
+class StackProcess(NamedTuple):
+    pid: int
+    role: str  # one of ROLES, else "other"
+    cpu_s: float  # user + system
+    zombie: bool  # dead, not yet reaped
+
+
+def stack_processes(root_pid: int) -> list[StackProcess]:
+    """``root_pid``'s descendants (Linux ``/proc``), each with its role and CPU seconds."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
-    info: dict[int, tuple[str, float]] = {}
+    info: dict[int, tuple[str, float, bool]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -44,15 +51,22 @@ def stack_cpu_s(root_pid: int) -> dict[str, float]:
             continue
         pid, ppid = int(entry.name), int(fields[1])
         children.setdefault(ppid, []).append(pid)
-        info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick)
-    totals: dict[str, float] = {}
+        info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick, fields[0] == "Z")
+    found: list[StackProcess] = []
     todo = list(children.get(root_pid, []))
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        cmd, cpu = info[pid]
-        role = next((r for r in ROLES if r in cmd), "other")
-        totals[role] = totals.get(role, 0.0) + cpu
+        cmd, cpu, zombie = info[pid]
+        found.append(StackProcess(pid, next((r for r in ROLES if r in cmd), "other"), cpu, zombie))
+    return found
+
+
+def stack_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds of ``root_pid``'s descendants, summed per role."""
+    totals: dict[str, float] = {}
+    for process in stack_processes(root_pid):
+        totals[process.role] = totals.get(process.role, 0.0) + process.cpu_s
     return totals
 
 
