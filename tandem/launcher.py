@@ -411,9 +411,7 @@ class Supervisor:
             whole_cell = cell is not None and dead is cell.agent
             what = f"the cell {cell.plan.cell_id}" if whole_cell and cell is not None else dead.name
             if delay_s is None:
-                say(f"{dead.name} exited with code {dead.returncode}, and {what} was already restarted "
-                    f"{dead.budget.num_recent} times within {self.args.restart_window_s:g} s "
-                    f"(--max-restarts {self.args.max_restarts}); giving up: stopping the stack", error=True)
+                self._say_giving_up(dead.name, dead.returncode, what, dead.budget)
                 return EXIT_GAVE_UP
             dead.num_restarts += 1
             say(f"{dead.name} exited with code {dead.returncode}; restarting {what} in {delay_s:.1f} s "
@@ -430,15 +428,18 @@ class Supervisor:
                 break
         return 0
 
+    def _say_giving_up(self, name: str, code: int | None, what: str, budget: RestartBudget) -> None:
+        say(f"{name} exited with code {code}, and {what} was already restarted {budget.num_recent} times within "
+            f"{self.args.restart_window_s:g} s (--max-restarts {self.args.max_restarts}); giving up: stopping the "
+            "stack", error=True)
+
     def restart_redis(self, server: RedisServer) -> bool:
         """Restart the private Redis that died, on its port; False when it is out of restarts.
         A failed start is said and left to the next round (which counts it)."""
         code = server.returncode
         delay_s = self.redis_budget.next_delay_s(time.monotonic())
         if delay_s is None:
-            say(f"redis-server exited with code {code}, and was already restarted {self.redis_budget.num_recent} "
-                f"times within {self.args.restart_window_s:g} s (--max-restarts {self.args.max_restarts}); "
-                "giving up: stopping the stack", error=True)
+            self._say_giving_up("redis-server", code, "redis-server", self.redis_budget)
             return False
         self.redis_restarts += 1
         say(f"redis-server exited with code {code}; restarting it on port {server.port} in {delay_s:.1f} s "
