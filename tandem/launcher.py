@@ -46,6 +46,7 @@ import grpc
 from tandem.deploy import CellPlan, plan_cells, read_file
 from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
+from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
@@ -219,7 +220,7 @@ def wait_channel_ready(address: str, deadline: float, check: Callable[[], None],
     ``check`` (which raises to give up) every ``poll_s``. One readiness future for the whole wait,
     cancelled at its end: a future left behind keeps a thread polling the channel, which then
     fails with "Channel closed" once the channel is."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=READY_PROBE_OPTIONS) as channel:
         ready = grpc.channel_ready_future(channel)
         try:
             while True:
