@@ -168,6 +168,7 @@ class DecodeStreams:
         loop = asyncio.get_running_loop()
         delay_s = self._reconnect_initial_s
         num_failures = 0
+        connected = False  # ever: a router starts beside its services, before they serve
         while True:
             opened_s = loop.time()
             stub = decode_pb2_grpc.DecodeStub(self._channels.get(address))
@@ -178,8 +179,9 @@ class DecodeStreams:
             try:
                 async for batch in call:
                     if num_failures:
-                        log.info("decode stream from %s is back", address)
+                        log.info("decode stream from %s is %s", address, "back" if connected else "open")
                         num_failures = 0
+                    connected = True
                     self.dispatch(address, batch)
                 reason = "ended"
             except grpc.aio.AioRpcError as exc:
@@ -190,9 +192,12 @@ class DecodeStreams:
             finally:
                 call.cancel()
             num_failures += 1
-            # Warn once per outage, not once per retry while a decode service is down.
-            log.log(logging.WARNING if num_failures == 1 else logging.DEBUG,
-                    "decode stream from %s %s; reconnecting", address, reason)
+            if not connected:  # not an outage: the decode service is still starting
+                log.log(logging.INFO if num_failures == 1 else logging.DEBUG,
+                        "decode service at %s not serving yet; connecting", address)
+            else:  # warn once per outage, not once per retry while a decode service is down
+                log.log(logging.WARNING if num_failures == 1 else logging.DEBUG,
+                        "decode stream from %s %s; reconnecting", address, reason)
             if loop.time() - opened_s > self._reconnect_max_s:
                 delay_s = self._reconnect_initial_s  # it was up for a while: a fresh outage
             await asyncio.sleep(delay_s)

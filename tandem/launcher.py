@@ -3,9 +3,10 @@
 With ``--deployment FILE``, the cells placement starts (``tandem.deploy``), each on its share of
 the cores, behind one router that finds every model's services in the registry.
 
-Starts (or uses ``REDIS_URL``) Redis, then each process with ``python -m <package>`` in waves:
-every cell's gpu_agent, then all decode_svc and prefill_svc processes at once, then the router;
-waits until each answers, prints the addresses, and stays in the foreground, supervising:
+Starts (or uses ``REDIS_URL``) Redis, then every process at once with ``python -m <package>``
+(each cell's gpu_agent, decode_svc and prefill_svc, and the router: the services import torch
+while their agent loads the weights, and register once it serves); waits until each answers,
+prints the addresses, and stays in the foreground, supervising:
 
 - a decode, prefill or router process that dies is restarted on its address (decode resumes
   its requests from Redis, the router's clients reconnect);
@@ -341,40 +342,45 @@ class Supervisor:
     def cell_of(self, child: Child) -> CellProcs | None:
         return next((cell for cell in self.cells if child in cell.children), None)
 
-    def _wave(self, child: Child) -> int:
-        """When ``child`` starts among others: the agents (they create what the rest attach
-        to), then every prefill and decode service at once, then the router."""
-        if child is self.router:
-            return 2
+    def _needs(self, child: Child) -> Child | None:
+        """The child ``child`` cannot serve without: a service's cell agent (it registers there)."""
         cell = self.cell_of(child)
-        return 0 if cell is not None and child is cell.agent else 1
+        return cell.agent if cell is not None and child is not cell.agent else None
 
     def start(self, children: list[Child]) -> None:
-        """Start ``children`` and wait until each serves, wave by wave (``_wave``). The services
-        of a wave start together: each spends its start-up (importing torch, packing its copy
-        of the weights) mostly on one core, so a cell's two come up in about the time of one.
-        A child that dies or never serves is stopped (the next round restarts it) and its
-        error raised once the rest of its wave is ready; later waves do not start."""
+        """Start ``children`` all at once and wait until each serves. On few cores that is the
+        quickest start: a service imports torch while its agent loads the weights, and the
+        router while the services pack their copies of them; a service registers once its agent
+        serves (``CellMember.join`` retries until then). A child that dies or never serves is
+        stopped (the next round restarts it), and so, at once, are the services whose agent died
+        (they would wait for it in vain); the first error is raised once the others serve."""
         deadline = time.monotonic() + self.args.ready_timeout_s
-        for wave in sorted({self._wave(c) for c in children}):
-            started = [c for c in children if self._wave(c) == wave]
-            for child in started:
-                child.start()
-            failed: RuntimeError | None = None
-            for child in started:
-                try:
-                    wait_ready(child, deadline, lambda: self.stopping)
-                except RuntimeError as exc:
-                    child.stop()  # dead already, or stuck: either way the next round restarts it
-                    failed = failed or exc
-                    continue
-                pid = child.proc.pid if child.proc else "?"
-                say(f"{child.name} ready at {child.address} (pid {pid})")
-                cell = self.cell_of(child)
-                if cell is not None and child is cell.agent:
-                    say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
-            if failed is not None:
-                raise failed
+        for child in children:
+            child.start()
+        failed: RuntimeError | None = None
+        agents = [c for c in children if self._needs(c) is None and c is not self.router]
+        for child in sorted(children, key=lambda c: (c is self.router, c not in agents)):  # agents first
+            needs = self._needs(child)
+
+            def stopping(needs: Child | None = needs, child: Child = child) -> bool:
+                if needs is not None and not needs.alive():
+                    raise RuntimeError(f"{child.name} cannot register: {needs.name} exited with code "
+                                       f"{needs.returncode}")
+                return self.stopping
+
+            try:
+                wait_ready(child, deadline, stopping)
+            except RuntimeError as exc:
+                child.stop()  # dead already, stuck, or without its agent: the next round restarts it
+                failed = failed or exc
+                continue
+            pid = child.proc.pid if child.proc else "?"
+            say(f"{child.name} ready at {child.address} (pid {pid})")
+            cell = self.cell_of(child)
+            if cell is not None and child is cell.agent:
+                say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
+        if failed is not None:
+            raise failed
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -26,6 +26,7 @@ from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
+from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.tracing import service_client_interceptors
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tandem.service.core_locks import CoreLocks
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.cell")
 T = TypeVar("T")
 RPC_TIMEOUT_S = 10.0
+# How long a joining service waits for its agent: ``tandem up`` starts them together, and the
+# agent serves only once it has loaded the weights (as long as ``tandem up --ready-timeout-s``).
+JOIN_WAIT_S = 300.0
 GPU_SERVICE_THREADS = 4  # torch's host threads in a service of a CUDA cell
 
 
@@ -65,7 +69,11 @@ class CellMember:
         self.address = address
         self.agent_address = agent_address
         self.weight_format = weight_format  # None: the one the agent names for the cell
-        self.channel = grpc.aio.insecure_channel(agent_address, interceptors=service_client_interceptors())
+        # A service starts beside its agent (``tandem up`` starts a cell's processes at once), and
+        # a restarted agent listens again on the same address: either way the service should see
+        # it within a second, not after gRPC's default reconnect backoff.
+        self.channel = grpc.aio.insecure_channel(agent_address, interceptors=service_client_interceptors(),
+                                                 options=RECONNECT_OPTIONS)
         self.agent = agent_pb2_grpc.GpuAgentStub(self.channel)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{service_id}")
         self.partition = common_pb2.Partition()
@@ -94,8 +102,9 @@ class CellMember:
         p = self.partition
         return list(p.prefill_units if self.role == agent_pb2.ROLE_PREFILL else p.decode_units)
 
-    async def join(self, wait_s: float = 120.0) -> ModelRunner:
-        """Register (retrying while the agent starts), attach shared state, build the runner."""
+    async def join(self, wait_s: float = JOIN_WAIT_S) -> ModelRunner:
+        """Register (retrying while the agent starts: it may be loading the weights), attach
+        shared state, build the runner."""
         request = agent_pb2.RegisterRequest(service_id=self.service_id, role=self.role, address=self.address,
                                             model=self.model)
         deadline = asyncio.get_running_loop().time() + wait_s

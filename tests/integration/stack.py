@@ -95,12 +95,10 @@ class Stack:
         self.redis = RedisServer().start()
         names = ("gpu_agent", "prefill_svc", "decode_svc", "router")
         self.ports.update(zip(names, free_ports(len(names), exclude={self.redis.port}), strict=True))
-        self.start_process("gpu_agent")
-        # decode and prefill together, as `tandem up` starts a cell's services
-        offsets = {name: self.spawn(name) for name in ("decode_svc", "prefill_svc")}
+        # all at once, as `tandem up` starts a stack: the services register once the agent serves
+        offsets = {name: self.spawn(name) for name in ("gpu_agent", "decode_svc", "prefill_svc", "router")}
         for name, offset in offsets.items():
             self.wait_ready(name, 120.0, offset)
-        self.start_process("router")
         return self
 
     def __enter__(self) -> Stack:
@@ -148,6 +146,9 @@ class Stack:
         def check() -> None:
             if self.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited: {self.logs(name)[-3000:]}")
+            agent = self.procs.get("gpu_agent")
+            if name in ("prefill_svc", "decode_svc") and agent is not None and agent.poll() is not None:
+                raise RuntimeError(f"{name} cannot register: gpu_agent exited: {self.logs('gpu_agent')[-3000:]}")
 
         if not wait_channel_ready(self.address(name), deadline, check):
             raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}")
