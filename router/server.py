@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.router")
 
+DISCOVERY_WAITING_S = 0.2  # how often the registry is re-read while a model lacks a service
+
 
 class AgentLoad:
     """The agent's entry on the Redis load board (the partition in force, the KV pool)."""
@@ -123,9 +125,14 @@ class RunningRouter:
         await self.server.start()
 
     async def _discover(self) -> None:
-        """Re-read the sources every ``discovery_interval_s`` (registry sources only)."""
+        """Re-read the sources every ``discovery_interval_s`` (registry sources only), and every
+        ``DISCOVERY_WAITING_S`` while a model has no prefill or no decode service known: a
+        router starts beside its services (``tandem up``), which announce themselves once they
+        serve, and it should route to them at once."""
         while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
+            missing = any(not core.upstream.known_prefill or not core.upstream.streams.addresses
+                          for core in self.models)
+            await asyncio.sleep(DISCOVERY_WAITING_S if missing else self.config.discovery_interval_s)
             await self.refresh_upstreams()
 
     async def stop(self, grace_s: float = 1.0) -> None:

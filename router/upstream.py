@@ -98,6 +98,11 @@ class Upstream:
         self._next_prefill = itertools.count()
         self._background: set[asyncio.Task[None]] = set()
 
+    @property
+    def known_prefill(self) -> tuple[str, ...]:
+        """The prefill services this router routes to (from its flags or the registry)."""
+        return self._prefill_addresses
+
     def set_upstreams(self, upstreams: Upstreams) -> None:
         if upstreams.prefill != self._prefill_addresses or upstreams.decode != self.streams.addresses:
             log.info("upstreams: prefill %s, decode %s",
