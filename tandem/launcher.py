@@ -216,24 +216,53 @@ def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lam
         raise RuntimeError(f"{child.name} did not come up at {child.address} in time")
 
 
-def wait_channel_ready(address: str, deadline: float, check: Callable[[], None], poll_s: float = 0.5) -> bool:
-    """Whether a gRPC channel to ``address`` became ready before ``deadline`` (monotonic), calling
-    ``check`` (which raises to give up) every ``poll_s``. One readiness future for the whole wait,
-    cancelled at its end: a future left behind keeps a thread polling the channel, which then
-    fails with "Channel closed" once the channel is."""
+# A method no server has: its answer (UNIMPLEMENTED, or an auth error) says a server is there.
+PROBE_METHOD = "/tandem.launcher.Probe/Ready"
+_NOT_THERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def wait_channel_ready(address: str, deadline: float, check: Callable[[], None], poll_s: float = 0.05) -> bool:
+    """Whether a gRPC server at ``address`` answered before ``deadline`` (monotonic), calling
+    ``check`` (which raises to give up) before each try. A try is one call of ``PROBE_METHOD``
+    (the channel reconnects every 50-250 ms between them), so no thread is left watching the
+    channel: ``grpc.channel_ready_future``'s did, and it failed with "Channel closed" in the
+    background when a wait that gave up (``check`` raised) closed its channel."""
     with grpc.insecure_channel(address, options=READY_PROBE_OPTIONS) as channel:
-        ready = grpc.channel_ready_future(channel)
-        try:
-            while True:
-                check()
-                try:
-                    ready.result(timeout=poll_s)
+        probe = channel.unary_unary(PROBE_METHOD)
+        while True:
+            check()
+            try:
+                probe(b"", timeout=1.0)
+                return True
+            except grpc.RpcError as exc:
+                if exc.code() not in _NOT_THERE:  # type: ignore[attr-defined]
                     return True
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        return False
-        finally:
-            ready.cancel()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+
+
+def wait_router_serving(address: str, deadline: float, check: Callable[[], None], poll_s: float = 0.1) -> None:
+    """Block until the router at ``address`` says it is ready (its gRPC Health: every model it
+    serves has a prefill and a decode service it can reach); raise once ``deadline`` (monotonic)
+    passes, with what it said last. ``check`` is called every poll and raises to give up."""
+    from tandem.rpc.v1 import router_pb2, router_pb2_grpc
+
+    detail = "no answer"
+    with grpc.insecure_channel(address, options=READY_PROBE_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        while True:
+            check()
+            try:
+                reply = stub.Health(router_pb2.HealthRequest(), timeout=5)
+                if reply.ready:
+                    return
+                detail = reply.detail
+            except grpc.RpcError as exc:
+                detail = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router at {address} is not ready: {detail}")
+            time.sleep(poll_s)
 
 
 @dataclass
@@ -381,6 +410,20 @@ class Supervisor:
                 say(f"{child.name}'s shared memory: {SHM_DIR}/tandem-{cell.shm_prefix}-*")
         if failed is not None:
             raise failed
+
+    def wait_serving(self) -> None:
+        """Once every process serves: wait until the router has found the services of every
+        model it serves (from the registry, for several models or cells), so that "serving"
+        means a request is routed."""
+        router = self.router
+
+        def check() -> None:
+            if self.stopping:
+                raise StackStopping
+            if not router.alive():
+                raise RuntimeError(f"{router.name} exited with code {router.returncode}")
+
+        wait_router_serving(self.router_addr, time.monotonic() + self.args.ready_timeout_s, check)
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -538,6 +581,7 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         supervisor.start(supervisor.children)
+        supervisor.wait_serving()
         http_url = f"http://{args.host}:{args.port}"
         say(f"serving {', '.join(supervisor.served_names)}; HTTP at {http_url} (OpenAI-compatible, {http_url}/v1), "
             f"gRPC at {supervisor.router_addr}. Ctrl-C stops.")
