@@ -130,8 +130,7 @@ class RunningRouter:
         router starts beside its services (``tandem up``), which announce themselves once they
         serve, and it should route to them at once."""
         while True:
-            missing = any(not core.upstream.known_prefill or not core.upstream.streams.addresses
-                          for core in self.models)
+            missing = not all(core.upstream.knows_both for core in self.models)
             await asyncio.sleep(DISCOVERY_WAITING_S if missing else self.config.discovery_interval_s)
             await self.refresh_upstreams()
 

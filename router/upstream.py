@@ -99,9 +99,10 @@ class Upstream:
         self._background: set[asyncio.Task[None]] = set()
 
     @property
-    def known_prefill(self) -> tuple[str, ...]:
-        """The prefill services this router routes to (from its flags or the registry)."""
-        return self._prefill_addresses
+    def knows_both(self) -> bool:
+        """Whether a prefill and a decode service are known (from the flags or the registry):
+        without, ``pick_prefill`` refuses every request."""
+        return bool(self._prefill_addresses and self.streams.addresses)
 
     def set_upstreams(self, upstreams: Upstreams) -> None:
         if upstreams.prefill != self._prefill_addresses or upstreams.decode != self.streams.addresses:

@@ -204,15 +204,21 @@ def say(message: str, error: bool = False) -> None:
     print(f"tandem up: {message}", file=sys.stderr if error else sys.stdout, flush=True)
 
 
-def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False) -> None:
-    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out."""
+def child_check(child: Child, stopping: Callable[[], bool]) -> Callable[[], None]:
+    """A wait's ``check`` for ``child``: StackStopping once ``stopping()``, RuntimeError once
+    ``child`` has died."""
     def check() -> None:
         if stopping():
             raise StackStopping
         if not child.alive():
             raise RuntimeError(f"{child.name} exited with code {child.returncode}")
 
-    if not wait_channel_ready(child.address, deadline, check):
+    return check
+
+
+def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False) -> None:
+    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out."""
+    if not wait_channel_ready(child.address, deadline, child_check(child, stopping)):
         raise RuntimeError(f"{child.name} did not come up at {child.address} in time")
 
 
@@ -387,8 +393,8 @@ class Supervisor:
         for child in children:
             child.start()
         failed: RuntimeError | None = None
-        agents = [c for c in children if self._needs(c) is None and c is not self.router]
-        for child in sorted(children, key=lambda c: (c is self.router, c not in agents)):  # agents first
+        # agents first, then the services, then the router
+        for child in sorted(children, key=lambda c: (c is self.router, self._needs(c) is not None)):
             needs = self._needs(child)
 
             def stopping(needs: Child | None = needs, child: Child = child) -> bool:
@@ -415,15 +421,8 @@ class Supervisor:
         """Once every process serves: wait until the router has found the services of every
         model it serves (from the registry, for several models or cells), so that "serving"
         means a request is routed."""
-        router = self.router
-
-        def check() -> None:
-            if self.stopping:
-                raise StackStopping
-            if not router.alive():
-                raise RuntimeError(f"{router.name} exited with code {router.returncode}")
-
-        wait_router_serving(self.router_addr, time.monotonic() + self.args.ready_timeout_s, check)
+        wait_router_serving(self.router_addr, time.monotonic() + self.args.ready_timeout_s,
+                            child_check(self.router, lambda: self.stopping))
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
