@@ -95,10 +95,13 @@ class Stack:
         self.redis = RedisServer().start()
         names = ("gpu_agent", "prefill_svc", "decode_svc", "router")
         self.ports.update(zip(names, free_ports(len(names), exclude={self.redis.port}), strict=True))
-        # all at once, as `tandem up` starts a stack: the services register once the agent serves
-        offsets = {name: self.spawn(name) for name in ("gpu_agent", "decode_svc", "prefill_svc", "router")}
+        # the agent and the services at once (the services register once the agent serves), then
+        # the router: a router up before decode opened its stream to it only after decode served,
+        # and cancelled as unread the first requests' tokens decode had queued for it meanwhile
+        offsets = {name: self.spawn(name) for name in ("gpu_agent", "decode_svc", "prefill_svc")}
         for name, offset in offsets.items():
             self.wait_ready(name, 120.0, offset)
+        self.start_process("router")
         return self
 
     def __enter__(self) -> Stack:
