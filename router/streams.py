@@ -38,7 +38,8 @@ class DecodeStreams:
     - a stream that fails or ends is reopened after a backoff (doubling from
       ``reconnect_initial_s`` up to ``reconnect_max_s``) until ``close`` or until its address
       is removed by ``set_addresses``; requests are not told, their stall timeout covers a
-      decode service that does not come back;
+      decode service that does not come back; ``open_addresses`` names the streams open now
+      (the router's readiness: a decode service whose stream is not open cannot deliver);
     - every (re)open names the registered requests whose final update has not arrived, with
       the tokens received of each (``awaiting``): what a stream wrote but never delivered
       before it broke, or before its decode service died, is sent again (a decode service
@@ -51,6 +52,8 @@ class DecodeStreams:
 
     # Orphan ids remembered, so a runaway request is cancelled once and not once per step.
     MAX_REMEMBERED_ORPHANS = 4096
+    # Longest wait between tries of a decode service never reached yet (it is starting).
+    STARTING_RETRY_MAX_S = 0.2
 
     def __init__(
         self,
@@ -75,12 +78,18 @@ class DecodeStreams:
         self._retired: set[asyncio.Task[None]] = set()
         self._orphans: OrderedDict[str, None] = OrderedDict()
         self._num_batches: dict[str, int] = {}
+        self._open: set[str] = set()  # addresses whose stream is open now (its first batch came)
         self._closed = False
 
     @property
     def addresses(self) -> tuple[str, ...]:
         """Decode addresses with a stream task, in the order they were added."""
         return tuple(self._tasks)
+
+    @property
+    def open_addresses(self) -> tuple[str, ...]:
+        """Decode addresses whose stream is open now: their tokens reach this router."""
+        return tuple(a for a in self._tasks if a in self._open)
 
     @property
     def num_registered(self) -> int:
@@ -103,6 +112,7 @@ class DecodeStreams:
                 self._retired.add(task)
                 task.add_done_callback(self._retired.discard)
                 self._num_batches.pop(address, None)
+                self._open.discard(address)
         for address in wanted:
             if address not in self._tasks:
                 self._tasks[address] = asyncio.get_running_loop().create_task(
@@ -178,6 +188,7 @@ class DecodeStreams:
                                                         stall_timeout_s=self._stall_timeout_s))
             try:
                 async for batch in call:
+                    self._open.add(address)
                     if num_failures:
                         log.info("decode stream from %s is %s", address, "back" if connected else "open")
                         num_failures = 0
@@ -191,6 +202,8 @@ class DecodeStreams:
                 reason = "failed (unexpected error)"
             finally:
                 call.cancel()
+                if self._tasks.get(address) in (None, asyncio.current_task()):  # not a successor's
+                    self._open.discard(address)
             num_failures += 1
             if not connected:  # not an outage: the decode service is still starting
                 log.log(logging.INFO if num_failures == 1 else logging.DEBUG,
@@ -201,4 +214,5 @@ class DecodeStreams:
             if loop.time() - opened_s > self._reconnect_max_s:
                 delay_s = self._reconnect_initial_s  # it was up for a while: a fresh outage
             await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self._reconnect_max_s)
+            # A decode service still starting is tried often: the stack serves once this opens.
+            delay_s = min(delay_s * 2, self._reconnect_max_s if connected else self.STARTING_RETRY_MAX_S)

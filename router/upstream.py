@@ -195,16 +195,19 @@ class Upstream:
     # Readiness --------------------------------------------------------------------------------
 
     async def readiness(self) -> Readiness:
-        """Ready when at least one prefill and one decode service are known and accept a
-        connection within HEALTH_PROBE_TIMEOUT_S."""
+        """Ready when a prefill service accepts a connection within HEALTH_PROBE_TIMEOUT_S and
+        a decode service's token stream is open: a router started beside its services opens it
+        only once decode serves, and a request decoded before that had no way to its client."""
         prefill, decode = self._prefill_addresses, self.streams.addresses
-        prefill_ok, decode_ok = await asyncio.gather(self._any_reachable(prefill), self._any_reachable(decode))
+        prefill_ok = await self._any_reachable(prefill)
+        decode_ok = bool(self.streams.open_addresses)
         problems: list[str] = []
-        for role, addresses, ok in (("prefill", prefill, prefill_ok), ("decode", decode, decode_ok)):
+        for role, addresses, ok, what in (("prefill", prefill, prefill_ok, "reachable"),
+                                          ("decode", decode, decode_ok, "streaming to this router")):
             if not addresses:
                 problems.append(f"no {role} service known")
             elif not ok:
-                problems.append(f"no {role} service reachable ({', '.join(addresses)})")
+                problems.append(f"no {role} service {what} ({', '.join(addresses)})")
         if problems:
             return Readiness(False, "; ".join(problems))
         return Readiness(True, f"prefill {', '.join(prefill)}; decode {', '.join(decode)}")

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.launcher import wait_channel_ready
+from tandem.launcher import wait_channel_ready, wait_router_serving
 from tandem.service.runtime import free_ports
 from tandem.state.redis_server import RedisServer
 from tests.tiny_models import write_tiny_model
@@ -95,13 +95,11 @@ class Stack:
         self.redis = RedisServer().start()
         names = ("gpu_agent", "prefill_svc", "decode_svc", "router")
         self.ports.update(zip(names, free_ports(len(names), exclude={self.redis.port}), strict=True))
-        # the agent and the services at once (the services register once the agent serves), then
-        # the router: a router up before decode opened its stream to it only after decode served,
-        # and cancelled as unread the first requests' tokens decode had queued for it meanwhile
-        offsets = {name: self.spawn(name) for name in ("gpu_agent", "decode_svc", "prefill_svc")}
+        # all at once, as tandem up starts them: the services register once the agent serves,
+        # and the router is ready once its stream to decode is open (what its Health says)
+        offsets = {name: self.spawn(name) for name in names}
         for name, offset in offsets.items():
             self.wait_ready(name, 120.0, offset)
-        self.start_process("router")
         return self
 
     def __enter__(self) -> Stack:
@@ -157,6 +155,8 @@ class Stack:
             raise RuntimeError(f"{name} not ready: {self.logs(name)[-3000:]}")
         if name in ("prefill_svc", "decode_svc", "router"):
             self.wait_log(name, "ready at", timeout_s, log_offset)
+        if name == "router":
+            wait_router_serving(self.address(name), deadline, check)
 
     def wait_log(self, name: str, text: str, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -109,10 +110,13 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
-    """Streams whatever the test ``emit``s to the router whose id it is given."""
+    """Streams whatever the test ``emit``s to the router whose id it is given, after the empty
+    batch a real decode service sends first; a test may hold that batch back (``opening``)."""
 
     def __init__(self) -> None:
         self.streams: dict[str, asyncio.Queue[decode_pb2.TokenBatch]] = {}
+        self.opening = asyncio.Event()
+        self.opening.set()
         self.stream_opened = asyncio.Event()
         self.opened: list[decode_pb2.StreamRequest] = []
         self.cancelled: list[str] = []
@@ -124,6 +128,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.opened.append(request)
         self.streams[request.router_id] = queue
         self.stream_opened.set()
+        await self.opening.wait()
+        yield decode_pb2.TokenBatch(step=self._step)
         while True:
             yield await queue.get()
 
@@ -191,12 +197,22 @@ async def stack(model_dir: Path, *, prefill_up: bool = True, **overrides: Any) -
     channel = grpc.aio.insecure_channel(router.address)
     try:
         await asyncio.wait_for(decode.stream_opened.wait(), 10)
-        yield Stack(router, router_pb2_grpc.RouterStub(channel), prefill, decode, decode_address, servers)
+        client = router_pb2_grpc.RouterStub(channel)
+        await wait_stream_open(client)
+        yield Stack(router, client, prefill, decode, decode_address, servers)
     finally:
         await channel.close()
         await router.stop(grace_s=0.5)
         for server in servers:
             await server.stop(0)
+
+
+async def wait_stream_open(client: router_pb2_grpc.RouterStub, timeout_s: float = 10.0) -> None:
+    """Until the router's Health no longer says that decode's stream is not open."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while "decode service streaming" in (await client.Health(router_pb2.HealthRequest(), timeout=5)).detail:
+        assert asyncio.get_running_loop().time() < deadline, "the router's decode stream did not open"
+        await asyncio.sleep(0.02)
 
 
 async def generate(client: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest) -> list[router_pb2.GenerateResponse]:
@@ -522,6 +538,33 @@ def test_list_models_and_health(model_dir: Path) -> None:
             assert [(m.id, m.max_context) for m in models.models] == [(model_dir.name, CONTEXT_LENGTH)]
             health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
             assert health.live and health.ready, health.detail
+
+    run(body())
+
+
+def test_not_ready_until_the_decode_stream_is_open(model_dir: Path) -> None:
+    """A router started beside its services is ready only once decode's token stream is open:
+    a request decoded before that had its tokens taken for an unread request's and cancelled."""
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
+            assert health.ready, health.detail
+            # decode goes away, and its stream is held when it comes back
+            s.decode.opening.clear()
+            s.decode.stream_opened.clear()
+            await s.servers[-1].stop(0)
+            server, _ = await start_server(s.decode, decode_pb2_grpc.add_DecodeServicer_to_server,
+                                           port=int(s.decode_address.rsplit(":", 1)[1]))
+            s.servers.append(server)
+            await asyncio.wait_for(s.decode.stream_opened.wait(), 10)
+            for _ in range(random.randint(1, 4)):
+                health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
+                assert health.live and not health.ready and "decode service streaming" in health.detail, health.detail
+                await asyncio.sleep(random.uniform(0.0, 0.2))
+            s.decode.opening.set()
+            await wait_stream_open(s.client, 5)
+            health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
+            assert health.ready, health.detail
 
     run(body())
 
