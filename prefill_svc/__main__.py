@@ -41,9 +41,11 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     try:
         async with announce(config.redis_url, "prefill", member.cell_id, config.announced_address, config.service_id,
                             extra={"model": member.model}):
-            log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
-                     config.service_id, address, os.getpid(), member.cell_id, member.units,
-                     runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)
+            weights = (f"weights {runner.model.weight_format.value} (private copy "
+                       f"{runner.model.derived_weight_bytes / 2**20:.0f} MiB)" if member.computes else
+                       "no weight copy of its own (the cell's policy never splits: decode computes every prompt)")
+            log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, %s", config.service_id, address,
+                     os.getpid(), member.cell_id, member.units, weights)
             await stop.wait()
     finally:
         await server.stop(grace=1.0)

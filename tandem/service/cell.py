@@ -69,6 +69,7 @@ class CellMember:
         self.address = address
         self.agent_address = agent_address
         self.weight_format = weight_format  # None: the one the agent names for the cell
+        self.computes = True  # False: a prefill service of a cell that never splits (set at join)
         # A service starts beside its agent (``tandem up`` starts a cell's processes at once), and
         # a restarted agent listens again on the same address: either way the service should see
         # it within a second, not after gRPC's default reconnect backoff.
@@ -147,6 +148,11 @@ class CellMember:
             self._stores = [store] + ([pool.store] if pool.store is not None else [])
             self._core_locks = CoreLocks()
         fmt = self.weight_format or WeightFormat.parse(reply.weight_format or "fp32")
+        # A prefill service of a cell that never splits forwards every prompt to decode: it
+        # reads the shared weights as they are (no private copy, no warm-up) should it ever run one.
+        self.computes = not (reply.aggregated_only and self.role == agent_pb2.ROLE_PREFILL)
+        if not self.computes:
+            fmt = WeightFormat.FP32
         attention = "torch"
         if pool.tensor.device.type == "cuda":
             from tandem.cuda.graphs import resolve_graph_attention
@@ -156,7 +162,8 @@ class CellMember:
             log.info("%s: steps run op by op attend with %s (--cuda-eager-attention %s: %s)", self.service_id,
                      attention, self.eager_attention, why)
         model = build_model(self.model_dir, config, weights, attention, fmt)
-        warm_up(model)  # before the service says it is ready, not on its first request
+        if self.computes:
+            warm_up(model)  # before the service says it is ready, not on its first request
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":
             runner.host_logits = True  # the services sample on the host

@@ -301,6 +301,25 @@ def test_decode_killed_before_forwarded_prompts_first_tokens_computes_them_again
     _check_complete(engine, work, asyncio.run(run()), seed)
 
 
+def _private_mib(pid: int) -> float:
+    """The process's private memory (clean and dirty), from the kernel's smaps rollup."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1024
+
+
+def test_a_prefill_service_that_never_computes_builds_no_weight_copy(aggregated_stack: Stack,
+                                                                      split_stack: Stack) -> None:
+    """Under chunked (never split) prefill_svc only forwards prompts, so it keeps no private copy
+    of the weights: a split cell's prefill_svc holds one (the format's packed weights)."""
+    copy = re.search(r"private copy (\d+) MiB", split_stack.logs("prefill_svc"))
+    assert copy and int(copy.group(1)) > 0, split_stack.logs("prefill_svc")[-2000:]
+    assert "no weight copy of its own" in aggregated_stack.logs("prefill_svc")
+    split_mib = _private_mib(split_stack.procs["prefill_svc"].pid)
+    aggregated_mib = _private_mib(aggregated_stack.procs["prefill_svc"].pid)
+    print(f"prefill_svc private memory: split {split_mib:.0f} MiB, aggregated {aggregated_mib:.0f} MiB")
+    assert split_mib - aggregated_mib > 0.8 * int(copy.group(1)), (split_mib, aggregated_mib)
+
+
 def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_blocks(split_stack: Stack) -> None:
     """Split mode: prefill_svc dies while it computes prompts; the agent takes their blocks back
     when its lease ends, and the clients get a clear error."""
