@@ -311,6 +311,7 @@ def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, m
     cannot end the gathering early.)"""
     rng = random.Random(seed)
     monkeypatch.setattr(decode_server, "GATHER_QUIET_S", 0.1)
+    monkeypatch.setattr(decode_server, "GATHER_WAVE_QUIET_S", 0.1)
     monkeypatch.setattr(decode_server, "GATHER_MAX_S", 0.4)
 
     async def main() -> None:
@@ -336,5 +337,38 @@ def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, m
         waited = loop.time() - started
         sender.cancel()
         assert 0.39 <= waited < 2.0 and len(worker.prefilling) > 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone prompt at an idle decode_svc waits GATHER_QUIET_S; once a second has come, gaps up
+    to GATHER_WAVE_QUIET_S still gather (a router on busy cores passes a wave on with gaps of
+    tens of ms), until GATHER_MAX_S. (Periods lengthened so late timers cannot decide.)"""
+    rng = random.Random(seed)
+    monkeypatch.setattr(decode_server, "GATHER_QUIET_S", 0.05)
+    monkeypatch.setattr(decode_server, "GATHER_WAVE_QUIET_S", 0.3)
+    monkeypatch.setattr(decode_server, "GATHER_MAX_S", 2.0)
+
+    async def main() -> None:
+        worker = _worker([])
+        loop = asyncio.get_running_loop()
+
+        async def arrive(gaps: list[float]) -> None:
+            for gap in gaps:
+                await asyncio.sleep(gap)
+                worker.prefilling.append(object())  # type: ignore[arg-type]
+
+        worker.prefilling = [object()]  # type: ignore[list-item]
+        started = loop.time()
+        await worker._gather_arrivals()
+        assert loop.time() - started < 0.25  # alone: the short quiet, not the wave's
+        # a second within the short quiet, then gaps past it but within the wave's
+        gaps = [rng.uniform(0.0, 0.02)] + [rng.uniform(0.1, 0.15) for _ in range(rng.randint(1, 4))]
+        worker.prefilling = [object()]  # type: ignore[list-item]
+        sender = loop.create_task(arrive(gaps))
+        await worker._gather_arrivals()
+        assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
 
     asyncio.run(main())
