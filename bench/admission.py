@@ -15,7 +15,7 @@ counts the wait. Requests are paired by their index in the load:
 - an **admitted miss** is a request A admitted and served outside the SLO.
 Both are reported per load, as shares of all requests and of the refused / admitted ones.
 
-Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4]
+Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4] [--sharegpt-concurrency 8]
                                  [--out bench/results/admission.json] [--tandem-args ARG...]
        python bench/admission.py --judge EARLIER.json --out NEW.json   (judge again, run nothing)
 """
@@ -125,10 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p = parser.add_argument
-    p("--rate", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="Poisson rates, req/s (ShareGPT lengths)")
-    p("--concurrency", type=int, nargs="+", default=[8, 16])
+    p("--rate", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="Poisson rates, req/s (ShareGPT lengths)")
+    p("--concurrency", type=int, nargs="*", default=[8, 16])
     p("--num-requests", type=int, default=60, help="requests per rate")
     p("--rounds", type=int, default=4, help="requests per slot at each concurrency")
+    p("--sharegpt-concurrency", type=int, nargs="*", default=[],
+      help="closed loops of ShareGPT lengths (short and long prompts mixed) at these concurrencies, from a cold "
+           "stack when first: what the fixed chats do not show")
     p("--ttft-slo-ms", type=float, default=2000.0)
     p("--tbt-slo-ms", type=float, default=200.0)
     p("--retries-429", type=int, default=2,
@@ -167,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as es:
         for server in (on, off):
             es.enter_context(running(server, args.ready_timeout_s))
-        results = [run_bench([*common, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
+        sharegpt = ["--workload", "sharegpt", "--max-input-len", "512", "--max-output-len", "128"]
+        results = [run_bench([*common, *sharegpt, "--concurrency", str(c), "--num-requests", str(args.rounds * c),
+                              "--seed", str(args.seed + 100 + i)])
+                   for i, c in enumerate(args.sharegpt_concurrency)]
+        results += [run_bench([*common, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
                               "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
                               "--num-requests", str(args.rounds * c), "--seed", str(args.seed + 1 + i)])
                    for i, c in enumerate(args.concurrency)]
         if args.rate:
-            results.append(run_bench([*common, "--workload", "sharegpt", "--max-input-len", "512",
-                                      "--max-output-len", "128", "--rate", *map(str, args.rate),
+            results.append(run_bench([*common, *sharegpt, "--rate", *map(str, args.rate),
                                       "--num-requests", str(args.num_requests), "--seed", str(args.seed)]))
     rows = [row for result in results for row in judge_result(result)]
     table = markdown(rows)
