@@ -303,6 +303,14 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
     asyncio.run(main())
 
 
+async def _arrive(worker: DecodeWorker, gaps: list[float]) -> None:
+    """A prompt reaches ``worker`` after each of ``gaps`` seconds (a stand-in: the gathering
+    counts them only)."""
+    for gap in gaps:
+        await asyncio.sleep(gap)
+        worker.prefilling.append(object())  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle decode_svc's first step waits until no prompt has come for GATHER_QUIET_S (at most
@@ -318,20 +326,15 @@ def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, m
         worker = _worker([])
         loop = asyncio.get_running_loop()
 
-        async def arrive(gaps: list[float]) -> None:
-            for gap in gaps:
-                await asyncio.sleep(gap)
-                worker.prefilling.append(object())  # type: ignore[arg-type]
-
         # Arrivals closer together than the quiet period, then silence: all gathered.
         gaps = [rng.uniform(0.0, 0.01) for _ in range(rng.randint(1, 6))]
         worker.prefilling = [object()]  # type: ignore[list-item]
-        sender = loop.create_task(arrive(gaps))
+        sender = loop.create_task(_arrive(worker, gaps))
         await worker._gather_arrivals()
         assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
         # Arrivals that never stop: the step starts after GATHER_MAX_S anyway.
         worker.prefilling = [object()]  # type: ignore[list-item]
-        sender = loop.create_task(arrive([0.01] * 10_000))
+        sender = loop.create_task(_arrive(worker, [0.01] * 10_000))
         started = loop.time()
         await worker._gather_arrivals()
         waited = loop.time() - started
@@ -355,11 +358,6 @@ def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatc
         worker = _worker([])
         loop = asyncio.get_running_loop()
 
-        async def arrive(gaps: list[float]) -> None:
-            for gap in gaps:
-                await asyncio.sleep(gap)
-                worker.prefilling.append(object())  # type: ignore[arg-type]
-
         worker.prefilling = [object()]  # type: ignore[list-item]
         started = loop.time()
         await worker._gather_arrivals()
@@ -367,7 +365,7 @@ def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatc
         # a second within the short quiet, then gaps past it but within the wave's
         gaps = [rng.uniform(0.0, 0.02)] + [rng.uniform(0.1, 0.15) for _ in range(rng.randint(1, 4))]
         worker.prefilling = [object()]  # type: ignore[list-item]
-        sender = loop.create_task(arrive(gaps))
+        sender = loop.create_task(_arrive(worker, gaps))
         await worker._gather_arrivals()
         assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
 
