@@ -255,7 +255,7 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
         reports: list[int] = []
         worker._report_load = lambda: reports.append(len(worker.running))  # type: ignore[method-assign]
         worker.member.partition = _partition(rng.randint(300, 2000), False, 5)  # type: ignore[attr-defined]
-        worker.config.chunk_order = "edf"  # type: ignore[attr-defined]
+        worker.config.chunk_order = "edf"  # type: ignore[misc]  # a stand-in config
         worker._prompt_rate = 0.0
         worker._new_partition = asyncio.Event()
         worker._waited_epoch = -1
