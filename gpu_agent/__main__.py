@@ -53,7 +53,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     started = time.perf_counter()
     cell = await asyncio.to_thread(build_state, config)
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
-    if config.policy == "chunked":
+    if config.never_splits:
         # Aggregated from the start, so no request is prefilled apart before the first decision.
         initial = common_pb2.Partition(epoch=1, decode_units=cores, decode_lookahead=1, policy="chunked",
                                        aggregated=True)

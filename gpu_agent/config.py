@@ -87,6 +87,12 @@ class AgentConfig:
         "(split decisions)", type=parse_bool))
 
     @property
+    def never_splits(self) -> bool:
+        """The policy keeps the cell aggregated from the start (chunked): decode computes every
+        prompt, and prefill_svc only forwards them."""
+        return self.policy == "chunked"
+
+    @property
     def shm_prefix(self) -> str:
         """The prefix of every shared-memory store this incarnation creates."""
         return f"{self.cell_id}-{self.instance_id}"

@@ -99,7 +99,7 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             dtype=model.dtype,
             weight_format=model.weight_format.value,
             model=model.name,
-            aggregated_only=self.config.policy == "chunked",
+            aggregated_only=self.config.never_splits,
         )
 
     async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802
