@@ -311,6 +311,15 @@ async def _arrive(worker: DecodeWorker, gaps: list[float]) -> None:
         worker.prefilling.append(object())  # type: ignore[arg-type]
 
 
+async def _gathers_all(worker: DecodeWorker, gaps: list[float]) -> bool:
+    """Whether an idle ``worker``'s gathering, started on one prompt, takes in every prompt that
+    comes after each of ``gaps`` seconds and ends only after the last."""
+    worker.prefilling = [object()]  # type: ignore[list-item]
+    sender = asyncio.get_running_loop().create_task(_arrive(worker, gaps))
+    await worker._gather_arrivals()
+    return len(worker.prefilling) == 1 + len(gaps) and sender.done()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle decode_svc's first step waits until no prompt has come for GATHER_QUIET_S (at most
@@ -327,11 +336,7 @@ def test_prompts_reaching_an_idle_decode_are_gathered_into_one_step(seed: int, m
         loop = asyncio.get_running_loop()
 
         # Arrivals closer together than the quiet period, then silence: all gathered.
-        gaps = [rng.uniform(0.0, 0.01) for _ in range(rng.randint(1, 6))]
-        worker.prefilling = [object()]  # type: ignore[list-item]
-        sender = loop.create_task(_arrive(worker, gaps))
-        await worker._gather_arrivals()
-        assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
+        assert await _gathers_all(worker, [rng.uniform(0.0, 0.01) for _ in range(rng.randint(1, 6))])
         # Arrivals that never stop: the step starts after GATHER_MAX_S anyway.
         worker.prefilling = [object()]  # type: ignore[list-item]
         sender = loop.create_task(_arrive(worker, [0.01] * 10_000))
@@ -363,10 +368,7 @@ def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatc
         await worker._gather_arrivals()
         assert loop.time() - started < 0.25  # alone: the short quiet, not the wave's
         # a second within the short quiet, then gaps past it but within the wave's
-        gaps = [rng.uniform(0.0, 0.02)] + [rng.uniform(0.1, 0.15) for _ in range(rng.randint(1, 4))]
-        worker.prefilling = [object()]  # type: ignore[list-item]
-        sender = loop.create_task(_arrive(worker, gaps))
-        await worker._gather_arrivals()
-        assert len(worker.prefilling) == 1 + len(gaps) and sender.done()
+        assert await _gathers_all(worker, [rng.uniform(0.0, 0.02)] + [rng.uniform(0.1, 0.15)
+                                                                     for _ in range(rng.randint(1, 4))])
 
     asyncio.run(main())
