@@ -1,6 +1,7 @@
-"""Ports for Tandem's services: a set of free ports has no port twice, and a Tandem gRPC server
-owns its port (a second server on it fails to bind instead of sharing the connections, as
-gRPC's default SO_REUSEPORT lets it; a CI run saw a router and a decode_svc on one port)."""
+"""Ports for Tandem's services: a set of free ports has no port twice and none that the kernel may
+give an outgoing connection, and a Tandem gRPC server owns its port (a second server on it fails to
+bind instead of sharing the connections, as gRPC's default SO_REUSEPORT lets it; a CI run saw a
+router and a decode_svc on one port)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import socket
 import grpc
 import pytest
 
-from tandem.ports import free_ports
+from tandem.ports import ephemeral_low, free_ports
 from tandem.rpc.channels import bind, new_server
 
 
@@ -40,3 +41,12 @@ def test_a_second_server_on_a_port_fails_to_bind() -> None:
             await first.stop(None)
 
     asyncio.run(run())
+
+
+def test_free_ports_are_never_ones_the_kernel_gives_outgoing_connections() -> None:
+    """A port from the ephemeral range may become the local end of any process's outgoing
+    connection between picking and binding (a CI run lost a stack to that)."""
+    low = ephemeral_low()
+    for _ in range(20):
+        assert all(1024 <= port < low for port in free_ports(8))
+
