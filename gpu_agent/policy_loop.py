@@ -135,14 +135,8 @@ class PolicyLoop:
         # A step of chunks alone decoded nothing; both 0: a decode that predates the fields.
         num_seqs = (load.last_step_num_seqs if load.last_step_num_seqs or load.last_step_chunk_tokens
                     else len(load.decode_context_lens))
-        was_affine = live.affine
         ratio = live.observe(_compute_s(load), load.last_step_chunk_tokens,
                              list(load.decode_context_lens[:num_seqs]), len(self.cores))
-        if live.affine != was_affine:
-            slope, overhead_s = live.hybrid_fit.scaling
-            log.info("policy calibration: hybrid steps now predicted as %s (margin x%.2f)",
-                     f"{overhead_s * 1e3:.0f} ms + {slope:.2f} x the model" if live.affine
-                     else f"decode part x{live.factor:.2f} + prompt part x the margin", live.prompt_factor)
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
                      "prediction; decode steps now x%.2f the model, prompt tokens in hybrid steps x%.2f",

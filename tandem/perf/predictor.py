@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +12,6 @@ from tandem.perf.hardware import hardware_preset
 from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import ModelShape
 from tandem.perf.profile import load_profile
-from tandem.policy.admission import PrefillCalibration
 from tandem.policy.types import Predictor, log_step
 
 
@@ -52,11 +49,6 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
     return PerfPredictor(PerfModel(hardware, shape))
 
 
-# One form of hybrid step prediction gives way to the other only when that one's spread is this
-# fraction of its own or less.
-SWITCH_SPREAD = 0.9
-
-
 class LiveStepPredictor:
     """A predictor whose decode and hybrid steps are scaled by factors measured live.
 
@@ -82,19 +74,6 @@ class LiveStepPredictor:
     ``prompt_factor`` settles where ``prompt_quantile`` of hybrid steps finish within their
     prediction (a quantile tracker taking steps of ``prompt_step`` in log space). Prefill
     predictions are the base model's (the router calibrates its own). Not thread-safe.
-
-    A factor says a step of sixteen prompts costs sixteen times one, but part of a hybrid step
-    does not grow with it: in-process on this CPU, a step took the base model's prediction plus
-    35-55 ms at every size from 16 to 800 prompt tokens, beside 0 or 16 streams (slope 1.0), so
-    a factor learnt from a lone 46-token prompt (x1.32 there) predicted a wave of sixteen at
-    2.13 s that took 1.65 s, and the TTFT budget sizes steps from such predictions. So hybrid
-    steps are also fitted as fixed cost + slope x the base model's whole step (``hybrid_fit``,
-    the robust affine fit the router's admission uses, over the last 32 hybrid steps); once
-    that fit finds a fixed cost (steps twice apart in size, at least four of them) and explains
-    those steps with less spread than the split form does, a hybrid step is predicted as
-    ``prompt_factor`` x the fit. When the split form explains them better again, it takes over.
-    Either form's ``prompt_factor`` starts where ``prompt_quantile`` of the recent steps finish
-    within it, then tracks that quantile as above.
     """
 
     def __init__(self, base: Predictor, *, up: float = 0.3, down: float = 0.05, min_factor: float = 0.1,
@@ -110,10 +89,6 @@ class LiveStepPredictor:
         self.num_samples = 0  # decode-only steps folded into ``factor``
         self.prompt_factor = 1.0
         self.num_prompt_samples = 0  # hybrid steps folded into ``prompt_factor``
-        self.hybrid_fit = PrefillCalibration()  # (base model's whole step, measured) of hybrid steps
-        # the same steps' (decode part, prompt part, measured), to choose between the two forms
-        self._hybrid_recent: deque[tuple[float, float, float]] = deque(maxlen=self.hybrid_fit.max_recent)
-        self.affine = False  # hybrid steps predicted from ``hybrid_fit`` (else the split form)
         # Decode steps of split decisions, beside a busy prefill: their own factor (``observe_split``).
         self.split_factor = 1.0
         self.num_split_samples = 0
@@ -129,25 +104,14 @@ class LiveStepPredictor:
                 self.factor = self._fold(self.factor, ratio, self.num_samples)
                 self.num_samples += 1
             return ratio
-        seqs = [(chunk_tokens, 0)]
-        decode_s, prompt_s = self._hybrid_parts(seqs, context_lens, units)
-        predicted = self.predict_hybrid(seqs, context_lens, units)
+        decode_s, prompt_s = self._hybrid_parts([(chunk_tokens, 0)], context_lens, units)
+        predicted = self.factor * decode_s + self.prompt_scale() * prompt_s
         ratio = self._ratio(measured_s, predicted)
         if ratio is None or not prompt_s > 0:
             return ratio
-        was_affine = self.affine
-        self.hybrid_fit = self.hybrid_fit.observe(measured_s, decode_s + prompt_s)
-        self._hybrid_recent.append((decode_s, prompt_s, measured_s))
-        self.affine = self._choose_affine()
         if self.num_prompt_samples == 0:  # the first: the prompt part takes what decode's left
-            self.prompt_factor = self._clamp((measured_s - self.factor * decode_s) / prompt_s)
-        elif self.affine != was_affine:
-            # The other form took over: its margin starts where ``prompt_quantile`` of the recent
-            # steps fall within it (from its centre, half of them outran it until it caught up).
-            recent = self._hybrid_recent
-            scales = ([m / self.hybrid_fit.predict(d + p) for d, p, m in recent] if self.affine
-                      else [(m - self.factor * d) / p for d, p, m in recent])
-            self.prompt_factor = self._clamp(_quantile(scales, self.prompt_quantile))
+            self.prompt_factor = min(self.max_factor, max(self.min_factor,
+                                                          (measured_s - self.factor * decode_s) / prompt_s))
         else:
             # A quantile tracker on the whole step (the step's size does not matter, only whether
             # it outran its prediction): it settles where ``prompt_quantile`` of hybrid steps
@@ -156,8 +120,8 @@ class LiveStepPredictor:
             # the prompt part's own ratio (the step less its decode part) swung on steps whose
             # decode part dominates.
             over = measured_s > predicted
-            self.prompt_factor = self._clamp(self.prompt_factor * math.exp(
-                self.prompt_step * (self.prompt_quantile - (not over))))
+            self.prompt_factor = min(self.max_factor, max(self.min_factor, self.prompt_factor * math.exp(
+                self.prompt_step * (self.prompt_quantile - (not over)))))
         self.num_prompt_samples += 1
         return ratio
 
@@ -168,24 +132,6 @@ class LiveStepPredictor:
         decode_s = self.base.predict_decode(decode_context_lens, units) if decode_context_lens else 0.0
         decode_s = min(decode_s, whole)
         return decode_s, whole - decode_s
-
-    def _choose_affine(self) -> bool:
-        """Whether hybrid steps are now predicted from the affine fit: it found a fixed cost and
-        explains the recent hybrid steps better than the split form (decode part x ``factor`` +
-        prompt part x the median of what the steps left for it) does, by the spread of
-        log(measured / predicted) (each form's margin absorbs its level, not its spread). A
-        form gives way only to one with a tenth less spread, so that two forms that explain the
-        steps alike do not take turns."""
-        if self.hybrid_fit.overhead_s <= 0:
-            return False
-        recent = self._hybrid_recent
-        k = statistics.median(max(self.min_factor, (m - self.factor * d) / p) for d, p, m in recent)
-        split = _spread([math.log(m / (self.factor * d + k * p)) for d, p, m in recent])
-        affine = _spread([math.log(m / self.hybrid_fit.predict(d + p)) for d, p, m in recent])
-        return affine < SWITCH_SPREAD * split if not self.affine else not split < SWITCH_SPREAD * affine
-
-    def _clamp(self, factor: float) -> float:
-        return min(self.max_factor, max(self.min_factor, factor))
 
     def prompt_scale(self) -> float:
         """What prompt parts are scaled by now: ``prompt_factor`` once a hybrid step was
@@ -234,8 +180,6 @@ class LiveStepPredictor:
         self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
     ) -> float:
         decode_s, prompt_s = self._hybrid_parts(prefill_seqs, decode_context_lens, units)
-        if self.affine and prompt_s > 0:
-            return self.prompt_factor * self.hybrid_fit.predict(decode_s + prompt_s)
         return self.factor * decode_s + self.prompt_scale() * prompt_s
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
@@ -245,16 +189,3 @@ class LiveStepPredictor:
         if phase == "decode" and other_units > 0 and self.num_split_samples:
             return guard * self.split_factor / self.factor
         return guard
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _spread(values: Sequence[float]) -> float:
-    """The mean absolute deviation from the median: the mean, not the median, since the steps
-    one form misses may be the fewer (whole waves among lone prompts)."""
-    mid = statistics.median(values)
-    return statistics.fmean(abs(v - mid) for v in values)
