@@ -415,9 +415,13 @@ class AdmissionController:
         """Ours still to be prefilled (or being prefilled), in arrival order."""
         return [r for rid, r in self._pending.items() if rid not in self._prefilled]
 
-    def try_admit(self, request_id: str, prompt_tokens: int, now_s: float | None = None) -> Refusal | None:
+    def try_admit(self, request_id: str, prompt_tokens: int, now_s: float | None = None,
+                  arrival_s: float | None = None) -> Refusal | None:
+        """None: admitted; else why not. ``arrival_s`` (``time.monotonic``, at most ``now_s``):
+        when the request arrived, its deadline counting from there; default now."""
         now_s = time.monotonic() if now_s is None else now_s
-        request = QueuedRequest(request_id, now_s, max(prompt_tokens, 1))
+        arrival_s = now_s if arrival_s is None else min(arrival_s, now_s)
+        request = QueuedRequest(request_id, arrival_s, max(prompt_tokens, 1))
         ahead = self._queued()
         regime = self.regime()
         units = regime.units

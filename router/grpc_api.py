@@ -8,6 +8,7 @@ Bytes that are not a ``GenerateRequest`` never reach this module: see ``router.w
 from __future__ import annotations
 
 import contextlib
+import time
 
 import grpc
 import grpc.aio
@@ -31,9 +32,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
+        received_ns = time.monotonic_ns()
         try:
             core = self._models.pick(request.model)
-            async with contextlib.aclosing(core.generate(request, context.time_remaining())) as stream:
+            async with contextlib.aclosing(core.generate(request, context.time_remaining(),
+                                                         received_ns=received_ns)) as stream:
                 async for response in stream:
                     await context.write(response)
         except RequestError as exc:

@@ -295,19 +295,20 @@ class Choices:
     """
 
     def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
-                 tasks: set[asyncio.Task[None]]) -> None:
+                 tasks: set[asyncio.Task[None]], received_ns: int | None = None) -> None:
         self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         for i, request in enumerate(requests):
-            task = asyncio.get_running_loop().create_task(self._pump(i, core, request))
+            task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             self._tasks.append(task)
 
-    async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest) -> None:
+    async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
+                    received_ns: int | None) -> None:
         item: ChoiceItem = None
         try:
-            async with contextlib.aclosing(core.generate(request)) as stream:
+            async with contextlib.aclosing(core.generate(request, received_ns=received_ns)) as stream:
                 async for response in stream:
                     self._queue.put_nowait((index, response))
         except RequestError as exc:
@@ -559,6 +560,7 @@ class Gateway:
         return body
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
+        received_ns = time.monotonic_ns()  # the request's arrival, for its TTFT (see RouterCore.generate)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             self._authorize(request)
@@ -572,7 +574,7 @@ class Gateway:
         except HTTPError as exc:
             return exc.response()
         renderer = Renderer(core, parsed, response_id)
-        choices = Choices(core, parsed.requests, self._tasks)
+        choices = Choices(core, parsed.requests, self._tasks, received_ns)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:

@@ -188,7 +188,7 @@ def test_admit_one_retry_hint_works() -> None:
     """Resubmitted after the hint, with the queue ahead drained by then, the request fits."""
     ahead = [q("a", 8000, NOW)]
     refused = admit_one(ahead, q("r", 4000, NOW), NOW, P, 1, SLO)
-    assert refused is not None
+    assert refused is not None and refused.retry_after_s is not None
     later = NOW + refused.retry_after_s
     # by then `a` has run for retry_after_s of its 0.8 s
     left = max(1, round(8000 - refused.retry_after_s / P.token_s))

@@ -364,3 +364,23 @@ def test_a_burst_after_single_prompts_and_one_wave_is_admitted_when_it_meets_the
 def test_the_scaling_prints_a_small_fixed_cost_in_fractions_of_a_ms(slope: float, overhead_s: float, text: str) -> None:
     """A fixed cost under 1 ms printed as "+ 0 ms a batch" read as none at all."""
     assert describe_scaling(slope, overhead_s) == text
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_deadline_counts_from_when_the_api_received_the_request(seed: int) -> None:
+    """The HTTP API receives a request before the router's core reaches admission (tens of ms
+    for the last of sixteen sent at once): its deadline is that arrival + the SLO, and its
+    measured TTFT counts from there too. An arrival given after now counts as now."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1, margin=0.0, cold_margin=0.0)
+        tokens, lag, now = rng.randint(100, 9000), rng.uniform(-0.2, 0.9), 10.0
+        alone_s = tokens * TokenPredictor.token_s
+        if abs(alone_s - (SLO.ttft_s - max(lag, 0.0))) < 1e-6:
+            continue  # on the boundary
+        admitted = c.try_admit("r", tokens, now_s=now, arrival_s=now - lag) is None
+        assert admitted == (alone_s <= SLO.ttft_s - max(lag, 0.0)), (tokens, lag)
+        if admitted:  # its first token, after the predicted prefill: met iff within the SLO from arrival
+            c.first_token("r", prefill_ns=int(alone_s * 1e9), handoff_ns=1_000_000, finished=False,
+                          now_s=now + alone_s)
+            assert (c.num_met, c.num_missed) == (1, 0)
