@@ -42,6 +42,8 @@ def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -
     low, high = LOWEST_PICKED, ephemeral_low() - 1
     if high - low < 1000:  # a host whose ephemeral range starts low: take what is left below it
         low = 1024
+    if high - low + 1 < n:
+        raise OSError(f"no {n} free ports on {host}: the kernel's ephemeral range starts at {high + 1}")
     rng = random.Random()
     ports: list[int] = []
     with contextlib.ExitStack() as held:

@@ -12,6 +12,8 @@ import socket
 import grpc
 import pytest
 
+import tandem.ports
+
 from tandem.ports import ephemeral_low, free_ports
 from tandem.rpc.channels import bind, new_server
 
@@ -50,3 +52,14 @@ def test_free_ports_are_never_ones_the_kernel_gives_outgoing_connections() -> No
     for _ in range(20):
         assert all(1024 <= port < low for port in free_ports(8))
 
+
+@pytest.mark.parametrize(("start", "n"), [(1024, 1), (1030, 8), (900, 1)])
+def test_an_ephemeral_range_starting_too_low_leaves_a_clear_error(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, start: int, n: int
+) -> None:
+    """A host whose ephemeral range starts under 1024 + n leaves no room for n ports below it."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text(f"{start}\t60999\n")
+    monkeypatch.setattr(tandem.ports, "EPHEMERAL_RANGE_FILE", ranges)
+    with pytest.raises(OSError, match=f"ephemeral range starts at {start}"):
+        free_ports(n)

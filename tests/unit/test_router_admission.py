@@ -368,8 +368,8 @@ def test_the_scaling_prints_a_small_fixed_cost_in_fractions_of_a_ms(slope: float
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_deadline_counts_from_when_the_api_received_the_request(seed: int) -> None:
-    """The HTTP API receives a request before the router's core reaches admission (tens of ms
-    for the last of sixteen sent at once): its deadline is that arrival + the SLO, and its
+    """The HTTP API receives a request before the router's core reaches admission (2-14 ms
+    later for the last of sixteen sent at once, measured): its deadline is that arrival + the SLO, and its
     measured TTFT counts from there too. An arrival given after now counts as now."""
     rng = random.Random(seed)
     for _ in range(60):
