@@ -174,8 +174,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "records survive a Redis restart")
     add_flag(parser, "--kv-dtype", "", "KV cache storage dtype (float16 or bfloat16 hold twice the tokens per GiB; "
              "default: the model's)", choices=["", "float32", "bfloat16", "float16"])
-    add_flag(parser, "--quantization", "auto", f"weight format prefill and decode run ({FORMAT_NAMES}; "
-             "auto: the fastest accurate one for this CPU; int8 is lossy)")
+    add_flag(parser, "--quantization", "ggml", f"weight format prefill and decode run ({FORMAT_NAMES}; "
+             "ggml: llama.cpp's kernels on a GGUF's own Q4/Q8 blocks, fp16 for layers of other weights and "
+             "without `tandem models build-kernels`, greedy outputs depend on batching; auto: the fastest "
+             "batch-invariant format (fp16 on an AVX2 CPU); int8 is lossy)")
     add_flag(parser, "--max-restarts", 5, "restarts of one process (the cell, for the agent) within "
              "--restart-window-s before the stack gives up and stops", type=int)
     add_flag(parser, "--restart-window-s", 300.0, "window over which --max-restarts counts", type=float)

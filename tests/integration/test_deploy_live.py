@@ -59,7 +59,7 @@ def test_a_deployment_runs_each_placed_cell_behind_one_router(smollm2_dir: Path,
     grpc_port, http_port = free_ports(2)
     log_path = tmp_path / "up.log"
     proc = start_up(["--deployment", str(path), "--grpc-port", str(grpc_port), "--port", str(http_port),
-                     "--admission", "off"], log_path)
+                     "--admission", "off", "--quantization", "auto"], log_path)
     try:
         text = log_path.read_text(errors="replace")
         agents = dict(re.findall(r"tandem up: gpu_agent\[(\S+)\] ready at (\S+)", text))

@@ -67,7 +67,7 @@ def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     grpc_port, http_port = free_ports(2)
     proc = start_up(["--model", str(smollm2_dir), "--model", f"{smollm2_dir}:kv=bfloat16", "--grpc-port",
                      str(grpc_port), "--port", str(http_port), "--cell-id", f"mm-{uuid.uuid4().hex[:6]}",
-                     "--kv-cache-gb", "0.05", "--admission", "off"], log_path)
+                     "--kv-cache-gb", "0.05", "--admission", "off", "--quantization", "auto"], log_path)
     try:
         agent = re.search(r"tandem up: gpu_agent ready at (\S+)", log_path.read_text(errors="replace"))
         assert agent is not None

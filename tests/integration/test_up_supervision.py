@@ -94,7 +94,7 @@ def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(grpc_port),
              "--port", str(http_port), "--cell-id", CELL_ID, "--kv-cache-gb", "0.05", "--admission", "off",
-             "--restart-backoff-s", "0.2", *flags],
+             "--restart-backoff-s", "0.2", "--quantization", "auto", *flags],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     return Up(proc, log_path, grpc_port)
