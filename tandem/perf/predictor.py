@@ -110,8 +110,7 @@ class LiveStepPredictor:
         if ratio is None or not prompt_s > 0:
             return ratio
         if self.num_prompt_samples == 0:  # the first: the prompt part takes what decode's left
-            self.prompt_factor = min(self.max_factor, max(self.min_factor,
-                                                          (measured_s - self.factor * decode_s) / prompt_s))
+            self.prompt_factor = self._clamp((measured_s - self.factor * decode_s) / prompt_s)
         else:
             # A quantile tracker on the whole step (the step's size does not matter, only whether
             # it outran its prediction): it settles where ``prompt_quantile`` of hybrid steps
@@ -120,8 +119,8 @@ class LiveStepPredictor:
             # the prompt part's own ratio (the step less its decode part) swung on steps whose
             # decode part dominates.
             over = measured_s > predicted
-            self.prompt_factor = min(self.max_factor, max(self.min_factor, self.prompt_factor * math.exp(
-                self.prompt_step * (self.prompt_quantile - (not over)))))
+            self.prompt_factor = self._clamp(self.prompt_factor * math.exp(
+                self.prompt_step * (self.prompt_quantile - (not over))))
         self.num_prompt_samples += 1
         return ratio
 
@@ -161,7 +160,10 @@ class LiveStepPredictor:
         """measured / predicted within [min_factor, max_factor]; None for no prediction."""
         if not predicted_s > 0:
             return None
-        return min(self.max_factor, max(self.min_factor, measured_s / predicted_s))
+        return self._clamp(measured_s / predicted_s)
+
+    def _clamp(self, factor: float) -> float:
+        return min(self.max_factor, max(self.min_factor, factor))
 
     def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
         """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
