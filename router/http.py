@@ -295,7 +295,7 @@ class Choices:
     """
 
     def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
-                 tasks: set[asyncio.Task[None]], received_ns: int | None = None) -> None:
+                 tasks: set[asyncio.Task[None]], received_ns: int) -> None:
         self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         for i, request in enumerate(requests):
@@ -305,7 +305,7 @@ class Choices:
             self._tasks.append(task)
 
     async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
-                    received_ns: int | None) -> None:
+                    received_ns: int) -> None:
         item: ChoiceItem = None
         try:
             async with contextlib.aclosing(core.generate(request, received_ns=received_ns)) as stream:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
-
-import tandem.ports
 
 from tandem.ports import ephemeral_low, free_ports
 from tandem.rpc.channels import bind, new_server
@@ -55,11 +54,11 @@ def test_free_ports_are_never_ones_the_kernel_gives_outgoing_connections() -> No
 
 @pytest.mark.parametrize(("start", "n"), [(1024, 1), (1030, 8), (900, 1)])
 def test_an_ephemeral_range_starting_too_low_leaves_a_clear_error(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, start: int, n: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start: int, n: int
 ) -> None:
     """A host whose ephemeral range starts under 1024 + n leaves no room for n ports below it."""
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text(f"{start}\t60999\n")
-    monkeypatch.setattr(tandem.ports, "EPHEMERAL_RANGE_FILE", ranges)
+    monkeypatch.setattr("tandem.ports.EPHEMERAL_RANGE_FILE", ranges)
     with pytest.raises(OSError, match=f"ephemeral range starts at {start}"):
         free_ports(n)
