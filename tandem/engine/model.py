@@ -30,10 +30,14 @@ from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_facto
 # scratch run: 1.08x at 6 rows, slower from 12; ggml's kernel takes one activation row at a time).
 DECODE_LAYERS_MAX_ROWS = 6
 # The same for layers repacked for ggml's gemm (``quant.GGML_X8_MAX_ROWS``), which unpacks each weight
-# block once per 4 rows: against the plain rows' default path (whole in C up to 6 rows, fbgemm's
-# fp16 above), alternated in one process (bench/ggml_repack.py, median of 20 pairs, 2026-11-27):
-# 1.05x / 1.26x / 1.49x / 1.30x / 1.22x / 1.04x / 1.00x at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows.
-DECODE_LAYERS_X8_MAX_ROWS = 32
+# block once per 4 rows; prompt rows count (a hybrid step's chunk tokens run as rows of their own,
+# ``ModelRunner.begin``). Against the op-by-op path (fbgemm's fp16 projections), the same step
+# alternated in one process (bench/hybrid_rows.py, median of 10 pairs, 2026-11-30): decode rows
+# beside a prompt chunk 0.79-0.91x the time from 36 to 80 rows, a 64-token prompt 0.91x, decode
+# steps of 48 / 64 rows 0.86x / 0.91x, even from 104 to 128 rows (0.98-0.99x). The cap was 32 until
+# then (decode steps alone, 2026-11-27: 1.22x / 1.04x / 1.00x faster at 16 / 32 / 64 rows), which
+# sent every hybrid step of eight streams and a 27-token chunk to fbgemm's fp16, decode rows included.
+DECODE_LAYERS_X8_MAX_ROWS = 128
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

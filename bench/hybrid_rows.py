@@ -1,0 +1,118 @@
+"""How many rows a step of the ``ggml`` format may run with its layers whole in C: the row cap
+``model.DECODE_LAYERS_X8_MAX_ROWS`` against another, paired in one process.
+
+A step over the cap runs op by op, its projections on fbgemm's fp16 copy, decode rows included:
+a hybrid step of eight streams and a 27-token chunk (35 rows) left the Q4 kernels for all 35.
+Each shape is a step of ``d`` decode rows (contexts spread over 0.5-1.5x ``--context``) plus one
+prompt chunk of ``n`` tokens after ``cached`` tokens of its prompt (chunked prefill, as decode_svc
+runs it in aggregated mode; ``d = 0`` is a prefill batch, ``n = 0`` a decode step). The same step
+runs under each cap in ABAB / BABA order on one engine (the default model, ``ggml``, its Q4
+layers repacked), so the machine's drift hits both sides of every pair; the figure is the median
+of the per-pair ratios (``--cap`` / ``--base-cap``) with its interquartile range.
+
+Writes JSON (default bench/results/hybrid_rows.json).
+
+Usage: python bench/hybrid_rows.py [--pairs 10] [--base-cap 32] [--cap 128] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.engine import model as model_module  # noqa: E402
+from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.quant import WeightFormat  # noqa: E402
+from tandem.engine.runner import SeqInput  # noqa: E402
+
+# (decode rows, chunk tokens, cached tokens before the chunk)
+SHAPES = ((4, 32, 0), (8, 24, 0), (8, 32, 0), (8, 48, 0), (8, 64, 0), (8, 96, 0), (16, 32, 0), (16, 64, 0),
+          (8, 48, 384), (16, 64, 384), (8, 128, 0), (8, 192, 0), (0, 64, 0), (0, 128, 0), (0, 256, 0),
+          (48, 0, 0), (64, 0, 0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--base-cap", type=int, default=32, help="the row cap measured against")
+    parser.add_argument("--cap", type=int, default=128, help="the row cap under test")
+    parser.add_argument("--out", default="bench/results/hybrid_rows.json")
+    args = parser.parse_args()
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
+    if not engine.runner.model._layers[0].qkv_proj.ggml_repacked:
+        raise SystemExit("the engine's layers are not repacked (no ggml kernels built, or a CPU without AVX2)")
+    runner, allocator = engine.runner, engine.allocator
+    caps = (args.base_cap, args.cap)
+    default_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS
+    result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                              "context": args.context, "base_cap": args.base_cap, "cap": args.cap,
+                              "default_cap": default_cap, "shapes": []}
+    try:
+        for d, n, cached in SHAPES:
+            lens = [int(args.context * (0.5 + j / max(d, 1))) for j in range(d)]
+            tables = []
+            for j, length in enumerate(lens):  # each stream's context computed once, as its prompt
+                table = allocator.allocate(list(range(100 + j, 101 + j + length))).block_ids
+                runner.forward([SeqInput(list(range(100 + j, 100 + j + length)), 0, table)])
+                tables.append(table)
+            batch = [SeqInput((5,), length, table) for length, table in zip(lens, tables, strict=True)]
+            prompt_table = None
+            if n:
+                prompt = list(range(2000, 2000 + cached + n))
+                prompt_table = allocator.allocate(prompt).block_ids
+                if cached:
+                    runner.forward([SeqInput(prompt[:cached], 0, prompt_table)])
+                batch.append(SeqInput(prompt[cached:], cached, prompt_table))
+
+            def step(cap: int, batch: list[SeqInput] = batch) -> float:
+                model_module.DECODE_LAYERS_X8_MAX_ROWS = cap
+                start = time.perf_counter()
+                runner.forward(batch)
+                return time.perf_counter() - start
+
+            for cap in caps:
+                step(cap)
+            times: dict[int, list[float]] = {cap: [] for cap in caps}
+            ratios = []
+            for i in range(args.pairs):
+                got = {cap: step(cap) for cap in (caps if i % 2 == 0 else caps[::-1])}
+                for cap, seconds in got.items():
+                    times[cap].append(seconds)
+                ratios.append(got[args.cap] / got[args.base_cap])
+            ratios.sort()
+            q = len(ratios) // 4
+            entry = {"decode_rows": d, "chunk_tokens": n, "cached_tokens": cached, "rows": d + n,
+                     "base_ms_median": round(statistics.median(times[args.base_cap]) * 1e3, 2),
+                     "cap_ms_median": round(statistics.median(times[args.cap]) * 1e3, 2),
+                     "cap_over_base_median": round(statistics.median(ratios), 3),
+                     "cap_over_base_iqr": [round(ratios[q], 3), round(ratios[-1 - q], 3)], "pairs": args.pairs}
+            print(json.dumps(entry), flush=True)
+            result["shapes"].append(entry)
+            for table in tables:
+                allocator.free(table)
+            if prompt_table is not None:
+                allocator.free(prompt_table)
+    finally:
+        model_module.DECODE_LAYERS_X8_MAX_ROWS = default_cap
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
