@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -342,6 +343,33 @@ def test_chat_prompt_finished_by_prefill(model_dir: Path, tokenizer: Tokenizer) 
             # A prompt close to the context gets max_tokens capped to the room that is left.
             await generate(s.client, router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5] * 60)))
             assert s.prefill.submits[1].sampling.max_tokens == CONTEXT_LENGTH - 60
+
+    run(body())
+
+
+def test_latencies_count_from_the_handlers_receipt(model_dir: Path) -> None:
+    """A request the API's handler received a random while before the router core took it: its
+    TTFT and its end-to-end latency both count from the handler's receipt, not from the core."""
+    rng = random.Random()
+
+    async def body() -> None:
+        async with stack(model_dir) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                return first_token_reply(request, 42, finish_reason=LENGTH)
+
+            s.prefill.behaviour = behaviour
+            registry, label = s.router.metrics.registry, {"model_name": s.router.core.metrics.model_name}
+            for _ in range(3):
+                early_s = rng.uniform(0.5, 3.0)
+                before = registry.get_sample_value("tandem:e2e_request_latency_seconds_sum", label) or 0.0
+                began_s = time.perf_counter()
+                request = router_pb2.GenerateRequest(text="Hi", sampling=common_pb2.SamplingParams(max_tokens=1))
+                responses = [r async for r in s.router.core.generate(
+                    request, received_ns=time.monotonic_ns() - int(early_s * 1e9))]
+                took_s = time.perf_counter() - began_s
+                e2e_s = registry.get_sample_value("tandem:e2e_request_latency_seconds_sum", label) - before
+                assert early_s <= e2e_s <= early_s + took_s + 0.01, (early_s, e2e_s, took_s)
+                assert early_s <= responses[0].ttft_ns / 1e9 <= e2e_s
 
     run(body())
 
