@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.bench.report import write_json  # noqa: E402
 from tandem.engine import model as model_module  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
@@ -107,10 +108,7 @@ def main() -> int:
                 allocator.free(prompt_table)
     finally:
         model_module.DECODE_LAYERS_X8_MAX_ROWS = default_cap
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.out)}")
     return 0
 
 
