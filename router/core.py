@@ -282,10 +282,9 @@ class RouterCore:
 
         ``received_ns`` (``time.monotonic_ns``) is when the API's handler received the request,
         else now: its TTFT, its end-to-end latency and the deadline admission holds it to count
-        from there. With
-        sixteen chats sent at once, that was 2-14 ms before admission here; the clients still
-        counted 60-80 ms more (before the handler and after the first token left), which the
-        router cannot see.
+        from there. With sixteen chats sent at once, that was 2-14 ms before admission here; the
+        clients still counted 60-80 ms more (before the handler and after the first token left),
+        which the router cannot see.
         """
         metrics = self.metrics
         metrics.request_started()

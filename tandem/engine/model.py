@@ -32,11 +32,12 @@ DECODE_LAYERS_MAX_ROWS = 6
 # The same for layers repacked for ggml's gemm (``quant.GGML_X8_MAX_ROWS``), which unpacks each weight
 # block once per 4 rows; prompt rows count (a hybrid step's chunk tokens run as rows of their own,
 # ``ModelRunner.begin``). Against the op-by-op path (fbgemm's fp16 projections), the same step
-# alternated in one process (bench/hybrid_rows.py, median of 10 pairs, 2026-11-30): decode rows
-# beside a prompt chunk 0.79-0.91x the time from 36 to 80 rows, a 64-token prompt 0.91x, decode
-# steps of 48 / 64 rows 0.86x / 0.91x, even from 104 to 128 rows (0.98-0.99x). The cap was 32 until
-# then (decode steps alone, 2026-11-27: 1.22x / 1.04x / 1.00x faster at 16 / 32 / 64 rows), which
-# sent every hybrid step of eight streams and a 27-token chunk to fbgemm's fp16, decode rows included.
+# alternated in one process (bench/hybrid_rows.py, median of 10 pairs, two runs, 2026-11-30): decode
+# rows beside a prompt chunk 0.79-0.95x the time from 36 to 80 rows, a 64-token prompt 0.91 / 0.96x,
+# decode steps of 48 / 64 rows 0.86-0.87x / 0.91-0.92x, 0.94-0.99x from 104 to 128 rows. The cap
+# was 32 until then (decode steps alone, 2026-11-27: 1.22x / 1.04x / 1.00x faster at 16 / 32 / 64
+# rows), which sent every hybrid step of eight streams and a 27-token chunk to fbgemm's fp16, decode
+# rows included.
 DECODE_LAYERS_X8_MAX_ROWS = 128
 
 

@@ -30,8 +30,8 @@ prefill) run the fp16 copy it also keeps, except decode steps of up to
 repacked at load for ggml's gemm (``Kernels.repack_x8``; Q4_1 exactly, its offsets added apart),
 which unpacks a weight block once per 4 rows: calls of up to ``GGML_X8_MAX_ROWS`` rows and
 steps of up to ``model.DECODE_LAYERS_X8_MAX_ROWS`` rows (decode rows and prompt tokens together:
-hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). Greedy outputs therefore depend on how requests were batched, and
-``auto`` never picks it.
+hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). Greedy
+outputs therefore depend on how requests were batched, and ``auto`` never picks it.
 """
 
 from __future__ import annotations
