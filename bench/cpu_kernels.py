@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.bench.report import paired  # noqa: E402
 from tandem.engine import ggml_kernels  # noqa: E402
 from tandem.engine.attention import TorchPagedAttention  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
@@ -41,27 +41,6 @@ from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
 
 CASES = (("ggml", 1, 128), ("fp16", 1, 128), ("fp16", 16, 128), ("fp16", 16, 512))
 PREFILL_TOKENS = 512
-
-
-def _paired(run: Any, pairs: int, on: str = "c", off: str = "torch") -> dict[str, Any]:
-    """``run(on: bool)`` -> seconds, alternated; per-pair ratios off / on, keys named by ``on``
-    and ``off``."""
-    run(True)  # warm both
-    run(False)
-    c_s, torch_s, ratios = [], [], []
-    for i in range(pairs):
-        first = i % 2 == 0
-        a = run(first)
-        b = run(not first)
-        c, t = (a, b) if first else (b, a)
-        c_s.append(c)
-        torch_s.append(t)
-        ratios.append(t / c)
-    ratios.sort()
-    q = len(ratios) // 4
-    return {f"{on}_ms_median": statistics.median(c_s) * 1e3, f"{off}_ms_median": statistics.median(torch_s) * 1e3,
-            f"{off}_over_{on}_median": statistics.median(ratios), f"{off}_over_{on}_iqr": [ratios[q], ratios[-1 - q]],
-            "pairs": pairs}
 
 
 def _switch(runner: ModelRunner, on: bool, backends: dict[bool, TorchPagedAttention]) -> None:
@@ -108,9 +87,9 @@ def case(fmt: str, rows: int, ctx: int, pairs: int) -> dict[str, Any]:
         runner.forward([SeqInput(prompt, 0, prompt_blocks)])
         return time.perf_counter() - start
 
-    result = {"format": fmt, "rows": rows, "context": ctx, "decode_step": _paired(decode, pairs)}
+    result = {"format": fmt, "rows": rows, "context": ctx, "decode_step": paired(decode, pairs, "c", "torch")}
     if rows == 16 and ctx == 128:
-        result["prefill_512"] = _paired(prefill, max(4, pairs // 5))
+        result["prefill_512"] = paired(prefill, max(4, pairs // 5), "c", "torch")
     return result
 
 
@@ -127,7 +106,7 @@ def whole_layers(ctx: int, pairs: int) -> list[dict[str, Any]]:
             os.environ["TANDEM_CPU_KERNELS"] = "c" if whole else "ops"
             return _decode_seconds(runner, lens[:rows], tables[:rows])
 
-        d = _paired(decode, pairs, on="whole", off="ops")
+        d = paired(decode, pairs, "whole", "ops")
         print(f"ggml rows={rows} ctx~{ctx}: whole layers {d['whole_ms_median']:.1f} ms, op by op "
               f"{d['ops_ms_median']:.1f} ms, ops/whole {d['ops_over_whole_median']:.3f} "
               f"(IQR {d['ops_over_whole_iqr'][0]:.3f}-{d['ops_over_whole_iqr'][1]:.3f})", flush=True)
@@ -150,7 +129,7 @@ def kv_dtypes(pairs: int) -> list[dict[str, Any]]:
             engine, lens, tables = sides[half]
             return _decode_seconds(engine.runner, lens, tables)
 
-        d = _paired(decode, pairs, on="fp16", off="fp32")
+        d = paired(decode, pairs, "fp16", "fp32")
         print(f"ggml rows={rows} ctx~{ctx}: fp16 KV {d['fp16_ms_median']:.1f} ms, fp32 KV {d['fp32_ms_median']:.1f} ms, "
               f"fp32/fp16 {d['fp32_over_fp16_median']:.3f} (IQR {d['fp32_over_fp16_iqr'][0]:.3f}-"
               f"{d['fp32_over_fp16_iqr'][1]:.3f})", flush=True)
@@ -161,7 +140,7 @@ def kv_dtypes(pairs: int) -> list[dict[str, Any]]:
             _switch(engine.runner, on, backends)
             return _decode_seconds(engine.runner, lens, tables)
 
-        h = _paired(half_decode, pairs)
+        h = paired(half_decode, pairs, "c", "torch")
         os.environ.pop("TANDEM_CPU_KERNELS", None)
         print(f"  fp16 KV: C {h['c_ms_median']:.1f} ms, torch {h['torch_ms_median']:.1f} ms, torch/C "
               f"{h['torch_over_c_median']:.3f} (IQR {h['torch_over_c_iqr'][0]:.3f}-{h['torch_over_c_iqr'][1]:.3f})",

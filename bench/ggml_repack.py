@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.bench.report import paired  # noqa: E402
 from tandem.engine import model as model_module  # noqa: E402
 from tandem.engine import quant  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
@@ -58,24 +58,6 @@ def _engine(repack: bool) -> LLMEngine:
         raise SystemExit(f"repack={repack} but the engine's layers are {'' if repacked else 'not '}repacked "
                          "(a CPU without AVX2 keeps the plain rows)")
     return engine
-
-
-def _paired(run: Any, pairs: int) -> dict[str, Any]:
-    """``run(repacked: bool)`` -> seconds, alternated; ratios plain / repacked."""
-    run(True)
-    run(False)
-    rep, plain, ratios = [], [], []
-    for i in range(pairs):
-        order = (True, False) if i % 2 == 0 else (False, True)
-        got = {side: run(side) for side in order}
-        rep.append(got[True])
-        plain.append(got[False])
-        ratios.append(got[False] / got[True])
-    ratios.sort()
-    q = len(ratios) // 4
-    return {"repacked_ms_median": statistics.median(rep) * 1e3, "plain_ms_median": statistics.median(plain) * 1e3,
-            "plain_over_repacked_median": statistics.median(ratios),
-            "plain_over_repacked_iqr": [ratios[q], ratios[-1 - q]], "pairs": pairs}
 
 
 def main() -> int:
@@ -107,7 +89,7 @@ def main() -> int:
             engines[side].runner.forward([SeqInput((5,), n, t) for n, t in zip(lens, seqs[side], strict=True)])
             return time.perf_counter() - start
 
-        entry = {"rows": rows, **_paired(decode, args.pairs)}
+        entry = {"rows": rows, **paired(decode, args.pairs, "repacked", "plain")}
         print(json.dumps(entry), flush=True)
         result["decode"].append(entry)
         for side, engine in engines.items():
@@ -124,7 +106,7 @@ def main() -> int:
             engines[side].runner.forward([SeqInput(prompt, 0, blocks[side])])
             return time.perf_counter() - start
 
-        entry = {"tokens": tokens, **_paired(chunk, max(6, args.pairs // 3))}
+        entry = {"tokens": tokens, **paired(chunk, max(6, args.pairs // 3), "repacked", "plain")}
         print(json.dumps(entry), flush=True)
         result["prefill_chunk"].append(entry)
         for side, engine in engines.items():

@@ -7,8 +7,9 @@ Each shape is a step of ``d`` decode rows (contexts spread over 0.5-1.5x ``--con
 prompt chunk of ``n`` tokens after ``cached`` tokens of its prompt (chunked prefill, as decode_svc
 runs it in aggregated mode; ``d = 0`` is a prefill batch, ``n = 0`` a decode step). The same step
 runs under each cap in ABAB / BABA order on one engine (the default model, ``ggml``, its Q4
-layers repacked), so the machine's drift hits both sides of every pair; the figure is the median
-of the per-pair ratios (``--cap`` / ``--base-cap``) with its interquartile range.
+layers repacked; ``tandem.bench.report.paired``), so the machine's drift hits both sides of every
+pair; the figure is the median of the per-pair ratios (``--cap`` / ``--base-cap``) with its
+interquartile range.
 
 Writes JSON (default bench/results/hybrid_rows.json).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.bench.report import write_json  # noqa: E402
+from tandem.bench.report import paired, write_json  # noqa: E402
 from tandem.engine import model as model_module  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
@@ -56,7 +56,6 @@ def main() -> int:
     if not engine.runner.model._layers[0].qkv_proj.ggml_repacked:
         raise SystemExit("the engine's layers are not repacked (no ggml kernels built, or a CPU without AVX2)")
     runner, allocator = engine.runner, engine.allocator
-    caps = (args.base_cap, args.cap)
     default_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS
     result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                               "context": args.context, "base_cap": args.base_cap, "cap": args.cap,
@@ -78,28 +77,14 @@ def main() -> int:
                     runner.forward([SeqInput(prompt[:cached], 0, prompt_table)])
                 batch.append(SeqInput(prompt[cached:], cached, prompt_table))
 
-            def step(cap: int, batch: list[SeqInput] = batch) -> float:
-                model_module.DECODE_LAYERS_X8_MAX_ROWS = cap
+            def step(base: bool, batch: list[SeqInput] = batch) -> float:
+                model_module.DECODE_LAYERS_X8_MAX_ROWS = args.base_cap if base else args.cap
                 start = time.perf_counter()
                 runner.forward(batch)
                 return time.perf_counter() - start
 
-            for cap in caps:
-                step(cap)
-            times: dict[int, list[float]] = {cap: [] for cap in caps}
-            ratios = []
-            for i in range(args.pairs):
-                got = {cap: step(cap) for cap in (caps if i % 2 == 0 else caps[::-1])}
-                for cap, seconds in got.items():
-                    times[cap].append(seconds)
-                ratios.append(got[args.cap] / got[args.base_cap])
-            ratios.sort()
-            q = len(ratios) // 4
             entry = {"decode_rows": d, "chunk_tokens": n, "cached_tokens": cached, "rows": d + n,
-                     "base_ms_median": round(statistics.median(times[args.base_cap]) * 1e3, 2),
-                     "cap_ms_median": round(statistics.median(times[args.cap]) * 1e3, 2),
-                     "cap_over_base_median": round(statistics.median(ratios), 3),
-                     "cap_over_base_iqr": [round(ratios[q], 3), round(ratios[-1 - q], 3)], "pairs": args.pairs}
+                     **paired(step, args.pairs, "base", "cap")}
             print(json.dumps(entry), flush=True)
             result["shapes"].append(entry)
             for table in tables:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,29 @@ def write_json(result: dict[str, Any], path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     return out
+
+
+def paired(run: Callable[[bool], float], pairs: int, on: str, off: str) -> dict[str, Any]:
+    """A paired in-process A/B: ``run(True)`` (the ``on`` side) and ``run(False)`` (``off``) each
+    return seconds; both run once to warm, then ``pairs`` times alternated (on first in even pairs,
+    off first in odd ones), so the machine's drift hits both sides of every pair. Returns each
+    side's median in ms and the median and interquartile range of the per-pair ratios off / on."""
+    run(True)
+    run(False)
+    on_s, off_s, ratios = [], [], []
+    for i in range(pairs):
+        first = i % 2 == 0
+        a = run(first)
+        b = run(not first)
+        on_t, off_t = (a, b) if first else (b, a)
+        on_s.append(on_t)
+        off_s.append(off_t)
+        ratios.append(off_t / on_t)
+    ratios.sort()
+    q = len(ratios) // 4
+    return {f"{on}_ms_median": statistics.median(on_s) * 1e3, f"{off}_ms_median": statistics.median(off_s) * 1e3,
+            f"{off}_over_{on}_median": statistics.median(ratios), f"{off}_over_{on}_iqr": [ratios[q], ratios[-1 - q]],
+            "pairs": pairs}
 
 
 def _pyplot() -> Any:
