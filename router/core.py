@@ -313,11 +313,10 @@ class RouterCore:
             metrics.request_finished(has_first, (time.monotonic_ns() - received_ns) / 1e9)
 
     async def _generate(self, request: router_pb2.GenerateRequest, client_timeout_s: float | None,
-                        received_ns: int | None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+                        started_ns: int) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """``started_ns``: the request's receipt (``time.monotonic_ns``), no later than now."""
         loop = asyncio.get_running_loop()
-        now_ns = time.monotonic_ns()
-        started_ns = now_ns if received_ns is None else min(received_ns, now_ns)
-        arrival_unix_ns = time.time_ns() - (now_ns - started_ns)
+        arrival_unix_ns = time.time_ns() - (time.monotonic_ns() - started_ns)
         request_id = _checked_request_id(request.request_id) or uuid.uuid4().hex
         if request_id in self._in_flight:
             raise RequestError(Status.ALREADY_EXISTS,
