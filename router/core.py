@@ -415,6 +415,10 @@ class RouterCore:
         if unknown is not None:
             raise _invalid("sampling", f"stop_token_ids holds {unknown}, out of range: the vocabulary has "
                                        f"{vocab_size} ids")
+        biased = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+        if biased is not None:
+            raise _invalid("logit_bias", f"logit_bias names token {biased}, out of range: the vocabulary has "
+                                         f"{vocab_size} ids")
         try:
             StopStringMatcher(request.stop)
         except InvalidRequestError as exc:

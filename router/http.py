@@ -35,6 +35,7 @@ from router.core import RouterCore, brief
 from router.metrics import RouterMetrics
 from router.models import ServedModels
 from router.openai_types import (
+    MAX_BATCH_PROMPTS,
     MAX_N,
     AssistantMessage,
     ChatChoice,
@@ -97,7 +98,7 @@ T = TypeVar("T")
 
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
-                   "stop": "stop", "model": "model"}
+                   "stop": "stop", "model": "model", "logit_bias": "logit_bias"}
 _FINISH_REASON: dict[int, FinishReasonName] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -163,16 +164,58 @@ _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(Complet
     ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields)
 
 
-def _prompt(request: router_pb2.GenerateRequest, prompt: Any) -> None:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        request.token_ids.ids.extend(prompt)
+# OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement:
+# refused with a 400 naming them rather than ignored, so that no client gets an answer it did not
+# ask for. Each maps to the values that ask for nothing (and so are accepted).
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
+    """400 for a parameter that asks for what Tandem does not do (structured output, tool calls,
+    several candidates per choice, an inserted suffix, prompt logprobs, audio)."""
+    def refuse(param: str, what: str) -> HTTPError:
+        return HTTPError(400, f"{param}: {what} is not supported by this server", param=param)
+
+    response_format = body.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict)
+                                            and response_format.get("type") == "text"):
+        raise refuse("response_format", "structured output (JSON mode, JSON schema; only {\"type\": \"text\"})")
+    for param in _GUIDED:
+        if body.get(param) is not None:
+            raise refuse(param, "guided decoding")
+    choice = body.get("tool_choice", body.get("function_call"))
+    asks_tools = bool(body.get("tools") or body.get("functions")) and choice != "none"
+    if asks_tools or choice not in (None, "none", "auto"):
+        raise refuse(("tools" if body.get("tools") else "functions") if asks_tools else "tool_choice",
+                     "tool calling (leave tools out, or send tool_choice \"none\")")
+    if body.get("best_of") not in (None, 1):
+        raise refuse("best_of", "best_of above 1 (use n)")
+    if body.get("suffix") not in (None, ""):
+        raise refuse("suffix", "a suffix (insertion)")
+    if body.get("prompt_logprobs") is not None:
+        raise refuse("prompt_logprobs", "prompt logprobs")
+    if body.get("audio") is not None or body.get("modalities") not in (None, ["text"]):
+        raise refuse("modalities", "audio output")
+    if kind == "chat" and body.get("echo") not in (None, False):
+        raise refuse("echo", "echo in chat (it is a /v1/completions parameter)")
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions body: one text or token-id list, or a batch of either."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = list(prompt)
     else:
-        raise HTTPError(400, "prompt must be a string or a list of token ids (batches of several prompts "
-                             "are not supported; send one request per prompt)", param="prompt")
+        raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                        param="prompt")
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise HTTPError(400, f"prompt holds {len(prompts)} prompts; a request may batch at most "
+                             f"{MAX_BATCH_PROMPTS}", param="prompt")
+    for i, item in enumerate(prompts):
+        if isinstance(item, list) and not item:
+            raise HTTPError(400, f"prompt[{i}] is an empty list of token ids", param="prompt")
+    return prompts
 
 
 @dataclass(frozen=True)
@@ -185,6 +228,11 @@ class ParsedRequest:
     include_usage: bool
     num_logprobs: int | None  # top logprobs per token; None: no logprobs
     requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
+    # /v1/completions: each choice's prompt (an index into ``prompts``); choices of prompt i are
+    # numbered i * n to i * n + n - 1, as OpenAI numbers a batch's
+    prompt_of: list[int] = field(default_factory=list)
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False  # each completion's text starts with its prompt's
 
 
 def _reject_lone_surrogates(value: Any, where: str) -> None:
@@ -218,6 +266,7 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     """
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
+    _refuse_unsupported(kind, body)
     model_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         req = model_type.model_validate(body)
@@ -244,6 +293,9 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         num_logprobs = req.logprobs
+        if req.echo and num_logprobs is not None:
+            raise HTTPError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed); "
+                                 "send one of them", param="echo")
 
     def value(given: Any, default: Any) -> Any:
         return default if given is None else given
@@ -259,25 +311,44 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
         max_tokens=value(max_tokens, default_max_tokens),
         min_tokens=value(req.min_tokens, 0),
         ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids or [],
     )
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
+    for key, bias in (req.logit_bias or {}).items():
+        if int(key) >= 2**32:
+            raise HTTPError(400, f"logit_bias key {key} is not a token id", param="logit_bias")
+        sampling.logit_bias[int(key)] = bias
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     base = router_pb2.GenerateRequest(model=req.model, stop=[s for s in stop if s])
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prompts = [] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
+    parsed = ParsedRequest(kind, req.model, bool(req.stream), include_usage, num_logprobs, prompts=prompts,
+                           echo=isinstance(req, CompletionRequest) and req.echo)
+    n = value(req.n, 1)
     if isinstance(req, ChatCompletionRequest):
         base.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in req.messages)
+        bases = [base]
     else:
-        _prompt(base, req.prompt)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    parsed = ParsedRequest(kind, req.model, bool(req.stream), include_usage, num_logprobs)
-    for i in range(value(req.n, 1)):
-        request = router_pb2.GenerateRequest()
-        request.CopyFrom(base)
-        request.sampling.CopyFrom(sampling)
-        if req.seed is not None:
-            request.sampling.seed = req.seed + i
-        request.request_id = f"{request_id}-{i}"
-        parsed.requests.append(request)
+        bases = []
+        for prompt in parsed.prompts:
+            one = router_pb2.GenerateRequest()
+            one.CopyFrom(base)
+            if isinstance(prompt, str):
+                one.text = prompt
+            else:
+                one.token_ids.ids.extend(prompt)
+            bases.append(one)
+    for p, prompt_base in enumerate(bases):
+        for i in range(n):
+            request = router_pb2.GenerateRequest()
+            request.CopyFrom(prompt_base)
+            request.sampling.CopyFrom(sampling)
+            if req.seed is not None:
+                request.sampling.seed = req.seed + i
+            request.request_id = f"{request_id}-{len(parsed.requests)}"
+            parsed.requests.append(request)
+            parsed.prompt_of.append(p)
     return parsed
 
 
@@ -385,11 +456,23 @@ class Renderer:
         )
 
     def usage(self, states: list[ChoiceState]) -> Usage:
-        prompt = max((s.usage.prompt_tokens for s in states if s.usage), default=0)
+        """Choices of one prompt share its prompt tokens (counted once); a batch's prompts add up."""
+        prompt_of = self.parsed.prompt_of or [0] * len(states)
+        prompt = cached = 0
+        for p in sorted(set(prompt_of)):
+            mine = [s.usage for s, q in zip(states, prompt_of) if q == p and s.usage]
+            prompt += max((u.prompt_tokens for u in mine), default=0)
+            cached += max((u.cached_tokens for u in mine), default=0)
         completion = sum(s.usage.completion_tokens for s in states if s.usage)
-        cached = max((s.usage.cached_tokens for s in states if s.usage), default=0)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def echoed(self, index: int) -> str:
+        """The text choice ``index`` starts with: its prompt's when the request asked for echo."""
+        if not self.parsed.echo:
+            return ""
+        prompt = self.parsed.prompts[self.parsed.prompt_of[index]]
+        return prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
 
     def completion(self, states: list[ChoiceState]) -> dict[str, Any]:
         head: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model,
@@ -402,7 +485,8 @@ class Renderer:
                 for i, s in enumerate(states)])
         else:
             reply = Completion(object="text_completion", **head, choices=[
-                CompletionChoice(index=i, text="".join(s.text), logprobs=self.completion_logprobs(s.tokens),
+                CompletionChoice(index=i, text=self.echoed(i) + "".join(s.text),
+                                 logprobs=self.completion_logprobs(s.tokens),
                                  finish_reason=s.finish_reason)
                 for i, s in enumerate(states)])
         return to_json(reply)
@@ -421,8 +505,9 @@ class Renderer:
                 index=index, delta=delta, logprobs=self.chat_logprobs(tokens), finish_reason=finish)])
         else:
             offset = sum(len(t) for t in state.text)
+            text = response.text if state.started else self.echoed(index) + response.text
             event = Completion(object="text_completion", **head, choices=[CompletionChoice(
-                index=index, text=response.text, logprobs=self.completion_logprobs(tokens, offset),
+                index=index, text=text, logprobs=self.completion_logprobs(tokens, offset),
                 finish_reason=finish)])
         return to_json(event)
 

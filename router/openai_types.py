@@ -14,15 +14,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.protocol import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_MESSAGES,
     MAX_NUM_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
     SAMPLING_LIMITS,
 )
 
 MAX_N = 16
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions body (each its own request, n choices each)
 MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
 
 
@@ -43,6 +47,10 @@ RepetitionPenalty = Annotated[float, _limited("repetition_penalty")]
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_NUM_LOGPROBS)]
+Bias = Annotated[float, Field(allow_inf_nan=False, ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+# OpenAI's logit_bias: token ids as JSON keys (strings of digits), each bias added to that logit
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Bias],
+                      Field(max_length=MAX_LOGIT_BIAS_TOKENS)]
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +78,8 @@ class _Request(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None  # stop tokens are masked until this many
     ignore_eos: bool = False
+    logit_bias: LogitBias | None = None  # ids past the vocabulary are refused by the router
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's extra
     user: str | None = None
     stream: bool | None = None  # server-sent events, ending with "data: [DONE]"
     stream_options: StreamOptions | None = None
@@ -122,9 +132,13 @@ class CompletionRequest(_Request):
         {"model": "default", "prompt": [1, 2, 3], "logprobs": 2, "echo": False},
     ]})
 
-    # text, token ids, or a batch of one of either
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str] | list[list[TokenId]]
+    # text, token ids, or a batch of either (choices numbered prompt by prompt, n each)
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_BATCH_PROMPTS)])
     logprobs: NumLogprobs | None = None  # top logprobs per token
+    echo: bool = False  # the prompt's text before the completion's (not with logprobs)
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -61,6 +61,10 @@ GREEDY_TEMPERATURE_EPS: Final = 1e-5
 MAX_NUM_LOGPROBS: Final = 20
 # More would only cost memory and time per step; no tokenizer needs this many stop tokens.
 MAX_STOP_TOKEN_IDS: Final = 256
+# OpenAI's logit_bias: each bias in [-100, 100] is added to its token's logit before sampling (-100
+# all but bans a token, +100 all but forces it). The count bound keeps one step's scatter cheap.
+MAX_LOGIT_BIAS_TOKENS: Final = 1024
+LOGIT_BIAS_LIMIT: Final = 100.0
 MIN_SEED: Final = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 MAX_SEED: Final = 2**64 - 1
 MAX_TOP_K: Final = 2**31 - 1  # the proto's int32
@@ -122,6 +126,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that finish the request with "stop"
     ignore_eos: bool = False  # True: eos neither stops the request nor is masked by min_tokens
     logprobs: int | None = None  # top logprobs to return per token; None = no logprobs
+    # (token id, bias) pairs in token order, each bias added to that token's logit before the
+    # penalties (OpenAI's logit_bias; the raw logprobs returned do not see it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -154,6 +161,7 @@ class SamplingParams:
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be a list of token ids >= 0, got {bad[0]!r} in it")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
 
     def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
         value = getattr(self, name)
@@ -175,6 +183,7 @@ class SamplingParams:
         """A JSON-safe dict (``stop_token_ids`` as a list) that ``from_dict`` turns back."""
         out = asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out
 
     @classmethod
@@ -187,6 +196,32 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
         return cls(**data)
+
+
+def _checked_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) tuples: from pairs (a JSON round trip gives
+    lists) or a {token id: bias} mapping; ids >= 0 and each once, biases finite in
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]. Ids past the vocabulary are the caller's to check
+    (it knows the model)."""
+    items = list(value.items()) if isinstance(value, dict) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)):
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {value!r}")
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(items)}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidRequestError(f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+        token_id, bias = item
+        if not _is_int(token_id) or token_id < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+        if not _is_real(bias) or abs(float(bias)) > LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(f"logit_bias values must be finite numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                                      f"{LOGIT_BIAS_LIMIT:g}], got {bias!r} for token {token_id}")
+        if token_id in pairs:
+            raise InvalidRequestError(f"logit_bias names token {token_id} twice")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 # The generation_config.json keys that are sampling defaults (vLLM reads the same ones), and the

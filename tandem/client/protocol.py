@@ -107,6 +107,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float  # Hugging Face repetition penalty (> 0; 1 disables)
     ignore_eos: bool  # keep generating past EOS
     logprobs: int  # number of top logprobs per token (and the chosen token's); unset returns none
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit (OpenAI's)
     request_id: str  # the client's id for the request; the router makes one when absent
 
 
@@ -127,6 +128,7 @@ def generate_request(
     repetition_penalty: float | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
     request_id: str | None = None,
 ) -> router_pb2.GenerateRequest:
     """The GenerateRequest for a prompt (text or token ids) or chat messages (exactly one).
@@ -146,6 +148,8 @@ def generate_request(
             setattr(sampling, name, value)
     if seed is not None:
         sampling.seed = seed % (1 << 64)  # the wire type is uint64; negative seeds wrap
+    if logit_bias:
+        sampling.logit_bias.update(logit_bias)
     request = router_pb2.GenerateRequest(
         model=model, sampling=sampling, request_id=request_id or "",
         stop=[stop] if isinstance(stop, str) else list(stop or ()),

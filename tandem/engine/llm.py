@@ -100,6 +100,8 @@ class LLMEngine:
             )
         if any(t < 0 or t >= self.config.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if any(t >= self.config.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.config.vocab_size})")
         if self.allocator.num_blocks_for(len(prompt) + 1) > self.allocator.num_blocks:
             raise InvalidRequestError(
                 f"prompt of {len(prompt)} tokens does not fit the KV pool "

@@ -3,13 +3,15 @@
 Pipeline, applied to one ``[batch_size, vocab_size]`` logits tensor in fp32, every step
 vectorized over the batch:
 
-1. logprobs of the *raw* model logits (before any penalty or temperature), as vLLM reports by
-   default, so a client sees what the model predicted rather than what our processing made of it;
-2. repetition penalty (HF semantics, over prompt + output tokens);
-3. frequency then presence penalty (OpenAI / vLLM semantics, over output tokens only);
-4. ``min_tokens`` masking: eos (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``;
-5. greedy rows take the argmax here, so top-k / top-p / min-p can never change them;
-6. random rows: temperature, then top-k, top-p and min-p from one sort (HF order: top-p sees the
+1. logprobs of the *raw* model logits (before any bias, penalty or temperature), as vLLM reports
+   by default, so a client sees what the model predicted rather than what our processing made of it;
+2. ``logit_bias`` (OpenAI semantics: each bias added to its token's logit, before the penalties
+   as in vLLM);
+3. repetition penalty (HF semantics, over prompt + output tokens);
+4. frequency then presence penalty (OpenAI / vLLM semantics, over output tokens only);
+5. ``min_tokens`` masking: eos (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``;
+6. greedy rows take the argmax here, so top-k / top-p / min-p can never change them;
+7. random rows: temperature, then top-k, top-p and min-p from one sort (HF order: top-p sees the
    top-k-truncated distribution; min-p is a ratio to the most likely token, which no filter
    removes and renormalisation does not change), then one draw.
 
@@ -112,6 +114,9 @@ class SamplingBatch:
     output_token_ids: torch.Tensor | None  # [batch_size, max_output_len] int64, padded
     masked_rows: torch.Tensor | None  # [num_masked] int64; (row, token) pairs masked by min_tokens
     masked_token_ids: torch.Tensor | None  # [num_masked] int64
+    bias_rows: torch.Tensor | None  # [num_biased] int64; (row, token, bias) triples of logit_bias
+    bias_token_ids: torch.Tensor | None  # [num_biased] int64
+    bias_values: torch.Tensor | None  # [num_biased] fp32
     generators: tuple[torch.Generator | None, ...]  # per row; None = shared default generator
     num_logprobs: tuple[int | None, ...]  # per row, from params.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
@@ -130,7 +135,8 @@ class SamplingBatch:
         """Gather per-row parameters and token histories into tensors on ``device``.
 
         All four lists are indexed by batch row and must have the same length. Stop and eos ids
-        outside ``[0, vocab_size)`` are ignored for masking (they can never be sampled).
+        outside ``[0, vocab_size)`` are ignored for masking (they can never be sampled), and so are
+        ``logit_bias`` ids there (callers refuse them up front: the router, ``LLM``).
         Prompt/output ids outside the vocabulary raise ``InvalidRequestError``.
         """
         batch_size = len(params)
@@ -187,6 +193,14 @@ class SamplingBatch:
             masked_rows = torch.tensor(rows, dtype=torch.long, device=device)
             masked_token_ids = torch.tensor(masked, dtype=torch.long, device=device)
 
+        biased = [(row, token_id, bias) for row, p in enumerate(params)
+                  for token_id, bias in p.logit_bias if token_id < vocab_size]
+        bias_rows = bias_token_ids = bias_values = None
+        if biased:
+            bias_rows = torch.tensor([b[0] for b in biased], dtype=torch.long, device=device)
+            bias_token_ids = torch.tensor([b[1] for b in biased], dtype=torch.long, device=device)
+            bias_values = floats([b[2] for b in biased])
+
         num_logprobs = tuple(p.logprobs for p in params)
         asked = [n for n in num_logprobs if n is not None]
         return cls(
@@ -206,6 +220,9 @@ class SamplingBatch:
             output_token_ids=output,
             masked_rows=masked_rows,
             masked_token_ids=masked_token_ids,
+            bias_rows=bias_rows,
+            bias_token_ids=bias_token_ids,
+            bias_values=bias_values,
             generators=tuple(generators),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
@@ -252,13 +269,15 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalized and ``min_tokens``-masked fp32 copy of ``logits`` ([batch_size, vocab_size]).
+        """Biased, penalized and ``min_tokens``-masked fp32 copy of ``logits`` ([batch_size, vocab_size]).
 
         This is what greedy rows take the argmax of, before temperature and filters.
         """
         # .float() aliases an fp32 input; clone so in-place work never leaks to the caller.
         x = logits.float().clone()  # [batch_size, vocab_size]
         batch_size, vocab_size = x.shape
+        if batch.bias_rows is not None and batch.bias_token_ids is not None and batch.bias_values is not None:
+            x.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
         if batch.repetition_penalty is not None and batch.seen_token_ids is not None:
             # HF RepetitionPenaltyLogitsProcessor: each token seen in prompt or output once, however
             # often; dividing a positive logit and multiplying a negative one both make it less likely.

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tandem.client import TandemClient
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
@@ -38,7 +39,8 @@ HELLO: list[Any] = [{"role": "user", "content": "Hello! Who are you?"}]  # opena
 # What the fuzz puts in malformed bodies; max_tokens is left out (its default can be the context).
 PARAMS = ["model", "messages", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream",
           "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "ignore_eos", "user", "min_tokens"]
+          "repetition_penalty", "ignore_eos", "user", "min_tokens", "logit_bias", "stop_token_ids", "echo",
+          "response_format", "tools", "tool_choice", "suffix", "best_of"]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +212,50 @@ def test_greedy_chat_equals_the_engine(smol: Stack, smollm2_dir: Path) -> None:
     assert answer.choices[0].message.content == tokenizer.decode(want.token_ids)
     assert "Paris" in (answer.choices[0].message.content or "")
     assert answer.usage is not None and answer.usage.completion_tokens == len(want.token_ids)
+
+
+def test_logit_bias_and_echoed_batches_through_the_openai_client(tiny: Stack) -> None:
+    client = _client(tiny)
+    tokenizer = Tokenizer.from_dir(tiny.model_dir)
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    words = [t for t in rng.sample(range(100, 40_000), 400) if tokenizer.decode([t]).strip().isalpha()
+             and tokenizer.decode([t]).isascii()]
+    forced, prompts = words[0], [" ".join(rng.sample(["the", "sky", "is", "a", "cat", "one"], rng.randint(1, 5)))
+                                 for _ in range(rng.randint(2, 4))]
+    n, max_tokens = rng.randint(1, 2), rng.randint(2, 6)
+    # a batch of prompts, n choices each, echoed, every token forced by +100
+    got = client.completions.create(model="default", prompt=prompts, n=n, max_tokens=max_tokens, temperature=0,
+                                    echo=True, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == list(range(len(prompts) * n)), seed
+    for choice in got.choices:
+        assert choice.text == prompts[choice.index // n] + tokenizer.decode([forced] * max_tokens), seed
+    assert got.usage is not None and got.usage.completion_tokens == len(prompts) * n * max_tokens
+    assert got.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts), seed
+    streamed = [""] * len(got.choices)
+    for chunk in client.completions.create(model="default", prompt=prompts, n=n, max_tokens=max_tokens,
+                                           temperature=0, echo=True, stream=True,
+                                           logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in got.choices], seed
+    # -100 bans the token greedy decoding chose (the SDK over gRPC, the same sampling params)
+    with TandemClient(tiny.address("router"), timeout_s=60) as sdk:
+        for prompt in prompts:
+            [first] = sdk.generate(prompt, max_tokens=1, temperature=0).token_ids
+            again = sdk.generate(prompt, max_tokens=3, temperature=0, ignore_eos=True, logit_bias={first: -100.0})
+            assert again.token_ids[0] != first, seed
+            forced_ids = sdk.generate(prompt, max_tokens=3, temperature=0, ignore_eos=True,
+                                      logit_bias={forced: 100.0}).token_ids
+            assert forced_ids == (forced,) * 3, seed
+    with httpx.Client(timeout=30) as http:
+        _assert_error(http.post(f"{tiny.http_address()}/v1/chat/completions",
+                                json={"model": "default", "messages": HELLO, "logit_bias": {"49152000": 1}}),
+                      400, "logit_bias")
+        _assert_error(http.post(f"{tiny.http_address()}/v1/chat/completions",
+                                json={"model": "default", "messages": HELLO, "response_format": {"type": "json_object"}}),
+                      400, "not supported")
 
 
 # --- errors ------------------------------------------------------------------------------------------

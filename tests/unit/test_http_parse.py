@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
-from tandem.protocol import RequestError, Status
+from router.http import MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, HTTPError, parse_request
+from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, RequestError, Status
 
 CONTEXT = 2048
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -48,6 +48,72 @@ def test_completion_prompt_forms_logprobs_and_max_completion_tokens() -> None:
     assert chat.requests[0].messages.messages[0].content == "ab"
 
 
+def test_logit_bias_and_stop_token_ids_reach_the_sampling_params() -> None:
+    parsed = parse_request("chat", {"messages": MESSAGES, "n": 2, "logit_bias": {"7": 100, "0012": -2.5},
+                                    "stop_token_ids": [3, 9]}, CONTEXT, "r")
+    for request in parsed.requests:
+        assert dict(request.sampling.logit_bias) == {7: 100.0, 12: -2.5}
+        assert list(request.sampling.stop_token_ids) == [3, 9]
+    assert not parse_request("chat", {"messages": MESSAGES}, CONTEXT, "r").requests[0].sampling.logit_bias
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompts=st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=5)
+       | st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=4), min_size=1, max_size=5),
+       n=st.integers(1, 4), seed=st.none() | st.integers(0, 1000), echo=st.booleans())
+def test_a_batch_of_prompts_is_n_choices_each_numbered_as_openai_does(
+        prompts: list[Any], n: int, seed: int | None, echo: bool) -> None:
+    body: dict[str, Any] = {"prompt": prompts, "n": n, "echo": echo}
+    if seed is not None:
+        body["seed"] = seed
+    parsed = parse_request("completion", body, CONTEXT, "r")
+    assert len(parsed.requests) == len(prompts) * n and parsed.echo == echo and parsed.prompts == prompts
+    assert [r.request_id for r in parsed.requests] == [f"r-{i}" for i in range(len(prompts) * n)]
+    for index, request in enumerate(parsed.requests):
+        p = parsed.prompt_of[index]
+        assert p == index // n
+        sent = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+        assert sent == prompts[p]
+        if seed is not None:
+            assert request.sampling.seed == seed + index % n
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"functions": [{"name": "f"}]},
+    {"guided_json": {"type": "object"}},
+    {"guided_choice": ["a", "b"]},
+    {"best_of": 2},
+    {"suffix": "end"},
+    {"prompt_logprobs": 1},
+    {"modalities": ["text", "audio"]},
+    {"echo": True},
+])
+def test_what_would_change_the_output_and_is_not_implemented_is_refused(body: dict[str, Any]) -> None:
+    kind = "completion" if set(body) & {"best_of", "suffix"} else "chat"
+    full = {**body, **({"prompt": "a"} if kind == "completion" else {"messages": MESSAGES})}
+    error = _error(kind, full)
+    assert error.status == 400 and error.param is not None and "not supported" in error.message
+    assert error.param in body or (error.param == "modalities" and "audio" in str(body))
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "text"}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+    {"tool_choice": "auto"},
+    {"best_of": 1},
+    {"modalities": ["text"]},
+    {"echo": False},
+])
+def test_the_same_parameters_asking_for_nothing_are_accepted(body: dict[str, Any]) -> None:
+    assert len(parse_request("chat", {**body, "messages": MESSAGES}, CONTEXT, "r").requests) == 1
+
+
 @pytest.mark.parametrize(("kind", "body", "param"), [
     ("chat", [], None),
     ("chat", {"messages": []}, "messages"),
@@ -64,7 +130,17 @@ def test_completion_prompt_forms_logprobs_and_max_completion_tokens() -> None:
     ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"messages": MESSAGES, "logprobs": 3}, "logprobs"),
     ("chat", {"messages": MESSAGES, "stream": "yes"}, "stream"),
-    ("completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"prompt": []}, "prompt"),
+    ("completion", {"prompt": ["a", []]}, "prompt"),
+    ("completion", {"prompt": ["a"] * (MAX_BATCH_PROMPTS + 1)}, "prompt"),
+    ("completion", {"prompt": "a", "echo": True, "logprobs": 0}, "echo"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {"1": 100.5}}, "logit_bias"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {"1": "1"}}, "logit_bias"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {"4294967296": 1}}, "logit_bias"),
+    ("chat", {"messages": MESSAGES, "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}},
+     "logit_bias"),
+    ("chat", {"messages": MESSAGES, "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completion", {"prompt": [-1]}, "prompt"),
     ("completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
 ])

@@ -47,10 +47,22 @@ FINISH = [common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH]
 def streams(draw: st.DrawFn) -> tuple[ParsedRequest, list[list[router_pb2.GenerateResponse]]]:
     kind = draw(st.sampled_from(["chat", "completion"]))
     num_logprobs = draw(st.none() | st.integers(0, 3))
+    num_choices = draw(st.integers(1, 3))
+    prompts: list[str | list[int]] = []
+    prompt_of: list[int] = []
+    if kind == "completion":  # a batch of prompts, each with n choices (text or token ids, echoed or not)
+        n = draw(st.integers(1, 3))
+        prompts = draw(st.lists(st.text(max_size=6) | st.lists(st.integers(0, 50), min_size=1, max_size=3),
+                                min_size=1, max_size=3))
+        prompt_of = [p for p in range(len(prompts)) for _ in range(n)]
+        num_choices = len(prompt_of)
     parsed = ParsedRequest(kind=kind, model=draw(st.sampled_from(["", "m"])), stream=True,
-                           include_usage=draw(st.booleans()), num_logprobs=num_logprobs)
+                           include_usage=draw(st.booleans()), num_logprobs=num_logprobs, prompt_of=prompt_of,
+                           prompts=prompts, echo=kind == "completion" and num_logprobs is None and draw(st.booleans()))
     choices = []
-    for _ in range(draw(st.integers(1, 3))):
+    for i in range(num_choices):
+        # the choices of one prompt report its prompt tokens alike
+        prompt_tokens = 10 + prompt_of[i] if prompt_of else 10
         responses = []
         count = draw(st.integers(1, 4))
         for step in range(count):
@@ -64,7 +76,7 @@ def streams(draw: st.DrawFn) -> tuple[ParsedRequest, list[list[router_pb2.Genera
                 request_id="r", tokens=tokens, text=draw(st.text(max_size=8)),
                 finish_reason=draw(st.sampled_from(FINISH)) if last else common_pb2.FINISH_REASON_UNSPECIFIED)
             if last:
-                response.usage.CopyFrom(router_pb2.Usage(prompt_tokens=draw(st.integers(1, 100)),
+                response.usage.CopyFrom(router_pb2.Usage(prompt_tokens=prompt_tokens,
                                                          completion_tokens=count, cached_tokens=0))
             responses.append(response)
         choices.append(responses)
@@ -93,8 +105,20 @@ def test_responses_are_what_the_openai_client_reads(stream: tuple[ParsedRequest,
     assert len(client_whole.choices) == len(choices)
     assert client_whole.usage is not None
     assert client_whole.usage.completion_tokens == sum(len(r) for r in choices)
+    # each prompt's tokens once, however many choices it has
+    assert client_whole.usage.prompt_tokens == (sum(10 + p for p in range(len(parsed.prompts))) if parsed.prompts
+                                                else 10)
+    streamed: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] = streamed.get(choice["index"], "") + (
+                choice["delta"].get("content", "") if chat else choice["text"])
     for i, responses in enumerate(choices):
         text = "".join(r.text for r in responses)
+        if parsed.echo:
+            prompt = parsed.prompts[parsed.prompt_of[i]]
+            text = (prompt if isinstance(prompt, str) else _Tokenizer().decode(prompt)) + text
+        assert streamed[i] == text
         got = client_whole.choices[i]
         assert (got.message.content if chat else got.text) == text  # type: ignore[union-attr]
         assert (got.logprobs is None) == (parsed.num_logprobs is None)

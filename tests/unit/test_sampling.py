@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling import (
@@ -19,6 +21,7 @@ from tandem.engine.sampling import (
     check_stop,
     make_generator,
 )
+from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
 
 EOS = (0,)
 
@@ -230,6 +233,46 @@ def _processed(params: SamplingParams, prompt: list[int], output: list[int]) -> 
     return Sampler.process_logits(logits, batch)[0].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_logit_bias_adds_to_each_rows_own_tokens_only(data: st.DataObject) -> None:
+    vocab_size = data.draw(st.integers(2, 40))
+    rows = data.draw(st.integers(1, 5))
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.floats(-20, 20), min_size=vocab_size, max_size=vocab_size),
+                                             min_size=rows, max_size=rows)), dtype=torch.float32)
+    biases = [data.draw(st.dictionaries(st.integers(0, vocab_size - 1), st.floats(-100, 100), max_size=6))
+              for _ in range(rows)]
+    params = [SamplingParams(temperature=0.0, logit_bias=tuple(b.items())) for b in biases]
+    batch = _batch(params, vocab_size, eos_token_ids=())
+    got = Sampler.process_logits(logits, batch)
+    want = logits.clone()
+    for row, bias in enumerate(biases):
+        for token_id, value in bias.items():
+            want[row, token_id] += value
+    assert torch.equal(got, want)
+    out = Sampler().sample(logits, batch)
+    assert out.token_ids == want.argmax(dim=-1).tolist()  # greedy takes the biased argmax
+
+
+def test_logit_bias_bans_and_forces_but_logprobs_stay_raw() -> None:
+    logits = torch.tensor([LOGITS_6, LOGITS_6])
+    params = [SamplingParams(temperature=0.0, logit_bias=((3, -100.0),), logprobs=1),
+              SamplingParams(temperature=1.0, seed=5, logit_bias=((4, 100.0),), logprobs=1)]
+    out = _sample(logits, params, eos_token_ids=())
+    assert out.token_ids == [0, 4]  # 3 was the argmax; 4 the least likely
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs == pytest.approx([raw[0].item(), raw[4].item()])
+    assert out.top_logprobs is not None and out.top_logprobs[1][0][0] == 3  # the model's own top token
+    drawn = _draw_many(torch.tensor(LOGITS_6), SamplingParams(logit_bias=((1, -100.0), (4, -100.0))), 400, seed=0)
+    assert drawn.keys() <= {0, 2, 3, 5} and len(drawn) == 4
+
+
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    got = _processed(SamplingParams(repetition_penalty=2.0, logit_bias=((1, 3.0), (2, -1.0))), prompt=[1, 2], output=[])
+    # token 1: (-1 + 3) / 2; token 2: (0.5 - 1) * 2
+    assert got == pytest.approx([2.0, 1.0, -1.0, 3.0, -2.0, 1.0], abs=0)
+
+
 def test_repetition_penalty_hf_semantics_over_prompt_and_output() -> None:
     got = _processed(SamplingParams(repetition_penalty=2.0), prompt=[0, 1], output=[1, 3, 3])
     # seen = {0, 1, 3}, each once however often: positive / 2, negative * 2.
@@ -367,6 +410,9 @@ def test_logprobs_from_bf16_logits() -> None:
         ("stop_token_ids", 5), ("stop_token_ids", (True,)), ("stop_token_ids", tuple(range(100_000))),
         ("ignore_eos", 1), ("ignore_eos", "yes"),
         ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", False),
+        ("logit_bias", {1: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {True: 1.0}), ("logit_bias", {"1": 1.0}), ("logit_bias", ((1, 1.0), (1, 2.0))),
+        ("logit_bias", ((1, 1.0, 2.0),)), ("logit_bias", "12"), ("logit_bias", {i: 1.0 for i in range(1025)}),
     ],
 )
 def test_invalid_parameter_names_itself(name: str, value: object) -> None:
@@ -411,7 +457,8 @@ def test_round_trips_through_pickle_dict_and_json() -> None:
     params = SamplingParams(temperature=0.3, top_p=0.9, top_k=40, min_p=0.05, seed=2**63,
                             presence_penalty=-0.5, frequency_penalty=1.5, repetition_penalty=1.2,
                             max_tokens=100, min_tokens=3, stop_token_ids=(7, 9), ignore_eos=True,
-                            logprobs=4)
+                            logprobs=4, logit_bias=((9, -100.0), (3, 2.5)))
+    assert params.logit_bias == ((3, 2.5), (9, -100.0))  # sorted by token
     assert pickle.loads(pickle.dumps(params)) == params
     assert SamplingParams.from_dict(params.to_dict()) == params
     via_json = SamplingParams.from_dict(json.loads(json.dumps(params.to_dict())))
@@ -498,3 +545,12 @@ def test_generator_state_round_trip_continues_the_same_draws() -> None:
     assert copy is not None
     assert torch.equal(torch.rand(3, generator=original), torch.rand(3, generator=copy))
     assert generator_state(None) == b"" and restore_generator(SamplingParams(), b"") is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(bias=st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100, width=32), max_size=8),
+       seed=st.none() | st.integers(0, 2**64 - 1), logprobs=st.none() | st.integers(0, 20))
+def test_params_round_trip_through_the_proto(bias: dict[int, float], seed: int | None, logprobs: int | None) -> None:
+    params = SamplingParams(temperature=0.5, seed=seed, logprobs=logprobs, logit_bias=tuple(bias.items()),
+                            stop_token_ids=(3,))
+    assert sampling_from_proto(sampling_to_proto(params)) == params
