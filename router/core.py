@@ -256,7 +256,7 @@ class RouterCore:
                 names |= DEFAULT_MODEL_ALIASES
         self.model_names = frozenset(names)
         self._in_flight: set[str] = set()  # client request ids with a generation running here
-        # Long prompts are tokenized here, off the event loop (see _prompt_ids).
+        # Long prompts are tokenized here, off the event loop (see prompt_ids).
         self._tokenize_pool = ThreadPoolExecutor(NUM_TOKENIZE_THREADS, thread_name_prefix="router-tokenize")
 
     @property
@@ -393,7 +393,7 @@ class RouterCore:
             self._in_flight.discard(request_id)
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
-        """Validate ``request``, the cheap checks first; tokenize its prompt (see _prompt_ids)."""
+        """Validate ``request``, the cheap checks first; tokenize its prompt (see prompt_ids)."""
         if request.model not in self.model_names:
             raise RequestError(Status.NOT_FOUND, f"model {brief(request.model)} is not served here; "
                                f"this router serves {self.model_id!r}", field="model")
@@ -423,7 +423,7 @@ class RouterCore:
             StopStringMatcher(request.stop)
         except InvalidRequestError as exc:
             raise _invalid("stop", str(exc)) from None
-        prompt_ids = await self._prompt_ids(request)
+        prompt_ids = await self.prompt_ids(request)
         # The context bounds prompt + output; a shorter max_tokens is fine and finishes with
         # LENGTH when the context is full, as the FinishReason proto documents.
         room = self.context_length - len(prompt_ids)
@@ -433,8 +433,12 @@ class RouterCore:
         return PreparedRequest(request_id=request_id, upstream_id=upstream_id, prompt_ids=prompt_ids,
                                params=params, stop=tuple(request.stop))
 
-    async def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
-        """The prompt's ids; RequestError (INVALID_ARGUMENT, naming the prompt's field) for a
+    @property
+    def vocab_size(self) -> int:
+        return self._model_config.vocab_size
+
+    async def prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """The prompt's ids (what generation sends, and what ``/tokenize`` answers); RequestError (INVALID_ARGUMENT, naming the prompt's field) for a
         missing, empty, unknown-token or over-long prompt.
 
         Text is refused unread when it has more bytes (those its tokenizer does not drop) than the

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import uvicorn
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +50,8 @@ from router.openai_types import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
     FinishReasonName,
@@ -58,12 +60,15 @@ from router.openai_types import (
     PromptTokensDetails,
     StreamOptions,
     TextPart,
+    TokenizeRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
     openapi_schema,
     to_json,
 )
+from tandem import __version__
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -161,7 +166,8 @@ def _first_error(exc: ValidationError) -> HTTPError:
 
 
 _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | frozenset(
-    ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields)
+    ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
+    DetokenizeRequest.model_fields)
 
 
 # OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement:
@@ -253,6 +259,23 @@ def _reject_lone_surrogates(value: Any, where: str) -> None:
                 stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else path))
         elif isinstance(item, list):
             stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+
+def _validated(model: type[BodyModel], body: Any) -> BodyModel:
+    """``body`` as ``model``; HTTPError(400) naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+
+
+def _card(core: RouterCore) -> ModelCard:
+    return ModelCard(id=core.model_id, object="model", created=0, owned_by="tandem", max_model_len=core.context_length)
 
 
 def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
@@ -556,6 +579,10 @@ class Gateway:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -579,9 +606,62 @@ class Gateway:
             self._authorize(request)
         except HTTPError as exc:
             return exc.response()
-        return JSONResponse(to_json(ModelList(object="list", data=[
-            ModelCard(id=s.model_id, object="model", created=0, owned_by="tandem", max_model_len=s.context_length)
-            for s in self._models])))
+        return JSONResponse(to_json(ModelList(object="list", data=[_card(core) for core in self._models])))
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): one served model's card."""
+        try:
+            self._authorize(request)
+            core = self._models.pick(request.path_params["model"])
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+        return JSONResponse(to_json(_card(core)))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: the ids generation would send for ``prompt`` (no special
+        tokens added, as the completions endpoint sends it) or ``messages`` (through the chat
+        template), with the checks generation makes (context length, lone surrogates)."""
+        try:
+            self._authorize(request)
+            body = _validated(TokenizeRequest, await self._read_json(request))
+            if (body.prompt is None) == (body.messages is None):
+                raise HTTPError(400, "send exactly one of prompt and messages", param="prompt")
+            core = self._models.pick(body.model)
+            generate = router_pb2.GenerateRequest(model=body.model)
+            if body.prompt is not None:
+                generate.text = body.prompt
+            else:
+                generate.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text())
+                                                  for m in body.messages or [])
+            ids = await core.prompt_ids(generate)
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+        return JSONResponse(to_json(TokenizeResponse(count=len(ids), max_model_len=core.context_length, tokens=ids)))
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: the text of ``tokens`` (special tokens kept)."""
+        try:
+            self._authorize(request)
+            body = _validated(DetokenizeRequest, await self._read_json(request))
+            core = self._models.pick(body.model)
+            vocab_size = core.vocab_size
+            bad = next((t for t in body.tokens if t >= vocab_size), None)
+            if bad is not None:
+                raise HTTPError(400, f"token id {bad} is out of range: the vocabulary has {vocab_size} ids",
+                                param="tokens")
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+        text = core.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse(to_json(DetokenizeResponse(prompt=text)))
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

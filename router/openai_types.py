@@ -141,6 +141,29 @@ class CompletionRequest(_Request):
     echo: bool = False  # the prompt's text before the completion's (not with logprobs)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): the ids a prompt or chat would be sent as, with the chat
+    template as generation renders it."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"examples": [
+        {"model": "default", "prompt": "Hello"},
+        {"model": "default", "messages": [{"role": "user", "content": "Hi"}]},
+    ]})
+
+    model: str = ""
+    prompt: str | None = None  # exactly one of prompt and messages
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str = ""
+    tokens: list[TokenId]
+
+
 # --- responses ------------------------------------------------------------------------------------
 # The shapes OpenAI's API answers with; the router builds these and nothing else, so the OpenAPI
 # schema below describes what is sent.
@@ -251,6 +274,16 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -278,7 +311,8 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
     the like are bounded by ``context_length``."""
     components: dict[str, Any] = {}
     for model in (ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
-                  ModelList, ErrorResponse):
+                  ModelList, ModelCard, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+                  DetokenizeResponse):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
         for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -311,6 +345,14 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
             ok["content"] = {"application/json": {"schema": ref(reply)}}
         return {"get": {"summary": summary, "responses": {"200": ok, "503": {"description": "not ready"}}}}
 
+    def plain_post(request: type[BaseModel], summary: str, reply: type[BaseModel]) -> dict[str, Any]:
+        errors = {status: {"description": text, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+                  for status, text in (("400", "invalid parameters"), ("401", "bad API key"),
+                                       ("404", "unknown model"))}
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ref(request)}}}, "responses": {
+            "200": {"description": summary, "content": {"application/json": {"schema": ref(reply)}}}, **errors}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
@@ -319,6 +361,16 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
                                          ChatCompletionChunk),
             "/v1/completions": post(CompletionRequest, "text completion", Completion, Completion),
             "/v1/models": get("served models", ModelList),
+            "/v1/models/{model}": {"get": {
+                "summary": "one served model", "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model", "content": {"application/json": {
+                    "schema": ref(ModelCard)}}}, "404": {"description": "unknown model", "content": {
+                        "application/json": {"schema": ref(ErrorResponse)}}}}}},
+            "/tokenize": plain_post(TokenizeRequest, "a prompt's token ids, as generation would send it",
+                                    TokenizeResponse),
+            "/detokenize": plain_post(DetokenizeRequest, "the text of token ids", DetokenizeResponse),
+            "/version": get("the server's version"),
             "/health": get("process is up"),
             "/ready": get("a prefill and a decode service are reachable"),
             "/metrics": get("Prometheus metrics"),

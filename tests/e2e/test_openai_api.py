@@ -327,6 +327,9 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         _assert_error(http.post(chat, json=body), 401, "API key")
         _assert_error(http.post(chat, json=body, headers={"Authorization": "Bearer wrong"}), 401)
         _assert_error(http.get(f"{base}/v1/models"), 401)
+        _assert_error(http.get(f"{base}/v1/models/default"), 401)
+        _assert_error(http.post(f"{base}/tokenize", json={"prompt": "hi"}), 401)
+        _assert_error(http.post(f"{base}/detokenize", json={"tokens": [1]}), 401)
         auth = {"Authorization": f"Bearer {API_KEY}"}
         assert http.post(chat, json=body, headers=auth).status_code == 200
         # a prompt needing more KV blocks than the pool holds: admission refuses it
@@ -429,7 +432,44 @@ def test_models_health_ready_metrics_openapi(tiny: Stack) -> None:
         assert units["tandem:partition_prefill_units"] + units["tandem:partition_decode_units"] >= 1
         assert units["tandem:partition_epoch"] >= 1
         schema = http.get(f"{base}/openapi.json").json()
-        assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
+                "/detokenize"} <= set(schema["paths"])
+        assert http.get(f"{base}/version").json()["version"]
+
+
+def test_retrieve_a_model_and_tokenize_as_generation_does(tiny: Stack) -> None:
+    client = _client(tiny)
+    for name in ("model", "default"):
+        card = client.models.retrieve(name)
+        assert card.id == "model" and card.model_extra == {"max_model_len": CONTEXT}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    base = tiny.http_address()
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    alphabet = "abcdefghij klmnopqrstuvwxyz.,!?0123456789éß"
+    with httpx.Client(timeout=30) as http:
+        for _ in range(4):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+            counted = http.post(f"{base}/tokenize", json={"model": "default", "prompt": text}).json()
+            done = client.completions.create(model="default", prompt=text, max_tokens=1)
+            assert done.usage is not None and counted["count"] == done.usage.prompt_tokens == len(counted["tokens"])
+            assert counted["max_model_len"] == CONTEXT
+            back = http.post(f"{base}/detokenize", json={"tokens": counted["tokens"]}).json()
+            assert back == {"prompt": text}, seed
+            messages: list[Any] = [{"role": "user", "content": text}]
+            chat = http.post(f"{base}/tokenize", json={"messages": messages}).json()
+            reply = client.chat.completions.create(model="default", messages=messages, max_tokens=1)
+            assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens, seed
+            assert chat["tokens"] == Tokenizer.from_dir(tiny.model_dir).encode_chat(messages), seed
+        _assert_error(http.post(f"{base}/tokenize", json={}), 400, "prompt")
+        _assert_error(http.post(f"{base}/tokenize", json={"prompt": "a", "messages": HELLO}), 400, "one of")
+        _assert_error(http.post(f"{base}/tokenize", json={"prompt": "a", "model": "gpt-17"}), 404, "gpt-17")
+        _assert_error(http.post(f"{base}/tokenize", json={"prompt": "hello " * (CONTEXT + 10)}), 400,
+                      str(CONTEXT))
+        _assert_error(http.post(f"{base}/detokenize", json={"tokens": [10**9]}), 400, "out of range")
+        _assert_error(http.post(f"{base}/detokenize", json={"tokens": "1 2"}), 400, "tokens")
 
 
 def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
