@@ -170,9 +170,10 @@ _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(Complet
     DetokenizeRequest.model_fields)
 
 
-# OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement:
-# refused with a 400 naming them rather than ignored, so that no client gets an answer it did not
-# ask for. Each maps to the values that ask for nothing (and so are accepted).
+# OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement
+# are refused with a 400 naming them rather than ignored, so that no client gets an answer it did
+# not ask for; the values that ask for nothing (``{"type": "text"}``, ``tool_choice: "none"``,
+# ``best_of: 1``...) are accepted. vLLM's guided decoding parameters:
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 

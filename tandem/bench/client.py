@@ -162,6 +162,8 @@ class PromptBuilder:
         return stream[:spec.input_len]
 
     def prompt(self, spec: RequestSpec) -> list[int] | str:
+        if spec.prompt_text is not None:  # a dataset's own text
+            return spec.prompt_text
         indices = self._indices(spec)
         if self.token_ids is not None:
             return [self.token_ids[i] for i in indices]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,7 @@ class RequestSpec:
     output_len: int            # tokens to generate (>= 1); sent as max_tokens with ignore_eos
     session_id: int | None = None   # multi-turn sessions: same id = same conversation
     shared_prefix_len: int = 0      # leading prompt tokens identical to the previous turn of the session
+    prompt_text: str | None = None  # a dataset's real prompt (``input_len`` is its length), sent as is
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,17 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     arrivals = arrival_times(spec, len(shapes), np.random.default_rng(arrival_seed))
     return [RequestSpec(f"r{k:06d}", t, i, o, session, prefix)
             for k, (t, (i, o, session, prefix)) in enumerate(zip(arrivals, shapes))]
+
+
+def dataset_requests(spec: WorkloadSpec, conversations: Sequence[tuple[str, int, int]]) -> list[RequestSpec]:
+    """One request per (prompt text, input_len, output_len) of a dataset (``tandem.bench.dataset``),
+    arriving as ``spec`` says (its lengths ignored; a trace's arrivals are not for a dataset)."""
+    if spec.arrival == "trace":
+        raise ValueError("a dataset brings its own prompts: give --rate or --concurrency, not --trace")
+    _, arrival_seed = np.random.SeedSequence(spec.seed).spawn(2)
+    arrivals = arrival_times(spec, len(conversations), np.random.default_rng(arrival_seed))
+    return [RequestSpec(f"r{k:06d}", t, input_len, output_len, prompt_text=text)
+            for k, (t, (text, input_len, output_len)) in enumerate(zip(arrivals, conversations))]
 
 
 def arrival_times(spec: WorkloadSpec, num: int, rng: np.random.Generator) -> list[float]:

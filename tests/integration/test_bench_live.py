@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.engine.tokenizer import Tokenizer
 from tests.integration.stack import ROOT, Stack
 
 pytestmark = pytest.mark.slow
@@ -66,3 +67,34 @@ def test_chat_endpoint_with_fixed_concurrency(stack: Stack, tmp_path: Path) -> N
     run, = json.loads(out.read_text())["runs"]
     assert run["load"] == "c=2" and run["summary"]["num_ok"] == 3
     assert all(row["output_len"] == 5 and row["error"] is None for row in run["requests"])
+
+
+def test_dataset_prompts_over_the_real_stack(stack: Stack, tmp_path: Path) -> None:
+    """Real prompts from a ShareGPT-format file (cut short, as the packaged one is), other
+    conversations at each load, lengths counted with the model's tokenizer."""
+    sentences = ["What is the capital of France?", "Write a haiku about the sea, please.",
+                 "Explain how a hash map works in two sentences.", "List three prime numbers above one hundred.",
+                 "Translate 'good morning' into German and Spanish.", "Why is the sky blue? Keep it short.",
+                 "Name a famous painting by Claude Monet.", "hi"]
+    answers = ["Paris is the capital of France, and its largest city.", "ok"] * 4
+    items = [{"id": str(k), "conversations": [{"from": "human", "value": s}, {"from": "gpt", "value": a}]}
+             for k, (s, a) in enumerate(zip(sentences, answers))]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(items)[:-40])  # the last conversation is cut off
+    out = tmp_path / "dataset.json"
+    _bench("--base-url", stack.http_address(), "--dataset", str(data), "--tokenizer", str(stack.model_dir),
+           "--num-requests", "2", "--rate", "6", "--rate", "inf", "--max-output-len", "6", "--warmup", "0",
+           "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["systems"]["A"]["prompt"] == "dataset text"
+    tokenizer = Tokenizer.from_dir(stack.model_dir)
+    # usable: both turns of at least 4 tokens, the cut-off last one gone
+    usable = {len(tokenizer.encode(s, add_special_tokens=False)) for s, a in zip(sentences[:-1], answers)
+              if len(tokenizer.encode(a, add_special_tokens=False)) >= 4}
+    seen = []
+    for run in result["runs"]:
+        assert run["summary"]["num_ok"] == 2 and run["summary"]["num_failed"] == 0
+        for row in run["requests"]:
+            assert row["input_len"] in usable and row["output_len"] == row["max_tokens"] == 6
+            seen.append(row["input_len"])
+    assert len(seen) == 4
