@@ -36,6 +36,7 @@ from router.metrics import RouterMetrics
 from router.models import ServedModels
 from router.openai_types import (
     MAX_BATCH_PROMPTS,
+    MAX_CHOICES,
     MAX_N,
     AssistantMessage,
     ChatChoice,
@@ -350,6 +351,9 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     parsed = ParsedRequest(kind, req.model, bool(req.stream), include_usage, num_logprobs, prompts=prompts,
                            echo=isinstance(req, CompletionRequest) and req.echo)
     n = value(req.n, 1)
+    if len(prompts) * n > MAX_CHOICES:  # a batch of prompts (chat's n alone is at most MAX_N)
+        raise HTTPError(400, f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} generations; a request "
+                             f"may start at most {MAX_CHOICES}", param="n")
     if isinstance(req, ChatCompletionRequest):
         base.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in req.messages)
         bases = [base]

@@ -27,6 +27,7 @@ from tandem.protocol import (
 
 MAX_N = 16
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions body (each its own request, n choices each)
+MAX_CHOICES = 256  # prompts x n: the generations one HTTP request may start
 MAX_SEED = 2**63 - 1  # seed + i must fit the proto's uint64 and torch's generator
 
 

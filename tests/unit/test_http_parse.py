@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.http import MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, HTTPError, parse_request
+from router.openai_types import MAX_CHOICES
 from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, RequestError, Status
 
 CONTEXT = 2048
@@ -134,6 +135,7 @@ def test_the_same_parameters_asking_for_nothing_are_accepted(body: dict[str, Any
     ("completion", {"prompt": ["a", []]}, "prompt"),
     ("completion", {"prompt": ["a"] * (MAX_BATCH_PROMPTS + 1)}, "prompt"),
     ("completion", {"prompt": "a", "echo": True, "logprobs": 0}, "echo"),
+    ("completion", {"prompt": ["a"] * MAX_BATCH_PROMPTS, "n": MAX_CHOICES // MAX_BATCH_PROMPTS + 1}, "n"),
     ("chat", {"messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias"),
     ("chat", {"messages": MESSAGES, "logit_bias": {"1": 100.5}}, "logit_bias"),
     ("chat", {"messages": MESSAGES, "logit_bias": {"1": "1"}}, "logit_bias"),
