@@ -399,6 +399,26 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
         after, freed_in_s = asyncio.run(give_up(wait_s))
         assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
         assert freed_in_s < max(5.0, 0.5 * max_tokens / tokens_per_s), (wait_s, freed_in_s, tokens_per_s)
+
+    # a streamed batch of prompts with n choices each: leaving mid-stream cancels every one
+    async def batch_left() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
+        rng = random.Random()
+        body = {"model": "default", "prompt": ["Once", "The sky", "1, 2,"][:rng.randint(2, 3)], "n": rng.randint(1, 3),
+                "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "echo": rng.random() < 0.5}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{tiny.http_address()}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                events, leave_after = 0, rng.randint(3, 20)
+                async for line in response.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events >= leave_after:
+                        break
+                during = await _agent_stats(tiny)
+        return during, await _wait_all_blocks_free(tiny, timeout_s=60)
+
+    during, after = asyncio.run(batch_left())
+    assert during.num_requests >= 1
+    assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
     metrics = httpx.get(f"{tiny.http_address()}/metrics").text
     assert metric_value(metrics, "tandem:num_requests_running") == 0
     assert metric_value(metrics, "tandem:num_requests_waiting") == 0
