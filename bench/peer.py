@@ -336,7 +336,7 @@ def engine_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def markdown(concurrency: list[dict[str, Any]], rates: dict[str, Any],
-             ceiling: list[dict[str, Any]] | None = None, prompts: str = "ShareGPT lengths") -> str:
+             ceiling: list[dict[str, Any]] | None, prompts: str) -> str:
     a, b = LABEL_LLAMA, LABEL_TANDEM
     lines = [f"Fixed concurrency, chat, {CHAT_INPUT_LEN}-word prompts, {CHAT_OUTPUT_LEN} output tokens "
              f"(latencies in ms, {a} / {b})", "",

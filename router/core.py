@@ -32,7 +32,7 @@ import reprlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -410,15 +410,8 @@ class RouterCore:
             params = sampling_from_request(request.sampling, self.sampling_defaults)
         except InvalidRequestError as exc:
             raise _invalid("sampling", str(exc)) from None
-        vocab_size = self._model_config.vocab_size
-        unknown = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-        if unknown is not None:
-            raise _invalid("sampling", f"stop_token_ids holds {unknown}, out of range: the vocabulary has "
-                                       f"{vocab_size} ids")
-        biased = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
-        if biased is not None:
-            raise _invalid("logit_bias", f"logit_bias names token {biased}, out of range: the vocabulary has "
-                                         f"{vocab_size} ids")
+        self.check_in_vocabulary(params.stop_token_ids, "sampling", "stop_token_ids holds")
+        self.check_in_vocabulary((t for t, _ in params.logit_bias), "logit_bias", "logit_bias names token")
         try:
             StopStringMatcher(request.stop)
         except InvalidRequestError as exc:
@@ -433,17 +426,23 @@ class RouterCore:
         return PreparedRequest(request_id=request_id, upstream_id=upstream_id, prompt_ids=prompt_ids,
                                params=params, stop=tuple(request.stop))
 
-    @property
-    def vocab_size(self) -> int:
-        return self._model_config.vocab_size
+    def check_in_vocabulary(self, ids: Iterable[int], field: str, what: str) -> None:
+        """RequestError (INVALID_ARGUMENT, naming ``field``) when an id of ``ids`` is past the vocabulary;
+        ``what`` starts the message, before the id."""
+        vocab_size = self._model_config.vocab_size
+        bad = next((i for i in ids if i >= vocab_size), None)
+        if bad is not None:
+            raise _invalid(field, f"{what} {bad}, out of range: the vocabulary has {vocab_size} ids")
 
     async def prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
-        """The prompt's ids (what generation sends, and what ``/tokenize`` answers); RequestError (INVALID_ARGUMENT, naming the prompt's field) for a
-        missing, empty, unknown-token or over-long prompt.
+        """The prompt's ids (what generation sends, and what ``/tokenize`` answers); RequestError
+        (INVALID_ARGUMENT, naming the prompt's field) for a missing, empty, unknown-token or over-long
+        prompt.
 
         Text is refused unread when it has more bytes (those its tokenizer does not drop) than the
-        most a prompt that fits the context can have (``Tokenizer.max_text_bytes``); text over INLINE_TOKENIZE_MAX_CHARS is rendered and tokenized in a worker
-        thread, where the tokenizer releases the GIL, so the loop keeps serving other streams.
+        most a prompt that fits the context can have (``Tokenizer.max_text_bytes``); text over
+        INLINE_TOKENIZE_MAX_CHARS is rendered and tokenized in a worker thread, where the tokenizer
+        releases the GIL, so the loop keeps serving other streams.
         """
         kind = request.WhichOneof("prompt")
         context = self.context_length
@@ -453,10 +452,7 @@ class RouterCore:
             ids = request.token_ids.ids
             if len(ids) >= context:
                 raise _invalid(kind, f"the prompt has {len(ids)} tokens but {too_long}")
-            vocab_size = self._model_config.vocab_size
-            bad = next((i for i in ids if i >= vocab_size), None)
-            if bad is not None:
-                raise _invalid(kind, f"token id {bad} is out of range: the vocabulary has {vocab_size} ids")
+            self.check_in_vocabulary(ids, kind, "token id")
             if not ids:
                 raise _invalid(kind, "the prompt is empty (it has no tokens)")
             return list(ids)

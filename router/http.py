@@ -35,7 +35,6 @@ from router.core import RouterCore, brief
 from router.metrics import RouterMetrics
 from router.models import ServedModels
 from router.openai_types import (
-    MAX_BATCH_PROMPTS,
     MAX_CHOICES,
     MAX_N,
     AssistantMessage,
@@ -104,7 +103,8 @@ T = TypeVar("T")
 
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
-                   "stop": "stop", "model": "model", "logit_bias": "logit_bias"}
+                   "stop": "stop", "model": "model", "logit_bias": "logit_bias",
+                   "tokens": "tokens"}
 _FINISH_REASON: dict[int, FinishReasonName] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -209,21 +209,9 @@ def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
-    """The prompts of a /v1/completions body: one text or token-id list, or a batch of either."""
-    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
-                        param="prompt")
-    if len(prompts) > MAX_BATCH_PROMPTS:
-        raise HTTPError(400, f"prompt holds {len(prompts)} prompts; a request may batch at most "
-                             f"{MAX_BATCH_PROMPTS}", param="prompt")
-    for i, item in enumerate(prompts):
-        if isinstance(item, list) and not item:
-            raise HTTPError(400, f"prompt[{i}] is an empty list of token ids", param="prompt")
-    return prompts
+    """The prompts of a validated /v1/completions body: one text or token-id list, or a batch of either
+    (CompletionRequest's type bounds the batch and refuses empty lists)."""
+    return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
 
 
 @dataclass(frozen=True)
@@ -285,18 +273,15 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     """Validate an OpenAI request body against its model (``router.openai_types``); raises
     HTTPError(400) naming the bad parameter.
 
-    Unknown fields are ignored; sampling values the body leaves out are ``defaults``'.
+    Unknown fields are ignored, except those that would change the output and are not supported
+    (``_refuse_unsupported``); sampling values the body leaves out are ``defaults``'.
     ``max_tokens`` may not exceed the context length; a shorter one that does not fit after the
     prompt is capped by the router (the choice finishes with ``length``).
     """
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    _refuse_unsupported(kind, body)
-    model_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        req = model_type.model_validate(body)
-    except ValidationError as exc:
-        raise _first_error(exc) from None
+    if isinstance(body, dict):
+        _refuse_unsupported(kind, body)
+    req: ChatCompletionRequest | CompletionRequest = (
+        _validated(ChatCompletionRequest, body) if kind == "chat" else _validated(CompletionRequest, body))
     max_tokens_name = "max_tokens"
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
@@ -653,11 +638,7 @@ class Gateway:
             self._authorize(request)
             body = _validated(DetokenizeRequest, await self._read_json(request))
             core = self._models.pick(body.model)
-            vocab_size = core.vocab_size
-            bad = next((t for t in body.tokens if t >= vocab_size), None)
-            if bad is not None:
-                raise HTTPError(400, f"token id {bad} is out of range: the vocabulary has {vocab_size} ids",
-                                param="tokens")
+            core.check_in_vocabulary(body.tokens, "tokens", "token id")
         except RequestError as exc:
             return HTTPError.from_error(exc).response()
         except HTTPError as exc:

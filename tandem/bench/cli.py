@@ -236,9 +236,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         target = Target(label, url.rstrip("/").removesuffix("/v1"), args.endpoint, args.api_key, args.model,
                         args.timeout_s, not args.no_logprobs, args.retries_429)
         systems.append(await prepare(target, args.tokenizer, args.seed))
+    # The dataset first: a bad --dataset fails before the servers are warmed.
+    conversations = dataset_conversations(args, systems[0].info.model, len(loads)) if args.dataset else []
     for system in systems:
         await warm_up(system, args.warmup)
-    conversations = dataset_conversations(args, systems[0].info.model, len(loads)) if args.dataset else []
 
     runs: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http import MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, HTTPError, parse_request
-from router.openai_types import MAX_CHOICES
+from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
+from router.openai_types import MAX_BATCH_PROMPTS, MAX_CHOICES
 from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, RequestError, Status
 
 CONTEXT = 2048
