@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import reprlib
 import secrets
@@ -35,15 +36,15 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.metrics import ModelMetrics
 from router.upstream import Upstream
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from tandem.engine.stop_strings import StopStringMatcher
-from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.engine.stop_strings import StopFeed, StopStringMatcher
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer, check_template_variables
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -134,6 +135,8 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams  # max_tokens already capped to the room left in the context
     stop: tuple[str, ...]
+    include_stop_str: bool = False  # the matched stop string ends the text
+    skip_special_tokens: bool = True  # special tokens are left out of the text
 
 
 class TokenGapError(Exception):
@@ -151,7 +154,8 @@ class Generation:
     """
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-                 params: SamplingParams, stop: Sequence[str]) -> None:
+                 params: SamplingParams, stop: Sequence[str], include_stop_str: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
@@ -160,8 +164,10 @@ class Generation:
         # True when upstream itself finished the request: nothing is left to cancel.
         self.ended_by_upstream = False
         self._max_tokens = params.max_tokens
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids,
+                                                   skip_special_tokens=skip_special_tokens)
         self._matcher = StopStringMatcher(stop)
+        self._include_stop_str = include_stop_str
 
     @property
     def finished(self) -> bool:
@@ -194,7 +200,7 @@ class Generation:
             self.num_delivered += 1
             num_taken += 1
             fed = self._matcher.feed(self._detokenizer.step(token.token_id))
-            text.append(fed.text)
+            text.append(self._with_stop(fed))
             if fed.stopped:
                 finish = _STOP
                 break
@@ -208,7 +214,7 @@ class Generation:
             if not self._matcher.stopped:
                 # The detokenizer may hold an incomplete character, the matcher a partial stop.
                 tail = self._matcher.feed(self._detokenizer.flush())
-                text.append(tail.text)
+                text.append(self._with_stop(tail))
                 finish = _STOP if tail.stopped else finish
                 text.append(self._matcher.flush())
             self.finish_reason = finish
@@ -221,6 +227,11 @@ class Generation:
         if not response.tokens and not response.text and not self.finished:
             return None
         return response
+
+
+    def _with_stop(self, fed: StopFeed) -> str:
+        """The text of ``fed``, with the stop string that matched when the request asked for it."""
+        return fed.text + fed.stop if self._include_stop_str and fed.stop is not None else fed.text
 
 
 # --- the core ----------------------------------------------------------------------------------
@@ -332,7 +343,8 @@ class RouterCore:
             deadline_s = loop.time() + budget_s
             upstream_id = prepared.upstream_id
             queue = self.upstream.streams.register(upstream_id)  # unique: cannot be in use
-            generation = Generation(request_id, self.tokenizer, prepared.prompt_ids, prepared.params, prepared.stop)
+            generation = Generation(request_id, self.tokenizer, prepared.prompt_ids, prepared.params, prepared.stop,
+                                    prepared.include_stop_str, prepared.skip_special_tokens)
             admission = self.admission
             if admission is not None:
                 refusal = admission.try_admit(upstream_id, len(prepared.prompt_ids), arrival_s=started_ns / 1e9)
@@ -424,7 +436,10 @@ class RouterCore:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         upstream_id = f"{request_id}~{secrets.token_hex(6)}" if request.request_id else request_id
         return PreparedRequest(request_id=request_id, upstream_id=upstream_id, prompt_ids=prompt_ids,
-                               params=params, stop=tuple(request.stop))
+                               params=params, stop=tuple(request.stop),
+                               include_stop_str=request.include_stop_str_in_output,
+                               skip_special_tokens=(not request.HasField("skip_special_tokens")
+                                                    or request.skip_special_tokens))
 
     def check_in_vocabulary(self, ids: Iterable[int], field: str, what: str) -> None:
         """RequestError (INVALID_ARGUMENT, naming ``field``) when an id of ``ids`` is past the vocabulary;
@@ -459,7 +474,8 @@ class RouterCore:
         if kind == "text":
             num_chars = len(request.text)
         elif kind == "messages":
-            num_chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+            num_chars = (sum(len(m.content) + len(m.role) for m in request.messages.messages)
+                         + len(request.messages.chat_template_kwargs))
         else:
             raise _invalid("prompt", "the request has no prompt: set text, token_ids or messages")
         max_bytes = self.tokenizer.max_text_bytes(context - 1)
@@ -488,11 +504,17 @@ class RouterCore:
         unread; raises InvalidRequestError. Runs on the loop or in a worker thread."""
         tokenizer = self.tokenizer
         if request.WhichOneof("prompt") == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            text = tokenizer.apply_chat_template(messages)
+            chat = request.messages
+            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+            add_generation_prompt = not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=chat.continue_final_message, **template_variables(chat.chat_template_kwargs))
             add_special_tokens = False  # the template writes every special token it wants
         else:
             text, add_special_tokens = request.text, True
+        if request.HasField("add_special_tokens"):
+            add_special_tokens = request.add_special_tokens
         if max_bytes is not None and (num_bytes := tokenizer.kept_bytes(text)) > max_bytes:
             raise InvalidRequestError(
                 f"the prompt has {num_bytes} bytes of text, but no text over {max_bytes} bytes fits in the "
@@ -500,6 +522,21 @@ class RouterCore:
         if release_gil:
             return tokenizer.encode_releasing_gil(text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def template_variables(kwargs_json: str) -> dict[str, Any]:
+    """ChatMessages.chat_template_kwargs (a JSON object, or empty) as keyword arguments;
+    InvalidRequestError for anything else."""
+    if not kwargs_json:
+        return {}
+    try:
+        variables = json.loads(kwargs_json)
+    except ValueError:
+        raise InvalidRequestError("chat_template_kwargs is not valid JSON") from None
+    if not isinstance(variables, dict):
+        raise InvalidRequestError(f"chat_template_kwargs must be a JSON object, got {type(variables).__name__}")
+    check_template_variables(variables)
+    return variables
 
 
 async def next_update(queue: asyncio.Queue[decode_pb2.TokenUpdate], deadline_s: float,

@@ -69,6 +69,8 @@ from router.openai_types import (
     to_json,
 )
 from tandem import __version__
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.tokenizer import check_template_variables
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -204,8 +206,29 @@ def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
         raise refuse("prompt_logprobs", "prompt logprobs")
     if body.get("audio") is not None or body.get("modalities") not in (None, ["text"]):
         raise refuse("modalities", "audio output")
+    if body.get("chat_template") is not None:
+        raise refuse("chat_template", "a chat template sent with the request (the model's own is used; "
+                                      "chat_template_kwargs sets its variables)")
     if kind == "chat" and body.get("echo") not in (None, False):
         raise refuse("echo", "echo in chat (it is a /v1/completions parameter)")
+
+
+def _set_chat(request: router_pb2.GenerateRequest, messages: list[ChatMessage],
+              options: ChatCompletionRequest | TokenizeRequest) -> None:
+    """``request``'s prompt: ``messages`` with vLLM's chat template options of ``options``."""
+    if options.continue_final_message and options.add_generation_prompt:
+        raise HTTPError(400, "continue_final_message and add_generation_prompt exclude each other: "
+                             "send add_generation_prompt false", param="continue_final_message")
+    chat = request.messages
+    chat.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in messages)
+    chat.add_generation_prompt = options.add_generation_prompt
+    chat.continue_final_message = options.continue_final_message
+    if options.chat_template_kwargs:
+        try:
+            check_template_variables(options.chat_template_kwargs)
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc), param="chat_template_kwargs") from None
+        chat.chat_template_kwargs = json.dumps(options.chat_template_kwargs)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -339,8 +362,12 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     if len(prompts) * n > MAX_CHOICES:  # a batch of prompts (chat's n alone is at most MAX_N)
         raise HTTPError(400, f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} generations; a request "
                              f"may start at most {MAX_CHOICES}", param="n")
+    base.include_stop_str_in_output = req.include_stop_str_in_output
+    if not req.skip_special_tokens:
+        base.skip_special_tokens = False
+    base.add_special_tokens = req.add_special_tokens
     if isinstance(req, ChatCompletionRequest):
-        base.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in req.messages)
+        _set_chat(base, req.messages, req)
         bases = [base]
     else:
         bases = []
@@ -610,9 +637,9 @@ class Gateway:
         return JSONResponse(to_json(_card(core)))
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's ``POST /tokenize``: the ids generation would send for ``prompt`` (no special
-        tokens added, as the completions endpoint sends it) or ``messages`` (through the chat
-        template), with the checks generation makes (context length, lone surrogates)."""
+        """vLLM's ``POST /tokenize``: the ids generation would send for ``prompt`` (as the
+        completions endpoint sends it) or ``messages`` (through the chat template, with the same
+        options), with the checks generation makes (context length, lone surrogates)."""
         try:
             self._authorize(request)
             body = _validated(TokenizeRequest, await self._read_json(request))
@@ -623,8 +650,9 @@ class Gateway:
             if body.prompt is not None:
                 generate.text = body.prompt
             else:
-                generate.messages.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text())
-                                                  for m in body.messages or [])
+                _set_chat(generate, body.messages or [], body)
+            if body.add_special_tokens is not None:
+                generate.add_special_tokens = body.add_special_tokens
             ids = await core.prompt_ids(generate)
         except RequestError as exc:
             return HTTPError.from_error(exc).response()

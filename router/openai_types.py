@@ -81,6 +81,9 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     logit_bias: LogitBias | None = None  # ids past the vocabulary are refused by the router
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's extra
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that matched ends the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's; its fast tokenizers ignore it, and so does this server
     user: str | None = None
     stream: bool | None = None  # server-sent events, ending with "data: [DONE]"
     stream_options: StreamOptions | None = None
@@ -123,6 +126,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # wins over max_tokens
     logprobs: bool | None = None  # log probabilities of the chosen tokens
     top_logprobs: NumLogprobs | None = None  # and of this many alternatives (needs logprobs)
+    # vLLM's chat template options
+    add_generation_prompt: bool = True  # the prompt ends with the assistant turn's opening
+    continue_final_message: bool = False  # generation continues the last message (not with the above)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    add_special_tokens: bool = False  # BOS and the like on top of what the template writes
 
 
 class CompletionRequest(_Request):
@@ -140,6 +148,7 @@ class CompletionRequest(_Request):
                          Field(min_length=1, max_length=MAX_BATCH_PROMPTS)])
     logprobs: NumLogprobs | None = None  # top logprobs per token
     echo: bool = False  # the prompt's text before the completion's (not with logprobs)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like before a text prompt
 
 
 class TokenizeRequest(BaseModel):
@@ -154,6 +163,12 @@ class TokenizeRequest(BaseModel):
     model: str = ""
     prompt: str | None = None  # exactly one of prompt and messages
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    # as in the generation requests: the chat template's options, and the tokenizer's special tokens
+    # (default: true for a prompt, false for messages)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -109,6 +109,13 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int  # number of top logprobs per token (and the chosen token's); unset returns none
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit (OpenAI's)
     request_id: str  # the client's id for the request; the router makes one when absent
+    include_stop_str: bool  # the stop string that matched ends the text (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool  # special tokens left out of the text (the default)
+    add_special_tokens: bool  # the tokenizer's BOS and the like (default: for text, not for messages)
+    # chat only (vLLM's chat template options)
+    add_generation_prompt: bool  # the prompt ends with the assistant turn's opening (the default)
+    continue_final_message: bool  # continue the last message's text (with add_generation_prompt=False)
+    chat_template_kwargs: Mapping[str, Any]  # extra variables for the chat template
 
 
 def generate_request(
@@ -130,6 +137,12 @@ def generate_request(
     logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     request_id: str | None = None,
+    include_stop_str: bool = False,
+    skip_special_tokens: bool | None = None,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> router_pb2.GenerateRequest:
     """The GenerateRequest for a prompt (text or token ids) or chat messages (exactly one).
 
@@ -139,6 +152,9 @@ def generate_request(
     """
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt and messages")
+    if messages is None and (add_generation_prompt is not None or continue_final_message or chat_template_kwargs):
+        raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs are chat options: "
+                         "pass messages")
     sampling = common_pb2.SamplingParams(ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("min_p", min_p), ("presence_penalty", presence_penalty),
@@ -152,12 +168,19 @@ def generate_request(
         sampling.logit_bias.update(logit_bias)
     request = router_pb2.GenerateRequest(
         model=model, sampling=sampling, request_id=request_id or "",
-        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        stop=[stop] if isinstance(stop, str) else list(stop or ()), include_stop_str_in_output=include_stop_str,
     )
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
     if messages is not None:
         request.messages.CopyFrom(router_pb2.ChatMessages(messages=[
             router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        ]))
+        ], continue_final_message=continue_final_message,
+            chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else ""))
+        if add_generation_prompt is not None:
+            request.messages.add_generation_prompt = add_generation_prompt
     elif isinstance(prompt, str):
         request.text = prompt
     else:

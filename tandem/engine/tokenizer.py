@@ -9,6 +9,7 @@ generated ids into a stream of text without ever emitting half a character.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -221,6 +222,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         """Render ``messages`` with the model's chat template, as transformers'
@@ -229,10 +231,22 @@ class Tokenizer:
         The template sees ``messages``, ``tools``, ``documents`` (from ``extra``, default None),
         ``add_generation_prompt``, the special token strings (``bos_token``, ``eos_token``, ...)
         and every key of ``extra`` (e.g. ``enable_thinking``), which overrides the token strings.
-        Raises InvalidRequestError for malformed messages or tools, for a model without a chat
-        template, and when the template itself raises (``raise_exception``).
+        With ``continue_final_message`` the text ends where the last message's content ends (its
+        end-of-turn cut off), so that generation continues it; it excludes
+        ``add_generation_prompt``. Raises InvalidRequestError for malformed messages or tools, for
+        a model without a chat template, and when the template itself raises (``raise_exception``).
         """
         _validate_messages(messages)
+        mark = ""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("continue_final_message and add_generation_prompt exclude each other: "
+                                          "set add_generation_prompt to false")
+            final = messages[-1].get("content")
+            if not isinstance(final, str) or not final.strip():
+                raise InvalidRequestError("continue_final_message needs a last message with text to continue")
+            mark = f"\x00{secrets.token_hex(8)}\x00"  # never in a request's text
+            messages = [*messages[:-1], {**messages[-1], "content": final + mark}]
         if tools is not None:
             if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
                 raise InvalidRequestError("tools must be a list of JSON-schema objects")
@@ -250,19 +264,21 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template rejected the request: {exc}") from None
-        return rendered
+        return _cut_at_mark(rendered, mark) if mark else rendered
 
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> list[int]:
         """Prompt ids for a conversation: the rendered template encoded without adding special
         tokens, because the template already writes every special token it wants (this is what
         transformers' ``apply_chat_template(tokenize=True)`` does)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        continue_final_message=continue_final_message, **extra)
         return self.encode(text, add_special_tokens=False)
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -412,6 +428,30 @@ def _pre_tokenizer_types(pre_tokenizer: Mapping[str, Any] | None) -> set[str] | 
     if kind not in _KEEPING_PRE_TOKENIZERS or (kind == "Split" and pre_tokenizer.get("behavior") == "Removed"):
         return None
     return {str(kind)}
+
+
+# apply_chat_template's own arguments: extra template variables may not be named so.
+_RENDER_ARGUMENTS = frozenset({"self", "messages", "tools", "add_generation_prompt", "continue_final_message"})
+
+
+def check_template_variables(variables: Mapping[str, Any]) -> None:
+    """InvalidRequestError when an extra chat template variable would take the place of one of
+    ``Tokenizer.apply_chat_template``'s arguments."""
+    reserved = sorted(set(variables) & _RENDER_ARGUMENTS)
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                                  "the request's own fields set them")
+
+
+def _cut_at_mark(rendered: str, mark: str) -> str:
+    """``rendered`` up to ``mark``, which followed the final message's text: what the template
+    wrote after that text (its end-of-turn) goes. A mark is used rather than a search for the text
+    itself, which could also match inside the template's own tokens ("d" in "<|im_end|>")."""
+    end = rendered.rfind(mark)
+    if end < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the last message's text, "
+                                  "so it cannot be continued")
+    return rendered[:end]
 
 
 def _validate_messages(messages: Any) -> None:

@@ -40,7 +40,9 @@ HELLO: list[Any] = [{"role": "user", "content": "Hello! Who are you?"}]  # opena
 PARAMS = ["model", "messages", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream",
           "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "ignore_eos", "user", "min_tokens", "logit_bias", "stop_token_ids", "echo",
-          "response_format", "tools", "tool_choice", "suffix", "best_of"]
+          "response_format", "tools", "tool_choice", "suffix", "best_of", "include_stop_str_in_output",
+          "skip_special_tokens", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+          "chat_template_kwargs", "chat_template"]
 
 
 @pytest.fixture(scope="module")
@@ -490,6 +492,76 @@ def test_retrieve_a_model_and_tokenize_as_generation_does(tiny: Stack) -> None:
                       str(CONTEXT))
         _assert_error(http.post(f"{base}/detokenize", json={"tokens": [10**9]}), 400, "out of range")
         _assert_error(http.post(f"{base}/detokenize", json={"tokens": "1 2"}), 400, "tokens")
+
+
+def test_vllm_chat_template_and_text_options(tiny: Stack) -> None:
+    """continue_final_message, add_generation_prompt, chat_template_kwargs, include_stop_str_in_output
+    and skip_special_tokens, as vLLM's clients send them (extra_body), on random texts."""
+    client, base = _client(tiny), tiny.http_address()
+    tokenizer = Tokenizer.from_dir(tiny.model_dir)
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    words = ["the", "answer", "is", "blue", "Paris", "a", "long", "story", "é", "42", ","]
+    with httpx.Client(timeout=30) as http:
+        for _ in range(3):
+            start = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+            messages: list[Any] = [{"role": "user", "content": " ".join(rng.choices(words, k=5))},
+                                   {"role": "assistant", "content": start}]
+            options = {"add_generation_prompt": False, "continue_final_message": True}
+            counted = http.post(f"{base}/tokenize", json={"messages": messages, **options}).json()
+            # the prompt is the conversation up to the assistant's text, without its end of turn
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+            assert counted["tokens"] == tokenizer.encode(rendered.removesuffix("<|im_end|>\n"),
+                                                         add_special_tokens=False), seed
+            chat = client.chat.completions.create(model="default", messages=messages, max_tokens=6, temperature=0,
+                                                  extra_body={**options, "ignore_eos": True})
+            assert chat.usage is not None and chat.usage.prompt_tokens == counted["count"], seed
+            # generation continued from exactly those ids: the same greedy tokens as a raw prompt of them
+            raw = client.completions.create(model="default", prompt=counted["tokens"], max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert chat.choices[0].message.content == raw.choices[0].text, seed
+            closed = http.post(f"{base}/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                         "chat_template_kwargs": {"unused_variable": 1}}).json()
+            assert closed["tokens"] == tokenizer.encode(rendered, add_special_tokens=False), seed
+
+        full = client.completions.create(model="default", prompt="Once upon", max_tokens=30, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        cut = rng.randrange(4, len(full) - 6)
+        stop = full[cut:cut + rng.randint(1, 5)]
+        want = full[:full.index(stop) + len(stop)]
+        for stream in (False, True):
+            body = {"model": "default", "prompt": "Once upon", "max_tokens": 30, "temperature": 0, "stop": [stop],
+                    "ignore_eos": True, "include_stop_str_in_output": True, "stream": stream}
+            response = http.post(f"{base}/v1/completions", json=body)
+            if stream:
+                chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                          if line.startswith("data: {")]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                finish = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+            assert (text, finish) == (want, "stop"), (seed, stop)
+
+        # the end-of-turn token, forced: in the text only when special tokens are not skipped
+        [end_id] = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+        for skip, expected in ((True, ""), (False, "<|im_end|>" * 3)):
+            answer = client.chat.completions.create(
+                model="default", messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(end_id): 100},
+                extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+            assert answer.choices[0].message.content == expected, seed
+
+        refused: list[tuple[dict[str, Any], str]] = [
+            ({"continue_final_message": True}, "continue_final_message"),
+            ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            ({"chat_template": "{{ 1 }}"}, "chat_template")]
+        for body, param in refused:
+            error = _assert_error(http.post(f"{base}/v1/chat/completions",
+                                            json={"messages": HELLO, "max_tokens": 2, **body}), 400)
+            assert error["param"] == param, error
+        _assert_error(http.post(f"{base}/v1/chat/completions", json={
+            "messages": [*HELLO, {"role": "assistant", "content": "  "}], "max_tokens": 2,
+            "add_generation_prompt": False, "continue_final_message": True}), 400, "text to continue")
 
 
 def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:

@@ -13,6 +13,7 @@ Every scenario runs through both clients (``mode`` is "sync" or "async").
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import deque
@@ -264,6 +265,25 @@ def test_exactly_one_prompt_form() -> None:
         generate_request("text", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError):
         generate_request()
+
+
+def test_text_and_chat_options_reach_the_wire() -> None:
+    from tandem.client.protocol import generate_request
+
+    plain = generate_request("text")
+    assert not plain.include_stop_str_in_output
+    assert not plain.HasField("skip_special_tokens") and not plain.HasField("add_special_tokens")
+    text = generate_request("text", include_stop_str=True, skip_special_tokens=False, add_special_tokens=False)
+    assert text.include_stop_str_in_output and text.HasField("skip_special_tokens") and not text.skip_special_tokens
+    assert text.HasField("add_special_tokens") and not text.add_special_tokens
+    chat = generate_request(messages=[{"role": "assistant", "content": "The"}], add_generation_prompt=False,
+                            continue_final_message=True, chat_template_kwargs={"enable_thinking": False})
+    options = chat.messages
+    assert options.HasField("add_generation_prompt") and not options.add_generation_prompt
+    assert options.continue_final_message and json.loads(options.chat_template_kwargs) == {"enable_thinking": False}
+    assert not generate_request(messages=[{"role": "user", "content": "hi"}]).messages.HasField("add_generation_prompt")
+    with pytest.raises(ValueError, match="chat options"):
+        generate_request("text", continue_final_message=True)
 
 
 # --- retries -----------------------------------------------------------------------------------

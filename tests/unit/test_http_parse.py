@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -59,6 +60,37 @@ def test_logit_bias_and_stop_token_ids_reach_the_sampling_params() -> None:
 
 
 @settings(max_examples=40, deadline=None)
+@given(chat=st.booleans(), include=st.booleans(), skip=st.booleans(), special=st.none() | st.booleans(),
+       generation_prompt=st.booleans(), variables=st.dictionaries(st.text(min_size=1, max_size=8).filter(
+           lambda k: k not in ("self", "messages", "tools", "add_generation_prompt", "continue_final_message")),
+           st.integers() | st.text(max_size=8) | st.booleans(), max_size=3),
+       n=st.integers(1, 3))
+def test_vllm_text_and_chat_options_reach_every_choice(chat: bool, include: bool, skip: bool, special: bool | None,
+                                                      generation_prompt: bool, variables: dict[str, Any],
+                                                      n: int) -> None:
+    body: dict[str, Any] = {"n": n, "include_stop_str_in_output": include, "skip_special_tokens": skip}
+    if special is not None:
+        body["add_special_tokens"] = special
+    if chat:
+        body.update(messages=MESSAGES, add_generation_prompt=generation_prompt,
+                    continue_final_message=not generation_prompt, chat_template_kwargs=variables)
+    else:
+        body["prompt"] = ["a", "b"]
+    parsed = parse_request("chat" if chat else "completion", body, CONTEXT, "r")
+    assert len(parsed.requests) == n * (1 if chat else 2)
+    for request in parsed.requests:
+        assert request.include_stop_str_in_output is include
+        # unset means true, as the proto documents
+        assert (request.skip_special_tokens if request.HasField("skip_special_tokens") else True) is skip
+        assert request.add_special_tokens is (special if special is not None else not chat)
+        if chat:
+            options = request.messages
+            assert options.add_generation_prompt is generation_prompt
+            assert options.continue_final_message is not generation_prompt
+            assert (json.loads(options.chat_template_kwargs) if options.chat_template_kwargs else {}) == variables
+
+
+@settings(max_examples=40, deadline=None)
 @given(prompts=st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=5)
        | st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=4), min_size=1, max_size=5),
        n=st.integers(1, 4), seed=st.none() | st.integers(0, 1000), echo=st.booleans())
@@ -94,6 +126,7 @@ def test_a_batch_of_prompts_is_n_choices_each_numbered_as_openai_does(
     {"prompt_logprobs": 1},
     {"modalities": ["text", "audio"]},
     {"echo": True},
+    {"chat_template": "{{ messages }}"},
 ])
 def test_what_would_change_the_output_and_is_not_implemented_is_refused(body: dict[str, Any]) -> None:
     kind = "completion" if set(body) & {"best_of", "suffix"} else "chat"
@@ -145,6 +178,11 @@ def test_the_same_parameters_asking_for_nothing_are_accepted(body: dict[str, Any
     ("chat", {"messages": MESSAGES, "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completion", {"prompt": [-1]}, "prompt"),
     ("completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("chat", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("chat", {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("chat", {"messages": MESSAGES, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ("chat", {"messages": MESSAGES, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ("completion", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
 ])
 def test_invalid_parameters_are_400_naming_the_parameter(kind: Any, body: Any, param: str | None) -> None:
     error = _error(kind, body)

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tandem.engine.errors import InvalidRequestError, ModelLoadError
-from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer, check_template_variables
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # English only, so that accented letters, CJK and emoji stay split into single-byte tokens.
@@ -157,6 +159,57 @@ def test_chatml_rendering_matches_hand_written_string(tokenizer: Tokenizer) -> N
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == expected.removesuffix(
         "<|im_start|>assistant\n"
     )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=4),
+       final=st.text(min_size=1, max_size=24).filter(str.strip))
+def test_continue_final_message_ends_the_prompt_with_its_text(tokenizer: Tokenizer, turns: list[str],
+                                                             final: str) -> None:
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
+    messages.append({"role": "assistant", "content": final})
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    continued = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    # the whole conversation up to the final text, and not its end-of-turn
+    assert continued == closed.removesuffix("<|im_end|>\n")
+    assert continued.endswith(final) and closed.startswith(continued)
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ids == tokenizer.encode(continued, add_special_tokens=False)
+
+
+def test_continue_final_message_on_a_template_that_strips_text(tmp_path: Path, backend: BackendTokenizer) -> None:
+    tok = with_template(tmp_path, backend, "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }} END\n"
+                                           "{% endfor %}")
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  the answer is  "}]
+    # the text as the template writes it (leading spaces trimmed), up to where the client's ended
+    assert tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == (
+        "[user] q END\n[assistant] the answer is  ")
+    # a template that leaves the text out cannot be continued
+    blind = with_template(tmp_path / "blind", backend, "{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="cannot be continued"):
+        blind.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"continue_final_message": True}, "exclude each other"),
+    ({"add_generation_prompt": False, "continue_final_message": True, "final": "   "}, "text to continue"),
+])
+def test_chat_options_that_cannot_render_are_refused(tokenizer: Tokenizer, kwargs: dict[str, Any],
+                                                     match: str) -> None:
+    final = kwargs.pop("final", "an answer")
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": final}]
+    with pytest.raises(InvalidRequestError, match=match):
+        tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def test_template_variables_may_not_take_an_arguments_place(tokenizer: Tokenizer) -> None:
+    for names in (["messages"], ["self", "tools"], ["add_generation_prompt", "x"], ["continue_final_message"]):
+        with pytest.raises(InvalidRequestError, match="may not set"):
+            check_template_variables(dict.fromkeys(names, 1))
+    variables: dict[str, Any] = {"enable_thinking": False, "documents": [], "bos_token": "B"}
+    check_template_variables(variables)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "q"}], **variables).startswith("<|im_start|>")
 
 
 def test_trim_blocks_lstrip_blocks_and_special_token_variables(tmp_path: Path, backend: BackendTokenizer) -> None:
