@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.auth import bearer_matches
+from router.choices import FINISH_REASON, Choices, ChoiceState, absorb
 from router.core import RouterCore, brief
 from router.metrics import RouterMetrics
 from router.models import ServedModels
@@ -54,10 +55,12 @@ from router.openai_types import (
     DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
-    FinishReasonName,
+    InputMessage,
+    InputText,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    ResponsesRequest,
     StreamOptions,
     TextPart,
     TokenizeRequest,
@@ -68,6 +71,9 @@ from router.openai_types import (
     openapi_schema,
     to_json,
 )
+from router.responses import ResponsesRenderer
+from router.responses import chat_body as responses_chat_body
+from router.responses import refuse_unsupported as refuse_responses_parameter
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.tokenizer import check_template_variables
@@ -77,7 +83,6 @@ from tandem.protocol import (
     LoadReport,
     RequestError,
     SamplingDefaults,
-    Status,
 )
 from tandem.rpc.v1 import common_pb2, router_pb2
 
@@ -87,6 +92,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
 
 Kind = Literal["chat", "completion"]
+# what streams a request's answer: (its choices, their states, what was read before the stream began) -> SSE body
+EventsFn = Callable[[Choices, list[ChoiceState], list[tuple[int, router_pb2.GenerateResponse | None]]],
+                    AsyncIterator[bytes]]
 
 
 def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
@@ -107,11 +115,6 @@ T = TypeVar("T")
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
                    "stop": "stop", "model": "model", "logit_bias": "logit_bias",
                    "tokens": "tokens"}
-_FINISH_REASON: dict[int, FinishReasonName] = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 class HTTPError(Exception):
@@ -170,7 +173,8 @@ def _first_error(exc: ValidationError) -> HTTPError:
 
 _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | frozenset(
     ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
-    DetokenizeRequest.model_fields)
+    DetokenizeRequest.model_fields) | frozenset(ResponsesRequest.model_fields) | frozenset(
+    InputMessage.model_fields) | frozenset(InputText.model_fields)
 
 
 # OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement
@@ -392,60 +396,26 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     return parsed
 
 
-# --- running the choices ------------------------------------------------------------------------
-
-ChoiceItem = router_pb2.GenerateResponse | RequestError | None  # None: the choice is done
-
-
-class Choices:
-    """The ``n`` generations of one request, each pumped by a task into one queue.
-
-    ``get`` returns ``(index, item)``: a response, the RequestError that ended the choice, or
-    None once the choice finished. ``cancel`` (synchronous, so it works inside a cancelled
-    task) cancels every pump, which closes its generation and cancels it upstream.
-    """
-
-    def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
-                 tasks: set[asyncio.Task[None]], received_ns: int) -> None:
-        self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        for i, request in enumerate(requests):
-            task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            self._tasks.append(task)
-
-    async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
-                    received_ns: int) -> None:
-        item: ChoiceItem = None
-        try:
-            async with contextlib.aclosing(core.generate(request, received_ns=received_ns)) as stream:
-                async for response in stream:
-                    self._queue.put_nowait((index, response))
-        except RequestError as exc:
-            item = exc
-        except Exception as exc:  # a bug: the client still gets an answer, the log the trace
-            log.exception("request %s failed", request.request_id)
-            item = RequestError(Status.INTERNAL, f"internal error: {type(exc).__name__}")
-        self._queue.put_nowait((index, item))
-
-    async def get(self) -> tuple[int, ChoiceItem]:
-        return await self._queue.get()
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far."""
-
-    text: list[str] = field(default_factory=list)
-    tokens: list[common_pb2.GeneratedToken] = field(default_factory=list)
-    finish_reason: FinishReasonName | None = None
-    usage: router_pb2.Usage | None = None
-    started: bool = False
+def parse_responses_request(body: Any, context_length: int, request_id: str,
+                            defaults: SamplingDefaults = SamplingDefaults()) -> tuple[ResponsesRequest, ParsedRequest]:
+    """Validate a Responses API body and turn it into the chat request it means
+    (``router.responses``); HTTPError(400) naming the bad parameter."""
+    if isinstance(body, dict):
+        refused = refuse_responses_parameter(body)
+        if refused is not None:
+            param, what = refused
+            raise HTTPError(400, f"{param}: {what} is not supported by this server", param=param)
+    asked = _validated(ResponsesRequest, body)
+    try:
+        chat = responses_chat_body(asked, body, context_length)
+    except ValueError as exc:
+        raise HTTPError(400, str(exc), param="max_output_tokens") from None
+    try:
+        return asked, parse_request("chat", chat, context_length, request_id, defaults)
+    except HTTPError as exc:
+        if exc.param == "messages":  # the chat request's messages are the body's input
+            exc.param = "input"
+        raise
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -533,7 +503,7 @@ class Renderer:
 
     def chunk(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse) -> dict[str, Any]:
         tokens = list(response.tokens)
-        finish = _FINISH_REASON.get(response.finish_reason, "stop") if response.finish_reason else None
+        finish = FINISH_REASON.get(response.finish_reason, "stop") if response.finish_reason else None
         head: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model}
         if self.parsed.include_usage:
             head["usage"] = None
@@ -557,16 +527,6 @@ class Renderer:
         if self.parsed.kind == "chat":
             return to_json(ChatCompletionChunk(object="chat.completion.chunk", **head))
         return to_json(Completion(object="text_completion", **head))
-
-
-def _absorb(state: ChoiceState, response: router_pb2.GenerateResponse) -> None:
-    state.started = True
-    state.text.append(response.text)
-    state.tokens.extend(response.tokens)
-    if response.finish_reason:
-        state.finish_reason = _FINISH_REASON.get(response.finish_reason, "stop")
-    if response.HasField("usage"):
-        state.usage = response.usage
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -595,6 +555,8 @@ class Gateway:
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -617,6 +579,32 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's ``POST /v1/responses``, run as the chat request it means (``router.responses``)."""
+        received_ns = time.monotonic_ns()
+        response_id = f"resp_{uuid.uuid4().hex}"
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            core = self._pick(body)
+            asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+        renderer = ResponsesRenderer(core.model_id, asked, parsed, response_id, core.sampling_defaults)
+        return await self._run(request, core, parsed, received_ns, lambda states: renderer.response(states[0]),
+                               lambda choices, states, buffered: renderer.events(choices, states[0], buffered))
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: nothing is stored, so never found."""
+        try:
+            self._authorize(request)
+        except HTTPError as exc:
+            return exc.response()
+        return HTTPError(404, f"response {brief(request.path_params['response_id'])} not found: this server does "
+                              "not store responses", code="not_found").response()
 
     async def models(self, request: Request) -> Response:
         try:
@@ -738,27 +726,36 @@ class Gateway:
         _reject_lone_surrogates(body, "body")
         return body
 
+    def _pick(self, body: Any) -> RouterCore:
+        """The core for the body's ``model``; one that is not a string is refused later, naming the field."""
+        model = body.get("model", "") if isinstance(body, dict) else ""
+        return self._models.pick(model) if isinstance(model, str) else self._models.primary
+
     async def _generate(self, request: Request, kind: Kind) -> Response:
         received_ns = time.monotonic_ns()  # the request's arrival, for its TTFT (see RouterCore.generate)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             self._authorize(request)
             body = await self._read_json(request)
-            model = body.get("model", "") if isinstance(body, dict) else ""
-            # A model that is not a string is refused by parse_request, naming the field.
-            core = self._models.pick(model) if isinstance(model, str) else self._models.primary
+            core = self._pick(body)
             parsed = parse_request(kind, body, core.context_length, response_id, core.sampling_defaults)
         except RequestError as exc:
             return HTTPError.from_error(exc).response()
         except HTTPError as exc:
             return exc.response()
         renderer = Renderer(core, parsed, response_id)
+        return await self._run(request, core, parsed, received_ns, renderer.completion,
+                               lambda choices, states, buffered: self._events(choices, states, renderer, buffered))
+
+    async def _run(self, request: Request, core: RouterCore, parsed: ParsedRequest, received_ns: int,
+                   whole: Callable[[list[ChoiceState]], dict[str, Any]], events: EventsFn) -> Response:
+        """Run ``parsed``'s choices: the answer ``whole`` makes of them, or the stream ``events`` makes."""
         choices = Choices(core, parsed.requests, self._tasks, received_ns)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:
                 await _unless_disconnected(request, self._collect(choices, states, wait_for="all"))
-                return JSONResponse(renderer.completion(states))
+                return JSONResponse(whole(states))
             # Wait for every choice's first response so that an early error (bad prompt,
             # admission refused) still gets its HTTP status.
             buffered = await _unless_disconnected(request, self._collect(choices, states, wait_for="first"))
@@ -771,7 +768,7 @@ class Gateway:
         except BaseException:
             choices.cancel()
             raise
-        return StreamingResponse(self._events(choices, states, renderer, buffered), media_type="text/event-stream",
+        return StreamingResponse(events(choices, states, buffered), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def _collect(self, choices: Choices, states: list[ChoiceState],
@@ -791,7 +788,7 @@ class Gateway:
             elif item is None:
                 pending.discard(index)
             else:
-                _absorb(states[index], item)
+                absorb(states[index], item)
         return buffered
 
     async def _events(self, choices: Choices, states: list[ChoiceState], renderer: Renderer,
@@ -805,7 +802,7 @@ class Gateway:
                     num_done += 1
                     continue
                 yield _sse(renderer.chunk(index, states[index], response))
-                _absorb(states[index], response)
+                absorb(states[index], response)
             while num_done < len(states):
                 index, item = await choices.get()
                 if item is None:
@@ -815,7 +812,7 @@ class Gateway:
                     return
                 else:
                     yield _sse(renderer.chunk(index, states[index], item))
-                    _absorb(states[index], item)
+                    absorb(states[index], item)
             if renderer.parsed.include_usage:
                 yield _sse(renderer.usage_chunk(states))
             yield _sse("[DONE]")

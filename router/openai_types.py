@@ -171,6 +171,113 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
 
 
+class InputText(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["input_text", "output_text"]  # only text is supported (output_text: an earlier answer's)
+    text: str
+
+
+class InputMessage(BaseModel):
+    """An item of a Responses ``input``: a message (the only kind of item supported)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API, ``client.responses.create``), run as the chat
+    request it means: ``instructions`` as a system message, then ``input``. Nothing is stored.
+    vLLM's sampling extras (``top_k``, ``seed``, ``stop``, ``ignore_eos``, ...) are taken as the
+    chat endpoint takes them."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"examples": [
+        {"model": "default", "input": "What is the capital of France?"},
+        {"model": "default", "instructions": "Answer in one word.", "max_output_tokens": 16, "stream": True,
+         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}]},
+    ]})
+
+    model: str = ""
+    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None  # a system message before the input
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None  # at most the context length
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool | None = None  # server-sent events: response.created ... response.completed
+    store: bool | None = None  # accepted; this server stores no responses
+    metadata: dict[str, str] | None = None  # returned as sent
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # an input past the context is refused either way
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int  # read from the prefix cache
+    cache_write_tokens: int  # computed: their KV goes to the prefix cache (by whole blocks)
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """A Responses API answer, and what its stream's response.* events carry."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ErrorDetail | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    tool_choice: Literal["none", "auto"]
+    tools: list[Any]
+    text: dict[str, Any]
+    truncation: Literal["auto", "disabled"]
+    store: bool
+    metadata: dict[str, str]
+    user: str | None
+    usage: ResponseUsage | None
+
+
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's): the text of token ids."""
 
@@ -328,21 +435,21 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
     components: dict[str, Any] = {}
     for model in (ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
                   ModelList, ModelCard, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
-                  DetokenizeResponse):
+                  DetokenizeResponse, ResponsesRequest, ResponseObject):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
-        for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
             prop = schema["properties"].get(name)
-            if prop is not None and model in (ChatCompletionRequest, CompletionRequest):
+            if prop is not None and model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
                 prop["anyOf"][0]["maximum"] = context_length
         components[model.__name__] = schema
 
     def ref(model: type[BaseModel]) -> dict[str, str]:
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    def answers(ok: str, reply: type[BaseModel], event: type[BaseModel]) -> dict[str, Any]:
-        out: dict[str, Any] = {"200": {"description": f"{ok}; with stream=true, server-sent events each holding a "
-                                                      f"{event.__name__}, then [DONE]",
+    def answers(ok: str, reply: type[BaseModel], event: type[BaseModel] | str) -> dict[str, Any]:
+        streamed = event if isinstance(event, str) else f"each holding a {event.__name__}, then [DONE]"
+        out: dict[str, Any] = {"200": {"description": f"{ok}; with stream=true, server-sent events {streamed}",
                                        "content": {"application/json": {"schema": ref(reply)},
                                                    "text/event-stream": {"schema": {"type": "string"}}}}}
         for status, text in (("400", "invalid parameters"), ("401", "bad API key"), ("404", "unknown model"),
@@ -351,7 +458,8 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
             out[status] = {"description": text, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
         return out
 
-    def post(request: type[BaseModel], summary: str, reply: type[BaseModel], event: type[BaseModel]) -> dict[str, Any]:
+    def post(request: type[BaseModel], summary: str, reply: type[BaseModel],
+             event: type[BaseModel] | str) -> dict[str, Any]:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
             "application/json": {"schema": ref(request)}}}, "responses": answers(summary, reply, event)}}
 
@@ -376,6 +484,13 @@ def openapi_schema(context_length: int) -> dict[str, Any]:
             "/v1/chat/completions": post(ChatCompletionRequest, "chat completion", ChatCompletion,
                                          ChatCompletionChunk),
             "/v1/completions": post(CompletionRequest, "text completion", Completion, Completion),
+            "/v1/responses": post(ResponsesRequest, "response (OpenAI's Responses API; nothing is stored)",
+                                  ResponseObject, "named by their type: response.created, response.in_progress, "
+                                  "response.output_item.added, response.content_part.added, "
+                                  "response.output_text.delta ..., response.output_text.done, "
+                                  "response.content_part.done, response.output_item.done, then "
+                                  "response.completed or response.incomplete (error and response.failed "
+                                  "when it fails midway)"),
             "/v1/models": get("served models", ModelList),
             "/v1/models/{model}": {"get": {
                 "summary": "one served model", "parameters": [

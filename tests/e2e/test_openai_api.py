@@ -42,7 +42,8 @@ PARAMS = ["model", "messages", "prompt", "n", "temperature", "top_p", "top_k", "
           "repetition_penalty", "ignore_eos", "user", "min_tokens", "logit_bias", "stop_token_ids", "echo",
           "response_format", "tools", "tool_choice", "suffix", "best_of", "include_stop_str_in_output",
           "skip_special_tokens", "add_special_tokens", "add_generation_prompt", "continue_final_message",
-          "chat_template_kwargs", "chat_template"]
+          "chat_template_kwargs", "chat_template", "input", "instructions", "max_output_tokens", "text",
+          "previous_response_id", "include", "metadata"]
 
 
 @pytest.fixture(scope="module")
@@ -564,6 +565,78 @@ def test_vllm_chat_template_and_text_options(tiny: Stack) -> None:
             "add_generation_prompt": False, "continue_final_message": True}), 400, "text to continue")
 
 
+def test_responses_api_through_the_openai_client(tiny: Stack) -> None:
+    """client.responses.create, whole and streamed, is the chat request it means; every event parses
+    as the client's own type; leaving a streamed response frees its blocks."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    client, base = _client(tiny), tiny.http_address()
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    words = ["the", "sky", "is", "blue", "Paris", "a", "story", "é", "42", "why"]
+    read_event: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for _ in range(3):
+        question = " ".join(rng.choices(words, k=rng.randint(1, 8)))
+        instructions = rng.choice([None, "Answer briefly.", "Be kind."])
+        k = rng.randint(1, 12)
+        chat: list[Any] = ([{"role": "system", "content": instructions}] if instructions else []) + [
+            {"role": "user", "content": question}]
+        want = client.chat.completions.create(model="default", messages=chat, max_tokens=k, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        whole = client.responses.create(model="default", input=question, instructions=instructions,
+                                        max_output_tokens=k, temperature=0, extra_body={"ignore_eos": True})
+        assert whole.output_text == want.choices[0].message.content, seed
+        assert whole.status == "incomplete" and whole.incomplete_details is not None, seed
+        assert whole.incomplete_details.reason == "max_output_tokens"
+        assert whole.usage is not None and want.usage is not None
+        assert (whole.usage.input_tokens, whole.usage.output_tokens) == (want.usage.prompt_tokens, k), seed
+
+        with httpx.Client(timeout=60) as http:
+            body = {"model": "default", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                 "text": question}]}],
+                    "instructions": instructions, "max_output_tokens": k, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+            lines = http.post(f"{base}/v1/responses", json=body).text.splitlines()
+        names = [line[7:] for line in lines if line.startswith("event: ")]
+        events = [read_event.validate_python(json.loads(line[6:])) for line in lines if line.startswith("data: ")]
+        assert [e.type for e in events] == names and [e.sequence_number for e in events] == list(range(len(events)))
+        assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"], seed
+        assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.incomplete"], seed
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == events[-4].text == whole.output_text, seed
+        assert events[-1].response.output_text == whole.output_text and events[-1].response.id == events[0].response.id
+
+    # a stop string ends it: completed
+    stopped = client.responses.create(model="default", input="hello", max_output_tokens=40, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop": [whole.output_text[:1] or "e"]})
+    assert stopped.status == "completed" and stopped.incomplete_details is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="default", input="x", tools=[{"type": "web_search"}])
+    assert refused.value.body is not None and refused.value.body["param"] == "tools"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_123")
+
+    async def leave() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
+        body = {"model": "default", "input": "Once", "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{base}/v1/responses", json=body) as response:
+                seen, leave_after = 0, rng.randint(5, 30)
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= leave_after:
+                        break
+                during = await _agent_stats(tiny)
+        return during, await _wait_all_blocks_free(tiny, timeout_s=60)
+
+    during, after = asyncio.run(leave())
+    assert during.num_requests == 1
+    assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
+
+
 def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
@@ -572,13 +645,14 @@ def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
 
     raw = httpx.get(f"{tiny.http_address()}/openapi.json").json()
     # Bound the work per example: a few tokens and choices each.
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         ref = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         props = raw["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if name in props:
                 props[name]["anyOf"][0]["maximum"] = 8  # the non-null branch of the generated schema
-        props["n"]["anyOf"][0]["maximum"] = 2
+        if "n" in props:
+            props["n"]["anyOf"][0]["maximum"] = 2
         props["model"] = {"type": "string", "enum": ["default", "model", "nope"]}
     schema = schemathesis.openapi.from_dict(raw)
     # schemathesis's own negative mode can spend minutes generating; arbitrary JSON bodies are
@@ -588,7 +662,7 @@ def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
         max_leaves=12,
     )
-    endpoint = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
+    endpoint = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"])
     junk = st.tuples(endpoint, st.dictionaries(st.sampled_from(PARAMS), json_values, max_size=6) | json_values)
     cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), junk)
     statuses: list[int] = []
@@ -599,15 +673,17 @@ def test_fuzz_from_openapi_finds_no_server_error(tiny: Stack) -> None:
         if isinstance(case, tuple):  # (path, arbitrary JSON body)
             path, body = case
             if isinstance(body, dict):
-                body.setdefault("max_tokens", 4)
+                body.setdefault("max_output_tokens" if path == "/v1/responses" else "max_tokens", 4)
             # json.dumps writes NaN and Infinity, which some clients send
             response = httpx.post(f"{tiny.http_address()}{path}", content=json.dumps(body), timeout=30,
                                   headers={"content-type": "application/json"})
             status, text = response.status_code, response.text
         else:
             path, body = case.path, case.body
-            if isinstance(body, dict) and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                body["max_tokens"] = 4  # chat's default is the whole context: seconds per example
+            limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+            if isinstance(body, dict) and all(body.get(name) is None for name in limits):
+                # chat's default is the whole context: seconds per example
+                body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = 4
             answer = case.call(base_url=tiny.http_address(), timeout=30)
             status, text = answer.status_code, answer.text
         statuses.append(status)

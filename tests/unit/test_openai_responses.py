@@ -14,7 +14,8 @@ import openai.types.chat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http import ChoiceState, HTTPError, ParsedRequest, Renderer, _absorb
+from router.choices import ChoiceState, absorb
+from router.http import HTTPError, ParsedRequest, Renderer
 from router.openai_types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -93,7 +94,7 @@ def test_responses_are_what_the_openai_client_reads(stream: tuple[ParsedRequest,
     for index, responses in enumerate(choices):
         for response in responses:
             events.append(renderer.chunk(index, states[index], response))
-            _absorb(states[index], response)
+            absorb(states[index], response)
     if parsed.include_usage:
         events.append(renderer.usage_chunk(states))
     whole = renderer.completion(states)

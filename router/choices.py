@@ -1,0 +1,87 @@
+"""The generations of one HTTP request (its choices), each pumped from ``RouterCore.generate``
+into one queue, and what each has produced so far. Shared by the OpenAI endpoints
+(``router.http``) and the Responses API (``router.responses``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from router.core import RouterCore
+from router.openai_types import FinishReasonName
+from tandem.protocol import RequestError, Status
+from tandem.rpc.v1 import common_pb2, router_pb2
+
+log = logging.getLogger("tandem.router.http")
+
+FINISH_REASON: dict[int, FinishReasonName] = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+ChoiceItem = router_pb2.GenerateResponse | RequestError | None  # None: the choice is done
+
+
+class Choices:
+    """The ``n`` generations of one request, each pumped by a task into one queue.
+
+    ``get`` returns ``(index, item)``: a response, the RequestError that ended the choice, or
+    None once the choice finished. ``cancel`` (synchronous, so it works inside a cancelled
+    task) cancels every pump, which closes its generation and cancels it upstream.
+    """
+
+    def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
+                 tasks: set[asyncio.Task[None]], received_ns: int) -> None:
+        self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        for i, request in enumerate(requests):
+            task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            self._tasks.append(task)
+
+    async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
+                    received_ns: int) -> None:
+        item: ChoiceItem = None
+        try:
+            async with contextlib.aclosing(core.generate(request, received_ns=received_ns)) as stream:
+                async for response in stream:
+                    self._queue.put_nowait((index, response))
+        except RequestError as exc:
+            item = exc
+        except Exception as exc:  # a bug: the client still gets an answer, the log the trace
+            log.exception("request %s failed", request.request_id)
+            item = RequestError(Status.INTERNAL, f"internal error: {type(exc).__name__}")
+        self._queue.put_nowait((index, item))
+
+    async def get(self) -> tuple[int, ChoiceItem]:
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[common_pb2.GeneratedToken] = field(default_factory=list)
+    finish_reason: FinishReasonName | None = None
+    usage: router_pb2.Usage | None = None
+    started: bool = False
+
+
+def absorb(state: ChoiceState, response: router_pb2.GenerateResponse) -> None:
+    state.started = True
+    state.text.append(response.text)
+    state.tokens.extend(response.tokens)
+    if response.finish_reason:
+        state.finish_reason = FINISH_REASON.get(response.finish_reason, "stop")
+    if response.HasField("usage"):
+        state.usage = response.usage
