@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -536,6 +537,24 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 # --- the app ----------------------------------------------------------------------------------------
 
+Handler = Callable[["Gateway", Request], Awaitable[Response]]
+
+
+def _endpoint(handler: Handler) -> Handler:
+    """An endpoint behind the API key whose RequestError or HTTPError (raised before its answer
+    starts) becomes OpenAI's error answer."""
+    @functools.wraps(handler)
+    async def endpoint(gateway: Gateway, request: Request) -> Response:
+        try:
+            gateway._authorize(request)
+            return await handler(gateway, request)
+        except RequestError as exc:
+            return HTTPError.from_error(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+    return endpoint
+
+
 class Gateway:
     """The HTTP endpoints over the router's models (one core each, picked by the body's ``model``).
 
@@ -574,91 +593,66 @@ class Gateway:
 
     # endpoints --------------------------------------------------------------------------------------
 
+    @_endpoint
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
+    @_endpoint
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
+    @_endpoint
     async def responses(self, request: Request) -> Response:
         """OpenAI's ``POST /v1/responses``, run as the chat request it means (``router.responses``)."""
         received_ns = time.monotonic_ns()
         response_id = f"resp_{uuid.uuid4().hex}"
-        try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            core = self._pick(body)
-            asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
-        except RequestError as exc:
-            return HTTPError.from_error(exc).response()
-        except HTTPError as exc:
-            return exc.response()
+        body = await self._read_json(request)
+        core = self._pick(body)
+        asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
         renderer = ResponsesRenderer(core.model_id, asked, parsed, response_id, core.sampling_defaults)
         return await self._run(request, core, parsed, received_ns, lambda states: renderer.response(states[0]),
                                lambda choices, states, buffered: renderer.events(choices, states[0], buffered))
 
+    @_endpoint
     async def stored_response(self, request: Request) -> Response:
         """``GET`` / ``DELETE /v1/responses/{id}``: nothing is stored, so never found."""
-        try:
-            self._authorize(request)
-        except HTTPError as exc:
-            return exc.response()
-        return HTTPError(404, f"response {brief(request.path_params['response_id'])} not found: this server does "
-                              "not store responses", code="not_found").response()
+        raise HTTPError(404, f"response {brief(request.path_params['response_id'])} not found: this server does "
+                             "not store responses", code="not_found")
 
+    @_endpoint
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except HTTPError as exc:
-            return exc.response()
         return JSONResponse(to_json(ModelList(object="list", data=[_card(core) for core in self._models])))
 
+    @_endpoint
     async def model(self, request: Request) -> Response:
         """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): one served model's card."""
-        try:
-            self._authorize(request)
-            core = self._models.pick(request.path_params["model"])
-        except RequestError as exc:
-            return HTTPError.from_error(exc).response()
-        except HTTPError as exc:
-            return exc.response()
-        return JSONResponse(to_json(_card(core)))
+        return JSONResponse(to_json(_card(self._models.pick(request.path_params["model"]))))
 
+    @_endpoint
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``POST /tokenize``: the ids generation would send for ``prompt`` (as the
         completions endpoint sends it) or ``messages`` (through the chat template, with the same
         options), with the checks generation makes (context length, lone surrogates)."""
-        try:
-            self._authorize(request)
-            body = _validated(TokenizeRequest, await self._read_json(request))
-            if (body.prompt is None) == (body.messages is None):
-                raise HTTPError(400, "send exactly one of prompt and messages", param="prompt")
-            core = self._models.pick(body.model)
-            generate = router_pb2.GenerateRequest(model=body.model)
-            if body.prompt is not None:
-                generate.text = body.prompt
-            else:
-                _set_chat(generate, body.messages or [], body)
-            if body.add_special_tokens is not None:
-                generate.add_special_tokens = body.add_special_tokens
-            ids = await core.prompt_ids(generate)
-        except RequestError as exc:
-            return HTTPError.from_error(exc).response()
-        except HTTPError as exc:
-            return exc.response()
+        body = _validated(TokenizeRequest, await self._read_json(request))
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "send exactly one of prompt and messages", param="prompt")
+        core = self._models.pick(body.model)
+        generate = router_pb2.GenerateRequest(model=body.model)
+        if body.prompt is not None:
+            generate.text = body.prompt
+        else:
+            _set_chat(generate, body.messages or [], body)
+        if body.add_special_tokens is not None:
+            generate.add_special_tokens = body.add_special_tokens
+        ids = await core.prompt_ids(generate)
         return JSONResponse(to_json(TokenizeResponse(count=len(ids), max_model_len=core.context_length, tokens=ids)))
 
+    @_endpoint
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``POST /detokenize``: the text of ``tokens`` (special tokens kept)."""
-        try:
-            self._authorize(request)
-            body = _validated(DetokenizeRequest, await self._read_json(request))
-            core = self._models.pick(body.model)
-            core.check_in_vocabulary(body.tokens, "tokens", "token id")
-        except RequestError as exc:
-            return HTTPError.from_error(exc).response()
-        except HTTPError as exc:
-            return exc.response()
+        body = _validated(DetokenizeRequest, await self._read_json(request))
+        core = self._models.pick(body.model)
+        core.check_in_vocabulary(body.tokens, "tokens", "token id")
         text = core.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return JSONResponse(to_json(DetokenizeResponse(prompt=text)))
 
@@ -677,11 +671,8 @@ class Gateway:
                              code="not_ready").response()
         return JSONResponse({"status": "ready", "detail": detail})
 
+    @_endpoint  # Prometheus sends the key with `authorization: {credentials: KEY}`
     async def metrics(self, request: Request) -> Response:
-        try:
-            self._authorize(request)  # Prometheus sends it with `authorization: {credentials: KEY}`
-        except HTTPError as exc:
-            return exc.response()
         reports: list[LoadReport] = []
         if self._read_cell is not None:
             try:
@@ -734,15 +725,9 @@ class Gateway:
     async def _generate(self, request: Request, kind: Kind) -> Response:
         received_ns = time.monotonic_ns()  # the request's arrival, for its TTFT (see RouterCore.generate)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            core = self._pick(body)
-            parsed = parse_request(kind, body, core.context_length, response_id, core.sampling_defaults)
-        except RequestError as exc:
-            return HTTPError.from_error(exc).response()
-        except HTTPError as exc:
-            return exc.response()
+        body = await self._read_json(request)
+        core = self._pick(body)
+        parsed = parse_request(kind, body, core.context_length, response_id, core.sampling_defaults)
         renderer = Renderer(core, parsed, response_id)
         return await self._run(request, core, parsed, received_ns, renderer.completion,
                                lambda choices, states, buffered: self._events(choices, states, renderer, buffered))

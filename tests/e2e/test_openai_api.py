@@ -333,8 +333,12 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         _assert_error(http.get(f"{base}/v1/models/default"), 401)
         _assert_error(http.post(f"{base}/tokenize", json={"prompt": "hi"}), 401)
         _assert_error(http.post(f"{base}/detokenize", json={"tokens": [1]}), 401)
+        _assert_error(http.post(f"{base}/v1/responses", json={"input": "hi", "max_output_tokens": 2}), 401)
+        _assert_error(http.get(f"{base}/v1/responses/resp_1"), 401)
         auth = {"Authorization": f"Bearer {API_KEY}"}
         assert http.post(chat, json=body, headers=auth).status_code == 200
+        assert http.post(f"{base}/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                         headers=auth).json()["status"] == "incomplete"
         # a prompt needing more KV blocks than the pool holds: admission refuses it
         long_body = {"model": "default", "prompt": "hello " * 1500, "max_tokens": 2}
         refused = http.post(f"{base}/v1/completions", json=long_body, headers=auth)
