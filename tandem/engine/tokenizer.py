@@ -245,7 +245,8 @@ class Tokenizer:
             final = messages[-1].get("content")
             if not isinstance(final, str) or not final.strip():
                 raise InvalidRequestError("continue_final_message needs a last message with text to continue")
-            mark = f"\x00{secrets.token_hex(8)}\x00"  # never in a request's text
+            # letters and digits only, so that it survives what templates do to text (trim, tojson)
+            mark = f"tandemcontinue{secrets.token_hex(8)}"
             messages = [*messages[:-1], {**messages[-1], "content": final + mark}]
         if tools is not None:
             if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):

@@ -185,6 +185,11 @@ def test_continue_final_message_on_a_template_that_strips_text(tmp_path: Path, b
     # the text as the template writes it (leading spaces trimmed), up to where the client's ended
     assert tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == (
         "[user] q END\n[assistant] the answer is  ")
+    # a template that writes the text as JSON: continued inside the string
+    quoting = with_template(tmp_path / "json", backend, "{% for m in messages %}{{ m.role }}={{ m.content | tojson }};"
+                                                       "{% endfor %}")
+    assert quoting.apply_chat_template([{"role": "assistant", "content": 'say "hi'}], add_generation_prompt=False,
+                                       continue_final_message=True) == 'assistant="say \\"hi'
     # a template that leaves the text out cannot be continued
     blind = with_template(tmp_path / "blind", backend, "{% for m in messages %}[{{ m.role }}]{% endfor %}")
     with pytest.raises(InvalidRequestError, match="cannot be continued"):
