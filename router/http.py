@@ -609,7 +609,7 @@ class Gateway:
         body = await self._read_json(request)
         core = self._pick(body)
         asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
-        renderer = ResponsesRenderer(core.model_id, asked, parsed, response_id, core.sampling_defaults)
+        renderer = ResponsesRenderer(core.model_id, core.tokenizer, asked, parsed, response_id, core.sampling_defaults)
         return await self._run(request, core, parsed, received_ns, lambda states: renderer.response(states[0]),
                                lambda choices, states, buffered: renderer.events(choices, states[0], buffered))
 

@@ -215,12 +215,15 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None  # an input past the context is refused either way
+    include: list[str] | None = None  # "message.output_text.logprobs": the answer's logprobs
+    top_logprobs: NumLogprobs | None = None  # alternatives per token, with those logprobs
 
 
 class OutputText(BaseModel):
     type: Literal["output_text"]
     text: str
     annotations: list[Any]
+    logprobs: list[TokenLogprob] | None = None  # sent only when asked for (include)
 
 
 class OutputMessage(BaseModel):

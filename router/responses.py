@@ -11,8 +11,9 @@ output_item.done, then response.completed or response.incomplete; an ``error`` e
 generation fails midway).
 
 Nothing is stored: ``previous_response_id``, ``conversation`` and retrieving a response by id
-are refused, as are tools, structured output, reusable prompts, background runs and logprobs,
-which would change the answer and are not implemented.
+are refused, as are tools, structured output, reusable prompts and background runs, which would
+change the answer and are not implemented. Logprobs come with ``include``
+``["message.output_text.logprobs"]`` (and ``top_logprobs`` alternatives per token).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from router.choices import Choices, ChoiceState, absorb
@@ -34,19 +35,23 @@ from router.openai_types import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TokenLogprob,
+    TopLogprob,
     to_json,
 )
 from tandem.protocol import RequestError, SamplingDefaults
-from tandem.rpc.v1 import router_pb2
+from tandem.rpc.v1 import common_pb2, router_pb2
 
 if TYPE_CHECKING:
     from router.http import ParsedRequest
+    from tandem.engine.tokenizer import Tokenizer
 
 # vLLM's sampling extras, passed on to the chat request as they were sent (it validates them)
 _CHAT_EXTRAS = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
                 "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens", "chat_template_kwargs")
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
+LOGPROBS = "message.output_text.logprobs"  # the include entry that asks for logprobs
 
 
 def refuse_unsupported(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -62,16 +67,17 @@ def refuse_unsupported(body: dict[str, Any]) -> tuple[str, str] | None:
         return "text", "structured output (text.format other than {\"type\": \"text\"})"
     for param, what in (("previous_response_id", "continuing a stored response (nothing is stored)"),
                         ("conversation", "conversations (nothing is stored)"),
-                        ("prompt", "reusable prompts"),
-                        ("top_logprobs", "logprobs")):
-        if body.get(param) not in (None, 0):
+                        ("prompt", "reusable prompts")):
+        if body.get(param) is not None:
             return param, what
     if body.get("background") not in (None, False):
         return "background", "background responses"
-    include = body.get("include")
-    if isinstance(include, list) and "message.output_text.logprobs" in include:
-        return "include", "logprobs (message.output_text.logprobs)"
     return None
+
+
+def wants_logprobs(request: ResponsesRequest) -> bool:
+    """Whether the answer carries its tokens' logprobs (OpenAI sends them only when asked)."""
+    return LOGPROBS in (request.include or [])
 
 
 def chat_body(request: ResponsesRequest, body: dict[str, Any], context_length: int) -> dict[str, Any]:
@@ -95,15 +101,20 @@ def chat_body(request: ResponsesRequest, body: dict[str, Any], context_length: i
         if value is not None:
             chat[name] = value
     chat.update((name, body[name]) for name in _CHAT_EXTRAS if name in body)
+    if wants_logprobs(request):
+        chat.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     return chat
 
 
 class ResponsesRenderer:
     """Builds the Responses API's object and events for one request run as a chat choice."""
 
-    def __init__(self, model: str, request: ResponsesRequest, parsed: ParsedRequest, response_id: str,
-                 defaults: SamplingDefaults) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, request: ResponsesRequest, parsed: ParsedRequest,
+                 response_id: str, defaults: SamplingDefaults) -> None:
         self.id = response_id
+        self._tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+        self._logprobs = wants_logprobs(request)
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = request.model or model
@@ -113,9 +124,33 @@ class ResponsesRenderer:
         self._top_p = sampling.top_p if sampling.top_p else (defaults.top_p or 1.0)
         self._sequence = 0
 
+    def _token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _token_logprobs(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[TokenLogprob]:
+        def top(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [TokenLogprob(**top(t.token_id, t.logprob),
+                             top_logprobs=[TopLogprob(**top(c.token_id, c.logprob)) for c in t.top_logprobs])
+                for t in tokens]
+
+    def _logprobs_of(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[dict[str, Any]]:
+        """What an event carries of ``tokens``' logprobs: nothing unless asked for."""
+        return [to_json(lp) for lp in self._token_logprobs(tokens)] if self._logprobs else []
+
     def _message(self, state: ChoiceState | None, status: Literal["in_progress", "completed", "incomplete"],
                  ) -> OutputMessage:
-        content = [] if state is None else [OutputText(type="output_text", text="".join(state.text), annotations=[])]
+        content = []
+        if state is not None:
+            text = OutputText(type="output_text", text="".join(state.text), annotations=[])
+            if self._logprobs:
+                text.logprobs = self._token_logprobs(state.tokens)
+            content.append(text)
         return OutputMessage(type="message", id=self.item_id, status=status, role="assistant", content=content)
 
     def response(self, state: ChoiceState | None, error: RequestError | None = None) -> dict[str, Any]:
@@ -180,10 +215,11 @@ class ResponsesRenderer:
                     yield self._event("response.failed", response=self.response(None, item))
                     return
                 absorb(state, item)
-                if item.text:
-                    yield self._event("response.output_text.delta", **where, delta=item.text, logprobs=[])
+                if item.text or (self._logprobs and item.tokens):
+                    yield self._event("response.output_text.delta", **where, delta=item.text,
+                                      logprobs=self._logprobs_of(item.tokens))
             text = "".join(state.text)
-            yield self._event("response.output_text.done", **where, text=text, logprobs=[])
+            yield self._event("response.output_text.done", **where, text=text, logprobs=self._logprobs_of(state.tokens))
             yield self._event("response.content_part.done", **where,
                               part={"type": "output_text", "text": text, "annotations": []})
             whole = self.response(state)

@@ -614,10 +614,36 @@ def test_responses_api_through_the_openai_client(tiny: Stack) -> None:
         assert deltas == events[-4].text == whole.output_text, seed
         assert events[-1].response.output_text == whole.output_text and events[-1].response.id == events[0].response.id
 
+    # logprobs when included: the chat endpoint's, token by token; streamed with each delta
+    chat_lp = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hello"}],
+                                             max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                             extra_body={"ignore_eos": True})
+    with_lp = client.responses.create(model="default", input="hello", max_output_tokens=5, temperature=0,
+                                      include=["message.output_text.logprobs"], top_logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    message = with_lp.output[0]
+    assert message.type == "message"
+    [part] = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    assert chat_lp.choices[0].logprobs is not None and chat_lp.choices[0].logprobs.content is not None
+    want_lp = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat_lp.choices[0].logprobs.content]
+    got_lp = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in part.logprobs]
+    assert [(t, a) for t, _, a in got_lp] == [(t, a) for t, _, a in want_lp]
+    assert all(abs(g - w) < 1e-4 for (_, g, _), (_, w, _) in zip(got_lp, want_lp))
+    streamed = client.responses.create(model="default", input="hello", max_output_tokens=5, temperature=0,
+                                       include=["message.output_text.logprobs"], top_logprobs=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    delta_lp = [lp.token for e in streamed if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert delta_lp == [t for t, _, _ in want_lp]
+
     # a stop string ends it: completed
+    free = client.responses.create(model="default", input="hello", max_output_tokens=40, temperature=0,
+                                   extra_body={"ignore_eos": True}).output_text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
     stopped = client.responses.create(model="default", input="hello", max_output_tokens=40, temperature=0,
-                                      extra_body={"ignore_eos": True, "stop": [whole.output_text[:1] or "e"]})
-    assert stopped.status == "completed" and stopped.incomplete_details is None
+                                      extra_body={"ignore_eos": True, "stop": [stop]})
+    assert stopped.status == "completed" and stopped.incomplete_details is None, (seed, free, stop)
+    assert stopped.output_text == free[:free.index(stop)]
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="default", input="x", tools=[{"type": "web_search"}])
     assert refused.value.body is not None and refused.value.body["param"] == "tools"  # type: ignore[index]
