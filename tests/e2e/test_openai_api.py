@@ -86,6 +86,22 @@ async def _wait_all_blocks_free(stack: Stack, timeout_s: float) -> agent_pb2.Age
         await asyncio.sleep(0.05)
 
 
+async def _leave_mid_stream(stack: Stack, path: str, body: dict[str, Any],
+                            leave_after: int) -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
+    """Stream ``body`` to ``path`` and leave after ``leave_after`` events: the agent's stats then,
+    and once every block is free again (or a minute passed)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{stack.http_address()}{path}", json=body) as response:
+            assert response.status_code == 200
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events >= leave_after:
+                    break
+            during = await _agent_stats(stack)
+    return during, await _wait_all_blocks_free(stack, timeout_s=60)
+
+
 def _assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -408,22 +424,10 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
         assert freed_in_s < max(5.0, 0.5 * max_tokens / tokens_per_s), (wait_s, freed_in_s, tokens_per_s)
 
     # a streamed batch of prompts with n choices each: leaving mid-stream cancels every one
-    async def batch_left() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
-        rng = random.Random()
-        body = {"model": "default", "prompt": ["Once", "The sky", "1, 2,"][:rng.randint(2, 3)], "n": rng.randint(1, 3),
-                "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "echo": rng.random() < 0.5}
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", f"{tiny.http_address()}/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                events, leave_after = 0, rng.randint(3, 20)
-                async for line in response.aiter_lines():
-                    events += line.startswith("data: ")
-                    if events >= leave_after:
-                        break
-                during = await _agent_stats(tiny)
-        return during, await _wait_all_blocks_free(tiny, timeout_s=60)
-
-    during, after = asyncio.run(batch_left())
+    rng = random.Random()
+    body = {"model": "default", "prompt": ["Once", "The sky", "1, 2,"][:rng.randint(2, 3)], "n": rng.randint(1, 3),
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "echo": rng.random() < 0.5}
+    during, after = asyncio.run(_leave_mid_stream(tiny, "/v1/completions", body, rng.randint(3, 20)))
     assert during.num_requests >= 1
     assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
     metrics = httpx.get(f"{tiny.http_address()}/metrics").text
@@ -650,19 +654,8 @@ def test_responses_api_through_the_openai_client(tiny: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_123")
 
-    async def leave() -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
-        body = {"model": "default", "input": "Once", "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", f"{base}/v1/responses", json=body) as response:
-                seen, leave_after = 0, rng.randint(5, 30)
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen >= leave_after:
-                        break
-                during = await _agent_stats(tiny)
-        return during, await _wait_all_blocks_free(tiny, timeout_s=60)
-
-    during, after = asyncio.run(leave())
+    body = {"model": "default", "input": "Once", "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
+    during, after = asyncio.run(_leave_mid_stream(tiny, "/v1/responses", body, rng.randint(5, 30)))
     assert during.num_requests == 1
     assert after.num_free_blocks == after.num_blocks and after.num_requests == 0
 
