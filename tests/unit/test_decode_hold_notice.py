@@ -51,6 +51,7 @@ def _worker(preempted: list[_Active], running: list[_Active], pending: list[_Act
     worker.num_steps = 5
     worker._router_stall_s = {}
     worker._step_began, worker._stepping = None, ()
+    worker._notice_timer = None
     return worker
 
 
@@ -159,3 +160,39 @@ def test_a_notice_reaches_the_request_but_moves_no_offset(received: int, first_i
         await streams.close()
 
     asyncio.run(run())
+
+
+@given(stall_s=st.floats(0.2, 2.0), opened_after_s=st.floats(0.0, 0.5))
+@settings(max_examples=6, deadline=None)
+def test_a_router_that_opens_with_a_short_stall_timeout_is_noticed_at_its_interval_at_once(
+        stall_s: float, opened_after_s: float) -> None:
+    """The timer armed before any router named its stall timeout waits HOLD_NOTICE_S (1 s); a
+    router that opens its stream meanwhile with a 0.3 s timeout must not wait for it: a request
+    preempted then went unnamed past that timeout (CI, the full-pool fault test)."""
+    worker = _worker([_active("p", "r0", 1)], [])
+    worker._router_streams, worker._gone_routers, worker._awaited_routers = {}, set(), set()
+    worker._router_lost, worker._cancelled_for = {}, OrderedDict()
+    every_s = max(HOLD_NOTICE_MIN_S, stall_s / HOLD_NOTICES_PER_STALL)
+    times: list[float] = []
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        worker._notice_timer = loop.call_later(worker._hold_notice_s(), worker._notice_periodically)
+        assert worker._hold_notice_s() == HOLD_NOTICE_S
+        await asyncio.sleep(opened_after_s)
+        opened = loop.time()
+        worker.router_opened("r0", stall_s)
+        outbox = worker.router_outbox("r0")
+        stream = outbox.open()
+        try:
+            while len(times) < 2:
+                await outbox.get(stream)
+                times.append(loop.time() - opened)
+        finally:
+            assert worker._notice_timer is not None
+            worker._notice_timer.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), 5))
+    # the first notice within the new interval (and some scheduling slack), the next one after it
+    assert times[0] <= every_s + 0.05, (times, every_s)
+    assert times[1] - times[0] <= every_s + 0.05, (times, every_s)

@@ -8,6 +8,7 @@ queue yielded an update, so a non-streaming request whose client had gone ran on
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,43 @@ def test_no_service_waits_with_asyncio_wait_for() -> None:
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "asyncio.wait_for(" in line and not line.lstrip().startswith("#")]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+def test_an_update_read_while_the_loop_was_held_up_is_not_a_stall(hops: int) -> None:
+    """The router's own loop held up past the stall timeout (a busy host, a long callback) while
+    decode's update was on its way: when the loop runs again, the timer and the stream's reader
+    are ready together, and the update (``hops`` task switches away) wins. Decode never stopped."""
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[decode_pb2.TokenUpdate] = asyncio.Queue()
+        arrived: asyncio.Future[None] = loop.create_future()
+
+        async def reader() -> None:  # the decode stream's reader: the update needs it to run
+            await arrived
+            for _ in range(hops - 1):
+                await asyncio.sleep(0)
+            queue.put_nowait(_update(3))
+
+        def held_up() -> None:
+            arrived.set_result(None)  # the update came in ...
+            time.sleep(0.15)  # ... while the loop was busy past the stall timeout
+
+        task = loop.create_task(reader())
+        loop.call_later(0.01, held_up)
+        update = await next_update(queue, loop.time() + 10, stall_s=0.05)
+        await task
+        return update.first_index
+
+    assert asyncio.run(main()) == 3
+
+
+def test_a_held_up_loop_with_nothing_on_its_way_is_still_a_stall() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.15)
+        await next_update(asyncio.Queue(), loop.time() + 10, stall_s=0.05)
+
+    with pytest.raises(RequestError) as err:
+        asyncio.run(main())
+    assert err.value.status == Status.UNAVAILABLE
