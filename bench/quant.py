@@ -6,7 +6,9 @@ of positions where the format's most likely next token is fp32's. Each window is
 so per-tensor dynamic activation scales see a real prompt's spread (the first token's large
 activations included). A single-row pass (one token a step, as single-stream decode runs) of
 shorter windows measures the rows the ``ggml`` format runs on ggml's kernels, with fp32 and the
-default format run the same way.
+default format run the same way. The ggml format is measured with either wide copy (fp16, and
+bf16 where the CPU runs it natively: ``quant.ggml_wide_format``), whole windows and 64-token
+prompt chunks.
 
 Speed: one decode step at batch 1 / 2 / 3 / 4 / 8 / 16 / 32 (contexts of 128 tokens) and one prefill of
 128 / 512 tokens, median of --repeats, formats interleaved so drift hits all alike.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
-from tandem.engine.quant import WeightFormat, best_format, effective_format  # noqa: E402
+from tandem.engine.quant import GGML_WIDE_ENV, WeightFormat, best_format, effective_format  # noqa: E402
 from tandem.engine.runner import ModelRunner, SeqInput, position_logits  # noqa: E402
 from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -124,8 +127,28 @@ def weight_bytes_per_step(runner: ModelRunner) -> int:
                  WeightFormat.FP16: 2.0, WeightFormat.INT8: 1.0, WeightFormat.GGML: 2.0}[model.weight_format]
     linears = [model.lm_head, *(lin for layer in model._layers
                                 for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))]
-    return int(sum(lin._blocks.numel() if lin._blocks is not None else lin.weight.numel() * per_param
-                   for lin in linears))
+    return int(sum(lin.ggml_projection.blocks.numel() if lin.ggml_projection is not None
+                   else lin.weight.numel() * per_param for lin in linears))
+
+
+def ggml_runners(model_dir: Path, pool: KVPool) -> dict[str, ModelRunner]:
+    """The ggml format with each wide copy (``quant.ggml_wide_format``: what runs prompts and
+    large batches), named ``ggml/wide-fp16`` and ``ggml/wide-bf16``; bf16 only where oneDNN runs
+    bf16 natively."""
+    from tandem.engine.quant import can_run_bf16
+
+    before = os.environ.get(GGML_WIDE_ENV)
+    runners = {}
+    try:
+        for wide in ("fp16", "bf16") if can_run_bf16() else ("fp16",):
+            os.environ[GGML_WIDE_ENV] = wide
+            runners[f"ggml/wide-{wide}"] = ModelRunner.from_dir(model_dir, pool, weight_format=WeightFormat.GGML)
+    finally:
+        if before is None:
+            os.environ.pop(GGML_WIDE_ENV, None)
+        else:
+            os.environ[GGML_WIDE_ENV] = before
+    return runners
 
 
 def main() -> None:
@@ -151,8 +174,11 @@ def main() -> None:
                               "derived_weight_mib": {f.value: round(r.model.derived_weight_bytes / 2**20, 1)
                                                      for f, r in runners.items()}}
     windows = text_windows(Tokenizer.from_dir(model_dir), args.windows, args.window_len)
+    wides = ggml_runners(model_dir, pool)
+    result["ggml_wide_default"] = runners[WeightFormat.GGML].model.wide_format.value
     with torch.inference_mode():
-        result["accuracy"] = accuracy({f.value: r for f, r in runners.items()}, windows)
+        # whole windows are single prefills, which the ggml format runs on its wide copy
+        result["accuracy"] = accuracy({f.value: r for f, r in runners.items()} | wides, windows)
         print(json.dumps(result["accuracy"], indent=1))
         # KV cache precision, with the default (auto) weight format: fp32 K/V is the reference.
         spec = KVPoolSpec.for_model(config, 32 * 9 + 64, BLOCK)
@@ -169,6 +195,10 @@ def main() -> None:
         short = [ids[:SINGLE_ROW_LEN] for ids in windows[:SINGLE_ROW_WINDOWS]]
         result["single_row_accuracy"] = {"chunk_tokens": 1} | accuracy(row_runners, short, chunk=1)
         print(json.dumps(result["single_row_accuracy"], indent=1))
+        # Prompt chunks of 64 tokens, as the chunked policy feeds a long prompt beside decode rows.
+        result["chunk64_accuracy"] = {"chunk_tokens": 64} | accuracy(
+            {WeightFormat.FP32.value: runners[WeightFormat.FP32]} | wides, windows, chunk=64)
+        print(json.dumps(result["chunk64_accuracy"], indent=1))
         if not args.skip_speed:
             speed: dict[str, dict[str, float]] = {f.value: {} for f in FORMATS}
             for batch in (1, 2, 3, 4, 8, 16, 32):

@@ -39,6 +39,13 @@ DECODE_LAYERS_MAX_ROWS = 6
 # rows), which sent every hybrid step of eight streams and a 27-token chunk to fbgemm's fp16, decode
 # rows included.
 DECODE_LAYERS_X8_MAX_ROWS = 128
+# Where the ggml format's wide copy is oneDNN's bf16 (an AMX CPU, ``quant.ggml_wide_format``), a step
+# with more prompt tokens than this runs op by op on it instead. SmolLM2 prompts alone, whole engine,
+# medians of 3 (this AVX-512 + AMX host, 2026-12-01): 2 threads, whole in C / bf16 op by op 462 / 399
+# tok/s at 16 tokens, 546 / 478 at 24, 539 / 528 at 32, 551 / 1177 at 64, 522 / 1469 at 128; one
+# thread 315 / 355, 294 / 446, 341 / 557 at 16 / 24 / 32, 330 / 1082 at 128. Decode rows alone stay
+# whole in C: 352 / 302 tok/s at 16 rows, 390 / 377 at 32 (2 threads).
+WHOLE_LAYERS_BF16_PROMPT_ROWS = 32
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -142,6 +149,8 @@ class LlamaModel:
         # Per-layer weights, looked up once rather than by string on every call.
         self._layers = [_LayerWeights(weights, i, weight_format, config, act_absmax) for i in range(config.num_layers)]
         self._whole_layers = self._c_decode_layers()
+        # how the projections run the calls ggml's kernels do not take (quant.ggml_wide_format)
+        self.wide_format = self._layers[0].qkv_proj.wide_format if self._layers else self.lm_head.wide_format
 
     def _c_decode_layers(self) -> ggml_kernels.DecodeLayers | None:
         """The ggml format's layers for ``decode_layers`` (one C call per decode step), when every
@@ -177,13 +186,16 @@ class LlamaModel:
         fused.run(start, stop, hidden, cos, sin, tables[0], pool, tables[1])
         return True
 
-    def whole_layer_rows(self, num_rows: int, pool: KVPool) -> bool:
-        """Whether a step of ``num_rows`` decode rows over ``pool`` may run its layers whole in C
-        (``decode_layers``): few enough rows, and attention that plans them on the C kernel."""
+    def whole_layer_rows(self, num_rows: int, pool: KVPool, prompt_rows: int = 0) -> bool:
+        """Whether a step of ``num_rows`` rows over ``pool``, ``prompt_rows`` of them prompt tokens,
+        may run its layers whole in C (``decode_layers``): few enough rows (and prompt tokens, where
+        the wide copy is bf16), and attention that plans them on the C kernel."""
         fused = self._whole_layers
         if fused is None or not ggml_kernels.whole_layers_on():
             return False
         if num_rows > (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS):
+            return False
+        if self.wide_format == WeightFormat.BF16 and prompt_rows > WHOLE_LAYERS_BF16_PROMPT_ROWS:
             return False
         return self.attention.decodes_in_c(pool)
 

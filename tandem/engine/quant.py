@@ -32,12 +32,19 @@ which unpacks a weight block once per 4 rows: calls of up to ``GGML_X8_MAX_ROWS`
 steps of up to ``model.DECODE_LAYERS_X8_MAX_ROWS`` rows (decode rows and prompt tokens together:
 hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). Greedy
 outputs therefore depend on how requests were batched, and ``auto`` never picks it.
+
+The ggml format's calls of more rows than its kernels take (prompts, large batches) run a second,
+private copy of the weights, its *wide* copy (``ggml_wide_format``): fbgemm's fp16, or oneDNN's
+bf16 on a CPU with AMX tiles, where its tile matmuls run prompt chunks of 64-512 tokens 2-3x faster
+than fbgemm's fp16 (prompts of 32-512 tokens, whole engine: 1.6-3.3x; bench/quant.py measures the
+accuracy: it rounds those calls' activations to bf16). Both copies take 2 bytes a weight.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 
 import torch
@@ -61,6 +68,10 @@ GGML_X8_MAX_ROWS = 16
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
+
+# Picks the ggml format's wide copy (``ggml_wide_format``): auto, fp16 or bf16. Read when a model loads.
+GGML_WIDE_ENV = "TANDEM_GGML_WIDE"
+GGML_WIDE_CHOICES = ("auto", "fp16", "bf16")
 
 # Decode-sized batch the oneDNN packed layout is tuned for; it stays correct (and faster than the
 # plain layout in our measurements) from 1 to hundreds of rows.
@@ -90,6 +101,29 @@ def can_run_fp16() -> bool:
 def can_run_int8() -> bool:
     """Whether this torch build has fbgemm's dynamic int8 linear (x86 builds do)."""
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bf16 matmuls run on."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def ggml_wide_format() -> WeightFormat:
+    """The format of the ggml format's wide copy, which runs the calls of more rows than ggml's
+    kernels take: bf16 (oneDNN) where the CPU has AMX tiles, fp16 (fbgemm) elsewhere.
+    ``TANDEM_GGML_WIDE`` (auto, fp16, bf16) overrides it, for A/B measurements and the accuracy
+    benchmark; bf16 on a CPU without native bf16 matmuls falls back to fp16 with a warning."""
+    choice = os.environ.get(GGML_WIDE_ENV, "auto")
+    if choice not in GGML_WIDE_CHOICES:
+        raise ValueError(f"{GGML_WIDE_ENV}={choice!r}: choose one of {', '.join(GGML_WIDE_CHOICES)}")
+    if choice == "fp16" or (choice == "auto" and not has_amx()):
+        return WeightFormat.FP16
+    if not can_run_bf16():
+        if choice == "bf16":
+            log.warning("%s=bf16: this CPU has no native bf16 matmuls; the wide copy runs fp16", GGML_WIDE_ENV)
+        return WeightFormat.FP16
+    return WeightFormat.BF16
 
 
 def best_format() -> WeightFormat:
@@ -171,19 +205,22 @@ class Linear:
         self.ggml_projection: ggml_kernels.Projection | None = None
         self.ggml_repacked = False  # ggml_projection in ggml's 8-row layout (Kernels.repack_x8)
         self._kernels: ggml_kernels.Kernels | None = None
+        # what runs the calls ggml's kernels do not take: the format itself, or the ggml format's wide copy
+        self.wide_format = self.format
         if self.format == WeightFormat.GGML:
             self._ggml_blocks(weight)
-        if self.format in (WeightFormat.FP16, WeightFormat.GGML):
+            self.wide_format = ggml_wide_format()
+        if self.wide_format in (WeightFormat.FP16, WeightFormat.GGML):
             self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.derived_bytes += weight.numel() * 2
-        elif self.format == WeightFormat.FP32_PACKED:
+        elif self.wide_format == WeightFormat.FP32_PACKED:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
             self.derived_bytes = weight.numel() * 4
-        elif self.format == WeightFormat.BF16:
+        elif self.wide_format == WeightFormat.BF16:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), _PACK_BATCH_HINT)
             self._bias16 = None if bias is None else bias.to(torch.bfloat16)
-            self.derived_bytes = weight.numel() * 2
-        elif self.format == WeightFormat.INT8:
+            self.derived_bytes += weight.numel() * 2
+        elif self.wide_format == WeightFormat.INT8:
             derived = weight.float()
             if smooth is not None:
                 derived = derived * smooth
@@ -204,7 +241,7 @@ class Linear:
 
     def _ggml_blocks(self, weight: torch.Tensor) -> None:
         """The first of ``GGML_EXACT_TYPES`` whose blocks dequantize to ``weight`` bit for bit;
-        none (a layer not from a GGUF of those types) leaves the layer on fp16 alone."""
+        none (a layer not from a GGUF of those types) leaves the layer on its wide copy alone."""
         kernels = ggml_kernels.load()
         assert kernels is not None  # effective_format checked
         n, k = weight.shape
@@ -231,16 +268,17 @@ class Linear:
             assert self._kernels is not None
             out = self._kernels.linear(x, projection.blocks, projection.gtype, self.weight.shape[0], projection.corr)
             return out if self.bias is None else out.add_(self.bias)
-        if self.format == WeightFormat.BF16:
+        wide = self.wide_format
+        if wide == WeightFormat.BF16:
             out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, self._bias16, "none", [], "")
             return out.float()
-        if self.format == WeightFormat.FP32_PACKED:
+        if wide == WeightFormat.FP32_PACKED:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return out
-        if self.format in (WeightFormat.FP16, WeightFormat.GGML):
+        if wide in (WeightFormat.FP16, WeightFormat.GGML):
             out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
             return out
-        if self.format == WeightFormat.INT8:
+        if wide == WeightFormat.INT8:
             return self._int8(x.contiguous())
         return F.linear(x, self.weight, self.bias)
 

@@ -124,7 +124,8 @@ class ModelRunner:
                 logit_rows.append(len(token_ids) - 1)
         if max(token_ids) >= self.config.vocab_size or min(token_ids) < 0:  # checked host-side: no device sync
             raise InvalidRequestError(f"token id out of range [0, {self.config.vocab_size})")
-        if len(token_ids) > len(spans) and self.model.whole_layer_rows(len(token_ids), self.pool):
+        prompt_rows = sum(s.q_len for s in spans if s.q_len > 1)
+        if prompt_rows and self.model.whole_layer_rows(len(token_ids), self.pool, prompt_rows):
             # Prompt tokens few enough for the layers to run whole in C: each becomes a row of its
             # own that attends over its sequence up to itself, as a decode row does. That is causal
             # attention, the chunk's earlier K/V written in the same layer before any row reads.

@@ -21,7 +21,8 @@ from tandem.engine.attention import TorchPagedAttention, make_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.ggml_kernels import GgmlType
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
-from tandem.engine.model import DECODE_LAYERS_MAX_ROWS, DECODE_LAYERS_X8_MAX_ROWS, LlamaModel
+from tandem.engine.model import (DECODE_LAYERS_MAX_ROWS, DECODE_LAYERS_X8_MAX_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS,
+                                 LlamaModel)
 from tandem.engine.random_weights import random_weights
 from tandem.engine.runner import ModelRunner, SeqInput
 from tandem.engine.weight_format import WeightFormat
@@ -206,6 +207,28 @@ def test_prompt_rows_stay_a_chunk_where_attention_is_not_in_c(monkeypatch: pytes
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("wide", [WeightFormat.FP16, WeightFormat.BF16])
+@pytest.mark.parametrize("prompt_len", [WHOLE_LAYERS_BF16_PROMPT_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS + 1, 90])
+@pytest.mark.parametrize("num_decode", [0, 3])
+def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightFormat, prompt_len: int,
+                                                                num_decode: int) -> None:
+    """Where the wide copy is bf16 (an AMX CPU), a step of more prompt tokens than
+    WHOLE_LAYERS_BF16_PROMPT_ROWS runs op by op (its projections on the bf16 copy, faster there);
+    with the fp16 copy it stays whole in C up to the row cap; decode rows alone stay whole."""
+    model = _model(4, 2, 32, False, False, 11, (GgmlType.Q4_1, GgmlType.Q4_0))
+    assert model._whole_layers is not None and model._whole_layers.repacked
+    model.wide_format = wide  # what quant.ggml_wide_format picked on the CPU it loaded on
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, 64, 16))
+    runner = ModelRunner(model, pool)
+    rng = random.Random(prompt_len + num_decode)
+    batch = [SeqInput((rng.randrange(256),), 5, [2 * i]) for i in range(num_decode)]
+    batch.append(SeqInput(tuple(rng.randrange(256) for _ in range(prompt_len)), 0, list(range(40, 47))))
+    whole = wide == WeightFormat.FP16 or prompt_len <= WHOLE_LAYERS_BF16_PROMPT_ROWS
+    assert model.whole_layer_rows(num_decode + prompt_len, pool, prompt_len) is whole
+    assert (not runner.begin(batch).attn_meta.prefill) is whole
+    assert model.whole_layer_rows(num_decode + prompt_len, pool)  # as many decode rows alone: whole
+
+
 def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
     model = _model(4, 2, 32, False, False, 3)
     assert model._whole_layers is not None
@@ -233,13 +256,14 @@ def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
     model = _model(heads, kv_heads, head_dim, bias, False, seed % 1000, gtypes)
     assert model._whole_layers is not None
     cap = DECODE_LAYERS_X8_MAX_ROWS if model._whole_layers.repacked else DECODE_LAYERS_MAX_ROWS
+    prompt_cap = WHOLE_LAYERS_BF16_PROMPT_ROWS if model.wide_format == WeightFormat.BF16 else cap
     rng = random.Random(seed)
     chunks = [(cached, rng.randint(1, length)) for cached, length in prompts]
     num_decode = min(num_decode, cap - 1)
-    while num_decode + sum(n for _, n in chunks) > cap:
+    while num_decode + sum(n for _, n in chunks) > cap or sum(n for _, n in chunks) > prompt_cap:
         chunks.pop()
     if not chunks:
-        chunks = [(rng.randint(0, 120), cap - num_decode)]
+        chunks = [(rng.randint(0, 120), min(cap - num_decode, prompt_cap))]
     per_seq = 130 // block_size + 2
     seqs = [(rng.randint(0, 120), 1) for _ in range(num_decode)] + chunks
     num_blocks = 2 * len(seqs) * per_seq

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.engine import ggml_kernels
+from tandem.engine import ggml_kernels, quant
 from tandem.engine.ggml_kernels import GgmlType
 from tandem.engine.quant import GGML_MAX_ROWS, GGML_X8_MAX_ROWS, Linear, effective_format
 from tandem.engine.weight_format import WeightFormat
@@ -80,8 +80,9 @@ def test_linear_over_exact_weights(gtype: GgmlType, n: int, kblocks: int, m: int
     if m <= (GGML_X8_MAX_ROWS if lin.ggml_repacked else GGML_MAX_ROWS):
         scale = x.abs() @ w.abs().T
         assert bool(((out - ref).abs() <= REL_ABS_DOT * scale + 1e-6).all()), (out - ref).abs() / scale
-    else:  # larger calls run fbgemm's fp16 copy, exactly as the fp16 format does
-        assert torch.equal(out, Linear(w, b, WeightFormat.FP16)(x))
+    else:  # larger calls run the wide copy (fp16, or bf16 on AMX), exactly as that format does
+        assert lin.wide_format == quant.ggml_wide_format()
+        assert torch.equal(out, Linear(w, b, lin.wide_format)(x))
 
 
 @settings(max_examples=40, deadline=None)
@@ -173,22 +174,22 @@ def test_repacking_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 3), st.integers(0, 2**31))
-def test_weights_no_block_type_holds_run_as_fp16(n: int, kblocks: int, m: int, seed: int) -> None:
+def test_weights_no_block_type_holds_run_on_the_wide_copy(n: int, kblocks: int, m: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, 32 * kblocks, generator=g)
     x = torch.randn(m, 32 * kblocks, generator=g)
     lin = Linear(w, None, WeightFormat.GGML)
     assert lin.ggml_type is None
-    assert lin.derived_bytes == w.numel() * 2  # the fp16 copy alone
-    assert torch.equal(lin(x), Linear(w, None, WeightFormat.FP16)(x))
+    assert lin.derived_bytes == w.numel() * 2  # the wide copy alone (fp16 or bf16)
+    assert torch.equal(lin(x), Linear(w, None, lin.wide_format)(x))
 
 
-def test_rows_not_a_whole_number_of_blocks_run_as_fp16() -> None:
+def test_rows_not_a_whole_number_of_blocks_run_on_the_wide_copy() -> None:
     w = torch.randn(8, 48)
     lin = Linear(w, None, WeightFormat.GGML)
     assert lin.ggml_type is None
     x = torch.randn(1, 48)
-    assert torch.equal(lin(x), Linear(w, None, WeightFormat.FP16)(x))
+    assert torch.equal(lin(x), Linear(w, None, lin.wide_format)(x))
 
 
 def test_derived_bytes_count_both_copies() -> None:
@@ -217,3 +218,49 @@ def test_without_the_kernels_the_format_runs_as_fp16_and_says_so(monkeypatch: py
     assert lin.format == WeightFormat.FP16 and lin.ggml_type is None
     assert "not built" in caplog.text
     quant._warn_no_ggml.cache_clear()
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "fp16", "bf16"])
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_the_wide_copy_is_bf16_on_amx_only(monkeypatch: pytest.MonkeyPatch, choice: str | None, amx: bool,
+                                           native_bf16: bool) -> None:
+    """The ggml format's wide copy: bf16 by default only on a CPU with AMX tiles (and native bf16
+    matmuls); TANDEM_GGML_WIDE forces either, bf16 only where it runs natively."""
+    if choice is None:
+        monkeypatch.delenv(quant.GGML_WIDE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(quant.GGML_WIDE_ENV, choice)
+    monkeypatch.setattr(quant, "has_amx", lambda: amx)
+    monkeypatch.setattr(quant, "can_run_bf16", lambda: native_bf16)
+    wants_bf16 = choice == "bf16" or (choice in (None, "auto") and amx)
+    expected = WeightFormat.BF16 if wants_bf16 and native_bf16 else WeightFormat.FP16
+    assert quant.ggml_wide_format() == expected
+
+
+def test_a_bad_wide_choice_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant.GGML_WIDE_ENV, "int8")
+    with pytest.raises(ValueError, match="TANDEM_GGML_WIDE='int8': choose one of auto, fp16, bf16"):
+        quant.ggml_wide_format()
+
+
+@pytest.mark.skipif(not quant.can_run_bf16(), reason="oneDNN has no native bf16 matmuls on this CPU")
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(GGML_X8_MAX_ROWS + 1, 80), st.integers(0, 2**31))
+def test_a_bf16_wide_copy_runs_the_large_calls(groups: int, kblocks: int, m: int, seed: int) -> None:
+    """Forced to bf16 (what an AMX CPU picks), calls of more rows than ggml's kernels take are
+    the bf16 format's, bit for bit; the private bytes are the blocks plus 2 a weight either way."""
+    n, k = 8 * groups, 32 * kblocks
+    w = _exact(GgmlType.Q4_1, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant.GGML_WIDE_ENV, "fp16")
+        fp16 = Linear(w, None, WeightFormat.GGML)
+        mp.setenv(quant.GGML_WIDE_ENV, "bf16")
+        bf16 = Linear(w, None, WeightFormat.GGML)
+    assert (fp16.wide_format, bf16.wide_format) == (WeightFormat.FP16, WeightFormat.BF16)
+    assert fp16.derived_bytes == bf16.derived_bytes
+    assert torch.equal(bf16(x), Linear(w, None, WeightFormat.BF16)(x))
+    assert torch.equal(fp16(x), Linear(w, None, WeightFormat.FP16)(x))
+    small = x[:GGML_X8_MAX_ROWS if bf16.ggml_repacked else GGML_MAX_ROWS]  # ggml's rows: either copy
+    assert torch.equal(bf16(small), fp16(small))
