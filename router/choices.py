@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from router.core import RouterCore
-from router.openai_types import FinishReasonName
+from router.openai_types import FinishReasonName, TokenLogprob, TopLogprob
 from tandem.protocol import RequestError, Status
 from tandem.rpc.v1 import common_pb2, router_pb2
+
+if TYPE_CHECKING:
+    from tandem.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.router.http")
 
@@ -21,6 +26,30 @@ FINISH_REASON: dict[int, FinishReasonName] = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+
+class TokenTexts:
+    """Each token's own text (special tokens included), decoded once per request, and the
+    chat-style logprobs of tokens (the chat endpoint's and the Responses API's)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def logprobs(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[TokenLogprob]:
+        def top(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [TokenLogprob(**top(t.token_id, t.logprob),
+                             top_logprobs=[TopLogprob(**top(c.token_id, c.logprob)) for c in t.top_logprobs])
+                for t in tokens]
 
 
 ChoiceItem = router_pb2.GenerateResponse | RequestError | None  # None: the choice is done

@@ -230,7 +230,6 @@ class Generation:
             return None
         return response
 
-
     def _with_stop(self, fed: StopFeed) -> str:
         """The text of ``fed``, with the stop string that matched when the request asked for it."""
         return fed.text + fed.stop if self._include_stop_str and fed.stop is not None else fed.text

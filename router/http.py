@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.auth import bearer_matches
-from router.choices import FINISH_REASON, Choices, ChoiceState, absorb
+from router.choices import FINISH_REASON, Choices, ChoiceState, TokenTexts, absorb
 from router.core import RouterCore, brief
 from router.metrics import RouterMetrics
 from router.models import ServedModels
@@ -66,8 +66,6 @@ from router.openai_types import (
     TextPart,
     TokenizeRequest,
     TokenizeResponse,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     openapi_schema,
     to_json,
@@ -430,26 +428,12 @@ class Renderer:
         self.id = response_id
         self.created = int(time.time())
         self.model = parsed.model or core.model_id
-        self._token_text: dict[int, str] = {}
-
-    def _token(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        self._texts = TokenTexts(core.tokenizer)
 
     def chat_logprobs(self, tokens: list[common_pb2.GeneratedToken]) -> ChatLogprobs | None:
         if self.parsed.num_logprobs is None:
             return None
-
-        def top(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return ChatLogprobs(content=[
-            TokenLogprob(**top(t.token_id, t.logprob),
-                         top_logprobs=[TopLogprob(**top(c.token_id, c.logprob)) for c in t.top_logprobs])
-            for t in tokens])
+        return ChatLogprobs(content=self._texts.logprobs(tokens))
 
     def completion_logprobs(self, tokens: list[common_pb2.GeneratedToken],
                             text_offset: int = 0) -> CompletionLogprobs | None:
@@ -458,11 +442,11 @@ class Renderer:
         offsets: list[int] = []
         for t in tokens:
             offsets.append(text_offset)
-            text_offset += len(self._token(t.token_id))
+            text_offset += len(self._texts.text(t.token_id))
         return CompletionLogprobs(
-            tokens=[self._token(t.token_id) for t in tokens],
+            tokens=[self._texts.text(t.token_id) for t in tokens],
             token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[{self._token(c.token_id): c.logprob for c in t.top_logprobs} for t in tokens],
+            top_logprobs=[{self._texts.text(c.token_id): c.logprob for c in t.top_logprobs} for t in tokens],
             text_offset=offsets,
         )
 

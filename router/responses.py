@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from router.choices import Choices, ChoiceState, absorb
+from router.choices import Choices, ChoiceState, TokenTexts, absorb
 from router.openai_types import (
     ErrorDetail,
     IncompleteDetails,
@@ -35,8 +35,6 @@ from router.openai_types import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    TokenLogprob,
-    TopLogprob,
     to_json,
 )
 from tandem.protocol import RequestError, SamplingDefaults
@@ -112,8 +110,7 @@ class ResponsesRenderer:
     def __init__(self, model: str, tokenizer: Tokenizer, request: ResponsesRequest, parsed: ParsedRequest,
                  response_id: str, defaults: SamplingDefaults) -> None:
         self.id = response_id
-        self._tokenizer = tokenizer
-        self._token_text: dict[int, str] = {}
+        self._texts = TokenTexts(tokenizer)
         self._logprobs = wants_logprobs(request)
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -124,24 +121,9 @@ class ResponsesRenderer:
         self._top_p = sampling.top_p if sampling.top_p else (defaults.top_p or 1.0)
         self._sequence = 0
 
-    def _token(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def _token_logprobs(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[TokenLogprob]:
-        def top(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return [TokenLogprob(**top(t.token_id, t.logprob),
-                             top_logprobs=[TopLogprob(**top(c.token_id, c.logprob)) for c in t.top_logprobs])
-                for t in tokens]
-
     def _logprobs_of(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[dict[str, Any]]:
         """What an event carries of ``tokens``' logprobs: nothing unless asked for."""
-        return [to_json(lp) for lp in self._token_logprobs(tokens)] if self._logprobs else []
+        return [to_json(lp) for lp in self._texts.logprobs(tokens)] if self._logprobs else []
 
     def _message(self, state: ChoiceState | None, status: Literal["in_progress", "completed", "incomplete"],
                  ) -> OutputMessage:
@@ -149,7 +131,7 @@ class ResponsesRenderer:
         if state is not None:
             text = OutputText(type="output_text", text="".join(state.text), annotations=[])
             if self._logprobs:
-                text.logprobs = self._token_logprobs(state.tokens)
+                text.logprobs = self._texts.logprobs(state.tokens)
             content.append(text)
         return OutputMessage(type="message", id=self.item_id, status=status, role="assistant", content=content)
 
