@@ -11,9 +11,14 @@ layers repacked; ``tandem.bench.report.paired``), so the machine's drift hits bo
 pair; the figure is the median of the per-pair ratios (``--cap`` / ``--base-cap``) with its
 interquartile range.
 
+``--base-prompt-cap`` / ``--prompt-cap`` set ``model.WHOLE_LAYERS_BF16_PROMPT_ROWS`` on either side the
+same way (the most prompt tokens a step may carry whole in C where the wide copy is bf16, an AMX
+CPU); both default to its value, so the row caps alone differ.
+
 Writes JSON (default bench/results/hybrid_rows.json).
 
-Usage: python bench/hybrid_rows.py [--pairs 10] [--base-cap 32] [--cap 128] [--out FILE]
+Usage: python bench/hybrid_rows.py [--pairs 10] [--base-cap 32] [--cap 128] [--base-prompt-cap N]
+                                   [--prompt-cap N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from tandem.engine.runner import SeqInput  # noqa: E402
 # (decode rows, chunk tokens, cached tokens before the chunk)
 SHAPES = ((4, 32, 0), (8, 24, 0), (8, 32, 0), (8, 48, 0), (8, 64, 0), (8, 96, 0), (16, 32, 0), (16, 64, 0),
           (8, 48, 384), (16, 64, 384), (8, 128, 0), (8, 192, 0), (0, 64, 0), (0, 128, 0), (0, 256, 0),
-          (48, 0, 0), (64, 0, 0))
+          (48, 0, 0), (64, 0, 0), (16, 128, 0), (16, 256, 0), (16, 512, 0))
 
 
 def main() -> int:
@@ -50,16 +55,20 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--base-cap", type=int, default=32, help="the row cap measured against")
     parser.add_argument("--cap", type=int, default=128, help="the row cap under test")
+    parser.add_argument("--base-prompt-cap", type=int, default=model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS)
+    parser.add_argument("--prompt-cap", type=int, default=model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS)
     parser.add_argument("--out", default="bench/results/hybrid_rows.json")
     args = parser.parse_args()
     engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
     if not engine.runner.model._layers[0].qkv_proj.ggml_repacked:
         raise SystemExit("the engine's layers are not repacked (no ggml kernels built, or a CPU without AVX2)")
     runner, allocator = engine.runner, engine.allocator
-    default_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS
+    default_cap, default_prompt_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS, model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS
     result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                               "context": args.context, "base_cap": args.base_cap, "cap": args.cap,
-                              "default_cap": default_cap, "shapes": []}
+                              "default_cap": default_cap, "base_prompt_cap": args.base_prompt_cap,
+                              "prompt_cap": args.prompt_cap, "wide_format": engine.runner.model.wide_format.value,
+                              "shapes": []}
     try:
         for d, n, cached in SHAPES:
             lens = [int(args.context * (0.5 + j / max(d, 1))) for j in range(d)]
@@ -79,6 +88,7 @@ def main() -> int:
 
             def step(base: bool, batch: list[SeqInput] = batch) -> float:
                 model_module.DECODE_LAYERS_X8_MAX_ROWS = args.base_cap if base else args.cap
+                model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS = args.base_prompt_cap if base else args.prompt_cap
                 start = time.perf_counter()
                 runner.forward(batch)
                 return time.perf_counter() - start
@@ -93,6 +103,7 @@ def main() -> int:
                 allocator.free(prompt_table)
     finally:
         model_module.DECODE_LAYERS_X8_MAX_ROWS = default_cap
+        model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS = default_prompt_cap
     print(f"wrote {write_json(result, args.out)}")
     return 0
 
