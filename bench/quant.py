@@ -30,6 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -137,17 +138,11 @@ def ggml_runners(model_dir: Path, pool: KVPool) -> dict[str, ModelRunner]:
     bf16 natively."""
     from tandem.engine.quant import can_run_bf16
 
-    before = os.environ.get(GGML_WIDE_ENV)
     runners = {}
-    try:
+    with patch.dict(os.environ):  # the variable as it was afterwards
         for wide in ("fp16", "bf16") if can_run_bf16() else ("fp16",):
             os.environ[GGML_WIDE_ENV] = wide
             runners[f"ggml/wide-{wide}"] = ModelRunner.from_dir(model_dir, pool, weight_format=WeightFormat.GGML)
-    finally:
-        if before is None:
-            os.environ.pop(GGML_WIDE_ENV, None)
-        else:
-            os.environ[GGML_WIDE_ENV] = before
     return runners
 
 

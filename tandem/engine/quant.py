@@ -35,9 +35,9 @@ outputs therefore depend on how requests were batched, and ``auto`` never picks 
 
 The ggml format's calls of more rows than its kernels take (prompts, large batches) run a second,
 private copy of the weights, its *wide* copy (``ggml_wide_format``): fbgemm's fp16, or oneDNN's
-bf16 on a CPU with AMX tiles, where its tile matmuls run prompt chunks of 64-512 tokens 2-3x faster
-than fbgemm's fp16 (prompts of 32-512 tokens, whole engine: 1.6-3.3x; bench/quant.py measures the
-accuracy: it rounds those calls' activations to bf16). Both copies take 2 bytes a weight.
+bf16 on a CPU with AMX tiles, where its tile matmuls run SmolLM2's projections 3.6-3.9x faster than
+fbgemm's fp16 at 64-512 rows (whole engine, prompts of 48-512 tokens: 1.25-3.3x; bench/quant.py
+measures the accuracy: it rounds those calls' activations to bf16). Both copies take 2 bytes a weight.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class Linear:
         if self.format == WeightFormat.GGML:
             self._ggml_blocks(weight)
             self.wide_format = ggml_wide_format()
-        if self.wide_format in (WeightFormat.FP16, WeightFormat.GGML):
+        if self.wide_format == WeightFormat.FP16:
             self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.derived_bytes += weight.numel() * 2
         elif self.wide_format == WeightFormat.FP32_PACKED:
@@ -275,7 +275,7 @@ class Linear:
         if wide == WeightFormat.FP32_PACKED:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return out
-        if wide in (WeightFormat.FP16, WeightFormat.GGML):
+        if wide == WeightFormat.FP16:
             out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
             return out
         if wide == WeightFormat.INT8:
