@@ -38,6 +38,9 @@ private copy of the weights, its *wide* copy (``ggml_wide_format``): fbgemm's fp
 bf16 on a CPU with AMX tiles, where its tile matmuls run SmolLM2's projections 3.6-3.9x faster than
 fbgemm's fp16 at 64-512 rows (whole engine, prompts of 48-512 tokens: 1.25-3.3x; bench/quant.py
 measures the accuracy: it rounds those calls' activations to bf16). Both copies take 2 bytes a weight.
+
+oneDNN compiles a primitive per row count, so its calls (bf16, fp32-packed, a bf16 wide copy) of
+more than ``ONEDNN_EXACT_ROWS`` rows run padded to a few sizes (``onednn_rows``).
 """
 
 from __future__ import annotations
