@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.bench.metrics import mean_ci95  # noqa: E402
+from tandem.bench.metrics import mean_with_ci95  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat  # noqa: E402
@@ -175,11 +175,10 @@ def main() -> None:
                                   "mesh_over_engine": round(mesh["tokens_per_s"] / engine["tokens_per_s"], 3),
                                   "identical_outputs": f"{same}/{len(prompts)}"})
     ratios = [p["mesh_over_engine"] for p in report["repeats"]]
-    mean, half = mean_ci95(ratios)
-    report["mesh_over_engine"] = round(mean, 3)
-    report["mesh_over_engine_ci95"] = [round(mean - half, 3), round(mean + half, 3)]
+    interval = mean_with_ci95(ratios)
+    report["mesh_over_engine"], report["mesh_over_engine_ci95"] = interval["mean"], interval["ci95"]
     report["mesh"], report["engine_one_process"] = mesh, engine  # the last pair, as before --repeats
-    print("mesh / engine per repeat:", ratios, f"mean {mean:.3f} +- {half:.3f} (95 %)",
+    print("mesh / engine per repeat:", ratios, f"mean {interval['mean']} (95 %: {interval['ci95']})",
           "identical:", [p["identical_outputs"] for p in report["repeats"]])
     # The static split gives decode only its own cores; the same engine on that many cores
     # separates the cost of the mesh from the cost of the split.

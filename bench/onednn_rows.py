@@ -41,7 +41,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.bench.metrics import mean_ci95  # noqa: E402
+from tandem.bench.metrics import mean_with_ci95  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
 
 SIDES = ("padded", "exact")
@@ -150,15 +150,14 @@ def main() -> int:
         repeats.append({"order": list(order), **runs, "padded_over_exact": ratios})
     summary = {}
     for i, name in enumerate(("first_pass", "second_pass")):
-        mean, half = mean_ci95([rep["padded_over_exact"][i] for rep in repeats])
-        summary[name] = {"padded_over_exact": round(mean, 3), "ci95": [round(mean - half, 3), round(mean + half, 3)]}
+        interval = mean_with_ci95([rep["padded_over_exact"][i] for rep in repeats])
+        summary[name] = {"padded_over_exact": interval["mean"], "ci95": interval["ci95"]}
     for side in SIDES:
-        mean, half = mean_ci95([rep[side]["first_over_again"] for rep in repeats])
-        summary[f"{side}_first_over_again"] = {"mean": round(mean, 3), "ci95": [round(mean - half, 3), round(mean + half, 3)]}
+        summary[f"{side}_first_over_again"] = mean_with_ci95([rep[side]["first_over_again"] for rep in repeats])
     print("padded / exact:", summary)
     write_json({"benchmark": "onednn_rows", "machine": platform.processor() or platform.machine(),
-                                "config": {k: v for k, v in vars(args).items() if k not in ("child", "seed", "out")},
-                                "repeats": repeats, **summary}, args.out)
+                "config": {k: v for k, v in vars(args).items() if k not in ("child", "seed", "out")},
+                "repeats": repeats, **summary}, args.out)
     return 0
 
 

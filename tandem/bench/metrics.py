@@ -42,6 +42,13 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
     return mean, _T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
 
 
+def mean_with_ci95(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """``{"mean": m, "ci95": [low, high]}`` of ``values`` (``mean_ci95``), rounded to ``digits``,
+    as the benchmarks write them."""
+    mean, half = mean_ci95(values)
+    return {"mean": round(mean, digits), "ci95": [round(mean - half, digits), round(mean + half, digits)]}
+
+
 @dataclass(frozen=True)
 class SloSpec:
     """Latency objectives of one run."""
