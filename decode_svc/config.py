@@ -44,7 +44,8 @@ class DecodeConfig(MemberConfig):
         "--step-stats-s", 30.0, "log the steps' mean times every this many seconds", type=float))
     step_log: str = field(metadata=flag(
         "--step-log", "", "append one JSON line per step to this file (time, batch, prompt tokens, the partition's "
-        "token budget, the context tokens decoded), for finding which steps miss the TBT SLO"))
+        "token budget and the agent's reason for it, the context tokens decoded), for finding which steps miss the "
+        "TBT SLO"))
     torch_profile_dir: str = field(metadata=flag(
         "--torch-profile-dir", "", "write a torch.profiler trace of --torch-profile-steps steps here"))
     torch_profile_steps: str = field(metadata=flag(

@@ -725,7 +725,8 @@ class DecodeWorker:
     def _log_step(self, batch: list[_Active], chunks: list[tuple[_Active, int]], compute_ns: int, gap_ns: int,
                   num_steps: int = 1) -> None:
         """One JSON line for ``--step-log``: the step just run (a run of ``num_steps`` decode
-        steps: the times are each one's mean, the gap the run's) and the partition it ran under."""
+        steps: the times are each one's mean, the gap the run's) and the partition it ran under,
+        with the agent's reason for it (``policy``)."""
         assert self._step_log is not None
         partition = self.member.partition
         self._step_log.write(json.dumps({
@@ -735,7 +736,7 @@ class DecodeWorker:
             "chunk_tokens": self.last_step_chunk_tokens, "num_chunks": len(chunks), "steps": num_steps,
             "aggregated": partition.aggregated, "token_budget": partition.prefill_token_budget,
             "epoch": partition.epoch, "decode_units": len(partition.decode_units),
-            "streams_decoding": partition.streams_decoding}) + "\n")
+            "streams_decoding": partition.streams_decoding, "policy": partition.policy}) + "\n")
 
     async def _gather_arrivals(self) -> None:
         """Wait until no prompt has come for GATHER_QUIET_S, or GATHER_WAVE_QUIET_S once

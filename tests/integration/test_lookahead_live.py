@@ -92,6 +92,7 @@ def test_lookahead_runs_equal_the_engine_and_free_every_block(stack: Stack, engi
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     assert any(s["steps"] > 1 for s in steps), f"seed {seed}: no run of several steps"
     assert all(s["steps"] == 1 for s in steps if s["chunk_tokens"]), f"seed {seed}"
+    assert all(s["policy"] for s in steps), f"seed {seed}: a step without the partition's policy"
 
 
 def test_decode_killed_mid_run_resumes_without_loss_or_repeat(stack: Stack, engine: LLMEngine) -> None:
