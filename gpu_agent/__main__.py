@@ -28,7 +28,7 @@ from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, report_load
-from tandem.service.runtime import VitalTasks, service_main, setup_logging
+from tandem.service.runtime import VitalTasks, last_words, service_main, setup_logging
 from tandem.state.schema import LoadReport
 
 async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
@@ -42,7 +42,13 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
     try:
         for prefix, files in sweep_dead_owners(f"{config.cell_id}-").items():
             log.warning("removed %d shared-memory files of a dead agent (%s)", len(files), prefix)
-        await _serve(config, stop, log, tasks)
+
+        def release_at_forced_exit() -> None:  # should the shutdown hang, still remove them
+            log.warning("gpu_agent %s forced to exit; removed %d shared-memory files", config.cell_id,
+                        len(owner.release()))
+
+        with last_words(release_at_forced_exit):
+            await _serve(config, stop, log, tasks)
     finally:
         removed = owner.release()
         log.info("gpu_agent %s stopped; removed %d shared-memory files", config.cell_id, len(removed))

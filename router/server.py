@@ -38,7 +38,7 @@ from tandem.rpc.tracing import (
     shutdown_tracing,
 )
 from tandem.rpc.v1 import router_pb2_grpc
-from tandem.service.registry import announce
+from tandem.service.registry import announce, redis_client
 
 if TYPE_CHECKING:
     from router.admission import AdmissionController
@@ -53,11 +53,9 @@ class AgentLoad:
     """The agent's entry on the Redis load board (the partition in force, the KV pool)."""
 
     def __init__(self, redis_url: str, cell_id: str) -> None:
-        import redis.asyncio as aredis
-
         from tandem.state.load_board import LoadBoard
 
-        self._client = aredis.from_url(redis_url)
+        self._client = redis_client(redis_url)
         self._board = LoadBoard(self._client)
         self._cell_id = cell_id or None
 
@@ -204,11 +202,9 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
 def _registry_sources(config: RouterConfig) -> tuple[list[UpstreamSource], Callable[[], Awaitable[None]]]:
     """A registry-backed source per served model (of every model's services when the router
     serves one) and the function that closes their Redis client."""
-    import redis.asyncio as aredis
-
     from tandem.state.registry import Registry
 
-    client = aredis.from_url(config.redis_url)
+    client = redis_client(config.redis_url)
     registry = Registry(client)
     if not config.extra_models:
         return [RegistryUpstreams(registry, config.cell_id)], client.aclose

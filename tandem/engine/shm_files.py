@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import threading
 from pathlib import Path
 
 SHM_DIR = Path(os.environ.get("TANDEM_SHM_DIR", "/dev/shm"))
@@ -82,6 +83,7 @@ class OwnerLock:
     def __init__(self, prefix: str, fd: int) -> None:
         self.prefix = prefix
         self._fd: int | None = fd
+        self._releasing = threading.Lock()  # the shutdown and a forced exit's thread may both release
 
     @classmethod
     def acquire(cls, prefix: str) -> OwnerLock:
@@ -105,14 +107,16 @@ class OwnerLock:
             os.close(fd)
 
     def release(self) -> list[Path]:
-        """Remove the prefix's stores and the lock file, then drop the lock (idempotent)."""
-        if self._fd is None:
-            return []
-        removed = remove_stores(self.prefix)
-        _lock_path(self.prefix).unlink(missing_ok=True)
-        os.close(self._fd)
-        self._fd = None
-        return removed
+        """Remove the prefix's stores and the lock file, then drop the lock (idempotent, and safe
+        from two threads at once)."""
+        with self._releasing:
+            if self._fd is None:
+                return []
+            removed = remove_stores(self.prefix)
+            _lock_path(self.prefix).unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
+            return removed
 
 
 def remove_if_dead(prefix: str) -> list[Path] | None:

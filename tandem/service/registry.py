@@ -26,8 +26,20 @@ from tandem.state.schema import LoadReport, Role, ServiceInfo
 log = logging.getLogger("tandem.registry")
 
 
+# A Redis that stops answering (hung, its host gone without a reset) fails a call after this long
+# rather than holding it forever: the callers log and retry, and a shutdown is not held up.
+REDIS_TIMEOUT_S = 5.0
+
+
+def redis_client(url: str) -> aredis.Redis:
+    """A client of ``url`` whose connects and calls time out after :data:`REDIS_TIMEOUT_S`; no
+    caller blocks on Redis longer (none uses blocking commands)."""
+    return aredis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+
+
 def open_redis(url: str) -> aredis.Redis | None:
-    return aredis.Redis.from_url(url) if url else None
+    """``redis_client(url)``, or None without a URL."""
+    return redis_client(url) if url else None
 
 
 @asynccontextmanager

@@ -1,14 +1,17 @@
-"""Running a service process: uvloop, logging, graceful shutdown on SIGINT/SIGTERM."""
+"""Running a service process: uvloop, logging, graceful shutdown on SIGINT/SIGTERM, and a
+deadline for that shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from tandem.ports import free_port, free_ports  # noqa: F401  (re-exported for the launcher and tests)
@@ -19,6 +22,15 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 
 # Exit status of a service whose background loop failed (EX_SOFTWARE); its supervisor restarts it.
 EXIT_LOOP_FAILED = 70
+# Exit status of a service whose shutdown did not finish within its deadline (EX_TEMPFAIL).
+EXIT_SHUTDOWN_OVERDUE = 75
+# How long a service may take to shut down once told to stop, below the launcher's 10 s before
+# SIGKILL (a SIGKILLed gpu_agent could not remove its shared memory itself).
+SHUTDOWN_DEADLINE_S = 8.0
+
+# What must run even when the shutdown is stuck (see ``last_words``).
+_last_words: list[Callable[[], object]] = []
+_exiting = threading.Lock()
 
 
 def setup_logging(name: str) -> logging.Logger:
@@ -27,18 +39,88 @@ def setup_logging(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set the event and main returns."""
+def run_service(main: Callable[[asyncio.Event], Awaitable[None]], deadline_s: float | None = None) -> None:
+    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set the event and main returns.
+
+    Once the event is set (by a signal or a failed vital loop), the process has ``deadline_s``
+    (``TANDEM_SHUTDOWN_DEADLINE_S``, default :data:`SHUTDOWN_DEADLINE_S`) to end, the event
+    loop's own teardown included: past it, a thread writes every thread's stack to stderr (what
+    was stuck), runs the ``last_words`` and exits :data:`EXIT_SHUTDOWN_OVERDUE`.
+    """
     import uvloop
 
+    if deadline_s is None:
+        deadline_s = float(os.environ.get("TANDEM_SHUTDOWN_DEADLINE_S", SHUTDOWN_DEADLINE_S))
+
     async def runner() -> None:
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        stop = _StopEvent(deadline_s, loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
     uvloop.run(runner())
+
+
+class _StopEvent(asyncio.Event):
+    """The service's stop event: setting it also starts the shutdown's deadline, at once (a task
+    woken by it could be what blocks the event loop)."""
+
+    def __init__(self, deadline_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._deadline_s = deadline_s
+        self._loop = loop
+        self._timer: threading.Timer | None = None
+
+    def set(self) -> None:
+        super().set()
+        if self._timer is None:
+            self._timer = threading.Timer(self._deadline_s, exit_now, (
+                EXIT_SHUTDOWN_OVERDUE, f"shutdown not finished within {self._deadline_s:g} s", self._loop))
+            self._timer.daemon = True
+            self._timer.start()
+
+
+@contextmanager
+def last_words(action: Callable[[], object]) -> Iterator[None]:
+    """Within the body, ``action`` runs before a forced exit (a shutdown past its deadline, or a
+    failed vital loop whose shutdown hangs), from the thread that forces it. The normal shutdown
+    should run it too; it must be safe to run twice and from another thread (the gpu_agent
+    removes its shared memory)."""
+    _last_words.append(action)
+    try:
+        yield
+    finally:
+        _last_words.remove(action)
+
+
+def exit_now(code: int, reason: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Exit at once with ``code``, from any thread: write ``reason``, every thread's stack and
+    (given the service's event ``loop``) every task's to stderr, run the ``last_words``, flush
+    the logs. Only the first caller gets through."""
+    if not _exiting.acquire(blocking=False):
+        return
+    try:
+        print(f"{reason}; exiting {code}. Stacks of every thread:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if loop is not None:
+            try:  # read from another thread than the loop's: a best effort, for the reader
+                tasks = asyncio.all_tasks(loop)
+                print(f"Tasks of the event loop ({len(tasks)}):", file=sys.stderr)
+                for task in tasks:
+                    print(f"  {task.get_name()}:", file=sys.stderr)
+                    for line in _awaiting(task):
+                        print(f"    {line}", file=sys.stderr)
+            except Exception as exc:
+                print(f"(could not list the event loop's tasks: {exc!r})", file=sys.stderr)
+        for action in list(_last_words):
+            try:
+                action()
+            except Exception:
+                logging.getLogger("tandem.runtime").exception("last words %r failed", action)
+        logging.shutdown()
+    finally:
+        os._exit(code)
 
 
 def service_main(
@@ -85,6 +167,19 @@ async def watch_agent(store_name: str, stop: asyncio.Event, interval_s: float = 
             pass
 
 
+def _awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """Where ``task`` waits: each coroutine of its await chain, outermost first (a task's own
+    ``get_stack`` shows only the outermost)."""
+    lines = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"{frame.f_code.co_filename}, line {frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
 class VitalTasks:
     """Background loops a service cannot serve without: the first that raises stops the process.
 
@@ -128,8 +223,8 @@ class VitalTasks:
 
     def exit_if_failed(self) -> None:
         if self.failed is not None:
-            self._exit()
+            logging.shutdown()
+            os._exit(EXIT_LOOP_FAILED)
 
     def _exit(self) -> None:
-        logging.shutdown()
-        os._exit(EXIT_LOOP_FAILED)
+        exit_now(EXIT_LOOP_FAILED, f"{self.failed} failed and the shutdown did not finish within {self._grace_s:g} s")

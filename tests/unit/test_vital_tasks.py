@@ -53,3 +53,70 @@ def test_a_failed_loop_stops_the_service_then_exits_70(shutdown: str) -> None:
     assert done.stdout.splitlines() == ["left the registry"]
     assert "batch loop failed; stopping and exiting 70" in done.stderr and "RuntimeError: boom" in done.stderr
     assert time.monotonic() - start < 15
+
+
+DEADLINE_SERVICE = textwrap.dedent("""
+    import asyncio, sys, threading, time
+    from pathlib import Path
+    from tandem.service.runtime import last_words, run_service
+
+    marker = Path(sys.argv[2])
+
+    def remove_shared_memory():
+        with marker.open("a") as f:
+            f.write(threading.current_thread().name + "\\n")
+
+    def stuck_in_a_thread():
+        time.sleep(60)
+
+    async def serve(stop):
+        with last_words(remove_shared_memory):
+            print("serving", flush=True)
+            await stop.wait()
+            how = sys.argv[1]
+            if how == "blocked_loop":
+                time.sleep(60)
+            elif how == "awaits_forever":
+                await asyncio.Event().wait()
+            elif how == "executor_thread":
+                # main returns, but the event loop's teardown waits for its executor's thread
+                asyncio.get_running_loop().run_in_executor(None, stuck_in_a_thread)
+        remove_shared_memory()
+
+    run_service(serve)
+""")
+
+
+@pytest.mark.parametrize("how", ["clean", "blocked_loop", "awaits_forever", "executor_thread"])
+def test_a_shutdown_past_its_deadline_dumps_stacks_runs_last_words_and_exits_75(how: str, tmp_path: Path) -> None:
+    import os
+    import random
+    import signal
+
+    from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE
+
+    marker = tmp_path / "last-words"
+    deadline_s = random.uniform(0.5, 1.5)
+    proc = subprocess.Popen([sys.executable, "-c", DEADLINE_SERVICE, how, str(marker)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+                            env={**os.environ, "TANDEM_SHUTDOWN_DEADLINE_S": str(deadline_s)})
+    assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
+    time.sleep(random.uniform(0.0, 0.3))
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    took = time.monotonic() - start
+    ran_on = marker.read_text().split()
+    if how == "clean":
+        assert proc.returncode == 0, stderr
+        assert ran_on == ["MainThread"] and "shutdown not finished" not in stderr
+        return
+    assert proc.returncode == EXIT_SHUTDOWN_OVERDUE, stderr
+    assert f"shutdown not finished within {deadline_s:g} s; exiting 75" in stderr
+    # the stacks show what was stuck
+    assert {"blocked_loop": "in serve", "awaits_forever": "in run_service",
+            "executor_thread": "in stuck_in_a_thread"}[how] in stderr, stderr
+    # The forced exit's thread said the last words; past serve (the executor's case), the normal
+    # path had said them and they were no longer registered.
+    assert ran_on == ["MainThread"] if how == "executor_thread" else ran_on[0] != "MainThread" and len(ran_on) == 1
+    assert deadline_s <= took < deadline_s + 10
