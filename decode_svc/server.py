@@ -168,6 +168,11 @@ class DecodeWorker:
         self.runner = runner
         self.records = records
         self.sampler = Sampler()
+        # the prompt steps timed at attach, for the agent's predictor (every load report repeats them)
+        self._prompt_step_timings = [
+            agent_pb2.PromptStepTiming(prompt_tokens=t.prompt_tokens, decode_context_lens=t.decode_context_lens,
+                                       prompt_ns=int(t.prompt_s * 1e9), decode_ns=int(t.decode_s * 1e9))
+            for t in member.prompt_timings]
         self.eos_token_ids = runner.config.eos_token_ids
         self.block_size = runner.pool.spec.block_size
         self.pending: list[_Active] = []
@@ -606,6 +611,7 @@ class DecodeWorker:
             last_step_compute_ns=self.last_step_compute_ns, last_step_chunk_tokens=self.last_step_chunk_tokens,
             last_step_num_seqs=self.last_step_num_seqs,
             oldest_waiting_first_token_unix_ns=min(self._prefill_done_unix_ns.values(), default=0),
+            prompt_step_timings=self._prompt_step_timings,
         ))
 
     async def run(self) -> None:

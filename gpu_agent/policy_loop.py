@@ -96,14 +96,18 @@ def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, de
 class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
                  num_layers: int, slo: Slo, calibrate_split: bool = True,
-                 kv_blocks: Callable[[], tuple[int, int]] | None = None) -> None:
-        """``kv_blocks`` says the pool's (free, total) blocks for the snapshot; None: unknown."""
+                 kv_blocks: Callable[[], tuple[int, int]] | None = None, predicted_model: str = "") -> None:
+        """``kv_blocks`` says the pool's (free, total) blocks for the snapshot; None: unknown.
+        ``predicted_model``: the model ``predictor`` is of, whose decode services' start-up
+        timings anchor the live predictor ("": any decode service's)."""
         self.policy_name = policy_name
         self.kv_blocks = kv_blocks
         self.calibrate_split = calibrate_split
         self.policy = policy
         self.predictor = LiveStepPredictor(predictor)
         self._last_step_end_ns: dict[tuple[int, str], int] = {}  # per decode service: the step last folded in
+        self.predicted_model = predicted_model
+        self.anchored_from = ""  # the decode service whose start-up timings anchor the predictor
         self.cores = list(cores)
         self.num_layers = num_layers
         self.slo = slo
@@ -116,6 +120,9 @@ class PolicyLoop:
         """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
         key = (load.role, model)
         self.loads[key] = load
+        if (load.prompt_step_timings and load.service_id != self.anchored_from
+                and model in ("", self.predicted_model or model)):
+            self._anchor(load)
         last = self.last
         if (load.role != agent_pb2.ROLE_DECODE or not load.last_step_ns or last is None
                 or load.last_step_end_unix_ns == self._last_step_end_ns.get(key)):
@@ -139,9 +146,20 @@ class PolicyLoop:
                              list(load.decode_context_lens[:num_seqs]), len(self.cores))
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
-                     "prediction; decode steps now x%.2f the model, prompt tokens in hybrid steps x%.2f",
+                     "prediction; decode steps now x%.2f the model, prompt parts of hybrid steps %s",
                      _compute_s(load) * 1e3, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
                      live.prompt_scale())
+
+    def _anchor(self, load: agent_pb2.PhaseLoad) -> None:
+        """Fit the shape of prompt parts on the prompt steps a (new) decode service timed at start-up."""
+        self.anchored_from = load.service_id
+        units = len(self.cores)
+        self.predictor.anchor([(t.prompt_ns / 1e9, t.decode_ns / 1e9, [(t.prompt_tokens, 0)], list(t.decode_context_lens),
+                                units) for t in load.prompt_step_timings])
+        log.info("policy calibration: %s timed prompts of %s tokens beside a decode step at start-up; prompt parts "
+                 "of hybrid steps now %s", load.service_id,
+                 ", ".join(f"{t.prompt_tokens} ({t.prompt_ns / 1e6:.0f} ms)" for t in load.prompt_step_timings),
+                 self.predictor.prompt_scale())
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
         first = self.predictor.num_split_samples == 0

@@ -231,6 +231,58 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
         runner.forward([SeqInput((1,), prompt_tokens, tables[i]) for i in range(batch)])
 
 
+@dataclass(frozen=True)
+class PromptStepTiming:
+    """A prompt of ``prompt_tokens`` computed beside one decode step of ``decode_context_lens``:
+    the step less that decode step alone (``prompt_s``), and the decode step (``decode_s``)."""
+
+    prompt_tokens: int
+    decode_context_lens: tuple[int, ...]
+    prompt_s: float
+    decode_s: float
+
+
+def time_prompt_steps(model: LlamaModel, prompt_sizes: Sequence[int] = (32, 256), decode_context: int = 64,
+                      repeats: int = 2) -> list[PromptStepTiming]:
+    """Time a prompt of each size beside one decoding sequence, on a private scratch pool: what
+    the gpu_agent fits the shape of a hybrid step's prompt part on (its fixed cost against its
+    cost per token), before any live step. Each shape runs once untimed (a new row count builds
+    its kernels), then ``repeats`` times; the fastest counts. About a second for SmolLM2-135M's
+    defaults on two cores."""
+    import time
+
+    cfg = model.config
+    block_size = 16
+    sizes = [n for n in prompt_sizes if 0 < n < cfg.max_position_embeddings]
+    if not sizes:
+        return []
+    blocks_decode = -(-(decode_context + 1) // block_size)
+    blocks_prompt = -(-max(sizes) // block_size)
+    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_decode + blocks_prompt, block_size, model.dtype), model.device)
+    runner = ModelRunner(model, pool)
+    decode_blocks, prompt_blocks = list(range(blocks_decode)), list(range(blocks_decode, blocks_decode + blocks_prompt))
+    decode = SeqInput((1,), decode_context, decode_blocks)
+
+    def fastest(batch: list[SeqInput]) -> float:
+        times = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            runner.forward(batch)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            if i:
+                times.append(time.perf_counter() - start)
+        return min(times)
+
+    decode_s = fastest([decode])
+    timings = []
+    for n in sizes:
+        ids = [1 + i % (cfg.vocab_size - 1) for i in range(n)]
+        step_s = fastest([decode, SeqInput(ids, 0, prompt_blocks)])
+        timings.append(PromptStepTiming(n, (decode_context + 1,), max(step_s - decode_s, 1e-6), decode_s))
+    return timings
+
+
 def position_logits(runner: ModelRunner, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
     """Logits of every position of one prompt, [len(ids), vocab], for evaluation (perplexity,
     top-1 agreement), in blocks ``0..n`` of the runner's pool. With ``chunk`` the prompt is

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -50,45 +52,63 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
 
 
 class LiveStepPredictor:
-    """A predictor whose decode and hybrid steps are scaled by factors measured live.
+    """A predictor whose decode and hybrid steps are scaled by what it measured live.
 
     The default stack runs without a profile, on the placeholder preset, and a live step also
     pays what no profile sees (sampling, streaming, the other processes on the same cores). So
     the agent feeds every step decode reports (``observe``: its measured time, the prompt
     tokens it carried in chunks, the contexts it decoded). A decode-only step's measured /
     predicted ratio moves ``factor``, which scales decode steps. A step with prompt tokens
-    (hybrid) moves ``prompt_factor`` instead, which scales the base model's prompt part of a
-    hybrid step (the first such step sets it to what the step took beyond its decode part, that
-    part predicted at ``factor``). A hybrid step is predicted as its decode part x ``factor``
-    plus its prompt part x ``prompt_factor``.
+    (hybrid) is predicted as its decode part x ``factor`` plus a prompt part fitted to the
+    hybrid steps measured: ``prompt_margin`` x (``prompt_fixed_s`` + ``prompt_factor`` x the base
+    model's prompt part).
 
-    The two must be apart: on this CPU a decode step of a few rows runs whole in C on the Q4
-    weights (0.8-0.9x the base model with repacked layers), while prompt rows run fbgemm's fp16
-    (1.5-2x it). Decode-only steps outnumber hybrid ones 10-20 to 1, so one shared factor sat at
-    the decode steps' ratio and 85 % of the hybrid steps of a ShareGPT run outran their
-    prediction, past the TBT SLO the chunk budget was sized for (README, "the chunk budget").
+    The decode and prompt parts must be apart: on this CPU a decode step of a few rows runs
+    whole in C on the Q4 weights (0.8-0.9x the base model with repacked layers), while prompt
+    rows run fbgemm's fp16 (1.5-2x it). Decode-only steps outnumber hybrid ones 10-20 to 1, so
+    one shared factor sat at the decode steps' ratio and 85 % of the hybrid steps of a ShareGPT
+    run outran their prediction, past the TBT SLO the chunk budget was sized for (README, "the
+    chunk budget").
+
+    The prompt part is affine, not one flat factor, because a hybrid step pays a fixed cost for
+    carrying a prompt at all: on the AMX host a 16-token chunk ran 0.9x the base model's prompt
+    part, chunks of 83-112 tokens 0.5-0.8x, a step of 16 prompts of 127 tokens 0.46-0.72x. One
+    factor fitted on the TBT-sized chunks a wave is cut into then predicted a step of the whole
+    wave at twice what it took, and chunked's TTFT rule (``ttft_token_budget``) never gave it
+    one. The fit is least squares on the relative error over the last ``window`` hybrid steps
+    (each step's prompt part: what it took beyond its decode part at ``factor``); with fewer
+    than three steps, or sizes within 1.5x of each other, it is one factor (their median
+    ratio). Fitted on a narrow range of sizes the slope is loose, so it is kept at least half
+    that median ratio: a larger step is never predicted at less than half the flat rate.
 
     Both lean slow, so that a policy that fills a step up to the TBT SLO leaves room for the
     noise of the steps: a decode step slower than ``factor`` moves it by ``up`` toward its ratio,
     a faster one by ``down``, so it tracks an upper quantile of the ratio rather than its mean;
-    ``prompt_factor`` settles where ``prompt_quantile`` of hybrid steps finish within their
+    ``prompt_margin`` settles where ``prompt_quantile`` of hybrid steps finish within their
     prediction (a quantile tracker taking steps of ``prompt_step`` in log space). Prefill
     predictions are the base model's (the router calibrates its own). Not thread-safe.
     """
 
     def __init__(self, base: Predictor, *, up: float = 0.3, down: float = 0.05, min_factor: float = 0.1,
-                 max_factor: float = 10.0, prompt_quantile: float = 0.9, prompt_step: float = 0.2) -> None:
+                 max_factor: float = 10.0, prompt_quantile: float = 0.9, prompt_step: float = 0.2,
+                 window: int = 64) -> None:
         if not (0 < down <= up <= 1 and 0 < min_factor <= 1 <= max_factor):
             raise ValueError("LiveStepPredictor needs 0 < down <= up <= 1 and min_factor <= 1 <= max_factor")
         self.base = base
-        if not (0 < prompt_quantile < 1 and prompt_step > 0):
-            raise ValueError("LiveStepPredictor needs 0 < prompt_quantile < 1 and prompt_step > 0")
+        if not (0 < prompt_quantile < 1 and prompt_step > 0 and window >= 1):
+            raise ValueError("LiveStepPredictor needs 0 < prompt_quantile < 1, prompt_step > 0 and window >= 1")
         self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
         self.prompt_quantile, self.prompt_step = prompt_quantile, prompt_step
         self.factor = 1.0
         self.num_samples = 0  # decode-only steps folded into ``factor``
+        self.prompt_fixed_s = 0.0
         self.prompt_factor = 1.0
-        self.num_prompt_samples = 0  # hybrid steps folded into ``prompt_factor``
+        self.prompt_margin = 1.0
+        self.num_prompt_samples = 0  # hybrid steps measured
+        # (measured s, base decode part, base prompt part) of the last ``window`` hybrid steps
+        self._hybrid: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # (base prompt part, measured prompt part) of steps timed apart from the stream of steps
+        self._anchors: list[tuple[float, float]] = []
         # Decode steps of split decisions, beside a busy prefill: their own factor (``observe_split``).
         self.split_factor = 1.0
         self.num_split_samples = 0
@@ -105,24 +125,83 @@ class LiveStepPredictor:
                 self.num_samples += 1
             return ratio
         decode_s, prompt_s = self._hybrid_parts([(chunk_tokens, 0)], context_lens, units)
-        predicted = self.factor * decode_s + self.prompt_scale() * prompt_s
+        predicted = self.factor * decode_s + self._prompt_s(prompt_s)
         ratio = self._ratio(measured_s, predicted)
         if ratio is None or not prompt_s > 0:
             return ratio
-        if self.num_prompt_samples == 0:  # the first: the prompt part takes what decode's left
-            self.prompt_factor = self._clamp((measured_s - self.factor * decode_s) / prompt_s)
-        else:
+        if self.num_prompt_samples:
             # A quantile tracker on the whole step (the step's size does not matter, only whether
             # it outran its prediction): it settles where ``prompt_quantile`` of hybrid steps
             # finish within the prediction. Folding ratios instead (as ``factor`` does) left 20-30 %
-            # of them above it, and the chunk budget fills a hybrid step up to the TBT SLO; folding
-            # the prompt part's own ratio (the step less its decode part) swung on steps whose
-            # decode part dominates.
+            # of them above it, and the chunk budget fills a hybrid step up to the TBT SLO.
             over = measured_s > predicted
-            self.prompt_factor = self._clamp(self.prompt_factor * math.exp(
+            self.prompt_margin = self._clamp(self.prompt_margin * math.exp(
                 self.prompt_step * (self.prompt_quantile - (not over))))
+        self._hybrid.append((measured_s, decode_s, prompt_s))
+        self._fit_prompt()
         self.num_prompt_samples += 1
         return ratio
+
+    def anchor(self, steps: Sequence[tuple[float, float, Sequence[tuple[int, int]], Sequence[int], int]]) -> None:
+        """Fit the shape of prompt parts on steps timed apart from the live ones: each
+        (prompt part measured, decode part measured, the prompt's (new, cached) tokens, the
+        contexts decoded beside it, units). decode_svc times a few prompt sizes at start-up
+        (``tandem.engine.runner.time_prompt_steps``): live chunks all have about the TBT
+        budget's size, too narrow a range to tell a step's fixed cost from its per-token one.
+        The live steps then only move the fixed part (their median excess over the anchors'
+        line) and the margin. Replaces earlier anchors."""
+        self._anchors = []
+        for prompt_s, _decode_s, seqs, contexts, units in steps:
+            _, base_prompt_s = self._hybrid_parts(seqs, contexts, units)
+            if prompt_s > 0 and base_prompt_s > 0 and math.isfinite(prompt_s):
+                self._anchors.append((base_prompt_s, prompt_s))
+        self._fit_prompt()
+
+    def _fit_prompt(self) -> None:
+        """``prompt_fixed_s`` and ``prompt_factor``: the line through the anchors, lifted by the
+        live steps' median excess over it; without anchors, fitted on the live steps."""
+        # each live step's prompt part: what it took beyond its decode part, at least the floor
+        live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
+        anchored = len(self._anchors) >= 2 and max(x for x, _ in self._anchors) >= 1.5 * min(x for x, _ in self._anchors)
+        if not (anchored or live):
+            return
+        fixed, slope = self._affine(self._anchors if anchored else live, narrow_guard=not anchored)
+        if anchored and len(live) >= 3:  # a live step or two may still be building kernels
+            fixed += statistics.median(y - fixed - slope * x for x, y in live)
+        self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
+
+    def _affine(self, points: Sequence[tuple[float, float]], narrow_guard: bool) -> tuple[float, float]:
+        """(fixed, slope) with y = fixed + slope x, least squares on the relative error, fixed
+        >= 0; one factor (the median ratio) for fewer than three points or sizes within 1.5x of
+        each other. With ``narrow_guard`` the slope stays at least half the median ratio."""
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        flat = self._clamp(statistics.median(y / x for x, y in points))
+        if len(points) < (2 if not narrow_guard else 3) or max(xs) < 1.5 * min(xs):
+            return 0.0, flat
+        # minimise the sum of (fixed/y + slope x/y - 1)^2
+        us, vs = [1 / y for y in ys], [x / y for x, y in points]
+        suu, svv = sum(u * u for u in us), sum(v * v for v in vs)
+        suv, su, sv = sum(u * v for u, v in zip(us, vs, strict=True)), sum(us), sum(vs)
+        det = suu * svv - suv * suv
+        fixed, slope = 0.0, sv / svv
+        if det > 1e-12 * suu * svv:
+            fixed, slope = (su * svv - sv * suv) / det, (suu * sv - suv * su) / det
+            if fixed < 0:
+                fixed, slope = 0.0, sv / svv
+        floor = max(self.min_factor, flat / 2 if narrow_guard else 0.0)
+        if slope < floor:
+            slope = floor
+            fixed = max(0.0, sum(u * (1 - slope * v) for u, v in zip(us, vs, strict=True)) / suu)
+        return fixed, min(slope, self.max_factor)
+
+    def _prompt_s(self, prompt_s: float) -> float:
+        """The prompt part of a hybrid step whose base prompt part is ``prompt_s``: before any
+        hybrid step was measured or anchored, at the decode steps' factor."""
+        if not (self.num_prompt_samples or self._anchors):
+            return self.factor * prompt_s
+        if not prompt_s > 0:
+            return 0.0
+        return self.prompt_margin * (self.prompt_fixed_s + self.prompt_factor * prompt_s)
 
     def _hybrid_parts(self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int],
                       units: int) -> tuple[float, float]:
@@ -132,10 +211,12 @@ class LiveStepPredictor:
         decode_s = min(decode_s, whole)
         return decode_s, whole - decode_s
 
-    def prompt_scale(self) -> float:
-        """What prompt parts are scaled by now: ``prompt_factor`` once a hybrid step was
-        measured, until then the decode steps' factor."""
-        return self.prompt_factor if self.num_prompt_samples else self.factor
+    def prompt_scale(self) -> str:
+        """How prompt parts are predicted now, for the log."""
+        if not (self.num_prompt_samples or self._anchors):
+            return f"x{self.factor:.2f} (the decode steps' factor)"
+        return (f"x{self.prompt_margin:.2f} ({self.prompt_fixed_s * 1e3:.1f} ms + x{self.prompt_factor:.2f} "
+                f"the model)")
 
     def observe_split(self, measured_s: float, context_lens: Sequence[int], decode_units: int,
                       prefill_units: int) -> float | None:
@@ -182,7 +263,7 @@ class LiveStepPredictor:
         self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
     ) -> float:
         decode_s, prompt_s = self._hybrid_parts(prefill_seqs, decode_context_lens, units)
-        return self.factor * decode_s + self.prompt_scale() * prompt_s
+        return self.factor * decode_s + self._prompt_s(prompt_s)
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         """The base model's contention; for decode beside a busy prefill, once split steps were

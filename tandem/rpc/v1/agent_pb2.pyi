@@ -249,7 +249,7 @@ class QueuedPrefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PhaseLoad(_message.Message):
-    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns", "running", "paused", "last_step_end_unix_ns", "last_step_chunk_tokens", "last_step_num_seqs", "oldest_waiting_first_token_unix_ns", "kv_waiting", "last_step_compute_ns")
+    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns", "running", "paused", "last_step_end_unix_ns", "last_step_chunk_tokens", "last_step_num_seqs", "oldest_waiting_first_token_unix_ns", "kv_waiting", "last_step_compute_ns", "prompt_step_timings")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class PhaseLoad(_message.Message):
     OLDEST_WAITING_FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     KV_WAITING_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     role: Role
     queued: _containers.RepeatedCompositeFieldContainer[QueuedPrefill]
@@ -276,7 +277,20 @@ class PhaseLoad(_message.Message):
     oldest_waiting_first_token_unix_ns: int
     kv_waiting: int
     last_step_compute_ns: int
-    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ..., running: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., paused: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., last_step_end_unix_ns: _Optional[int] = ..., last_step_chunk_tokens: _Optional[int] = ..., last_step_num_seqs: _Optional[int] = ..., oldest_waiting_first_token_unix_ns: _Optional[int] = ..., kv_waiting: _Optional[int] = ..., last_step_compute_ns: _Optional[int] = ...) -> None: ...
+    prompt_step_timings: _containers.RepeatedCompositeFieldContainer[PromptStepTiming]
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ..., running: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., paused: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., last_step_end_unix_ns: _Optional[int] = ..., last_step_chunk_tokens: _Optional[int] = ..., last_step_num_seqs: _Optional[int] = ..., oldest_waiting_first_token_unix_ns: _Optional[int] = ..., kv_waiting: _Optional[int] = ..., last_step_compute_ns: _Optional[int] = ..., prompt_step_timings: _Optional[_Iterable[_Union[PromptStepTiming, _Mapping]]] = ...) -> None: ...
+
+class PromptStepTiming(_message.Message):
+    __slots__ = ("prompt_tokens", "decode_context_lens", "prompt_ns", "decode_ns")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    decode_context_lens: _containers.RepeatedScalarFieldContainer[int]
+    prompt_ns: int
+    decode_ns: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., prompt_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillBatchInFlight(_message.Message):
     __slots__ = ("requests", "layers_done", "started_unix_ns", "preempted_id")
