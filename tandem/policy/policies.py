@@ -258,10 +258,11 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
     """The prompt tokens per hybrid step to give instead of the TBT-bounded `budget` (at most
     `cap`): `budget` itself unless, with it, more waiting prompts miss their TTFT deadlines than
     streams are decoding; then tokens with which none misses, found by bisection within an eighth
-    above tokens with which some still miss. When even `cap` leaves one late, `cap` only if it
-    saves more prompts than there are streams (each stream misses TBT in its steps), else
-    `budget`. Not always the fewest such tokens: misses mostly fall as steps grow, but not
-    always (a bigger step finishes the first prompt in it later).
+    above tokens with which some still miss. When even `cap` leaves one late, the step size with
+    the fewest misses among `cap` and the sizes that end at a prompt's last token
+    (`_prompt_boundaries`; bisected below as above when it misses none), only if it saves more
+    prompts than there are streams (each stream misses TBT in its steps), else `budget`. Not always the fewest such tokens: misses mostly
+    fall as steps grow, but not always (a bigger step finishes the first prompt in it later).
 
     Only prompts that would make their deadline if they ran next count (a late one is late
     anyway). The steps are simulated as decode_svc takes them: chunks in EDF order, each
@@ -303,12 +304,24 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
     lo = max(budget, 1)
     if lo >= cap or misses(lo, len(ctx0) + 1) <= len(ctx0):
         return budget
+    hi = cap
     if misses(cap, 1):
-        # Even the largest steps leave some prompt late (a burst past what the cell serves):
-        # they cost every stream its TBT, so take them only if they save more prompts than that.
-        saved = misses(lo, len(prompts) + 1) - misses(cap, len(prompts) + 1)
-        return cap if saved > len(ctx0) else budget
-    hi = cap  # misses(lo) > 0, misses(hi) == 0
+        # Even the largest step leaves some prompt late (a burst past what the cell serves). One
+        # step of every prompt finishes them all at its end, late together, while steps that end
+        # at a prompt's last token finish the earliest-deadline prompts a few at a time and keep
+        # those that can be kept: of those step sizes and the cap, the one with the fewest misses
+        # (the smallest of equals). They cost every stream its TBT, so take it only if it saves
+        # more prompts than that.
+        fewest_at_lo = misses(lo, len(prompts) + 1)
+        best, fewest = budget, fewest_at_lo
+        for tokens in _prompt_boundaries([new for new, _, _ in prompts], lo, cap):
+            missed = misses(tokens, fewest)
+            if missed < fewest:
+                best, fewest = tokens, missed
+        if fewest:
+            return best if fewest_at_lo - fewest > len(ctx0) else budget
+        hi = best  # a smaller step keeps every deadline the largest did not: bisect below it
+    # misses(lo) > 0, misses(hi) == 0
     while hi - lo > max(1, lo // 8):  # within an eighth: a few tokens more cost a step little
         mid = (lo + hi) // 2
         if misses(mid, 1):
@@ -316,6 +329,22 @@ def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: i
         else:
             hi = mid
     return hi
+
+
+def _prompt_boundaries(new_tokens: Sequence[int], lo: int, cap: int, per_doubling: int = 4) -> list[int]:
+    """Step sizes in (`lo`, `cap`) that end at a prompt's last token (the first k prompts'
+    `new_tokens` summed), for k at most `per_doubling` per doubling (1, 2, 3, 4, 5, 6, 7, 8, 10,
+    12, ...: a burst of hundreds tries a few dozen), then `cap`; ascending, no repeats."""
+    sizes: list[int] = []
+    total, k = 0, 0
+    for index, tokens in enumerate(new_tokens, start=1):
+        total += tokens
+        if index < k:
+            continue
+        k = index + max(1, index // per_doubling)
+        if lo < total < cap and (not sizes or total > sizes[-1]):
+            sizes.append(total)
+    return [*sizes, cap]
 
 
 class ChunkedPolicy:
@@ -336,7 +365,7 @@ class ChunkedPolicy:
             need = ttft_token_budget(snapshot, predictor, budget, cap)
             if need > budget:
                 return _aggregated(snapshot, _chunks(pending, need),
-                                   f"chunked: {need} prefill tokens keep the waiting prompts' TTFT deadlines "
+                                   f"chunked: {need} prefill tokens keep more waiting prompts' TTFT deadlines "
                                    f"({budget} fit TBT)")
         floor = min(self.config.min_chunk_tokens, total)
         reason = f"chunked: {budget} prefill tokens fit TBT"

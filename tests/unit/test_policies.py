@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -841,13 +843,19 @@ def test_dynamic_aggregates_exactly_when_one_step_fits(prompts: list[int], num_s
 # --------------------------------------------------------------------------- chunked, TTFT deadlines
 
 
-def _edf_misses(s: ClusterSnapshot, tokens: int) -> int:
+def _feasible(s: ClusterSnapshot, predictor: LinearPredictor = P) -> list[QueuedRequest]:
+    """The waiting prompts, EDF, that would make their deadline if they ran next."""
+    ctx = list(s.decode_context_lens)
+    return [r for r in sorted(s.queued, key=lambda r: r.edf_key(s.slo))
+            if s.now_s + predictor.predict_hybrid([(r.prompt_tokens, 0)], ctx, s.total_units) <= r.deadline(s.slo)]
+
+
+def _edf_misses(s: ClusterSnapshot, tokens: int, predictor: LinearPredictor = P) -> int:
     """The waiting prompts that would make their deadline if they ran next and miss it with
     `tokens` prompt tokens a step (EDF, each finished prompt joining the streams): the test's own
     step-by-step account, written apart from the policy's."""
     ctx = list(s.decode_context_lens)
-    feasible = [r for r in sorted(s.queued, key=lambda r: r.edf_key(s.slo))
-                if s.now_s + P.predict_hybrid([(r.prompt_tokens, 0)], ctx, s.total_units) <= r.deadline(s.slo)]
+    feasible = _feasible(s, predictor)
     left = {r.request_id: r.prompt_tokens for r in feasible}
     t, missed = s.now_s, 0
     while left:
@@ -857,7 +865,7 @@ def _edf_misses(s: ClusterSnapshot, tokens: int) -> int:
                 take = min(room, left[r.request_id])
                 step.append((r, take, r.prompt_tokens - left[r.request_id]))
                 room -= take
-        t += P.predict_hybrid([(n, done) for _, n, done in step], ctx, s.total_units)
+        t += predictor.predict_hybrid([(n, done) for _, n, done in step], ctx, s.total_units)
         for r, n, _ in step:
             left[r.request_id] -= n
             if not left[r.request_id]:
@@ -895,6 +903,53 @@ def test_ttft_deadlines_keep_the_tbt_budget_for_a_burst_no_step_saves() -> None:
     assert sum(aware.prefill_chunk_tokens) == tbt and "TTFT deadlines" not in aware.reason
 
 
+@dataclass(frozen=True)
+class ChunkStepPredictor(LinearPredictor):
+    """A hybrid step with prompt tokens pays a fixed part besides them, as on a CPU whose prompt
+    rows leave the decode rows' kernels for another copy of the weights."""
+    chunk_step_us: float = 60_000.0
+
+    def predict_hybrid(
+        self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
+    ) -> float:
+        fixed = self.chunk_step_us / units / 1e6 if prefill_seqs else 0.0
+        return super().predict_hybrid(prefill_seqs, decode_context_lens, units) + fixed
+
+
+def test_ttft_deadlines_finish_a_burst_a_few_prompts_at_a_time_when_no_step_keeps_them_all() -> None:
+    """One stream and twelve 100-token prompts due 0.5 s from now, on a device where a step with
+    prompt tokens pays 60 ms besides them: the TBT budget (none fits) takes them past their
+    deadlines a token at a time, and one step of all 1200 tokens ends at 0.68 s, every one late.
+    Steps of eight prompts keep eight (the fewest misses of every size that ends at a prompt's
+    last token), more than the one stream such a step costs its TBT."""
+    predictor = ChunkStepPredictor()
+    s = snap(queue=tuple(q(f"b{i}", 100, arrival_s=NOW - 0.5) for i in range(12)), decode=(100,), total_units=1)
+    config = ChunkedConfig(min_chunk_tokens=0)
+    tbt = sum(ChunkedPolicy(config)(s, predictor).prefill_chunk_tokens)
+    aware = ChunkedPolicy(replace(config, ttft_deadlines=True))(s, predictor)
+    need = sum(aware.prefill_chunk_tokens)
+    assert tbt == 0 and _edf_misses(s, 1, predictor) == 12 and _edf_misses(s, 1200, predictor) == 12
+    assert need == 800 and _edf_misses(s, need, predictor) == 4
+    assert all(_edf_misses(s, 100 * k, predictor) >= 4 for k in range(1, 13))
+    assert "TTFT deadlines" in aware.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(new_tokens=st.lists(st.integers(1, 500), min_size=1, max_size=300), lo=st.integers(0, 2000),
+       extra=st.integers(1, 20_000))
+def test_prompt_boundaries_are_few_ascending_sizes_that_end_at_prompts(new_tokens: list[int], lo: int,
+                                                                       extra: int) -> None:
+    """The step sizes tried: each the first k prompts' tokens (every k up to eight), within
+    (lo, cap), ascending, then the cap; a few per doubling of k."""
+    cap = lo + extra
+    sizes = policies_module._prompt_boundaries(new_tokens, lo, cap)
+    ends = list(itertools.accumulate(new_tokens))
+    assert sizes[-1] == cap and sizes == sorted(set(sizes))
+    assert all(lo < size < cap and size in ends for size in sizes[:-1])
+    assert {e for e in ends[:8] if lo < e < cap} <= set(sizes)
+    assert len(sizes) <= 1 + 8 + 4 * max(0, math.ceil(math.log2(max(1, len(new_tokens) / 8)))) + 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(streams=st.integers(1, 6), ctx=st.integers(10, 2000),
        prompts=st.lists(st.tuples(st.integers(1, 400), st.floats(0.0, 0.9)), min_size=1, max_size=12),
@@ -913,17 +968,22 @@ def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams
     tbt = sum(ChunkedPolicy(config)(s, P).prefill_chunk_tokens)
     need = sum(ChunkedPolicy(replace(config, ttft_deadlines=True))(s, P).prefill_chunk_tokens)
     total = sum(n for n, _ in prompts)
+    cap = min(config.max_budget_tokens - streams, total)
+    # the step sizes that end at one of the first eight feasible prompts' last tokens, and the
+    # cap: the policy tries each of them (and more, past eight prompts) when the cap leaves one late
+    ends = list(itertools.accumulate(r.prompt_tokens for r in _feasible(s)[:8]))
+    tried = [tokens for tokens in ends if max(tbt, 1) < tokens < cap] + [cap]
     assert need >= tbt
     if need == tbt:
-        cap = min(config.max_budget_tokens - streams, total)
         assert (tbt >= total or _edf_misses(s, max(tbt, 1)) <= streams
-                or _edf_misses(s, max(tbt, 1)) - _edf_misses(s, cap) <= streams)
+                or all(_edf_misses(s, max(tbt, 1)) - _edf_misses(s, tokens) <= streams for tokens in tried))
     else:
         assert _edf_misses(s, max(tbt, 1)) > streams
-        cap = min(config.max_budget_tokens - streams, total)
-        assert need == cap or _edf_misses(s, need) == 0
-        if _edf_misses(s, need):  # the cap, leaving some late: it saves more prompts than it costs streams
+        if _edf_misses(s, need):  # some late whatever the step: it saves more prompts than it costs streams,
+            assert _edf_misses(s, cap) > 0  # and misses no more than any step size tried
             assert _edf_misses(s, max(tbt, 1)) - _edf_misses(s, need) > streams
+            assert all(_edf_misses(s, need) <= _edf_misses(s, tokens) for tokens in tried)
+            assert need == cap or need in itertools.accumulate(r.prompt_tokens for r in _feasible(s))
         if _edf_misses(s, need) == 0:
             near = range(max(max(tbt, 1), need - max(1, need // 8)), need)
             assert any(_edf_misses(s, tokens) > 0 for tokens in near)
