@@ -75,11 +75,14 @@ class LiveStepPredictor:
     part, chunks of 83-112 tokens 0.5-0.8x, a step of 16 prompts of 127 tokens 0.46-0.72x. One
     factor fitted on the TBT-sized chunks a wave is cut into then predicted a step of the whole
     wave at twice what it took, and chunked's TTFT rule (``ttft_token_budget``) never gave it
-    one. The fit is least squares on the relative error over the last ``window`` hybrid steps
-    (each step's prompt part: what it took beyond its decode part at ``factor``); with fewer
-    than three steps, or sizes within 1.5x of each other, it is one factor (their median
-    ratio). Fitted on a narrow range of sizes the slope is loose, so it is kept at least half
-    that median ratio: a larger step is never predicted at less than half the flat rate.
+    one. The line is a least-squares fit on the relative error. Given ``anchor`` steps (prompts
+    of a few sizes decode_svc times at start-up), it goes through them, and the live hybrid
+    steps' median excess over it lifts its fixed part (a live step pays what the start-up did
+    not). Without, it is fitted on the last ``window`` hybrid steps (each step's prompt part:
+    what it took beyond its decode part at ``factor``); with fewer than three steps, or sizes
+    within 1.5x of each other, it is one factor (their median ratio). Fitted on a narrow range
+    of sizes the slope is loose, so it is then kept at least half that median ratio: a larger
+    step is never predicted at less than half the flat rate.
 
     Both lean slow, so that a policy that fills a step up to the TBT SLO leaves room for the
     noise of the steps: a decode step slower than ``factor`` moves it by ``up`` toward its ratio,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,8 @@ def test_lookahead_runs_equal_the_engine_and_free_every_block(stack: Stack, engi
     assert any(s["steps"] > 1 for s in steps), f"seed {seed}: no run of several steps"
     assert all(s["steps"] == 1 for s in steps if s["chunk_tokens"]), f"seed {seed}"
     assert all(s["policy"] for s in steps), f"seed {seed}: a step without the partition's policy"
+    # decode's start-up timings reached the agent's predictor
+    assert re.search(r"timed prompts of 32 \(\d+ ms\), 256 \(\d+ ms\) tokens", stack.logs("gpu_agent"))
 
 
 def test_decode_killed_mid_run_resumes_without_loss_or_repeat(stack: Stack, engine: LLMEngine) -> None:
