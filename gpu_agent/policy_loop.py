@@ -260,7 +260,9 @@ class PolicyLoop:
             log.info("partition: prefill %s, decode %s%s (%s)", prefill_cores, decode_cores,
                      ", aggregated" if decision.aggregated else "", decision.reason)
         self.last = applied
-        return applied, f"{self.policy_name}: {decision.reason}"
+        # the policy's name once ("chunked: 64 prefill tokens fit TBT", "dynamic: chunked: ...")
+        named = decision.reason.startswith(f"{self.policy_name}:")
+        return applied, decision.reason if named else f"{self.policy_name}: {decision.reason}"
 
 
 def _compute_s(load: agent_pb2.PhaseLoad) -> float:

@@ -120,6 +120,7 @@ def test_chunked_budgets_follow_the_measured_steps(slowdown: float) -> None:
     loop.report(_decode_load(contexts, 0.0, 0, 0))
     first = loop.decide()
     assert first is not None and first[0].aggregated
+    assert first[1].startswith("chunked: ") and not first[1].startswith("chunked: chunked:")  # named once
     budget_before = first[0].prefill_token_budget
     for i in range(40):  # hybrid steps, and decode-only ones between them, all at the slowdown
         chunk = 64 if i % 2 else 0
