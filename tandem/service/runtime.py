@@ -71,14 +71,24 @@ class _StopEvent(asyncio.Event):
         self._deadline_s = deadline_s
         self._loop = loop
         self._timer: threading.Timer | None = None
+        self._code = EXIT_SHUTDOWN_OVERDUE
+        self._cause = "shutdown"
 
     def set(self) -> None:
         super().set()
         if self._timer is None:
-            self._timer = threading.Timer(self._deadline_s, exit_now, (
-                EXIT_SHUTDOWN_OVERDUE, f"shutdown not finished within {self._deadline_s:g} s", self._loop))
+            self._timer = threading.Timer(self._deadline_s, self._overdue)
             self._timer.daemon = True
             self._timer.start()
+
+    def fail(self, cause: str) -> None:
+        """Stop because ``cause`` failed: a shutdown past its deadline then exits
+        :data:`EXIT_LOOP_FAILED`, as the finished one does, not :data:`EXIT_SHUTDOWN_OVERDUE`."""
+        self._code, self._cause = EXIT_LOOP_FAILED, f"{cause} failed and the shutdown"
+        self.set()
+
+    def _overdue(self) -> None:
+        exit_now(self._code, f"{self._cause} not finished within {self._deadline_s:g} s", self._loop)
 
 
 @contextmanager
@@ -186,14 +196,13 @@ class VitalTasks:
     The failure sets ``stop``, so the service shuts down as on SIGTERM — it leaves the registry
     (routers and prefill stop picking it) and stops its gRPC server — and then
     :meth:`exit_if_failed`, called last in the service's shutdown, exits with
-    :data:`EXIT_LOOP_FAILED`. If that shutdown has not finished within ``grace_s`` (a loop or
-    thread stuck), the process exits anyway. A loop that returns normally is not a failure.
+    :data:`EXIT_LOOP_FAILED`. Under :func:`run_service` a shutdown stuck past its deadline (a loop
+    or thread stuck) exits with that code too. A loop that returns normally is not a failure.
     """
 
-    def __init__(self, stop: asyncio.Event, log: logging.Logger, grace_s: float = 10.0) -> None:
+    def __init__(self, stop: asyncio.Event, log: logging.Logger) -> None:
         self._stop = stop
         self._log = log
-        self._grace_s = grace_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: str | None = None  # the name of the first loop that raised
 
@@ -209,11 +218,10 @@ class VitalTasks:
         self.failed = task.get_name()
         self._log.critical("%s failed; stopping and exiting %d", self.failed, EXIT_LOOP_FAILED,
                            exc_info=task.exception())
-        self._stop.set()
-        # A thread, not the event loop: the loop may be what is stuck.
-        timer = threading.Timer(self._grace_s, self._exit)
-        timer.daemon = True
-        timer.start()
+        if isinstance(self._stop, _StopEvent):
+            self._stop.fail(self.failed)
+        else:  # outside run_service: no deadline
+            self._stop.set()
 
     async def cancel(self) -> None:
         """Cancel every loop and wait for them to end."""
@@ -225,6 +233,3 @@ class VitalTasks:
         if self.failed is not None:
             logging.shutdown()
             os._exit(EXIT_LOOP_FAILED)
-
-    def _exit(self) -> None:
-        exit_now(EXIT_LOOP_FAILED, f"{self.failed} failed and the shutdown did not finish within {self._grace_s:g} s")

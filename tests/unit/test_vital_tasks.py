@@ -18,7 +18,7 @@ SERVICE = textwrap.dedent("""
     from tandem.service.runtime import VitalTasks, run_service
 
     async def serve(stop):
-        tasks = VitalTasks(stop, logging.getLogger("svc"), grace_s=1.0)
+        tasks = VitalTasks(stop, logging.getLogger("svc"))
 
         async def loop():
             await asyncio.sleep(0.05)
@@ -46,12 +46,20 @@ SERVICE = textwrap.dedent("""
 
 @pytest.mark.parametrize("shutdown", ["clean", "hang"])
 def test_a_failed_loop_stops_the_service_then_exits_70(shutdown: str) -> None:
+    """A stuck shutdown after a failed loop is cut at the shutdown's deadline, still with 70."""
+    import os
+    import random
+
+    deadline_s = random.uniform(0.5, 1.5)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", SERVICE, shutdown], capture_output=True, text=True, timeout=30,
-                          cwd=Path(__file__).resolve().parents[2])
+                          cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "TANDEM_SHUTDOWN_DEADLINE_S": str(deadline_s)})
     assert done.returncode == EXIT_LOOP_FAILED, done.stderr
     assert done.stdout.splitlines() == ["left the registry"]
     assert "batch loop failed; stopping and exiting 70" in done.stderr and "RuntimeError: boom" in done.stderr
+    overdue = f"batch loop failed and the shutdown not finished within {deadline_s:g} s; exiting 70"
+    assert (overdue in done.stderr) == (shutdown == "hang"), done.stderr
     assert time.monotonic() - start < 15
 
 
