@@ -38,7 +38,6 @@ from router.metrics import RouterMetrics
 from router.models import ServedModels
 from router.openai_types import (
     MAX_CHOICES,
-    MAX_N,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -78,7 +77,6 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.tokenizer import check_template_variables
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
-    MAX_MESSAGES,
     LoadReport,
     RequestError,
     SamplingDefaults,

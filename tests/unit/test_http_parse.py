@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http import MAX_MESSAGES, MAX_N, HTTPError, parse_request
-from router.openai_types import MAX_BATCH_PROMPTS, MAX_CHOICES
-from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, RequestError, Status
+from router.http import HTTPError, parse_request
+from router.openai_types import MAX_BATCH_PROMPTS, MAX_CHOICES, MAX_N
+from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, MAX_MESSAGES, RequestError, Status
 
 CONTEXT = 2048
 MESSAGES = [{"role": "user", "content": "hi"}]
