@@ -181,13 +181,13 @@ def _goodput_summary(result: dict[str, Any], args: argparse.Namespace) -> dict[s
             if not values:
                 continue
             mean, half = mean_ci95(values)
-            entry: dict[str, Any] = {"values": values, "mean": mean, "ci95": half}
+            entry: dict[str, Any] = {"values": values, "mean": mean, "ci95_half": half}
             if policy != "chunked" and "chunked" in result["policies"]:
                 pairs = [(goodput(a, rate), goodput(b, rate)) for a, b in zip(runs_of(policy), runs_of("chunked"))]
                 ratios = [a / b for a, b in pairs if a is not None and b]
                 if ratios:
                     r_mean, r_half = mean_ci95(ratios)
-                    entry["ratio_to_chunked"] = {"values": ratios, "mean": r_mean, "ci95": r_half}
+                    entry["ratio_to_chunked"] = {"values": ratios, "mean": r_mean, "ci95_half": r_half}
             summary[f"{policy}@{rate:g}"] = entry
     return summary
 

@@ -115,7 +115,7 @@ def paired(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[
             b = next(r["summary"]["goodput_rps"] for r in theirs["runs"] if r["rate_rps"] == rate)
             diffs.append(a - b)
         mean, half = mean_ci95(diffs)
-        rows.append({"rate_rps": rate, "goodput_diff_rps": round(mean, 4), "goodput_diff_ci95": round(half, 4)})
+        rows.append({"rate_rps": rate, "goodput_diff_rps": round(mean, 4), "goodput_diff_ci95_half": round(half, 4)})
     return rows
 
 
@@ -135,7 +135,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          ("tbt_p99_s", lambda s: s["tbt_s"]["p99"] or 0.0)):
             mean, half = mean_ci95([float(get(s)) for s in summaries])
             row[key] = round(mean, 4)
-            row[f"{key}_ci95"] = round(half, 4)
+            row[f"{key}_ci95_half"] = round(half, 4)
         rows.append(row)
     return rows
 
@@ -217,10 +217,10 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.N
         for policy, rows in by_policy.items():
             for i, row in enumerate(rows):
                 d = diffs.get(workload, {}).get(policy)
-                versus = f"{d[i]['goodput_diff_rps']:+8.3f} ± {d[i]['goodput_diff_ci95']:6.3f}" if d else ""
+                versus = f"{d[i]['goodput_diff_rps']:+8.3f} ± {d[i]['goodput_diff_ci95_half']:6.3f}" if d else ""
                 print(f"{workload:11s} {policy:9s} {row['rate_rps']:5.2f} "
-                      f"{row['goodput_rps']:8.3f} ± {row['goodput_rps_ci95']:6.3f} "
-                      f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}"
+                      f"{row['goodput_rps']:8.3f} ± {row['goodput_rps_ci95_half']:6.3f} "
+                      f"{row['slo_attainment']:6.2f} ± {row['slo_attainment_ci95_half']:4.2f} {row['tbt_p99_s'] * 1e3:11.0f}"
                       f" {versus:>18s}")
     for workload, by_policy in counts.items():
         for policy, per_repeat in by_policy.items():

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                      and b["concurrency"] == c and a["seed"] == b["seed"] and a["output_tok_s"] > 0]
             mean, half = mean_ci95(pairs)
             ratios[f"{budget:g}ms_over_{base:g}ms_c{c}"] = {"per_repeat": [round(p, 3) for p in pairs],
-                                                          "mean": round(mean, 3), "ci95": round(half, 3)}
+                                                          "mean": round(mean, 3), "ci95_half": round(half, 3)}
             print(f"tok/s, lookahead {budget:g} ms over {base:g} ms at concurrency {c}: {mean:.3f} +- {half:.3f} "
                   f"({', '.join(f'{p:.3f}' for p in pairs)})", flush=True)
     write_json({"benchmark": "lookahead", "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -228,7 +228,7 @@ def summarize_runs(runs: list[dict[str, Any]], first: str = "slab", second: str 
     out: dict[str, Any] = {}
     for label in (first, second):
         mine = [r for r in runs if variant(r) == label]
-        out[label] = {n: dict(zip(("mean", "ci95"), mean_ci95([figure(r, n) for r in mine]))) for n in names}
+        out[label] = {n: dict(zip(("mean", "ci95_half"), mean_ci95([figure(r, n) for r in mine]))) for n in names}
     paired = {}
     repeats = sorted({r["repeat"] for r in runs})
     for n in names:
@@ -237,7 +237,7 @@ def summarize_runs(runs: list[dict[str, Any]], first: str = "slab", second: str 
             by = {variant(r): r for r in runs if r["repeat"] == rep}
             if {first, second} <= set(by):
                 diffs.append(figure(by[first], n) - figure(by[second], n))
-        paired[n] = dict(zip(("mean", "ci95"), mean_ci95(diffs))) if len(diffs) > 1 else {"diffs": diffs}
+        paired[n] = dict(zip(("mean", "ci95_half"), mean_ci95(diffs))) if len(diffs) > 1 else {"diffs": diffs}
     out[f"{first}_minus_{second}"] = paired
     return out
 

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.metrics import SloSpec, mean_ci95
+from tandem.bench.metrics import SloSpec, mean_with_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
 from tandem.policy.policies import Policy, get_policy
 from tandem.sim.config import build_predictor, cell_config_for, load_shape
@@ -71,10 +71,6 @@ RATES: dict[tuple[str, str], tuple[float, ...]] = {
 # launch whose units changed. (Its 0.21 ms metadata send/recv is once per request and off the
 # GPU's critical path; the prediction's 10.2 us runs on the CPU beside the GPU.)
 RECONFIG_S = 4.1e-6
-def mean_interval(values: list[float]) -> tuple[float, float]:
-    """95 % t-interval of the mean of `values` (at least two)."""
-    mean, half = mean_ci95(values)
-    return mean - half, mean + half
 
 
 def policy_variant(name: str) -> Policy:
@@ -190,7 +186,7 @@ def main() -> None:
                 per_seed = [good[policy, float(r), sd] / good[base, float(r), sd]
                             for sd in seeds if good[base, float(r), sd] > 0]
                 ratios[key][policy][f"{r:g}"] = statistics.mean(per_seed) if per_seed else None
-                intervals[key][policy][f"{r:g}"] = list(mean_interval(per_seed)) if len(per_seed) > 1 else None
+                intervals[key][policy][f"{r:g}"] = mean_with_ci95(per_seed, digits=6)["ci95"] if len(per_seed) > 1 else None
         # Capacity: the best goodput over the rates swept (the knee), per seed.
         capacity[key] = {}
         for policy in policies:
@@ -198,7 +194,7 @@ def main() -> None:
             base_best = [max(good[base, float(r), sd] for r in rates) for sd in seeds]
             per_seed = [b / c for b, c in zip(best, base_best)]
             capacity[key][policy] = {"max_goodput_rps": statistics.mean(best), "ratio": statistics.mean(per_seed),
-                                     "ratio_ci95": list(mean_interval(per_seed)) if len(seeds) > 1 else None}
+                                     "ratio_ci95": mean_with_ci95(per_seed, digits=6)["ci95"] if len(seeds) > 1 else None}
         curves = {policy: [(float(r), mean_good[policy, float(r)]) for r in rates] for policy in policies}
         plot_goodput_vs_rate(curves, out_dir / f"sim-{hw}-{wl}{args.tag}.png")
         table_lines.append(f"{key}: rates {' '.join(f'{r:g}' for r in rates)}")
