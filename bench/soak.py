@@ -22,7 +22,8 @@ connection to a killed router may break ("broken by the router's kill"). A hang 
 --timeout-s), a stream that ends with neither [DONE] nor an error, or an error with no message is
 unexpected. After the last kill the stack must serve again, then ``--after-requests`` more
 requests are judged as without faults (nothing unexpected, at least one completed), and then the
-ledger must be all-free.
+ledger must be all-free. ``--signal TERM`` sends SIGTERM instead: each service's graceful shutdown
+under load, which must end within its deadline (one that exits 75, past it, fails the run).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from bench.stack_cpu import ROLES, stack_processes
 from tandem.bench.report import write_json
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
-from tandem.service.runtime import free_port
+from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, free_port
 
 KINDS = {"http-stream": 3, "http": 2, "http-abort": 2, "grpc": 2, "grpc-cancel": 2, "bad": 1}
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
@@ -190,16 +191,23 @@ async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats:
         await asyncio.sleep(0.5)
 
 
-async def _wait_serving(base_url: str, timeout_s: float) -> float:
-    """Seconds until the stack completes a request again."""
+async def _wait_serving(base_url: str, grpc_address: str, timeout_s: float) -> float:
+    """Seconds until the stack completes a request again, over HTTP and over gRPC (a restarted
+    router listens for HTTP first)."""
     start = time.monotonic()
     body = {"model": "default", "prompt": "hello", "max_tokens": 2, "temperature": 0}
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+    generate = router_pb2.GenerateRequest(text="hello", sampling=common_pb2.SamplingParams(max_tokens=2,
+                                                                                           temperature=0.0))
+    http_ok = False
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client, \
+            grpc.aio.insecure_channel(grpc_address, options=RECONNECT_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
         while True:
             try:
-                if (await client.post("/v1/completions", json=body)).status_code == 200:
+                http_ok = http_ok or (await client.post("/v1/completions", json=body)).status_code == 200
+                if http_ok and [r async for r in stub.Generate(generate, timeout=30)]:
                     return time.monotonic() - start
-            except httpx.HTTPError:
+            except (httpx.HTTPError, grpc.aio.AioRpcError):
                 pass
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(f"the stack did not serve again within {timeout_s:.0f} s of the last kill")
@@ -207,8 +215,9 @@ async def _wait_serving(base_url: str, timeout_s: float) -> float:
 
 
 async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until: asyncio.Event, faults: Faults,
-                         rng: random.Random) -> None:
-    """SIGKILL a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x) until ``until``."""
+                         rng: random.Random, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``sig`` to a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x)
+    until ``until``."""
     while not until.is_set():
         try:
             await asyncio.wait_for(until.wait(), timeout=every_s * rng.uniform(0.5, 1.5))
@@ -223,10 +232,10 @@ async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until:
         faults.kills.append((time.monotonic(), role))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        print(f"soak: killed {role} (pid {pids})", flush=True)
+        print(f"soak: sent {sig.name} to {role} (pid {pids})", flush=True)
 
 
 async def soak(base_url: str, grpc_address: str, agent_address: str, num_requests: int, concurrency: int,
@@ -301,7 +310,7 @@ async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str,
     the last kill, judged as without faults."""
     faults, until = Faults(), asyncio.Event()
     killer = asyncio.create_task(kill_at_random(root_pid, args.kill, args.kill_every_s, until, faults,
-                                                random.Random(seed)))
+                                                random.Random(seed), signal.Signals[f"SIG{args.signal}"]))
     try:
         result = await soak(base_url, grpc_address, agent_address, args.requests, args.concurrency, seed, faults,
                             args.timeout_s)
@@ -309,7 +318,7 @@ async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str,
         until.set()
         await killer
     result["kills"] = dict(Counter(role for _, role in faults.kills))
-    result["recovery_s"] = round(await _wait_serving(base_url, 180), 2)
+    result["recovery_s"] = round(await _wait_serving(base_url, grpc_address, 180), 2)
     print(f"soak: {len(faults.kills)} kills {result['kills']}; serving again after {result['recovery_s']} s", flush=True)
     after = await soak(base_url, grpc_address, agent_address, args.after_requests, min(args.concurrency, 8),
                        seed + 1, None, args.timeout_s)
@@ -336,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kill a random one of --kill with SIGKILL this often on average (0: no faults)")
     p.add_argument("--kill", nargs="+", choices=FAULT_ROLES, default=["decode_svc", "prefill_svc", "router"],
                    help="the processes --kill-every-s picks from")
+    p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
+                   help="what --kill-every-s sends: TERM tests each service's graceful shutdown under load "
+                        "(one past its deadline exits 75, which fails the run)")
     p.add_argument("--after-requests", type=int, default=100,
                    help="with faults: requests sent after the last kill, judged as without faults")
     p.add_argument("--timeout-s", type=float, default=300.0, help="a request with no answer by then is a hang")
@@ -365,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         result["shm_files_while_running"] = _shm_files(cell_id)
         result["stack_running"] = server.proc is not None and server.proc.poll() is None
     result["shm_files_after_stop"] = _shm_files(cell_id)
+    # how the faulted processes ended, from `tandem up`'s restarts: 75 is a shutdown past its deadline
+    codes = Counter(re.findall(r"exited with code (-?\d+); restarting", log_path.read_text(errors="replace")))
+    result["exit_codes"] = dict(codes)
     last = result.get("after", result)  # with faults, the ledger that counts is the one after the last kill
-    result["ok"] = (result["num_unexpected"] == 0 and last["num_unexpected"] == 0
+    result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE)) and last["num_unexpected"] == 0
                     and last["outcomes"].get("ok", 0) >= 1 and last["agent"]["leaked_blocks"] == 0
                     and last["agent"]["num_requests"] == 0 and result["stack_running"]
                     and not result["shm_files_after_stop"])
