@@ -25,6 +25,13 @@ the policies aim at it too. `--rates DEVICE/WORKLOAD=...` replaces one sweep's r
 SLO moves the knee). A variant's fields are separated by commas inside its brackets:
 `'chunked[order=edf],dynamic[rate_check=false,edf_chunks=false]'`.
 
+`--devices cpu@N` (with `--profile FILE` from `tandem profile`, `--model default` and the CPU's
+SLOs, e.g. `--ttft-slo-ms 2000 --ttft-slo-ms-per-1k 1000 --tbt-slo-ms 200`) asks what N cores of
+the profiled CPU would give: its measured per-core compute, memory bandwidth, calibration and
+contention, N cores on the same memory; `cpu@N+mem` grows the memory bandwidth (and its knee) with
+the cores. A CPU cell pays the live mesh's fixed costs (`CPU_MESH`). Devices other than the
+presets need `--rates` for each workload.
+
 With several seeds each ratio is the mean of the per-seed ratios with its 95 % t-interval, and
 "capacity" is the ratio of the best goodput over the rates swept (each policy's knee).
 
@@ -49,8 +56,14 @@ from typing import Any
 
 from tandem.bench.metrics import SloSpec, mean_with_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
+from tandem.engine.model_cache import resolve_model
+from tandem.perf.hardware import HARDWARE_PRESETS
+from tandem.perf.model import PerfModel
+from tandem.perf.model_shape import MODEL_PRESETS, ModelShape
+from tandem.perf.predictor import PerfPredictor
+from tandem.perf.profile import load_profile
 from tandem.policy.policies import Policy, get_policy
-from tandem.sim.config import build_predictor, cell_config_for, load_shape
+from tandem.sim.config import CellConfig, build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
 
 MODEL = "Llama-3.1-8B"
@@ -71,6 +84,50 @@ RATES: dict[tuple[str, str], tuple[float, ...]] = {
 # launch whose units changed. (Its 0.21 ms metadata send/recv is once per request and off the
 # GPU's critical path; the prediction's 10.2 us runs on the CPU beside the GPU.)
 RECONFIG_S = 4.1e-6
+# The live CPU mesh's fixed costs (bench/sim_vs_live.py, bench/policy_costs.py): the prefill ->
+# decode handoff RPCs, the per-step work around the forward (Redis record, token stream), and
+# re-pinning every thread on a repartition.
+CPU_MESH = {"handoff_s": 7e-3, "step_overhead_s": 3e-3, "reconfig_s": 21e-6}
+
+
+def device_spec(device: str, shape: ModelShape, opts: dict[str, Any]) -> tuple[PerfPredictor, CellConfig]:
+    """(predictor, cell config) for a preset name, or for ``cpu@N`` / ``cpu@N+mem``: the CPU of
+    ``opts["profile"]`` (``tandem profile``: its calibration and contention) with N cores on the
+    same memory, or with its memory bandwidth and knee grown with the cores (a server whose
+    memory channels grow with them)."""
+    if not device.startswith("cpu@"):
+        predictor, spec = build_predictor(device, shape, contention=opts["contention"])
+        return predictor, cell_config_for(spec, shape, reconfig_s=RECONFIG_S)
+    cores, _, grown = device.removeprefix("cpu@").partition("+")
+    predictor, spec = build_predictor("cpu", shape, profile_path=opts["profile"], contention=opts["contention"],
+                                      units=int(cores))
+    if grown:
+        profiled = load_profile(opts["profile"]).hardware
+        scale = int(cores) / profiled.num_units
+        spec = dataclasses.replace(spec, mem_bandwidth=profiled.mem_bandwidth * scale,
+                                   bandwidth_knee_units=min(int(cores), profiled.bandwidth_knee_units * scale))
+        old = predictor.model
+        predictor.model = PerfModel(spec, shape, old.calibration, old.contention)
+    return predictor, cell_config_for(spec, shape, handoff_s=CPU_MESH["handoff_s"],
+                                      step_overhead_s=CPU_MESH["step_overhead_s"], reconfig_s=CPU_MESH["reconfig_s"])
+
+
+def model_shape(model: str) -> ModelShape:
+    """A model preset by name, else a model directory (``default``: the default model's)."""
+    if model in MODEL_PRESETS:
+        return load_shape(model)
+    return load_shape("", model_dir=resolve_model(model))
+
+
+def check_device(device: str, profile: str | None) -> None:
+    if device.startswith("cpu@"):
+        cores, _, grown = device.removeprefix("cpu@").partition("+")
+        if not cores.isdigit() or int(cores) < 1 or grown not in ("", "mem"):
+            raise SystemExit(f"bad device {device!r}: use cpu@N or cpu@N+mem")
+        if profile is None:
+            raise SystemExit(f"{device} needs --profile (a `tandem profile` file of this CPU)")
+    elif device not in HARDWARE_PRESETS:
+        raise SystemExit(f"unknown device {device!r}: {', '.join(sorted(HARDWARE_PRESETS))} or cpu@N[+mem]")
 
 
 def policy_variant(name: str) -> Policy:
@@ -96,14 +153,14 @@ def split_policies(text: str) -> list[str]:
 
 def run_point(job: tuple[str, str, float, str, dict[str, Any]]) -> dict[str, Any]:
     hardware, workload, rate, policy, opts = job
-    slo = dataclasses.replace(SLO, tbt_s=opts["tbt_slo_ms"] / 1e3)
+    slo = dataclasses.replace(SLO, ttft_s=opts["ttft_slo_ms"] / 1e3, ttft_s_per_1k_input=opts["ttft_slo_ms_per_1k"] / 1e3,
+                              tbt_s=opts["tbt_slo_ms"] / 1e3)
     drop_late = policy.endswith("+drop")
-    shape = load_shape(MODEL)
-    predictor, spec = build_predictor(hardware, shape, contention=opts["contention"])
-    cell = cell_config_for(spec, shape, reconfig_s=RECONFIG_S)
+    predictor, cell = device_spec(hardware, model_shape(opts["model"]), opts)
     num = int(min(opts["max_requests"], max(opts["min_requests"], math.ceil(rate * opts["span_s"]))))
     requests = workload_requests(workload, rate_rps=rate, num_requests=num, seed=opts["seed"],
-                                 arrival=opts["arrival"], cv=opts["cv"])
+                                 arrival=opts["arrival"], cv=opts["cv"], max_input_len=opts["max_input_len"],
+                                 max_output_len=opts["max_output_len"])
     start = time.process_time()
     policy_tbt_s = opts["policy_tbt_ms"] / 1e3 if opts["policy_tbt_ms"] else None
     result = simulate(requests, policy=policy_variant(policy.removesuffix("+drop")), predictor=predictor,
@@ -140,7 +197,19 @@ def main() -> None:
                         help="the TBT SLO (p99 of each request's gaps); MuxWise's for Llama-8B is 50")
     parser.add_argument("--rates", action="append", default=[], metavar="DEVICE/WORKLOAD=R1,R2,...",
                         help="the rates swept for one device and workload instead of the built-in ones")
+    parser.add_argument("--devices", default="A100-80G,H100-SXM",
+                        help="comma-separated presets, or cpu@N / cpu@N+mem: the --profile CPU with N cores")
+    parser.add_argument("--profile", default=None, help="a `tandem profile` file, for the cpu@N devices")
+    parser.add_argument("--model", default=MODEL, help="a model preset, or a model directory (default: the "
+                                                       "default model's)")
+    parser.add_argument("--max-input-len", type=int, default=8192, help="prompts clipped to this many tokens")
+    parser.add_argument("--max-output-len", type=int, default=2048, help="outputs clipped to this many tokens")
+    parser.add_argument("--ttft-slo-ms", type=float, default=SLO.ttft_s * 1e3)
+    parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=SLO.ttft_s_per_1k_input * 1e3)
     args = parser.parse_args()
+    devices = args.devices.split(",")
+    for device in devices:
+        check_device(device, args.profile)
     seeds = [int(x) for x in args.seeds.split(",")]
     policies = tuple(split_policies(args.policies))
     for policy in policies:  # a bad name fails here, not in a pool worker (whose exit hangs the pool)
@@ -151,13 +220,19 @@ def main() -> None:
     for item in args.rates:
         key, _, values = item.partition("=")
         hw, _, wl = key.partition("/")
-        if (hw, wl) not in RATES or not values:
-            raise SystemExit(f"bad --rates {item!r}: use e.g. H100-SXM/azure-code=5,8,11")
+        if hw not in devices or wl not in args.workloads.split(",") or not values:
+            raise SystemExit(f"bad --rates {item!r}: use e.g. H100-SXM/azure-code=5,8,11 (a device of --devices, "
+                             "a workload of --workloads)")
         sweep[hw, wl] = tuple(float(v) for v in values.split(","))
-    rates_run = {key: r for key, r in sweep.items() if key[1] in args.workloads.split(",")}
+    rates_run = {(hw, wl): sweep[hw, wl] for hw in devices for wl in args.workloads.split(",") if (hw, wl) in sweep}
+    missing = [f"{hw}/{wl}" for hw in devices for wl in args.workloads.split(",") if (hw, wl) not in sweep]
+    if missing:
+        raise SystemExit(f"no rates for {', '.join(missing)}: give them with --rates")
     base_opts = {"contention": args.contention, "span_s": args.span_s, "min_requests": args.min_requests,
                  "max_requests": args.max_requests, "policy_tbt_ms": args.policy_tbt_ms,
-                 "arrival": args.arrival, "cv": args.cv, "tbt_slo_ms": args.tbt_slo_ms}
+                 "arrival": args.arrival, "cv": args.cv, "tbt_slo_ms": args.tbt_slo_ms, "model": args.model,
+                 "profile": args.profile, "ttft_slo_ms": args.ttft_slo_ms, "ttft_slo_ms_per_1k": args.ttft_slo_ms_per_1k,
+                 "max_input_len": args.max_input_len, "max_output_len": args.max_output_len}
     jobs = [(hw, wl, float(rate), policy, {**base_opts, "seed": seed}) for (hw, wl), rates in rates_run.items()
             for rate in rates for policy in policies for seed in seeds]
     # Longest first so the pool ends together.
@@ -211,11 +286,14 @@ def main() -> None:
     result = {
         "what": ("simulated goodput (tandem sim) of each policy; ratios are goodput / the first policy's "
                  "(chunked, with or without early drop) at the same rate"),
-        "model": MODEL,
-        "slo": {"ttft_ms": 250, "ttft_ms_per_1k_input": 250, "tbt_ms": args.tbt_slo_ms, "tbt_quantile": 0.99},
+        "model": args.model, "profile": args.profile,
+        "slo": {"ttft_ms": args.ttft_slo_ms, "ttft_ms_per_1k_input": args.ttft_slo_ms_per_1k, "tbt_ms": args.tbt_slo_ms,
+                "tbt_quantile": 0.99},
         "admission": False, "contention": args.contention, "policy_tbt_ms": args.policy_tbt_ms,
-        "arrival": args.arrival, "cv": args.cv,
-        "span_s": args.span_s, "seeds": seeds, "cell_fixed_costs": {"reconfig_s": RECONFIG_S},
+        "arrival": args.arrival, "cv": args.cv, "max_input_len": args.max_input_len,
+        "max_output_len": args.max_output_len,
+        "span_s": args.span_s, "seeds": seeds,
+        "cell_fixed_costs": {"gpu": {"reconfig_s": RECONFIG_S}, "cpu": CPU_MESH},
         "rates": {f"{hw}/{wl}": list(r) for (hw, wl), r in rates_run.items()},
         "goodput_ratio_vs_chunked": ratios, "goodput_ratio_ci95": intervals,
         "capacity_vs_chunked": capacity, "points": points,
