@@ -71,7 +71,8 @@ def start_stack(label: str, args: argparse.Namespace, log_path: Path) -> tuple[s
     log = log_path.open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
-    while "serving" not in log_path.read_text(errors="replace"):
+    # tandem up's own line, not a service's ("decode service at ... not serving yet")
+    while "tandem up: serving" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"tandem up --policy {policy} did not start:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.5)
