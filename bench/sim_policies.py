@@ -200,8 +200,8 @@ def main() -> None:
     parser.add_argument("--devices", default="A100-80G,H100-SXM",
                         help="comma-separated presets, or cpu@N / cpu@N+mem: the --profile CPU with N cores")
     parser.add_argument("--profile", default=None, help="a `tandem profile` file, for the cpu@N devices")
-    parser.add_argument("--model", default=MODEL, help="a model preset, or a model directory (default: the "
-                                                       "default model's)")
+    parser.add_argument("--model", default=MODEL, help="a model preset, or a model directory ('default': the "
+                                                       "default model's, for the cpu@N devices)")
     parser.add_argument("--max-input-len", type=int, default=8192, help="prompts clipped to this many tokens")
     parser.add_argument("--max-output-len", type=int, default=2048, help="outputs clipped to this many tokens")
     parser.add_argument("--ttft-slo-ms", type=float, default=SLO.ttft_s * 1e3)
