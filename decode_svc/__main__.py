@@ -17,7 +17,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
-from tandem.service.runtime import VitalTasks, service_main, setup_logging, watch_agent
+from tandem.service.runtime import VitalTasks, service_main, setup_logging, watch_agent, watch_progress
 from tandem.state.request_store import RequestStore
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     # instead of staying up, registered and silent.
     tasks = VitalTasks(stop, log)
     tasks.start(worker.run(), "decode loop")
+    tasks.start(watch_progress(f"{config.service_id}'s decode loop", lambda: worker.num_steps, worker.work_left, log),
+                "progress watch")
     tasks.start(report_load(config.redis_url, worker.load_report), "load report")
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")

@@ -676,6 +676,13 @@ class DecodeWorker:
                     async with asyncio.timeout(READMIT_RETRY_S if self.preempted else PARTITION_POLL_S):
                         await self._wake.wait()
 
+    def work_left(self) -> str:
+        """What the loop has to do ("" when nothing): for ``watch_progress``, which reports a
+        loop that has work and does not step."""
+        counts = {"running": len(self.running) + len(self.pending), "prompts": len(self.prefilling),
+                  "waiting for blocks": len(self.preempted)}
+        return ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+
     def _hold_notice_s(self) -> float:
         """How often held requests are named: HOLD_NOTICE_S, or a quarter of the shortest stall
         timeout a router's stream named where that is shorter (HOLD_NOTICE_MIN_S at least)."""

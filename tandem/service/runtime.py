@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -27,6 +29,8 @@ EXIT_SHUTDOWN_OVERDUE = 75
 # How long a service may take to shut down once told to stop, below the launcher's 10 s before
 # SIGKILL (a SIGKILLed gpu_agent could not remove its shared memory itself).
 SHUTDOWN_DEADLINE_S = 8.0
+# How long a loop with work may go without progress before ``watch_progress`` says where it waits.
+STALL_REPORT_S = 20.0
 
 # What must run even when the shutdown is stuck (see ``last_words``).
 _last_words: list[Callable[[], object]] = []
@@ -115,12 +119,7 @@ def exit_now(code: int, reason: str, loop: asyncio.AbstractEventLoop | None = No
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if loop is not None:
             try:  # read from another thread than the loop's: a best effort, for the reader
-                tasks = asyncio.all_tasks(loop)
-                print(f"Tasks of the event loop ({len(tasks)}):", file=sys.stderr)
-                for task in tasks:
-                    print(f"  {task.get_name()}:", file=sys.stderr)
-                    for line in _awaiting(task):
-                        print(f"    {line}", file=sys.stderr)
+                print("\n".join(_task_lines(loop)), file=sys.stderr)
             except Exception as exc:
                 print(f"(could not list the event loop's tasks: {exc!r})", file=sys.stderr)
         for action in list(_last_words):
@@ -175,6 +174,55 @@ async def watch_agent(store_name: str, stop: asyncio.Event, interval_s: float = 
                 await stop.wait()
         except TimeoutError:
             pass
+
+
+def _task_lines(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """Every task of ``loop`` and the await chain it waits in."""
+    tasks = asyncio.all_tasks(loop)
+    lines = [f"Tasks of the event loop ({len(tasks)}):"]
+    for task in tasks:
+        lines.append(f"  {task.get_name()}:")
+        lines += [f"    {line}" for line in _awaiting(task)]
+    return lines
+
+
+def _thread_lines() -> list[str]:
+    """Every other thread's Python stack, innermost call last (the torch thread's step, a
+    thread blocked on a lock)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        lines.append(f"Thread {names.get(ident, ident)}:")
+        lines += [f"  {line.rstrip()}" for entry in traceback.format_stack(frame) for line in entry.splitlines()]
+    return lines
+
+
+async def watch_progress(what: str, progress: Callable[[], int], busy: Callable[[], str], log: logging.Logger,
+                         stall_s: float | None = None) -> None:
+    """Say where this process waits when a loop with work makes no progress: once ``busy()``
+    (what the loop has to do, "" when nothing) has been non-empty for ``stall_s``
+    (``TANDEM_STALL_REPORT_S``, :data:`STALL_REPORT_S`) with ``progress()`` unchanged, log a
+    warning with every task's await chain and every other thread's stack, once per stall, and
+    an info line when it moves again. A diagnosis for a wedge (a lock held across an await, a
+    wait no event ends), not a cure: nothing is cancelled."""
+    if stall_s is None:
+        stall_s = float(os.environ.get("TANDEM_STALL_REPORT_S", STALL_REPORT_S))
+    loop = asyncio.get_running_loop()
+    seen, since, reported = progress(), time.monotonic(), False
+    while True:
+        await asyncio.sleep(min(5.0, stall_s / 4))
+        now, count, work = time.monotonic(), progress(), busy()
+        if count != seen or not work:
+            if reported:
+                log.info("%s moves again after %.0f s", what, now - since)
+            seen, since, reported = count, now, False
+        elif not reported and now - since >= stall_s:
+            reported = True
+            lines = [f"{what} has made no progress for {now - since:.0f} s with work to do ({work}); where it waits:",
+                     *_task_lines(loop), *_thread_lines()]
+            log.warning("%s", "\n".join(lines))
 
 
 def _awaiting(task: asyncio.Task[Any]) -> list[str]:
