@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -58,10 +59,8 @@ from tandem.bench.metrics import SloSpec, mean_with_ci95
 from tandem.bench.report import plot_goodput_vs_rate, write_json
 from tandem.engine.model_cache import resolve_model
 from tandem.perf.hardware import HARDWARE_PRESETS
-from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import MODEL_PRESETS, ModelShape
 from tandem.perf.predictor import PerfPredictor
-from tandem.perf.profile import load_profile
 from tandem.policy.policies import Policy, get_policy
 from tandem.sim.config import CellConfig, build_predictor, cell_config_for, load_shape
 from tandem.sim.run import simulate, workload_requests
@@ -90,40 +89,44 @@ RECONFIG_S = 4.1e-6
 CPU_MESH = {"handoff_s": 7e-3, "step_overhead_s": 3e-3, "reconfig_s": 21e-6}
 
 
+def cpu_device(device: str) -> tuple[int, bool] | None:
+    """``cpu@N`` / ``cpu@N+mem`` as (N, whether the memory grows with the cores); None for a
+    preset's name. A malformed ``cpu@`` device exits with what is expected."""
+    if not device.startswith("cpu@"):
+        return None
+    cores, _, grown = device.removeprefix("cpu@").partition("+")
+    if not cores.isdigit() or int(cores) < 1 or grown not in ("", "mem"):
+        raise SystemExit(f"bad device {device!r}: use cpu@N or cpu@N+mem")
+    return int(cores), grown == "mem"
+
+
 def device_spec(device: str, shape: ModelShape, opts: dict[str, Any]) -> tuple[PerfPredictor, CellConfig]:
     """(predictor, cell config) for a preset name, or for ``cpu@N`` / ``cpu@N+mem``: the CPU of
     ``opts["profile"]`` (``tandem profile``: its calibration and contention) with N cores on the
     same memory, or with its memory bandwidth and knee grown with the cores (a server whose
     memory channels grow with them)."""
-    if not device.startswith("cpu@"):
+    cpu = cpu_device(device)
+    if cpu is None:
         predictor, spec = build_predictor(device, shape, contention=opts["contention"])
         return predictor, cell_config_for(spec, shape, reconfig_s=RECONFIG_S)
-    cores, _, grown = device.removeprefix("cpu@").partition("+")
+    cores, grow_memory = cpu
     predictor, spec = build_predictor("cpu", shape, profile_path=opts["profile"], contention=opts["contention"],
-                                      units=int(cores))
-    if grown:
-        profiled = load_profile(opts["profile"]).hardware
-        scale = int(cores) / profiled.num_units
-        spec = dataclasses.replace(spec, mem_bandwidth=profiled.mem_bandwidth * scale,
-                                   bandwidth_knee_units=min(int(cores), profiled.bandwidth_knee_units * scale))
-        old = predictor.model
-        predictor.model = PerfModel(spec, shape, old.calibration, old.contention)
+                                      units=cores, grow_memory=grow_memory)
     return predictor, cell_config_for(spec, shape, handoff_s=CPU_MESH["handoff_s"],
                                       step_overhead_s=CPU_MESH["step_overhead_s"], reconfig_s=CPU_MESH["reconfig_s"])
 
 
+@functools.cache
 def model_shape(model: str) -> ModelShape:
-    """A model preset by name, else a model directory (``default``: the default model's)."""
+    """A model preset by name, else a model directory (``default``: the default model's); loaded
+    once per process (every point of a run uses it)."""
     if model in MODEL_PRESETS:
         return load_shape(model)
     return load_shape("", model_dir=resolve_model(model))
 
 
 def check_device(device: str, profile: str | None) -> None:
-    if device.startswith("cpu@"):
-        cores, _, grown = device.removeprefix("cpu@").partition("+")
-        if not cores.isdigit() or int(cores) < 1 or grown not in ("", "mem"):
-            raise SystemExit(f"bad device {device!r}: use cpu@N or cpu@N+mem")
+    if cpu_device(device) is not None:
         if profile is None:
             raise SystemExit(f"{device} needs --profile (a `tandem profile` file of this CPU)")
     elif device not in HARDWARE_PRESETS:

@@ -103,6 +103,7 @@ def build_predictor(
     profile_path: str | os.PathLike[str] | None = None,
     contention: float | None = None,
     units: int | None = None,
+    grow_memory: bool = False,
 ) -> tuple[PerfPredictor, HardwareSpec]:
     """The live services' predictor for `shape` on a hardware preset, or on the device a
     `tandem profile` file describes (its calibration and contention guard included).
@@ -111,12 +112,13 @@ def build_predictor(
     other runs beside it; otherwise a preset brings its papers' worst case
     (`HardwareSpec.contention_guard`) and a profile its measured grid. `units`, when given,
     replaces the device's unit count and nothing else (a what-if on more cores or SMs of the same
-    kind, on the same memory).
+    kind, on the same memory); with `grow_memory`, the memory bandwidth and its knee grow (or
+    shrink) with the units too (a server whose memory channels grow with its cores).
     """
     guard: ContentionGuard | None = None
     if profile_path is not None:
         profile = load_profile(profile_path)
-        spec = profile.hardware if units is None else _with_units(profile.hardware, units)
+        spec = profile.hardware if units is None else _with_units(profile.hardware, units, grow_memory)
         model = PerfModel(spec, shape, profile.calibration(), profile.contention)
     else:
         spec = hardware_preset(hardware)
@@ -124,7 +126,7 @@ def build_predictor(
             cores = len(os.sched_getaffinity(0))
             spec = replace(spec, num_units=cores, bandwidth_knee_units=min(spec.bandwidth_knee_units, cores))
         if units is not None:
-            spec = _with_units(spec, units)
+            spec = _with_units(spec, units, grow_memory)
         model = PerfModel(spec, shape, contention=spec.contention_guard())
     if contention is not None:
         if contention < 1.0:
@@ -134,9 +136,14 @@ def build_predictor(
     return PerfPredictor(model), spec
 
 
-def _with_units(spec: HardwareSpec, units: int) -> HardwareSpec:
+def _with_units(spec: HardwareSpec, units: int, grow_memory: bool = False) -> HardwareSpec:
     if units <= 0:
         raise ValueError(f"units must be positive, got {units}")
+    if grow_memory:
+        scale = units / spec.num_units
+        return replace(spec, num_units=units, num_sms=units if spec.is_gpu else None,
+                       mem_bandwidth=spec.mem_bandwidth * scale,
+                       bandwidth_knee_units=min(units, spec.bandwidth_knee_units * scale))
     if units >= spec.bandwidth_knee_units:
         return replace(spec, num_units=units, num_sms=units if spec.is_gpu else None)
     # Fewer units than saturate the memory: each still draws what it drew on the whole device.

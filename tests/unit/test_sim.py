@@ -309,6 +309,29 @@ def test_units_changes_the_unit_count_and_nothing_else(tmp_path: Path, units: in
         build_predictor("cpu", shape, profile_path=path, units=0)
 
 
+@pytest.mark.parametrize("units", [1, 2, 3, 8, 16])
+def test_grow_memory_scales_bandwidth_and_knee_with_the_units(tmp_path: Path, units: int) -> None:
+    from tandem.perf.hardware import CPU_PLACEHOLDER
+    from tandem.perf.profile import PerfProfile, save_profile
+
+    hardware = replace(CPU_PLACEHOLDER, num_units=2, bandwidth_knee_units=1.5)
+    path = tmp_path / "profile.json"
+    save_profile(PerfProfile(hardware=hardware), path)
+    shape = load_shape("Llama-3.1-8B").with_tp(1)
+    same, _ = build_predictor("cpu", shape, profile_path=path, units=units)
+    predictor, spec = build_predictor("cpu", shape, profile_path=path, units=units, grow_memory=True)
+    assert spec.num_units == units and spec.peak_flops_per_unit == hardware.peak_flops_per_unit
+    assert spec.mem_bandwidth == pytest.approx(hardware.mem_bandwidth * units / 2)
+    assert spec.bandwidth_knee_units == pytest.approx(min(units, 1.5 * units / 2))
+    # A decode step reads the weights: on the whole device, more memory makes it faster from 2
+    # cores on, the same at 2 and slower below.
+    grown, kept = predictor.predict_decode([512] * 8, units), same.predict_decode([512] * 8, units)
+    if units > 2:
+        assert grown < kept
+    elif units == 2:
+        assert grown == pytest.approx(kept)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_snapshots_show_the_pool_and_dynamic_aggregates_when_kv_is_short(seed: int) -> None:
     """A pool that holds a few requests at a time: each snapshot carries its free blocks and the
