@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     codes = Counter(re.findall(r"exited with code (-?\d+); restarting", log_path.read_text(errors="replace")))
     result["exit_codes"] = dict(codes)
     last = result.get("after", result)  # with faults, the ledger that counts is the one after the last kill
-    result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE)) and last["num_unexpected"] == 0
-                    and last["outcomes"].get("ok", 0) >= 1 and last["agent"]["leaked_blocks"] == 0
+    result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE))
+                    and last["num_unexpected"] == 0 and last["outcomes"].get("ok", 0) >= 1 and last["agent"]["leaked_blocks"] == 0
                     and last["agent"]["num_requests"] == 0 and result["stack_running"]
                     and not result["shm_files_after_stop"])
     write_json(result, args.out)
