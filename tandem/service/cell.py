@@ -288,6 +288,11 @@ class CellMember:
         with self._core_locks.hold(self._pinned):
             return fn()
 
+    def core_lock_holders(self) -> list[str]:
+        """Who holds and who waits for the locks of the cores this member is pinned to (a CPU
+        cell; [] otherwise)."""
+        return self._core_locks.holders(self._pinned) if self._core_locks is not None else []
+
     async def close(self) -> None:
         for task in (self._watch, self._report):
             if task is not None:

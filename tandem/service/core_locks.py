@@ -73,8 +73,45 @@ class CoreLocks:
             for fd in reversed(held):
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def holders(self, cores: Iterable[int]) -> list[str]:
+        """Who holds each of ``cores``' locks and who waits for it, one line each, from Linux's
+        ``/proc/locks`` (a pid outside this process's namespace shows as 0): for the report of a
+        loop that stopped stepping (``watch_progress``)."""
+        wanted: dict[tuple[int, int, int], int] = {}
+        for core in sorted(set(cores)):
+            try:
+                st = os.stat(self.directory / f"core-{core}.lock")
+            except OSError:
+                continue
+            wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = core
+        try:
+            table = Path("/proc/locks").read_text()
+        except OSError:
+            return []
+        lines = []
+        for line in table.splitlines():
+            fields = line.split()
+            waiting = len(fields) > 1 and fields[1] == "->"  # "7: -> FLOCK ...": a waiter of lock 7
+            if waiting:
+                del fields[1]
+            if len(fields) < 6 or fields[1] != "FLOCK":
+                continue
+            device_major, device_minor, inode = fields[5].split(":")
+            locked = wanted.get((int(device_major, 16), int(device_minor, 16), int(inode)))
+            if locked is not None:
+                pid = int(fields[4])
+                lines.append(f"core {locked}'s lock {'waited for' if waiting else 'held'} by pid {pid} ({_command(pid)})")
+        return lines
+
     def close(self) -> None:
         for fd in self._fds.values():
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "not visible here"

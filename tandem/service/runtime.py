@@ -200,12 +200,12 @@ def _thread_lines() -> list[str]:
 
 
 async def watch_progress(what: str, progress: Callable[[], int], busy: Callable[[], str], log: logging.Logger,
-                         stall_s: float | None = None) -> None:
+                         stall_s: float | None = None, more: Callable[[], list[str]] | None = None) -> None:
     """Say where this process waits when a loop with work makes no progress: once ``busy()``
     (what the loop has to do, "" when nothing) has been non-empty for ``stall_s``
     (``TANDEM_STALL_REPORT_S``, :data:`STALL_REPORT_S`) with ``progress()`` unchanged, log a
-    warning with every task's await chain and every other thread's stack, once per stall, and
-    an info line when it moves again. A diagnosis for a wedge (a lock held across an await, a
+    warning with every task's await chain, every other thread's stack and the lines ``more``
+    gives (who holds the core locks), once per stall, and an info line when it moves again. A diagnosis for a wedge (a lock held across an await, a
     wait no event ends), not a cure: nothing is cancelled."""
     if stall_s is None:
         stall_s = float(os.environ.get("TANDEM_STALL_REPORT_S", STALL_REPORT_S))
@@ -221,7 +221,7 @@ async def watch_progress(what: str, progress: Callable[[], int], busy: Callable[
         elif not reported and now - since >= stall_s:
             reported = True
             lines = [f"{what} has made no progress for {now - since:.0f} s with work to do ({work}); where it waits:",
-                     *_task_lines(loop), *_thread_lines()]
+                     *_task_lines(loop), *_thread_lines(), *(more() if more is not None else [])]
             log.warning("%s", "\n".join(lines))
 
 

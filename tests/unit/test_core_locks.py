@@ -112,3 +112,45 @@ def test_a_directory_it_cannot_write_leaves_the_cores_unlocked(tmp_path: Path) -
         ran.append(True)
     assert ran == [True, True]
     locks.close()
+
+
+def _hold_cores(directory: str, cores: list[int], ready: str) -> None:
+    locks = CoreLocks(Path(directory))
+    with locks.hold(cores):
+        Path(ready).touch()
+        time.sleep(600)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_holders_names_who_holds_and_who_waits(tmp_path: Path, seed: int) -> None:
+    """``holders`` (what a stalled decode loop's report adds) names the process holding each
+    asked core's lock, with its command line, and this process's thread waiting for it; cores
+    nobody holds give no line."""
+    import threading
+
+    rng = random.Random(seed)
+    held = sorted(rng.sample(range(6), rng.randint(1, 3)))
+    free = sorted(set(range(6)) - set(held))[:2]
+    ctx = mp.get_context("spawn")
+    ready = tmp_path / "ready"
+    holder = ctx.Process(target=_hold_cores, args=(str(tmp_path), held, str(ready)))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and holder.is_alive()
+            time.sleep(0.01)
+        locks = CoreLocks(tmp_path)
+        waiter = threading.Thread(target=lambda: locks.hold(held).__enter__(), daemon=True)
+        waiter.start()
+        time.sleep(0.2)  # blocked in flock by now
+        lines = locks.holders([*held, *free])
+        for core in held:
+            mine = [line for line in lines if line.startswith(f"core {core}'s lock held by pid {holder.pid} (")]
+            assert len(mine) == 1 and "python" in mine[0], lines
+        first = held[0]  # locked in ascending order: the waiter waits on the first
+        assert any(line.startswith(f"core {first}'s lock waited for by pid {os.getpid()} ") for line in lines), lines
+        assert not any(line.startswith(f"core {core}'s") for core in free for line in lines), lines
+    finally:
+        holder.kill()
+        holder.join(10)

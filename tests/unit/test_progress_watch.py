@@ -50,7 +50,8 @@ def test_a_wedged_loop_is_reported_once_with_where_it_waits(seed: int, caplog: p
             count += 1
 
         loop_task = asyncio.create_task(loop(), name="decode loop")
-        watch = asyncio.create_task(watch_progress("the test loop", lambda: count, lambda: "3 running", log, stall_s))
+        watch = asyncio.create_task(watch_progress("the test loop", lambda: count, lambda: "3 running", log, stall_s,
+                                                    more=lambda: [f"core {seed}'s lock held by pid 1 (x)"]))
         while not any("no progress" in r.message for r in caplog.records):
             await asyncio.sleep(0.02)
         await asyncio.sleep(stall_s * 1.5)  # still wedged: not reported again
@@ -69,6 +70,7 @@ def test_a_wedged_loop_is_reported_once_with_where_it_waits(seed: int, caplog: p
     assert "the test loop" in report and "3 running" in report
     assert "decode loop:" in report and "in wedged_here" in report  # the task and where it awaits
     assert "Thread torch-thread:" in report and "_blocked_on_lock" in report  # the thread and its call
+    assert report.endswith(f"core {seed}'s lock held by pid 1 (x)")  # what the caller adds
 
 
 @pytest.mark.parametrize("seed", range(3))
