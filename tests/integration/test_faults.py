@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import os
 import random
 import re
 import signal
@@ -30,6 +31,7 @@ from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tandem.service.core_locks import CoreLocks
 from tandem.state.redis_server import RedisServer
 from tests.integration.mesh_client import agent_stats, decode_stats, generate, wait_all_blocks_free
 from tests.integration.stack import Stack, assert_greedy_output, fault_seed, with_top2, write_stepping_chat_model
@@ -273,8 +275,48 @@ async def _revived(stack: Stack, name: str) -> AsyncIterator[None]:
 def aggregated_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose agent decides aggregated mode (``chunked``): prefill_svc forwards each prompt
     uncomputed and decode_svc computes it in chunks inside its steps."""
-    yield from _fault_stack(model_dir, tmp_path_factory.mktemp("fault-agg-logs"),
-                            {"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg"})
+    log_dir = tmp_path_factory.mktemp("fault-agg-logs")
+    # its own core locks (a test holds them) and a short stall report (a test waits for one)
+    yield from _fault_stack(model_dir, log_dir, {"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg",
+                                                 "TANDEM_CORE_LOCK_DIR": str(log_dir / "core-locks"),
+                                                 "TANDEM_STALL_REPORT_S": "2"})
+
+
+def test_a_core_held_by_another_process_delays_decode_and_its_report_names_the_holder(
+        aggregated_stack: Stack, engine: LLMEngine) -> None:
+    """Another process holds the cell's core locks (a stuck member of another stack would): decode
+    cannot step, and after TANDEM_STALL_REPORT_S its log says where it waits (the torch thread
+    in flock) and who holds the cores (this test's pid) and who waits (its own); once the cores
+    are free every request completes with the engine's output and every block comes back."""
+    stack = aggregated_stack
+    seed = fault_seed()
+    rng = random.Random(seed)
+    work = _workload(rng, rng.randint(1, 4), prompt_len=(3, 300), max_tokens=(2, 30))
+    locks = CoreLocks(Path(stack.extra_env["TANDEM_CORE_LOCK_DIR"]))
+    decode_pid = stack.procs["decode_svc"].pid
+
+    async def run() -> tuple[list[Outcome], str]:
+        offset = len(stack.logs("decode_svc"))
+        with contextlib.ExitStack() as held:
+            held.enter_context(locks.hold(range(os.cpu_count() or 1)))
+            async with _run(stack.address("router"), work) as tasks:
+                await asyncio.sleep(rng.uniform(0, 1))
+                await asyncio.to_thread(stack.wait_log, "decode_svc", "has made no progress", 30.0, offset)
+                report = stack.logs("decode_svc")[offset:]
+                held.close()  # the cores are free again
+                outcomes = await _outcomes(tasks)
+        await asyncio.to_thread(stack.wait_log, "decode_svc", "moves again", 30.0, offset)
+        await _drained(stack)
+        return outcomes, report
+
+    try:
+        outcomes, report = asyncio.run(run())
+    finally:
+        locks.close()
+    assert "with work to do (" in report and "flock" in report  # the torch thread, blocked on the lock
+    assert f"lock held by pid {os.getpid()} (" in report
+    assert f"lock waited for by pid {decode_pid} (" in report
+    _check_complete(engine, work, outcomes, seed)
 
 
 def test_decode_killed_before_forwarded_prompts_first_tokens_computes_them_again(aggregated_stack: Stack,
