@@ -157,9 +157,9 @@ class PolicyLoop:
         self.predictor.anchor([(t.prompt_ns / 1e9, t.decode_ns / 1e9, [(t.prompt_tokens, 0)], list(t.decode_context_lens),
                                 units) for t in load.prompt_step_timings])
         log.info("policy calibration: %s timed prompts of %s tokens beside a decode step at start-up; prompt parts "
-                 "of hybrid steps now %s", load.service_id,
+                 "of hybrid steps now %s, decode steps x%.2f the model", load.service_id,
                  ", ".join(f"{t.prompt_tokens} ({t.prompt_ns / 1e6:.0f} ms)" for t in load.prompt_step_timings),
-                 self.predictor.prompt_scale())
+                 self.predictor.prompt_scale(), self.predictor.factor)
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:
         first = self.predictor.num_split_samples == 0

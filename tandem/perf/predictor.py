@@ -112,6 +112,8 @@ class LiveStepPredictor:
         self._hybrid: deque[tuple[float, float, float]] = deque(maxlen=window)
         # (base prompt part, measured prompt part) of steps timed apart from the stream of steps
         self._anchors: list[tuple[float, float]] = []
+        # (fixed, slope) through the anchors, when they span sizes enough to fit one
+        self._anchor_line: tuple[float, float] | None = None
         # Decode steps of split decisions, beside a busy prefill: their own factor (``observe_split``).
         self.split_factor = 1.0
         self.num_split_samples = 0
@@ -152,24 +154,33 @@ class LiveStepPredictor:
         (``tandem.engine.runner.time_prompt_steps``): live chunks all have about the TBT
         budget's size, too narrow a range to tell a step's fixed cost from its per-token one.
         The live steps then only move the fixed part (their median excess over the anchors'
-        line) and the margin. Replaces earlier anchors."""
+        line) and the margin. Until the first live decode-only step, the decode parts measured
+        set ``factor`` (their median ratio to the base model; the live step replaces it).
+        Replaces earlier anchors."""
         self._anchors = []
-        for prompt_s, _decode_s, seqs, contexts, units in steps:
-            _, base_prompt_s = self._hybrid_parts(seqs, contexts, units)
+        decode_ratios = []
+        for prompt_s, decode_s, seqs, contexts, units in steps:
+            base_decode_s, base_prompt_s = self._hybrid_parts(seqs, contexts, units)
             if prompt_s > 0 and base_prompt_s > 0 and math.isfinite(prompt_s):
                 self._anchors.append((base_prompt_s, prompt_s))
+            if decode_s > 0 and math.isfinite(decode_s) and (ratio := self._ratio(decode_s, base_decode_s)):
+                decode_ratios.append(ratio)
+        if decode_ratios and not self.num_samples:
+            self.factor = statistics.median(decode_ratios)
+        xs = [x for x, _ in self._anchors]
+        self._anchor_line = (self._affine(self._anchors, narrow_guard=False)
+                             if len(xs) >= 2 and max(xs) >= 1.5 * min(xs) else None)
         self._fit_prompt()
 
     def _fit_prompt(self) -> None:
-        """``prompt_fixed_s`` and ``prompt_factor``: the line through the anchors, lifted by the
-        live steps' median excess over it; without anchors, fitted on the live steps."""
+        """``prompt_fixed_s`` and ``prompt_factor``: the anchors' line, lifted by the live
+        steps' median excess over it; without anchors, fitted on the live steps."""
         # each live step's prompt part: what it took beyond its decode part, at least the floor
         live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
-        anchored = len(self._anchors) >= 2 and max(x for x, _ in self._anchors) >= 1.5 * min(x for x, _ in self._anchors)
-        if not (anchored or live):
+        if self._anchor_line is None and not live:
             return
-        fixed, slope = self._affine(self._anchors if anchored else live, narrow_guard=not anchored)
-        if anchored and len(live) >= 3:  # a live step or two may still be building kernels
+        fixed, slope = self._anchor_line or self._affine(live, narrow_guard=True)
+        if self._anchor_line is not None and len(live) >= 3:  # a live step or two may still be building kernels
             fixed += statistics.median(y - fixed - slope * x for x, y in live)
         self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
 

@@ -295,6 +295,27 @@ def test_start_up_anchors_give_the_prompt_part_its_fixed_cost_and_live_steps_lif
     assert abs(math.log(unanchored.predict_hybrid(wave, ctx, 2) / truth)) > abs(math.log(error))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_start_up_decode_step_sets_the_decode_factor_until_a_live_one_is_measured(seed: int) -> None:
+    """The anchors' decode part (the step timed at start-up without a prompt) is the only
+    measurement before the first live step: it scales decode steps until a live one replaces it,
+    and a later decode service's anchors do not override live steps."""
+    rng = random.Random(seed)
+    base = LinearPredictor()
+    live = LiveStepPredictor(base)
+    ctx0 = [rng.randint(1, 200)]
+    start_up = math.exp(rng.uniform(-1, 1))
+    steps = [(rng.uniform(0.01, 0.1), start_up * base.predict_decode(ctx0, 2), [(n, 0)], ctx0, 2) for n in (32, 256)]
+    live.anchor(steps)
+    ctx = [rng.randint(1, 600) for _ in range(rng.randint(1, 8))]
+    assert live.predict_decode(ctx, 2) == pytest.approx(start_up * base.predict_decode(ctx, 2))
+    measured = math.exp(rng.uniform(-1, 1))
+    live.observe(measured * base.predict_decode(ctx, 2), 0, ctx, 2)
+    assert live.factor == pytest.approx(measured)  # the first live step replaces it
+    live.anchor(steps)
+    assert live.factor == pytest.approx(measured)
+
+
 def test_a_narrow_live_range_keeps_the_slope_at_least_half_the_flat_rate() -> None:
     """Live chunks within 1.5x of each other in size give one factor; spread a little wider but
     noisy, a line through them could tilt flat and predict big steps almost free."""
