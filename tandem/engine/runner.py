@@ -204,16 +204,42 @@ def build_model(model_dir: str | Path, config: ModelConfig, weights: dict[str, t
     return LlamaModel(config, weights, make_backend(attention, config.num_heads), weight_format, act_absmax)
 
 
-def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence[int] = (1, 8)) -> None:
+@dataclass(frozen=True)
+class PromptStepTiming:
+    """A prompt of ``prompt_tokens`` computed beside one decode step of ``decode_context_lens``:
+    the step less that decode step alone (``prompt_s``), and the decode step (``decode_s``)."""
+
+    prompt_tokens: int
+    decode_context_lens: tuple[int, ...]
+    prompt_s: float
+    decode_s: float
+
+
+# The prompt sizes decode_svc times at start-up (see ``warm_up``).
+PROMPT_TIMING_SIZES = (32, 256)
+
+
+def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence[int] = (1, 8),
+            time_prompts: Sequence[int] = (), repeats: int = 3) -> list[PromptStepTiming]:
     """Run a prompt and a few decode steps on a private scratch pool, so that the first real
     request does not pay for the kernels' one-time set-up (oneDNN primitives, allocator
-    growth: seconds on a small CPU). The shared pool is never written."""
+    growth: seconds on a small CPU). The shared pool is never written.
+
+    Then time a prompt of each size in ``time_prompts`` beside one step of the warmed sequence
+    (``prompt_tokens`` of context): what the gpu_agent fits the shape of a hybrid step's prompt
+    part on (its fixed cost against its cost per token), before any live step. Each shape runs
+    ``repeats`` times and the fastest counts (a new row count's first run builds its kernels).
+    Sizes the model cannot take are left out. About a second for SmolLM2-135M's defaults on two
+    cores."""
     cfg = model.config
     block_size = 16
     prompt_tokens = min(prompt_tokens, cfg.max_position_embeddings - 1)
     blocks_per_seq = -(-(prompt_tokens + 1) // block_size)
     num_seqs = max(decode_batches, default=1)
-    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_per_seq * num_seqs, block_size, model.dtype), model.device)
+    sizes = [n for n in time_prompts if 0 < n < cfg.max_position_embeddings]
+    blocks_prompt = -(-max(sizes, default=0) // block_size)
+    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_per_seq * num_seqs + blocks_prompt, block_size, model.dtype),
+                         model.device)
     runner = ModelRunner(model, pool)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
     ids = [1 + i % (cfg.vocab_size - 1) for i in range(prompt_tokens)]
@@ -229,57 +255,28 @@ def warm_up(model: LlamaModel, prompt_tokens: int = 64, decode_batches: Sequence
         torch.cuda.synchronize(model.device)
     for batch in decode_batches:
         runner.forward([SeqInput((1,), prompt_tokens, tables[i]) for i in range(batch)])
-
-
-@dataclass(frozen=True)
-class PromptStepTiming:
-    """A prompt of ``prompt_tokens`` computed beside one decode step of ``decode_context_lens``:
-    the step less that decode step alone (``prompt_s``), and the decode step (``decode_s``)."""
-
-    prompt_tokens: int
-    decode_context_lens: tuple[int, ...]
-    prompt_s: float
-    decode_s: float
-
-
-def time_prompt_steps(model: LlamaModel, prompt_sizes: Sequence[int] = (32, 256), decode_context: int = 64,
-                      repeats: int = 2) -> list[PromptStepTiming]:
-    """Time a prompt of each size beside one decoding sequence, on a private scratch pool: what
-    the gpu_agent fits the shape of a hybrid step's prompt part on (its fixed cost against its
-    cost per token), before any live step. Each shape runs once untimed (a new row count builds
-    its kernels), then ``repeats`` times; the fastest counts. About a second for SmolLM2-135M's
-    defaults on two cores."""
-    import time
-
-    cfg = model.config
-    block_size = 16
-    sizes = [n for n in prompt_sizes if 0 < n < cfg.max_position_embeddings]
     if not sizes:
         return []
-    blocks_decode = -(-(decode_context + 1) // block_size)
-    blocks_prompt = -(-max(sizes) // block_size)
-    pool = KVPool.create(KVPoolSpec.for_model(cfg, blocks_decode + blocks_prompt, block_size, model.dtype), model.device)
-    runner = ModelRunner(model, pool)
-    decode_blocks, prompt_blocks = list(range(blocks_decode)), list(range(blocks_decode, blocks_decode + blocks_prompt))
-    decode = SeqInput((1,), decode_context, decode_blocks)
+
+    import time
 
     def fastest(batch: list[SeqInput]) -> float:
         times = []
-        for i in range(repeats + 1):
+        for _ in range(repeats):
             start = time.perf_counter()
             runner.forward(batch)
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
-            if i:
-                times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         return min(times)
 
+    decode = SeqInput((1,), prompt_tokens, tables[0])
     decode_s = fastest([decode])
+    prompt_blocks = list(range(blocks_per_seq * num_seqs, blocks_per_seq * num_seqs + blocks_prompt))
     timings = []
     for n in sizes:
-        ids = [1 + i % (cfg.vocab_size - 1) for i in range(n)]
-        step_s = fastest([decode, SeqInput(ids, 0, prompt_blocks)])
-        timings.append(PromptStepTiming(n, (decode_context + 1,), max(step_s - decode_s, 1e-6), decode_s))
+        step_s = fastest([decode, SeqInput([1 + i % (cfg.vocab_size - 1) for i in range(n)], 0, prompt_blocks)])
+        timings.append(PromptStepTiming(n, (prompt_tokens + 1,), max(step_s - decode_s, 1e-6), decode_s))
     return timings
 
 

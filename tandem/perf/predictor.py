@@ -151,7 +151,7 @@ class LiveStepPredictor:
         """Fit the shape of prompt parts on steps timed apart from the live ones: each
         (prompt part measured, decode part measured, the prompt's (new, cached) tokens, the
         contexts decoded beside it, units). decode_svc times a few prompt sizes at start-up
-        (``tandem.engine.runner.time_prompt_steps``): live chunks all have about the TBT
+        (``tandem.engine.runner.warm_up``): live chunks all have about the TBT
         budget's size, too narrow a range to tell a step's fixed cost from its per-token one.
         The live steps then only move the fixed part (their median excess over the anchors'
         line) and the margin. Until the first live decode-only step, the decode parts measured

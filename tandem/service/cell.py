@@ -23,7 +23,7 @@ from tandem.cuda import DEFAULT_EAGER_ATTENTION
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat
-from tandem.engine.runner import ModelRunner, PromptStepTiming, build_model, time_prompt_steps, warm_up
+from tandem.engine.runner import PROMPT_TIMING_SIZES, ModelRunner, PromptStepTiming, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
 from tandem.rpc.channels import RECONNECT_OPTIONS
@@ -92,7 +92,7 @@ class CellMember:
         self._core_locks: CoreLocks | None = None  # a CPU cell: held on the pinned cores while computing
         self._pinned: list[int] = []  # the cores this member's threads run on (a CPU cell)
         self.on_partition: list[Callable[[], None]] = []  # called (in the event loop) on each newer partition
-        self.prompt_timings: list[PromptStepTiming] = []  # decode: timed at attach (time_prompt_steps)
+        self.prompt_timings: list[PromptStepTiming] = []  # decode: timed at attach (warm_up)
 
     @property
     def phase(self) -> str:
@@ -164,10 +164,10 @@ class CellMember:
                      attention, self.eager_attention, why)
         model = build_model(self.model_dir, config, weights, attention, fmt)
         if self.computes:
-            warm_up(model)  # before the service says it is ready, not on its first request
-        if self.role == agent_pb2.ROLE_DECODE:
+            # before the service says it is ready, not on its first request; decode also times
             # what the agent fits a hybrid step's prompt part on (reported with every load)
-            self.prompt_timings = time_prompt_steps(model)
+            self.prompt_timings = warm_up(
+                model, time_prompts=PROMPT_TIMING_SIZES if self.role == agent_pb2.ROLE_DECODE else ())
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":
             runner.host_logits = True  # the services sample on the host
