@@ -106,7 +106,17 @@ def test_two_models_answer_at_once_with_their_own_engines_greedy_output(up: Up, 
         got = await outputs
         return got, mid, await up.drained()
 
-    outputs, mid, after = asyncio.run(run())
+    try:
+        outputs, mid, after = asyncio.run(run())
+    except BaseException:
+        # A cell that stopped stepping says where each decode loop waits (decode_svc's stall
+        # report, after TANDEM_STALL_REPORT_S): shown with the failure, since CI keeps no up.log.
+        text = up.log.read_text(errors="replace")
+        stall = (r"\d{4}-\d\d-\d\d \S+ WARNING tandem\.decode\S* .*has made no progress.*?"
+                 r"(?=\n\d{4}-\d\d-\d\d |\ntandem up|\Z)")  # up to the next log line
+        reports = [m.group(0) for m in re.finditer(stall, text, re.S)]
+        print("\n".join(reports)[-20000:] if reports else f"no stall report; the log's end:\n{text[-4000:]}")
+        raise
     engines = {FP32_KV: LLMEngine.from_dir(smollm2_dir, num_blocks=256),
                BF16_KV: LLMEngine.from_dir(smollm2_dir, num_blocks=256, kv_dtype=torch.bfloat16)}
     wants = {model: iter(engine.generate([p for m, p, _ in jobs if m == model],
