@@ -51,7 +51,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     tasks = VitalTasks(stop, log)
     tasks.start(worker.run(), "decode loop")
     tasks.start(watch_progress(f"{config.service_id}'s decode loop", lambda: worker.num_steps, worker.work_left, log,
-                               more=member.core_lock_holders), "progress watch")
+                               more=worker.stall_lines), "progress watch")
     tasks.start(report_load(config.redis_url, worker.load_report), "load report")
     if runner.pool.store is not None:
         tasks.start(watch_agent(runner.pool.store.name, stop), "agent watch")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
+from google.protobuf import text_format
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
@@ -682,6 +683,15 @@ class DecodeWorker:
         counts = {"running": len(self.running) + len(self.pending), "prompts": len(self.prefilling),
                   "waiting for blocks": len(self.preempted)}
         return ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+
+    def stall_lines(self) -> list[str]:
+        """What a stall report adds to the stacks: the loop's queues, the partition in force
+        (its budgets decide whether prompts may run), who holds and waits for the cores."""
+        partition = text_format.MessageToString(self.member.partition, as_one_line=True)
+        return [f"queues: {len(self.running)} running, {len(self.pending)} pending, {len(self.prefilling)} prompts "
+                f"({sum(a.chunked for a in self.prefilling)} begun), {len(self.preempted)} waiting for blocks; "
+                f"{self.num_steps} steps so far", f"partition in force: {partition}",
+                *self.member.core_lock_holders()]
 
     def _hold_notice_s(self) -> float:
         """How often held requests are named: HOLD_NOTICE_S, or a quarter of the shortest stall

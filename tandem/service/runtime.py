@@ -205,8 +205,9 @@ async def watch_progress(what: str, progress: Callable[[], int], busy: Callable[
     (what the loop has to do, "" when nothing) has been non-empty for ``stall_s``
     (``TANDEM_STALL_REPORT_S``, :data:`STALL_REPORT_S`) with ``progress()`` unchanged, log a
     warning with every task's await chain, every other thread's stack and the lines ``more``
-    gives (who holds the core locks), once per stall, and an info line when it moves again. A diagnosis for a wedge (a lock held across an await, a
-    wait no event ends), not a cure: nothing is cancelled."""
+    gives (the partition in force, who holds the core locks), once per stall, and an info line
+    when it moves again. A diagnosis for a wedge (a lock held across an await, a wait no event
+    ends), not a cure: nothing is cancelled."""
     if stall_s is None:
         stall_s = float(os.environ.get("TANDEM_STALL_REPORT_S", STALL_REPORT_S))
     loop = asyncio.get_running_loop()

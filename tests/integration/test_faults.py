@@ -314,6 +314,7 @@ def test_a_core_held_by_another_process_delays_decode_and_its_report_names_the_h
     finally:
         locks.close()
     assert "with work to do (" in report and "flock" in report  # the torch thread, blocked on the lock
+    assert "queues: " in report and "partition in force: epoch: " in report
     assert f"lock held by pid {os.getpid()} (" in report
     assert f"lock waited for by pid {decode_pid} (" in report
     _check_complete(engine, work, outcomes, seed)
