@@ -73,6 +73,10 @@ PARTITION_POLL_S = 0.1
 # this long, once per partition, for the agent's decision on the load report that showed the
 # streams; without one it takes the progress floor.
 FRESH_PARTITION_WAIT_S = 0.05
+# A busy loop's load report goes out every this many steps, and again after this long when the
+# loop has work and has not stepped since its last report (``DecodeWorker._report_if_due``).
+REPORT_EVERY_STEPS = 8
+REPORT_AGAIN_S = 1.0
 # Prompts that reach an idle decode_svc are gathered until none has come for GATHER_QUIET_S
 # (GATHER_MAX_S at most) before the first step: a closed loop's clients send their next
 # requests together, and the one that came first, stepped alone, led the wave by a step: its
@@ -186,6 +190,9 @@ class DecodeWorker:
         self._ended_recently: OrderedDict[str, tuple[str, decode_pb2.TokenUpdate]] = OrderedDict()
         self.num_steps = 0
         self._next_report_step = 0  # a busy loop reports its load every few steps
+        self._reported_state: tuple[bool, int, int] = (False, 0, 0)  # (busy, prompts, streams) last reported
+        self._reported_at = 0.0  # monotonic, and self.num_steps, when the load was last reported
+        self._reported_steps = 0
         # With --lookahead-ms, blocks are asked for as many steps further ahead as a run may take
         # (a run stops early where a request has no room: see _may_step_again).
         self._max_lookahead = MAX_LOOKAHEAD if config.lookahead_ms > 0 else 1
@@ -623,8 +630,30 @@ class DecodeWorker:
             if self._notice_timer is not None:
                 self._notice_timer.cancel()
 
+    def _report_if_due(self) -> bool:
+        """Send the load report when what the agent decides on has changed: the loop went busy
+        or idle, or its prompts or its streams changed in number; every REPORT_EVERY_STEPS steps
+        while busy; and again every REPORT_AGAIN_S while the loop has work and does not step.
+        True when it was sent.
+
+        The streams' count and the repeat are for a decision on a report that is out of date: a
+        two-model cell stood still for minutes (CI, and bench runs under KV pressure), both
+        models' prompts held by "no prompt chunk fits the TBT SLO beside the streams; prompts
+        wait" after the last stream had ended, since the end changed neither the loop's
+        busyness nor its prompts, no step ran to send the periodic report, and the agent kept
+        deciding on streams that were gone."""
+        busy = bool(self.pending or self.running or self.prefilling or self.preempted)
+        state = (busy, len(self.prefilling), len(self.running) + len(self.pending))
+        now = time.monotonic()
+        due = (state != self._reported_state or (busy and self.num_steps >= self._next_report_step)
+               or (busy and self.num_steps == self._reported_steps and now - self._reported_at >= REPORT_AGAIN_S))
+        if due:
+            self._report_load()
+            self._reported_state, self._reported_at, self._reported_steps = state, now, self.num_steps
+            self._next_report_step = self.num_steps + REPORT_EVERY_STEPS
+        return due
+
     async def _run(self) -> None:
-        was_state = (False, 0)
         while True:
             if self._joining is not None:
                 # A step that finished prompts: their first tokens are recorded and answered (a
@@ -634,12 +663,7 @@ class DecodeWorker:
                 await self._joining.wait()
                 self._joining = None
             busy = bool(self.pending or self.running or self.prefilling or self.preempted)
-            state = (busy, len(self.prefilling))
-            reported = state != was_state or (busy and self.num_steps >= self._next_report_step)
-            if reported:
-                self._report_load()  # on every change of state or of the prompts, and every few steps
-                was_state = state
-                self._next_report_step = self.num_steps + 8
+            reported = self._report_if_due()
             if not busy:
                 self._idle = True
                 self._last_step_end_ns = 0  # an idle wait is not time between steps

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import OrderedDict, deque
 from types import SimpleNamespace
 
@@ -372,3 +373,51 @@ def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatc
                                                                      for _ in range(rng.randint(1, 4))])
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_load_is_reported_when_streams_end_and_again_while_the_loop_stands_still(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load report goes out when the loop's busyness, its prompts' or its streams' count
+    changes, every REPORT_EVERY_STEPS steps while busy, and again every REPORT_AGAIN_S while it
+    has work and does not step. A two-model cell once stood still for minutes: its last stream
+    ended beside held prompts, which changed neither busyness nor prompts, no step ran, and the
+    agent kept holding the prompts for streams that were gone."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(decode_server, "REPORT_AGAIN_S", 0.05)
+    worker = _worker([])
+    reports: list[tuple[int, int]] = []
+    worker._report_load = (  # type: ignore[method-assign]
+        lambda: reports.append((len(worker.running), len(worker.prefilling))))
+    worker.num_steps = worker._reported_steps = worker._next_report_step = 0
+    worker._reported_state, worker._reported_at = (False, 0, 0), 0.0
+
+    def due() -> bool:
+        before = len(reports)
+        sent = worker._report_if_due()
+        assert sent == (len(reports) == before + 1)
+        return sent
+
+    worker.prefilling = [object() for _ in range(rng.randint(1, 5))]  # type: ignore[misc]
+    worker.running = [object() for _ in range(rng.randint(1, 6))]  # type: ignore[misc]
+    assert due() and not due()
+    # The streams end one after another beside the held prompts: every end is reported, the
+    # last one's too (the prompts' count and the busyness are unchanged by it).
+    while worker.running:
+        del worker.running[: rng.randint(1, len(worker.running))]
+        assert due() and not due()
+    assert reports[-1] == (0, len(worker.prefilling))
+    # No step runs: the same report again after REPORT_AGAIN_S, not before.
+    time.sleep(0.06)
+    assert due() and not due()
+    # Steps run: a report every REPORT_EVERY_STEPS steps, none between, however long they take.
+    for i in range(1, 2 * decode_server.REPORT_EVERY_STEPS + 1):
+        worker.num_steps += 1
+        if rng.random() < 0.3:
+            time.sleep(0.06)
+        assert due() == (i % decode_server.REPORT_EVERY_STEPS == 0)
+    # Idle: reported once, then never again however long it stays idle.
+    worker.prefilling = []
+    assert due()
+    time.sleep(0.06)
+    assert not due()
