@@ -217,7 +217,8 @@ async def watch_progress(what: str, progress: Callable[[], int], busy: Callable[
         now, count, work = time.monotonic(), progress(), busy()
         if count != seen or not work:
             if reported:
-                log.info("%s moves again after %.0f s", what, now - since)
+                log.info("%s %s after %.0f s", what, "moves again" if count != seen else "has no work left",
+                         now - since)
             seen, since, reported = count, now, False
         elif not reported and now - since >= stall_s:
             reported = True
