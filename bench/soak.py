@@ -382,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     result["exit_codes"] = dict(codes)
     last = result.get("after", result)  # with faults, the ledger that counts is the one after the last kill
     result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE))
-                    and last["num_unexpected"] == 0 and last["outcomes"].get("ok", 0) >= 1 and last["agent"]["leaked_blocks"] == 0
-                    and last["agent"]["num_requests"] == 0 and result["stack_running"]
+                    and last["num_unexpected"] == 0 and last["outcomes"].get("ok", 0) >= 1
+                    and last["agent"]["leaked_blocks"] == 0 and last["agent"]["num_requests"] == 0
+                    and result["stack_running"]
                     and not result["shm_files_after_stop"])
     write_json(result, args.out)
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=1))

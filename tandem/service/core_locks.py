@@ -100,7 +100,8 @@ class CoreLocks:
             locked = wanted.get((int(device_major, 16), int(device_minor, 16), int(inode)))
             if locked is not None:
                 pid = int(fields[4])
-                lines.append(f"core {locked}'s lock {'waited for' if waiting else 'held'} by pid {pid} ({_command(pid)})")
+                how = "waited for" if waiting else "held"
+                lines.append(f"core {locked}'s lock {how} by pid {pid} ({_command(pid)})")
         return lines
 
     def close(self) -> None:
