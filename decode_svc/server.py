@@ -630,6 +630,10 @@ class DecodeWorker:
             if self._notice_timer is not None:
                 self._notice_timer.cancel()
 
+    def _busy(self) -> bool:
+        """Whether the loop has anything to step: streams, prompts, or requests waiting for blocks."""
+        return bool(self.pending or self.running or self.prefilling or self.preempted)
+
     def _report_if_due(self) -> bool:
         """Send the load report when what the agent decides on has changed: the loop went busy
         or idle, or its prompts or its streams changed in number; every REPORT_EVERY_STEPS steps
@@ -642,7 +646,7 @@ class DecodeWorker:
         wait" after the last stream had ended, since the end changed neither the loop's
         busyness nor its prompts, no step ran to send the periodic report, and the agent kept
         deciding on streams that were gone."""
-        busy = bool(self.pending or self.running or self.prefilling or self.preempted)
+        busy = self._busy()
         state = (busy, len(self.prefilling), len(self.running) + len(self.pending))
         now = time.monotonic()
         due = (state != self._reported_state or (busy and self.num_steps >= self._next_report_step)
@@ -662,7 +666,7 @@ class DecodeWorker:
                 # first: after the whole of a burst's prompt step for the prompt that came first.
                 await self._joining.wait()
                 self._joining = None
-            busy = bool(self.pending or self.running or self.prefilling or self.preempted)
+            busy = self._busy()
             reported = self._report_if_due()
             if not busy:
                 self._idle = True
