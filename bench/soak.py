@@ -45,7 +45,7 @@ import grpc
 import httpx
 
 from bench.peer import running, tandem_up
-from bench.stack_cpu import ROLES, stack_processes
+from bench.stack_cpu import ROLES, StackProcess, stack_processes
 from tandem.bench.report import write_json
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
@@ -89,20 +89,21 @@ def _has_message(text: str) -> bool:
     return bool(isinstance(error, dict) and str(error.get("message", "")).strip())
 
 
-async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults: Faults | None = None) -> str:
+async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults: Faults | None = None,
+                model: str = "default") -> str:
     max_tokens = rng.randint(1, 32)
     if kind == "bad":
         body: dict[str, Any] = rng.choice([
-            {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
             {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
-            {"model": "default", "messages": []},
-            {"model": "default", "prompt": "hi", "temperature": -3},
+            {"model": model, "messages": []},
+            {"model": model, "prompt": "hi", "temperature": -3},
         ])
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         r = await client.post(path, json=body)
         return f"http {r.status_code}" if 400 <= r.status_code < 500 else f"UNEXPECTED bad request got {r.status_code}"
     if kind == "http":
-        r = await client.post("/v1/completions", json={"model": "default", "prompt": _prompt(rng),
+        r = await client.post("/v1/completions", json={"model": model, "prompt": _prompt(rng),
                                                        "max_tokens": max_tokens, "temperature": 0})
         if r.status_code != 200:
             if r.status_code >= 500 and faults is not None:
@@ -110,7 +111,7 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
             return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {r.text[:200]}"
         usage = r.json().get("usage", {})
         return "ok" if usage.get("completion_tokens", 0) >= 1 else f"UNEXPECTED no tokens: {r.text[:200]}"
-    body = {"model": "default", "messages": [{"role": "user", "content": _prompt(rng)}], "max_tokens": max_tokens,
+    body = {"model": model, "messages": [{"role": "user", "content": _prompt(rng)}], "max_tokens": max_tokens,
             "stream": True, "temperature": rng.choice((0, 0.7))}
     stop_after = rng.randint(0, 5) if kind == "http-abort" else None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -137,10 +138,11 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
 
 
 async def _grpc(stub: router_pb2_grpc.RouterStub, rng: random.Random, kind: str, faults: Faults | None = None,
-                timeout_s: float = 300) -> str:
+                timeout_s: float = 300, model: str = "") -> str:
     start_s = time.monotonic()
     request = router_pb2.GenerateRequest(
-        text=_prompt(rng), sampling=common_pb2.SamplingParams(max_tokens=rng.randint(1, 32), temperature=0.0))
+        model=model, text=_prompt(rng),
+        sampling=common_pb2.SamplingParams(max_tokens=rng.randint(1, 32), temperature=0.0))
     call = stub.Generate(request, timeout=timeout_s)
     stop_after = rng.randint(0, 5) if kind == "grpc-cancel" else None
     if stop_after is not None and rng.random() < 0.5:
@@ -185,28 +187,35 @@ async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats:
         except grpc.aio.AioRpcError:
             if time.monotonic() >= deadline:
                 raise
-        if stats is not None and ((stats.num_free_blocks == stats.num_blocks and not stats.num_requests)
-                                  or time.monotonic() >= deadline):
+        settled = stats is not None and stats.num_free_blocks == stats.num_blocks and not stats.num_requests \
+            and stats.num_free_slabs == stats.num_slabs
+        if stats is not None and (settled or time.monotonic() >= deadline):
             return stats
         await asyncio.sleep(0.5)
 
 
-async def _wait_serving(base_url: str, grpc_address: str, timeout_s: float) -> float:
-    """Seconds until the stack completes a request again, over HTTP and over gRPC (a restarted
-    router listens for HTTP first)."""
+async def _wait_serving(base_url: str, grpc_address: str, timeout_s: float, models: list[str]) -> float:
+    """Seconds until the stack completes a request of every model again, over HTTP and over gRPC
+    (a restarted router listens for HTTP first)."""
     start = time.monotonic()
-    body = {"model": "default", "prompt": "hello", "max_tokens": 2, "temperature": 0}
-    generate = router_pb2.GenerateRequest(text="hello", sampling=common_pb2.SamplingParams(max_tokens=2,
-                                                                                           temperature=0.0))
+    waiting = list(models)
     http_ok = False
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client, \
             grpc.aio.insecure_channel(grpc_address, options=RECONNECT_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         while True:
+            model = waiting[0]
+            body = {"model": model, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+            generate = router_pb2.GenerateRequest(model=model, text="hello",
+                                                  sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
             try:
                 http_ok = http_ok or (await client.post("/v1/completions", json=body)).status_code == 200
                 if http_ok and [r async for r in stub.Generate(generate, timeout=30)]:
-                    return time.monotonic() - start
+                    waiting.pop(0)
+                    http_ok = False
+                    if not waiting:
+                        return time.monotonic() - start
+                    continue
             except (httpx.HTTPError, grpc.aio.AioRpcError):
                 pass
             if time.monotonic() - start > timeout_s:
@@ -217,7 +226,7 @@ async def _wait_serving(base_url: str, grpc_address: str, timeout_s: float) -> f
 async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until: asyncio.Event, faults: Faults,
                          rng: random.Random, sig: signal.Signals = signal.SIGKILL) -> None:
     """Send ``sig`` to a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x)
-    until ``until``."""
+    until ``until``: to one instance of it, where a cell of several models runs one per model."""
     while not until.is_set():
         try:
             await asyncio.wait_for(until.wait(), timeout=every_s * rng.uniform(0.5, 1.5))
@@ -225,7 +234,7 @@ async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until:
         except TimeoutError:
             pass
         role = rng.choice(roles)
-        pids = [p.pid for p in stack_processes(root_pid) if p.role == role and not p.zombie]
+        pids = one_instance(stack_processes(root_pid), role, rng)
         if not pids:
             print(f"soak: no live {role} to kill (restarting?)", flush=True)
             continue
@@ -238,12 +247,31 @@ async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until:
         print(f"soak: sent {sig.name} to {role} (pid {pids})", flush=True)
 
 
+def one_instance(processes: list[StackProcess], role: str, rng: random.Random) -> list[int]:
+    """The pids of one live instance of ``role``, chosen at random (each model of a cell has its
+    own decode_svc and prefill_svc): a process of the role and the processes of the role below it."""
+    live = [p for p in processes if p.role == role and not p.zombie]
+    pids = {p.pid for p in live}
+    tops = [p.pid for p in live if p.ppid not in pids]
+    if not tops:
+        return []
+    chosen = {rng.choice(tops)}
+    while grown := {p.pid for p in live if p.ppid in chosen} - chosen:
+        chosen |= grown
+    return sorted(chosen)
+
+
 async def soak(base_url: str, grpc_address: str, agent_address: str, num_requests: int, concurrency: int,
-               seed: int, faults: Faults | None = None, timeout_s: float = 300) -> dict[str, Any]:
+               seed: int, faults: Faults | None = None, timeout_s: float = 300,
+               models: list[str] | None = None) -> dict[str, Any]:
+    """``num_requests`` requests of random kinds, each to a random one of ``models`` (the names
+    `/v1/models` lists), ``concurrency`` at a time; then the agent's ledger once it settles."""
+    models = models or ["default"]
     rng = random.Random(seed)
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=num_requests)
     outcomes: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
+    by_model: dict[str, Counter[str]] = {m: Counter() for m in models}
     failures: list[str] = []
     clear_failures: set[str] = set()  # with faults: what the clear failures said (ids and numbers as #)
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
@@ -260,9 +288,10 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
             while not queue.empty():
                 i, kind = queue.get_nowait()
                 start_s = time.monotonic()
+                model = wrng.choice(models) if len(models) > 1 else models[0]
                 try:
-                    outcome = await (_grpc(stub, wrng, kind, faults, timeout_s) if kind.startswith("grpc")
-                                     else _http(client, wrng, kind, faults))
+                    outcome = await (_grpc(stub, wrng, kind, faults, timeout_s, model) if kind.startswith("grpc")
+                                     else _http(client, wrng, kind, faults, model))
                 except httpx.TimeoutException as exc:
                     outcome = f"UNEXPECTED hang: no answer within {timeout_s:.0f} s ({type(exc).__name__})"
                 except httpx.HTTPError as exc:
@@ -281,6 +310,7 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
                     await asyncio.sleep(1.0)  # as a client would, and so the load spans the kills
                 outcomes[outcome.split(":")[0]] += 1
                 by_kind[kind][outcome.split(":")[0]] += 1
+                by_model[model][outcome.split(":")[0]] += 1
                 if outcome.startswith("UNEXPECTED") and len(failures) < 50:
                     failures.append(f"#{i} {kind}: {outcome}")
                 if (i + 1) % 500 == 0:
@@ -296,16 +326,19 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
         "requests": num_requests, "concurrency": concurrency, "seed": seed, "elapsed_s": round(elapsed, 1),
         "requests_per_s": round(num_requests / elapsed, 2), "outcomes": dict(outcomes),
         "by_kind": {k: dict(v) for k, v in by_kind.items()}, "unexpected": failures,
+        **({"by_model": {m: dict(v) for m, v in by_model.items()}} if len(models) > 1 else {}),
         "failed_clearly_said": sorted(clear_failures),
         "num_unexpected": sum(n for o, n in outcomes.items() if o.startswith("UNEXPECTED")),
         "agent": {"num_blocks": stats.num_blocks, "num_free_blocks": stats.num_free_blocks,
                   "num_requests": stats.num_requests, "leaked_blocks": stats.num_blocks - stats.num_free_blocks,
-                  "num_reclaimed_requests": stats.num_reclaimed_requests},
+                  "num_reclaimed_requests": stats.num_reclaimed_requests,
+                  "num_slabs": stats.num_slabs, "leaked_slabs": stats.num_slabs - stats.num_free_slabs,
+                  "held_blocks_by_model": {m.model: m.num_held_blocks for m in stats.models}},
     }
 
 
 async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str, root_pid: int,
-                           args: argparse.Namespace, seed: int) -> dict[str, Any]:
+                           args: argparse.Namespace, seed: int, models: list[str]) -> dict[str, Any]:
     """The soak while processes are killed at random, then ``args.after_requests`` requests after
     the last kill, judged as without faults."""
     faults, until = Faults(), asyncio.Event()
@@ -313,15 +346,15 @@ async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str,
                                                 random.Random(seed), signal.Signals[f"SIG{args.signal}"]))
     try:
         result = await soak(base_url, grpc_address, agent_address, args.requests, args.concurrency, seed, faults,
-                            args.timeout_s)
+                            args.timeout_s, models)
     finally:
         until.set()
         await killer
     result["kills"] = dict(Counter(role for _, role in faults.kills))
-    result["recovery_s"] = round(await _wait_serving(base_url, grpc_address, 180), 2)
+    result["recovery_s"] = round(await _wait_serving(base_url, grpc_address, 180, models), 2)
     print(f"soak: {len(faults.kills)} kills {result['kills']}; serving again after {result['recovery_s']} s", flush=True)
     after = await soak(base_url, grpc_address, agent_address, args.after_requests, min(args.concurrency, 8),
-                       seed + 1, None, args.timeout_s)
+                       seed + 1, None, args.timeout_s, models)
     after.pop("by_kind", None)
     result["after"] = after
     return result
@@ -367,13 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         if match is None:
             raise RuntimeError(f"no agent address in {log_path}")
         grpc_address, agent_address = f"127.0.0.1:{grpc_port}", match.group(1)
+        served = [m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]]
+        models = served if len(served) > 1 else ["default"]  # a cell of several models: each request picks one
         if args.kill_every_s > 0:
             assert server.proc is not None
             result = asyncio.run(soak_with_faults(server.base_url, grpc_address, agent_address, server.proc.pid, args,
-                                                  seed))
+                                                  seed, models))
         else:
             result = asyncio.run(soak(server.base_url, grpc_address, agent_address, args.requests, args.concurrency,
-                                      seed, timeout_s=args.timeout_s))
+                                      seed, timeout_s=args.timeout_s, models=models))
+        result["models"] = models
         result["shm_files_while_running"] = _shm_files(cell_id)
         result["stack_running"] = server.proc is not None and server.proc.poll() is None
     result["shm_files_after_stop"] = _shm_files(cell_id)
@@ -384,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE))
                     and last["num_unexpected"] == 0 and last["outcomes"].get("ok", 0) >= 1
                     and last["agent"]["leaked_blocks"] == 0 and last["agent"]["num_requests"] == 0
+                    and last["agent"]["leaked_slabs"] == 0
                     and result["stack_running"]
                     and not result["shm_files_after_stop"])
     write_json(result, args.out)

@@ -34,6 +34,7 @@ class StackProcess(NamedTuple):
     role: str  # one of ROLES, else "other"
     cpu_s: float  # user + system
     zombie: bool  # dead, not yet reaped
+    ppid: int
 
 
 def stack_processes(root_pid: int) -> list[StackProcess]:
@@ -41,6 +42,7 @@ def stack_processes(root_pid: int) -> list[StackProcess]:
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
     info: dict[int, tuple[str, float, bool]] = {}
+    parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -51,6 +53,7 @@ def stack_processes(root_pid: int) -> list[StackProcess]:
             continue
         pid, ppid = int(entry.name), int(fields[1])
         children.setdefault(ppid, []).append(pid)
+        parent[pid] = ppid
         info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick, fields[0] == "Z")
     found: list[StackProcess] = []
     todo = list(children.get(root_pid, []))
@@ -58,7 +61,7 @@ def stack_processes(root_pid: int) -> list[StackProcess]:
         pid = todo.pop()
         todo += children.get(pid, [])
         cmd, cpu, zombie = info[pid]
-        found.append(StackProcess(pid, next((r for r in ROLES if r in cmd), "other"), cpu, zombie))
+        found.append(StackProcess(pid, next((r for r in ROLES if r in cmd), "other"), cpu, zombie, parent[pid]))
     return found
 
 
