@@ -11,8 +11,10 @@ blocks and its slabs; an unknown model is 404 over HTTP and NOT_FOUND over gRPC.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
+import signal
 import subprocess
 import time
 import uuid
@@ -205,3 +207,60 @@ def test_the_router_lists_both_models_and_refuses_an_unknown_one(up: Up) -> None
             break
         time.sleep(0.3)
     assert free == expected and min(free.values()) > 0, (free, expected)
+
+
+def test_one_models_decode_svc_killed_mid_stream_spares_the_other_model(up: Up, smollm2_dir: Path) -> None:
+    """SIGKILL the bf16 model's decode_svc at a random moment while both models stream (seeded,
+    TANDEM_FAULT_SEED): every request of the fp32 model still completes with its engine's greedy
+    output; each of the killed model's requests ends whole or with a clear error; `tandem up`
+    restarts the service and the model serves again; every block and slab comes back (the agent
+    takes back the dead service's). Last in this module: the cell it leaves is a restarted one."""
+    rng = random.Random(fault_seed())
+    text = up.log.read_text(errors="replace")
+    victim = int(re.findall(r"tandem up: decode_svc-1 ready at \S+ \(pid (\d+)\)", text)[-1])  # --model order
+    jobs = [(model, [rng.randrange(100, 40000) for _ in range(rng.randint(3, 150))],  # the killed ones outlast 1 s
+             SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 48) * (1 if model == FP32_KV else 3),
+                            ignore_eos=True))
+            for model in [FP32_KV] * 4 + [BF16_KV] * 4]
+
+    async def one(model: str, prompt: list[int], params: SamplingParams,
+                  first: asyncio.Event | None) -> list[int] | grpc.aio.AioRpcError:
+        try:
+            return await _generate(up.grpc_address, model, prompt, params, first)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+    async def run() -> list[list[int] | grpc.aio.AioRpcError]:
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(one(m, p, s, first if m == BF16_KV else None)) for m, p, s in jobs]
+        await asyncio.wait_for(first.wait(), 120)
+        await asyncio.sleep(rng.uniform(0, 1.0))
+        os.kill(victim, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    print("the killed model's requests:", [r.code().name if isinstance(r, grpc.aio.AioRpcError) else f"{len(r)} tokens"
+                                           for (m, _, _), r in zip(jobs, results, strict=True) if m == BF16_KV])
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256)
+    wants = iter(engine.generate([p for m, p, _ in jobs if m == FP32_KV],
+                                 [with_top2(s) for m, _, s in jobs if m == FP32_KV]))
+    for (model, prompt, params), got in zip(jobs, results, strict=True):
+        where = f"{model}, prompt of {len(prompt)}, {params.max_tokens} tokens"
+        if model == FP32_KV:
+            assert isinstance(got, list), f"{where}: the other model's kill failed it: {got!r}"
+            assert_greedy_output(got, next(wants), 1e-4, where)
+        elif isinstance(got, grpc.aio.AioRpcError):
+            assert got.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), f"{where}: {got!r}"
+            assert (got.details() or "").strip(), f"{where}: an error with no message: {got!r}"
+        else:
+            assert len(got) == params.max_tokens, where
+    deadline = time.monotonic() + 180
+    while len(re.findall(r"tandem up: decode_svc-1 ready at", up.log.read_text(errors="replace"))) < \
+            text.count("tandem up: decode_svc-1 ready at") + 1:
+        assert up.proc.poll() is None and time.monotonic() < deadline, "decode_svc-1 was not restarted"
+        time.sleep(0.2)
+    again = asyncio.run(_generate(up.grpc_address, BF16_KV, [1, 2, 3],
+                                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+    assert len(again) == 4
+    after = asyncio.run(up.drained(60))
+    assert after.num_requests == 0 and after.num_free_slabs == after.num_slabs, after
