@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.core import RouterCore
+from router.in_flight import InFlight
 from router.openai_types import FinishReasonName, TokenLogprob, TopLogprob
 from tandem.protocol import RequestError, Status
 from tandem.rpc.v1 import common_pb2, router_pb2
@@ -63,14 +64,14 @@ class Choices:
     task) cancels every pump, which closes its generation and cancels it upstream.
     """
 
-    def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest],
-                 tasks: set[asyncio.Task[None]], received_ns: int) -> None:
+    def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest], in_flight: InFlight,
+                 received_ns: int) -> None:
         self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._in_flight = in_flight
         for i, request in enumerate(requests):
             task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            in_flight.add(task)
             self._tasks.append(task)
 
     async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
@@ -85,6 +86,10 @@ class Choices:
         except Exception as exc:  # a bug: the client still gets an answer, the log the trace
             log.exception("request %s failed", request.request_id)
             item = RequestError(Status.INTERNAL, f"internal error: {type(exc).__name__}")
+        except asyncio.CancelledError:
+            if (ended := self._in_flight.ended()) is None:
+                raise  # the client went away: nobody reads the queue
+            item = ended  # the router is stopping: its client hears why
         self._queue.put_nowait((index, item))
 
     async def get(self) -> tuple[int, ChoiceItem]:

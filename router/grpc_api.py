@@ -1,12 +1,14 @@
 """The public gRPC API (``tandem.v1.Router``): a thin adapter over the models' ``RouterCore`` s.
 
 ``Generate`` streams what the core yields and turns a ``RequestError`` into the call's status
-(with ``retry-after`` trailing metadata when admission gave a hint, as the SDK reads it).
+(with ``retry-after`` trailing metadata when admission gave a hint, as the SDK reads it). A
+stopping router's calls still in flight end UNAVAILABLE with a message (``router.in_flight``).
 Bytes that are not a ``GenerateRequest`` never reach this module: see ``router.wire_errors``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -33,14 +35,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
         received_ns = time.monotonic_ns()
-        try:
-            core = self._models.pick(request.model)
-            async with contextlib.aclosing(core.generate(request, context.time_remaining(),
-                                                         received_ns=received_ns)) as stream:
-                async for response in stream:
-                    await context.write(response)
-        except RequestError as exc:
-            await context.abort(grpc_status(exc), exc.message, trailing_metadata=retry_after_metadata(exc.retry_after_s))
+        error: RequestError | None = None
+        with self._models.in_flight.running():
+            try:
+                core = self._models.pick(request.model)
+                async with contextlib.aclosing(core.generate(request, context.time_remaining(),
+                                                             received_ns=received_ns)) as stream:
+                    async for response in stream:
+                        await context.write(response)
+            except RequestError as exc:
+                error = exc
+            except asyncio.CancelledError:
+                if (error := self._models.in_flight.ended()) is None:
+                    raise  # the client cancelled
+        if error is not None:  # outside the try: abort raises
+            await context.abort(grpc_status(error), error.message,
+                                trailing_metadata=retry_after_metadata(error.retry_after_s))
 
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsReply:

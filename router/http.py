@@ -86,6 +86,7 @@ from tandem.rpc.v1 import common_pb2, router_pb2
 log = logging.getLogger("tandem.router.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+HTTP_SHUTDOWN_S = 3  # uvicorn's own cancel of what is still running: after the router's grace and end_all
 RETRY_AFTER_S = 1
 
 Kind = Literal["chat", "completion"]
@@ -133,7 +134,7 @@ class HTTPError(Exception):
         status, type_ = exc.status.http_status, exc.status.openai_type
         code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status, exc.status.grpc_name.lower())
         headers = None
-        if status == 429:
+        if status == 429 or exc.retry_after_s is not None:  # 503 too, when the router stops
             headers = retry_after_headers(exc.retry_after_s)
         param = _PARAM_OF_FIELD.get(exc.field) if exc.field is not None else None
         return cls(status, exc.message, type=type_, param=param, code=code, headers=headers)
@@ -550,7 +551,6 @@ class Gateway:
         self._metrics = metrics
         self._api_key = api_key
         self._read_cell = read_cell
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def app(self) -> Starlette:
         routes = [
@@ -717,7 +717,7 @@ class Gateway:
     async def _run(self, request: Request, core: RouterCore, parsed: ParsedRequest, received_ns: int,
                    whole: Callable[[list[ChoiceState]], dict[str, Any]], events: EventsFn) -> Response:
         """Run ``parsed``'s choices: the answer ``whole`` makes of them, or the stream ``events`` makes."""
-        choices = Choices(core, parsed.requests, self._tasks, received_ns)
+        choices = Choices(core, parsed.requests, self._models.in_flight, received_ns)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:
@@ -842,6 +842,9 @@ class HttpServer:
     address: str
 
     async def stop(self) -> None:
+        """Stop accepting, and return once every request has its answer (requests still in flight
+        past the router's grace are ended by ``InFlight.end_all`` first; uvicorn cancels what is
+        left ``HTTP_SHUTDOWN_S`` after this call)."""
         self.server.should_exit = True
         await asyncio.gather(self.task, return_exceptions=True)
 
@@ -850,7 +853,7 @@ async def start_http(gateway: Gateway, host: str, port: int) -> HttpServer:
     """Serve ``gateway`` on ``host:port`` (0: any free port) in this event loop; returns once
     it listens. Raises OSError when the port cannot be bound."""
     config = uvicorn.Config(gateway.app(), host=host, port=port, lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=2, backlog=4096)
+                            access_log=False, timeout_graceful_shutdown=HTTP_SHUTDOWN_S, backlog=4096)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(), name="router-http")
     while not server.started:

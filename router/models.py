@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Iterator
 
 from router.core import RouterCore, brief
+from router.in_flight import InFlight
 from router.upstream import Readiness
 from tandem.protocol import RequestError, Status
 
@@ -22,6 +23,7 @@ class ServedModels:
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique, got {names}")
         self._cores = list(cores)
+        self.in_flight = InFlight()  # every API's requests, for a stopping router to end
 
     def __iter__(self) -> Iterator[RouterCore]:
         return iter(self._cores)

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.router")
 
 DISCOVERY_WAITING_S = 0.2  # how often the registry is re-read while a model lacks a service
+GRPC_CUT_AFTER_END_S = 1.0  # grpc cancels calls this long after InFlight.end_all asked them to end
 
 
 class AgentLoad:
@@ -133,15 +134,23 @@ class RunningRouter:
             await self.refresh_upstreams()
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving (in-flight calls get ``grace_s``), then cancel upstream work and close."""
+        """Stop taking requests on both APIs; those in flight get ``grace_s`` to finish, then end
+        with UNAVAILABLE and a message (``InFlight.end_all``) rather than the servers' bare cut.
+        Then cancel upstream work and close."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        stopping = {loop.create_task(self.server.stop(grace_s + GRPC_CUT_AFTER_END_S))}
         if self.http is not None:
-            await self.http.stop()
+            stopping.add(loop.create_task(self.http.stop()))
+        _, unfinished = await asyncio.wait(stopping, timeout=grace_s)
+        if unfinished:
+            ended = self.models.in_flight.end_all("the router is shutting down; send the request again")
+            log.info("router stopping: %d requests still in flight after %.1f s end with UNAVAILABLE", ended, grace_s)
+        await asyncio.gather(*stopping, return_exceptions=True)
         if self.agent_load is not None:
             await self.agent_load.close()
-        await self.server.stop(grace_s)
         await self.models.close()
         await self._channels.close()
         if self._close_source is not None:

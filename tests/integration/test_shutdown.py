@@ -4,7 +4,9 @@ SIGKILLed and leave its files)."""
 
 from __future__ import annotations
 
+import asyncio
 import glob
+import json
 import os
 import random
 import re
@@ -13,8 +15,13 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
+import grpc.aio
+import httpx
 import pytest
 
+from decode_svc.config import ROUTER_GRACE_S
+from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, SHUTDOWN_DEADLINE_S
 from tests.integration.stack import Stack, fault_seed, write_tiny_chat_model
 
@@ -62,3 +69,76 @@ def test_sigterm_stops_every_service_in_time_and_removes_the_agents_shared_memor
     if codes["gpu_agent"] == EXIT_SHUTDOWN_OVERDUE:
         assert "forced to exit; removed" in stack.logs("gpu_agent")
     assert [p for pattern in patterns for p in glob.glob(pattern)] == []
+
+
+def test_a_stopping_router_answers_its_requests_in_flight_with_a_clear_error(smollm2_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """SIGTERM to the router while long requests stream over every API (a random moment after
+    their first tokens): those still running past its grace end UNAVAILABLE with a message — HTTP
+    503 with Retry-After, an SSE error event, a gRPC status with details — not uvicorn's
+    plain-text 500, a stream cut short, or grpc's bare cancel; the router exits 0 in time, and
+    every block comes back (decode hears the cancels, or that its router is gone)."""
+    rng = random.Random(fault_seed())
+    stack = Stack(smollm2_dir, tmp_path, num_blocks=256, extra_env={"TANDEM_CELL_ID": f"rt-{uuid.uuid4().hex[:6]}"})
+    with stack:
+        base = stack.http_address()
+        body = {"model": "default", "max_tokens": 400, "ignore_eos": True, "temperature": 0}  # seconds of decode
+
+        async def whole(client: httpx.AsyncClient) -> httpx.Response:
+            return await client.post("/v1/completions", json={**body, "prompt": "Once upon a time"})
+
+        async def streamed(client: httpx.AsyncClient, first: asyncio.Event) -> list[str]:
+            chat = {**body, "messages": [{"role": "user", "content": "Tell me a story."}], "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=chat) as answer:
+                assert answer.status_code == 200
+                lines = []
+                async for line in answer.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        first.set()
+                return lines
+
+        async def over_grpc(first: asyncio.Event) -> grpc.aio.AioRpcError | int:
+            request = router_pb2.GenerateRequest(text="Once upon a time", sampling=common_pb2.SamplingParams(
+                max_tokens=400, ignore_eos=True, temperature=0.0))
+            tokens = 0
+            async with grpc.aio.insecure_channel(stack.address("router")) as channel:
+                try:
+                    async for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+                        tokens += len(response.tokens)
+                        first.set()
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+            return tokens
+
+        async def run() -> tuple[httpx.Response, list[str], grpc.aio.AioRpcError | int]:
+            firsts = [asyncio.Event(), asyncio.Event()]
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                jobs = asyncio.gather(whole(client), streamed(client, firsts[0]), over_grpc(firsts[1]))
+                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+                await asyncio.sleep(rng.uniform(0.0, 0.5))
+                stack.procs["router"].send_signal(signal.SIGTERM)
+                return await jobs
+
+        answer, lines, called = asyncio.run(run())
+        assert stack.procs["router"].wait(timeout=SHUTDOWN_DEADLINE_S + 2) == 0
+        log = stack.logs("router")
+        assert answer.status_code == 503, answer.text
+        assert "shutting down" in answer.json()["error"]["message"] and answer.headers["Retry-After"] == "1"
+        assert lines and lines[-1] != "[DONE]" and "shutting down" in json.loads(lines[-1])["error"]["message"], \
+            lines[-3:]
+        assert isinstance(called, grpc.aio.AioRpcError), f"the gRPC call ended with {called} tokens"
+        assert called.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (called.details() or ""), called
+        assert "3 requests still in flight" in log and "Exception in ASGI application" not in log, log[-3000:]
+        deadline = time.monotonic() + ROUTER_GRACE_S + 30
+        while True:
+            stats = agent_stats(stack.address("gpu_agent"))
+            if stats.num_free_blocks == stats.num_blocks and not stats.num_requests:
+                break
+            assert time.monotonic() < deadline, f"blocks not back: {stats}"
+            time.sleep(0.5)
+
+
+def agent_stats(address: str) -> agent_pb2.AgentStats:
+    with grpc.insecure_channel(address) as channel:
+        return agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=10)
