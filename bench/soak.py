@@ -81,10 +81,12 @@ def _clear_5xx(status: int, text: str) -> str:
 
 
 def _has_message(text: str) -> bool:
+    """An OpenAI error body with a message (a plain-text body, such as a server's bare "Internal
+    Server Error", says nothing a client can act on)."""
     try:
         body = json.loads(text)
     except ValueError:
-        return bool(text.strip())
+        return False
     error = body.get("error") if isinstance(body, dict) else None
     return bool(isinstance(error, dict) and str(error.get("message", "")).strip())
 
@@ -116,10 +118,10 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
     stop_after = rng.randint(0, 5) if kind == "http-abort" else None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            text = (await r.aread()).decode(errors="replace")[:200]
+            text = (await r.aread()).decode(errors="replace")
             if r.status_code >= 500 and faults is not None:
                 return _clear_5xx(r.status_code, text)
-            return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {text}"
+            return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {text[:200]}"
         chunks = 0
         async for line in r.aiter_lines():
             if line.startswith("data: "):
