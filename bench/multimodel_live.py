@@ -16,8 +16,13 @@ each figure as mean ± 95 % interval and the paired slab − static difference.
 router's defaults, its wait for each model's KV blocks included), and counts, besides, the
 requests refused (429 / RESOURCE_EXHAUSTED) and the admitted ones that missed the SLO.
 
+``--hogs N`` runs N busy loops beside the stack (a slow host: the condition that wedged the cell
+before c08f0c5), and each run counts decode's stall reports ("has made no progress").
+
   python bench/multimodel_live.py --repeats 3 --out docs/results/multimodel-live-cpu.json
   python bench/multimodel_live.py --compare admission --repeats 3 --out F
+  python bench/multimodel_live.py --repeats 1 --requests 24 --rate 100 --kv-cache-gb 0.03 --hogs 2 \
+      --timeout-s 120 --prompt-tokens 3 250 --output-tokens 4 60 --out F   # a burst on a slow host
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ def stop_stack(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def make_requests(seed: int, num: int, rate: float, skew: float) -> list[dict[str, Any]]:
+def make_requests(seed: int, num: int, rate: float, skew: float, prompt_tokens: tuple[int, int] = (32, 320),
+                  output_tokens: tuple[int, int] = (48, 160)) -> list[dict[str, Any]]:
     """Poisson arrivals; the first half mostly to model 0, the second mostly to model 1."""
     rng = random.Random(seed)
     t = 0.0
@@ -90,12 +96,13 @@ def make_requests(seed: int, num: int, rate: float, skew: float) -> list[dict[st
         hot = 0 if i < num // 2 else 1
         model = MODELS[hot] if rng.random() < skew else MODELS[1 - hot]
         out.append({"id": f"r{seed}-{i}", "arrival_s": t, "model": model,
-                    "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(32, 320))],
-                    "max_tokens": rng.randint(48, 160)})
+                    "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_tokens))],
+                    "max_tokens": rng.randint(*output_tokens)})
     return out
 
 
-async def one(stub: router_pb2_grpc.RouterStub, job: dict[str, Any], start: float) -> RequestRecord:
+async def one(stub: router_pb2_grpc.RouterStub, job: dict[str, Any], start: float,
+              timeout_s: float = 600) -> RequestRecord:
     await asyncio.sleep(max(0.0, start + job["arrival_s"] - time.perf_counter()))
     sent = time.perf_counter() - start
     times: list[float] = []
@@ -103,7 +110,7 @@ async def one(stub: router_pb2_grpc.RouterStub, job: dict[str, Any], start: floa
         model=job["model"], token_ids=router_pb2.TokenIds(ids=job["prompt"]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True))
     try:
-        async for response in stub.Generate(request, timeout=600):
+        async for response in stub.Generate(request, timeout=timeout_s):
             now = time.perf_counter() - start
             times.extend(now for _ in response.tokens)
         return RequestRecord(job["id"], sent, len(job["prompt"]), tuple(times), time.perf_counter() - start)
@@ -122,16 +129,15 @@ async def sample_kv(agent_address: str, stop: asyncio.Event, out: list[dict[str,
             await asyncio.sleep(0.2)
 
 
-async def drive(address: str, agent_address: str, jobs: list[dict[str, Any]]) -> tuple[list[RequestRecord],
-                                                                                        list[dict[str, float]],
-                                                                                        float]:
+async def drive(address: str, agent_address: str, jobs: list[dict[str, Any]],
+                timeout_s: float = 600) -> tuple[list[RequestRecord], list[dict[str, float]], float]:
     kv: list[dict[str, float]] = []
     stop = asyncio.Event()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         start = time.perf_counter()
         sampler = asyncio.create_task(sample_kv(agent_address, stop, kv, start))
-        records = await asyncio.gather(*(one(stub, job, start) for job in jobs))
+        records = await asyncio.gather(*(one(stub, job, start, timeout_s) for job in jobs))
         duration = time.perf_counter() - start
         stop.set()
         await sampler
@@ -161,6 +167,10 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 320), metavar=("LO", "HI"))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=(48, 160), metavar=("LO", "HI"))
+    parser.add_argument("--hogs", type=int, default=0, help="busy loops beside the stack during each run")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="each request's gRPC deadline")
     parser.add_argument("--compare", choices=("split", "admission"), default="split",
                         help="split: slab against static (admission off); admission: the slab pool with the "
                              "router's admission on against off (the stack's SLOs set to the benchmark's)")
@@ -176,14 +186,20 @@ def main() -> None:
     slo_args = ("--ttft-slo-ms", str(args.ttft_slo_ms), "--ttft-slo-ms-per-1k", str(args.ttft_slo_ms_per_1k),
                 "--tbt-slo-ms", str(args.tbt_slo_ms)) if args.compare == "admission" else ()
     for repeat in range(args.repeats):
-        jobs = make_requests(args.seed + repeat, args.requests, args.rate, args.skew)
+        jobs = make_requests(args.seed + repeat, args.requests, args.rate, args.skew, args.prompt_tokens,
+                             args.output_tokens)
         for label, split, admission in (variants if repeat % 2 == 0 else variants[::-1]):
             proc, address, agent = start_stack(split, args.kv_cache_gb, logs / f"{label}-{repeat}.log", admission,
                                                slo_args)
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
             try:
-                records, kv, duration = asyncio.run(drive(address, agent, jobs))
+                records, kv, duration = asyncio.run(drive(address, agent, jobs, args.timeout_s))
             finally:
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
                 stop_stack(proc)
+            stalls = (logs / f"{label}-{repeat}.log").read_text(errors="replace").count("has made no progress")
             summary = summarize(records, duration_s=duration, slo=slo)
             per_model = {m: summarize([r for r, j in zip(records, jobs) if j["model"] == m], duration_s=duration,
                                       slo=slo) for m in MODELS}
@@ -191,14 +207,15 @@ def main() -> None:
             summary.update(admission_counts(records, slo))
             run: dict[str, Any] = {"repeat": repeat, "variant": label, "split": split, "admission": admission,
                                    "duration_s": duration, "summary": summary, "per_model": per_model,
-                                   "kv_tokens_per_mib": kv_per_mib, "kv_samples": kv,
+                                   "kv_tokens_per_mib": kv_per_mib, "kv_samples": kv, "stall_reports": stalls,
                                    "records": [asdict(r) for r in records]}
             runs.append(run)
             print(f"repeat {repeat} {label:13s}: goodput {summary['goodput_rps']:.3f} req/s, attainment "
                   f"{summary['slo_attainment']:.2f}, output {summary['output_token_throughput']:.1f} tok/s, "
                   f"KV tokens/MiB mean {kv_per_mib['mean']:.1f} peak {kv_per_mib['peak']:.1f}, "
                   f"failed {summary['num_failed']} (refused {summary['num_refused']}), admitted missed "
-                  f"{summary['num_admitted_missed']} of {len(records) - summary['num_refused']}", flush=True)
+                  f"{summary['num_admitted_missed']} of {len(records) - summary['num_refused']}, "
+                  f"{stalls} stall reports", flush=True)
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "models": MODELS, "runs": runs, "summary": summarize_runs(runs, variants[0][0], variants[1][0])}
     args.out.write_text(json.dumps(result, indent=1))
