@@ -18,7 +18,7 @@ from typing import Any
 
 from tandem.protocol import RequestError, Status
 
-RETRY_AFTER_S = 1.0  # a restarted router, or another replica, takes the request again this soon
+RETRY_AFTER_STOP_S = 1.0  # a stopping router's hint: a restarted one, or another replica, takes it then
 
 
 class InFlight:
@@ -53,7 +53,7 @@ class InFlight:
     def end_all(self, message: str) -> int:
         """Cancel every request in flight, to be answered UNAVAILABLE with ``message``; returns
         how many were."""
-        self._ending = RequestError(Status.UNAVAILABLE, message, retry_after_s=RETRY_AFTER_S)
+        self._ending = RequestError(Status.UNAVAILABLE, message, retry_after_s=RETRY_AFTER_STOP_S)
         live = [task for task in self._tasks if not task.done()]
         for task in live:
             task.cancel()
