@@ -26,6 +26,7 @@ from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, SHUTDOWN_DEADLINE_S
 from tests.integration.stack import Stack, fault_seed, write_tiny_chat_model
 
 NAMES = ("router", "prefill_svc", "decode_svc", "gpu_agent")
+MAX_TOKENS = 1500  # each request of the router's stop test
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +80,12 @@ def test_a_stopping_router_answers_its_requests_in_flight_with_a_clear_error(smo
     plain-text 500, a stream cut short, or grpc's bare cancel; the router exits 0 in time, and
     every block comes back (decode hears the cancels, or that its router is gone)."""
     rng = random.Random(fault_seed())
-    stack = Stack(smollm2_dir, tmp_path, num_blocks=256, extra_env={"TANDEM_CELL_ID": f"rt-{uuid.uuid4().hex[:6]}"})
+    stack = Stack(smollm2_dir, tmp_path, num_blocks=512, extra_env={"TANDEM_CELL_ID": f"rt-{uuid.uuid4().hex[:6]}"})
     with stack:
         base = stack.http_address()
-        body = {"model": "default", "max_tokens": 400, "ignore_eos": True, "temperature": 0}  # seconds of decode
+        # Still decoding when the grace ends on a host several times faster than this one (3 streams
+        # at 2 ms a step would take 3 s); the router's stop does not wait for them to finish.
+        body = {"model": "default", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 
         async def whole(client: httpx.AsyncClient) -> httpx.Response:
             return await client.post("/v1/completions", json={**body, "prompt": "Once upon a time"})
@@ -100,7 +103,7 @@ def test_a_stopping_router_answers_its_requests_in_flight_with_a_clear_error(smo
 
         async def over_grpc(first: asyncio.Event) -> grpc.aio.AioRpcError | int:
             request = router_pb2.GenerateRequest(text="Once upon a time", sampling=common_pb2.SamplingParams(
-                max_tokens=400, ignore_eos=True, temperature=0.0))
+                max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
             tokens = 0
             async with grpc.aio.insecure_channel(stack.address("router")) as channel:
                 try:
