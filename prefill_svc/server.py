@@ -30,7 +30,7 @@ from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
 from tandem.policy.local import DROP_MARGIN, drop_error, plan_prefill
 from tandem.policy.types import QueuedRequest
-from tandem.rpc.channels import ChannelPool
+from tandem.rpc.channels import ChannelPool, answered_metadata, connection_broke
 from tandem.rpc.convert import finish_to_proto, kv_freed_from, retry_after_metadata, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -670,17 +670,6 @@ def _in_trace(pending: _Pending) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _connection_broke(exc: Exception) -> bool:
-    """Whether a handoff call that raised ``exc`` broke off (decode_svc died, or its connection
-    did) rather than ended with decode's answer (an application error, a refusal)."""
-    # A connection that broke mid-call can also end it UNKNOWN "Stream removed" (grpc/grpc#34076;
-    # seen here when decode_svc was killed during a handoff, and on the first call after a kill,
-    # written on the dead socket: "Stream removed (sendmsg: Broken pipe (32))").
-    return isinstance(exc, grpc.aio.AioRpcError) and (
-        exc.code() == grpc.StatusCode.UNAVAILABLE
-        or (exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed")))
-
-
 @dataclass
 class _HandoffBreaks:
     """One handoff's broken calls, and whether the next goes again (a rule without a clock: the
@@ -704,7 +693,7 @@ class _HandoffBreaks:
     def goes_again(self, exc: Exception, pending: _Pending, tried_s: float, now_s: float) -> bool:
         """Note a try that raised ``exc`` after ``tried_s`` seconds at ``now_s``; whether the
         handoff goes again."""
-        if not _connection_broke(exc) or pending.cancelled or pending.future.done():
+        if not connection_broke(exc) or pending.cancelled or pending.future.done():
             return False
         if self.outage_start_s is None or tried_s >= HANDOFF_TIMEOUT_S:
             self.outage_start_s, self.num_breaks = now_s, 0
@@ -746,11 +735,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if max(request.token_ids) >= config.vocab_size:
                 raise InvalidRequestError(f"token ids must be below the vocabulary size {config.vocab_size}")
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), answered_metadata())
         try:
             return await self.worker.submit(request, params)
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message, retry_after_metadata(exc.retry_after_s))
+            await context.abort(exc.code, exc.message, retry_after_metadata(exc.retry_after_s) + answered_metadata())
         except asyncio.CancelledError:
             # The router went away: whatever stage the request is in, its blocks come back.
             self.worker.cancel(request.request_id)

@@ -14,6 +14,8 @@ from tandem.service.flags import env_or, flag, parse_config
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# How long a request waits for an unreachable prefill_svc to come back (a restart) before it fails.
+DEFAULT_UPSTREAM_WAIT_S = 10.0
 # The same defaults as gpu_agent's, so that admission and the partition policy share one SLO.
 DEFAULT_TTFT_SLO_MS = 2000.0
 DEFAULT_TBT_SLO_MS = 200.0
@@ -64,6 +66,14 @@ class RouterConfig:
         type=float))
     request_timeout_s: float = field(metadata=flag(
         "--request-timeout-s", DEFAULT_REQUEST_TIMEOUT_S, "longest a request may run", type=float))
+    # A prompt whose prefill service died or stopped before it answered is sent again (the client
+    # has seen nothing of it): to another prefill service, or to the same one once restarted.
+    prefill_resends: int = field(default=2, metadata=flag(
+        "--prefill-resends", 2, "times a prompt is sent again when its prefill service dies or stops before "
+        "answering (0: fail it at once)", type=int))
+    upstream_wait_s: float = field(default=DEFAULT_UPSTREAM_WAIT_S, metadata=flag(
+        "--upstream-wait-s", DEFAULT_UPSTREAM_WAIT_S, "how long a prompt waits for an unreachable prefill "
+        "service to come back (a restart) before it fails", type=float))
     cancel_timeout_s: float = 2.0  # deadline of the best-effort Cancel RPCs sent upstream
     discovery_interval_s: float = 2.0  # how often the registry is re-read
     # vLLM's flag: the name the --model answers to (its directory's name when empty)
@@ -146,6 +156,9 @@ class RouterConfig:
             self.generation_overrides()
         except (ValueError, InvalidRequestError) as exc:
             raise ValueError(f"--override-generation-config: {exc}") from None
+        if self.prefill_resends < 0 or self.upstream_wait_s < 0:
+            raise ValueError(f"--prefill-resends and --upstream-wait-s must be >= 0, got {self.prefill_resends} "
+                             f"and {self.upstream_wait_s}")
         for name in ("stall_timeout_s", "request_timeout_s", "cancel_timeout_s", "discovery_interval_s",
                      "ttft_slo_ms", "tbt_slo_ms", "max_batch_tokens", "max_batch_requests"):
             if not getattr(self, name) > 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import reprlib
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.metrics import ModelMetrics
-from router.upstream import Upstream
+from router.upstream import PrefillLost, Upstream
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
@@ -58,7 +59,7 @@ from tandem.protocol import (
     Status,
 )
 from tandem.rpc.convert import finish_from_proto, sampling_from_proto
-from tandem.rpc.v1 import common_pb2, decode_pb2, router_pb2
+from tandem.rpc.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2
 
 if TYPE_CHECKING:
     from router.admission import AdmissionController
@@ -139,6 +140,16 @@ class PreparedRequest:
     stop: tuple[str, ...]
     include_stop_str: bool = False  # the matched stop string ends the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
+
+
+@dataclass
+class _Sent:
+    """Where a request is upstream: its id there, its prefill service and its decode updates'
+    queue (a prompt sent again gets new ones)."""
+
+    upstream_id: str
+    prefill_address: str
+    queue: asyncio.Queue[decode_pb2.TokenUpdate]
 
 
 class TokenGapError(Exception):
@@ -342,8 +353,9 @@ class RouterCore:
             if client_timeout_s is not None:
                 budget_s = min(budget_s, client_timeout_s)
             deadline_s = loop.time() + budget_s
-            upstream_id = prepared.upstream_id
-            queue = self.upstream.streams.register(upstream_id)  # unique: cannot be in use
+            upstream_id = prepared.upstream_id  # admission's key, whatever sends the prompt again
+            # unique: cannot be in use
+            sent = _Sent(upstream_id, prefill_address, self.upstream.streams.register(upstream_id))
             generation = Generation(request_id, self.tokenizer, prepared.prompt_ids, prepared.params, prepared.stop,
                                     prepared.include_stop_str, prepared.skip_special_tokens)
             admission = self.admission
@@ -356,8 +368,7 @@ class RouterCore:
                                        retry_after_s=refusal.retry_after_s)
             try:
                 try:
-                    reply = await self.upstream.submit(prefill_address, upstream_id, prepared.prompt_ids,
-                                                       prepared.params, arrival_unix_ns, deadline_s)
+                    reply = await self._submit(sent, prepared, arrival_unix_ns, deadline_s)
                     if admission is not None:
                         admission.first_token(upstream_id, prefill_ns=reply.prefill_ns, handoff_ns=reply.handoff_ns,
                                               finished=reply.finish_reason != _UNSPECIFIED)
@@ -369,14 +380,14 @@ class RouterCore:
                 first_tokens = [reply.first_token] if reply.HasField("first_token") else []
                 if not first_tokens and reply.finish_reason == _UNSPECIFIED:
                     raise RequestError(Status.UNAVAILABLE,
-                                       f"prefill service at {prefill_address} replied without a first token")
+                                       f"prefill service at {sent.prefill_address} replied without a first token")
                 first = generation.advance(0, first_tokens, reply.finish_reason)
                 assert first is not None  # a token or a finish reason: advance always answers
                 first.ttft_ns = time.monotonic_ns() - started_ns
                 last_update_s = time.monotonic()
                 yield first
                 while not generation.finished:
-                    update = await next_update(queue, deadline_s, self._config.stall_timeout_s)
+                    update = await next_update(sent.queue, deadline_s, self._config.stall_timeout_s)
                     if not update.tokens and update.finish_reason == _UNSPECIFIED:
                         continue  # decode holds it without stepping it (waiting for KV blocks): alive
                     if admission is not None:
@@ -394,16 +405,41 @@ class RouterCore:
                     if response is not None:
                         yield response
             finally:
-                self.upstream.streams.unregister(upstream_id)
+                self.upstream.streams.unregister(sent.upstream_id)
                 if admission is not None:
                     admission.ended(upstream_id)
                 if not generation.ended_by_upstream:
-                    self.upstream.cancel_soon(upstream_id, prefill_address)
+                    self.upstream.cancel_soon(sent.upstream_id, sent.prefill_address)
                 log.debug("request %s (upstream %s): %d prompt tokens, %d generated, finish %s", request_id,
-                          upstream_id, generation.num_prompt_tokens, generation.num_delivered,
+                          sent.upstream_id, generation.num_prompt_tokens, generation.num_delivered,
                           generation.finish_reason)
         finally:
             self._in_flight.discard(request_id)
+
+    async def _submit(self, sent: _Sent, prepared: PreparedRequest, arrival_unix_ns: int,
+                      deadline_s: float) -> prefill_pb2.PrefillReply:
+        """``Prefill.Submit`` of ``sent``, sent again when its prefill service died or stopped before
+        it answered (``PrefillLost``: the client has seen nothing yet), at most ``--prefill-resends``
+        times and while the deadline allows: each time under a new upstream id, to the next prefill
+        service (the same one, restarted, when it is the only one), the old id cancelled at prefill
+        and at every decode service (a prompt handed to decode before the call broke)."""
+        for resend in itertools.count(1):
+            try:
+                return await self.upstream.submit(sent.prefill_address, sent.upstream_id, prepared.prompt_ids,
+                                                  prepared.params, arrival_unix_ns, deadline_s)
+            except PrefillLost as exc:
+                if not exc.reached or resend > self._config.prefill_resends \
+                        or asyncio.get_running_loop().time() >= deadline_s:
+                    raise
+                log.warning("request %s: %s; sending it again (%d of at most %d)", prepared.request_id,
+                            exc.message, resend, self._config.prefill_resends)
+                self.metrics.num_prefill_resends.inc()
+                self.upstream.streams.unregister(sent.upstream_id)
+                self.upstream.cancel_soon(sent.upstream_id, sent.prefill_address)
+                sent.upstream_id = f"{prepared.request_id}~{secrets.token_hex(6)}"
+                sent.queue = self.upstream.streams.register(sent.upstream_id)
+                sent.prefill_address = self.upstream.pick_prefill()
+        raise AssertionError("unreachable")
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
         """Validate ``request``, the cheap checks first; tokenize its prompt (see prompt_ids)."""

@@ -83,6 +83,9 @@ class RouterMetrics:
         self.num_requests_dropped = Counter(
             f"{PREFIX}num_requests_dropped", "Prompts dropped before prefill: their TTFT deadline was out of reach.",
             model, registry=r)
+        self.num_prefill_resends = Counter(
+            f"{PREFIX}num_prefill_resends", "Prompts sent again because their prefill service died or stopped "
+            "before it answered.", model, registry=r)
         self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
         self._names: list[str] = []  # the served models, the primary first
 
@@ -90,7 +93,8 @@ class RouterMetrics:
         """The request metrics of one served model (the first model asked for is the primary)."""
         if model_name not in self._names:
             self._names.append(model_name)
-            for counter in (self.num_preemptions, self.num_prefill_pauses, self.num_requests_dropped):
+            for counter in (self.num_preemptions, self.num_prefill_pauses, self.num_requests_dropped,
+                            self.num_prefill_resends):
                 counter.labels(model_name=model_name)  # the series exists, at 0, from the start
         return ModelMetrics(self, model_name)
 
@@ -167,6 +171,7 @@ class ModelMetrics:
         self.prefix_cache_hit_rate = metrics.prefix_cache_hit_rate.labels(**label)
         self.prompt_tokens = metrics.prompt_tokens.labels(**label)
         self.generation_tokens = metrics.generation_tokens.labels(**label)
+        self.num_prefill_resends = metrics.num_prefill_resends.labels(**label)
         self._num_requests = metrics.num_requests
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0

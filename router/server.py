@@ -174,7 +174,8 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
         sampling_defaults = await asyncio.to_thread(config.sampling_defaults, model_dir)
         if sampling_defaults.changed():
             log.info("sampling defaults of %s for what requests leave out: %s", name, sampling_defaults.changed())
-        upstream = Upstream(config.router_id, channels, config.cancel_timeout_s, config.stall_timeout_s)
+        upstream = Upstream(config.router_id, channels, config.cancel_timeout_s, config.stall_timeout_s,
+                            config.upstream_wait_s)
         cores.append(RouterCore(config, tokenizer, model_config, upstream, metrics.for_model(name), admission,
                                 sampling_defaults, model_id=name, primary=index == 0))
     models = ServedModels(cores)

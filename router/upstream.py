@@ -1,7 +1,8 @@
 """The router's side of the mesh: where prefill and decode services are, and the calls to them.
 
 ``Upstream`` is what the core asks of the services behind it: pick a prefill service, submit
-a prepared request to it (waiting up to UPSTREAM_CONNECT_WAIT_S for one that is restarting),
+a prepared request to it (waiting up to ``wait_s``, ``--upstream-wait-s``, for one that is
+restarting; a call its prefill service's death broke raises ``PrefillLost``),
 receive the request's decode updates (``streams``), cancel it everywhere, and say whether a
 prefill and a decode service are reachable. Every failure is a ``RequestError``: the core
 never sees a gRPC status. Discovery (``UpstreamSource``) tells it the addresses.
@@ -10,7 +11,6 @@ never sees a gRPC status. Discovery (``UpstreamSource``) tells it the addresses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -19,9 +19,10 @@ from typing import Any, NamedTuple, Protocol
 import grpc
 import grpc.aio
 
+from router.config import DEFAULT_UPSTREAM_WAIT_S
 from router.streams import DecodeStreams
 from tandem.protocol import RequestError, SamplingParams, Status
-from tandem.rpc.channels import ChannelPool
+from tandem.rpc.channels import ChannelPool, connection_broke
 from tandem.rpc.convert import retry_after_from, sampling_to_proto
 from tandem.rpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tandem.service.registry import ServiceLister, addresses_by_role
@@ -30,8 +31,6 @@ log = logging.getLogger("tandem.router")
 
 # How long a readiness probe waits for an upstream channel to connect.
 HEALTH_PROBE_TIMEOUT_S = 1.0
-# How long a request waits for an unreachable prefill_svc to come back before it fails.
-UPSTREAM_CONNECT_WAIT_S = 10.0
 
 
 # --- discovery ---------------------------------------------------------------------------------
@@ -75,6 +74,17 @@ class RegistryUpstreams:
 
 # --- calls -------------------------------------------------------------------------------------
 
+class PrefillLost(RequestError):
+    """A Submit that the prefill service's death, stop or lost connection broke off, not an
+    answer of the service: the prompt may be sent again (the client has seen nothing of it).
+    ``reached``: the call was sent on a connected channel (a service that is not back within the
+    wait raises it with False: sending again would wait for nothing)."""
+
+    def __init__(self, message: str, reached: bool) -> None:
+        super().__init__(Status.UNAVAILABLE, message)
+        self.reached = reached
+
+
 class Readiness(NamedTuple):
     ready: bool
     detail: str  # names the upstream addresses, or what is missing
@@ -88,8 +98,9 @@ class Upstream:
     """
 
     def __init__(self, router_id: str, channels: ChannelPool, cancel_timeout_s: float,
-                 stall_timeout_s: float = 0.0) -> None:
+                 stall_timeout_s: float = 0.0, wait_s: float = DEFAULT_UPSTREAM_WAIT_S) -> None:
         self._router_id = router_id
+        self._wait_s = wait_s
         self._channels = channels
         self._cancel_timeout_s = cancel_timeout_s
         self.streams = DecodeStreams(router_id, channels, on_orphan=self._cancel_orphan,
@@ -128,14 +139,18 @@ class Upstream:
 
     async def submit(self, address: str, upstream_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_unix_ns: int, deadline_s: float) -> prefill_pb2.PrefillReply:
-        """``Prefill.Submit``: the reply carries the first token. ``deadline_s`` is loop time."""
+        """``Prefill.Submit``: the reply carries the first token. ``deadline_s`` is loop time.
+        PrefillLost when the call broke off rather than had the service's answer."""
         channel = self._channels.get(address)
+        reached = True
         if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
             # A prefill_svc that is restarting is back within seconds: wait for it a little
             # rather than fail the request at once.
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(UPSTREAM_CONNECT_WAIT_S):
+            try:
+                async with asyncio.timeout(min(self._wait_s, max(deadline_s - asyncio.get_running_loop().time(), 0))):
                     await channel.channel_ready()
+            except TimeoutError:
+                reached = False
         timeout_s = deadline_s - asyncio.get_running_loop().time()
         stub = prefill_pb2_grpc.PrefillStub(channel)
         message = prefill_pb2.PrefillRequest(
@@ -155,8 +170,10 @@ class Upstream:
                 raise RequestError(Status[code.name], f"prefill: {exc.details()}",
                                    retry_after_s=retry_after_from(exc.trailing_metadata())) from None
             log.warning("prefill at %s failed request %s: %s %s", address, upstream_id, code.name, exc.details())
-            raise RequestError(Status.UNAVAILABLE,
-                               f"prefill service at {address} is unavailable ({code.name}: {exc.details()})") from None
+            why = f"prefill service at {address} is unavailable ({code.name}: {exc.details()})"
+            if connection_broke(exc):
+                raise PrefillLost(why, reached) from None
+            raise RequestError(Status.UNAVAILABLE, why) from None
         return reply
 
     # Cancellation -----------------------------------------------------------------------------

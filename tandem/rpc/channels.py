@@ -29,6 +29,37 @@ READY_PROBE_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+def connection_broke(exc: BaseException) -> bool:
+    """Whether a call that raised ``exc`` broke off (the service died or stopped, or its
+    connection did) rather than ended with the service's answer (an application error, a refusal).
+
+    A connection that broke mid-call can also end it UNKNOWN "Stream removed" (grpc/grpc#34076;
+    seen here when decode_svc was killed during a handoff, and on the first call after a kill,
+    written on the dead socket: "Stream removed (sendmsg: Broken pipe (32))"). A service that
+    answers UNAVAILABLE itself marks its answer (``answered_metadata``), and that answer is not
+    a broken call.
+    """
+    if not isinstance(exc, grpc.aio.AioRpcError) or answered(exc.trailing_metadata()):
+        return False
+    return exc.code() == grpc.StatusCode.UNAVAILABLE or (
+        exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed"))
+
+
+# Trailing metadata a service adds to the errors it answers itself, so that a caller tells them
+# from a call its death or its stop broke off (gRPC's own UNAVAILABLE: "Socket closed",
+# "Cancelling all calls"): only the latter is safe to send again elsewhere or to a successor.
+ANSWERED_KEY = "tandem-answered"
+
+
+def answered_metadata() -> tuple[tuple[str, str], ...]:
+    return ((ANSWERED_KEY, "1"),)
+
+
+def answered(metadata: Any) -> bool:
+    """Whether trailing metadata carries ``answered_metadata``'s mark."""
+    return any(name == ANSWERED_KEY for name, _ in metadata or ())
+
+
 class ChannelPool:
     """One grpc.aio channel per upstream address, created on first use and closed together.
 

@@ -363,26 +363,36 @@ def test_a_prefill_service_that_never_computes_builds_no_weight_copy(aggregated_
     assert split_mib - aggregated_mib > 0.8 * int(copy.group(1)), (split_mib, aggregated_mib)
 
 
-def test_prefill_killed_mid_prefill_fails_its_requests_clearly_and_frees_their_blocks(split_stack: Stack) -> None:
-    """Split mode: prefill_svc dies while it computes prompts; the agent takes their blocks back
-    when its lease ends, and the clients get a clear error."""
-    _kill_prefill_mid_prefill(split_stack, split=True)
+def test_prefill_killed_mid_prefill_and_restarted_serves_every_request_whole(split_stack: Stack,
+                                                                             engine: LLMEngine) -> None:
+    """Split mode: prefill_svc dies while it computes prompts and is started again at once (as
+    ``tandem up`` restarts it). The router sends each prompt the dead service had not answered
+    again to its successor, so every client gets its whole greedy output; the agent takes the
+    dead service's blocks back when its lease ends."""
+    _kill_prefill_mid_prefill(split_stack, split=True, engine=engine)
 
 
 def test_prefill_killed_while_decode_computes_its_prompts_frees_their_blocks(aggregated_stack: Stack) -> None:
-    """Aggregated mode: prefill_svc dies while decode_svc computes the prompts it forwarded;
-    decode sees their calls end and drops them (it holds their blocks, so nothing is reclaimed)."""
+    """Aggregated mode: prefill_svc dies while decode_svc computes the prompts it forwarded, and
+    nobody starts it again; decode sees their calls end and drops them (it holds their blocks, so
+    nothing is reclaimed), and the clients get a clear error once the router's wait for a prefill
+    service to come back (``--upstream-wait-s``) has passed."""
     _kill_prefill_mid_prefill(aggregated_stack, split=False)
 
 
-def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
+def _kill_prefill_mid_prefill(stack: Stack, split: bool, engine: LLMEngine | None = None) -> None:
+    """``engine`` given: prefill_svc is started again right after the kill, and every request
+    must complete with the engine's output; else it stays down until the clients have their
+    errors."""
     seed = fault_seed()
     rng = random.Random(seed)
 
-    async def kill_once() -> bool:
-        """One workload and one kill; whether the agent took blocks back from the dead prefill."""
-        work = _workload(rng, 16, prompt_len=(600, 1800), max_tokens=(2, 40))
+    async def kill_once() -> tuple[bool, int]:
+        """One workload and one kill; whether the agent took blocks back from the dead prefill,
+        and how many prompts the router sent again."""
+        work = _workload(rng, 16 if engine is None else 8, prompt_len=(600, 1800), max_tokens=(2, 40))
         before = await agent_stats(stack)
+        resent = stack.logs("router").count("sending it again")
         async with _revived(stack, "prefill_svc"):
             async with _run(stack.address("router"), work) as tasks:
                 deadline = time.monotonic() + 30
@@ -391,26 +401,38 @@ def _kill_prefill_mid_prefill(stack: Stack, split: bool) -> None:
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(rng.uniform(0.0, 0.3))
                 stack.kill("prefill_svc")
+                if engine is not None:
+                    await asyncio.to_thread(stack.start_process, "prefill_svc")
                 outcomes = await _outcomes(tasks)
-            for outcome in outcomes:
-                _check_clear_error(outcome)
-            assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), f"seed {seed}: the kill hit nothing"
-            # Nobody restarted prefill: its blocks came back by themselves (split: the agent took
-            # them when its lease ended; aggregated: decode dropped the prompts it held).
+            if engine is None:
+                for outcome in outcomes:
+                    _check_clear_error(outcome)
+                assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), f"seed {seed}: the kill hit nothing"
+            else:
+                _check_complete(engine, work, outcomes, seed)
+            # Every block came back (split: the agent took the dead prefill's when its lease
+            # ended; aggregated: decode dropped the prompts it held).
             await _drained(stack)
             after = await agent_stats(stack)
-        return after.num_reclaimed_requests > before.num_reclaimed_requests
+        return (after.num_reclaimed_requests > before.num_reclaimed_requests,
+                stack.logs("router").count("sending it again") - resent)
 
     async def run() -> None:
         # The tiny model prefills a prompt in tens of milliseconds: when the prompts reach prefill
         # slowly (a loaded CI host), the kill may find its queue drained, every prompt so far
         # handed to decode, and nothing to reclaim (CI, seed 543358307). Then the test kills again:
         # in split mode the agent must have taken a dead prefill's blocks back within three kills.
+        resent = 0
         for _ in range(3 if split else 1):
-            if await kill_once():
+            reclaimed, n = await kill_once()
+            resent += n
+            if reclaimed:
                 break
         else:
             assert not split, f"seed {seed}: in three kills the agent never reclaimed a dead prefill's blocks"
+        if engine is not None:
+            print(f"prompts sent again: {resent}")
+            assert resent > 0, f"seed {seed}: the router sent no prompt again"
         ((ids, params),) = _workload(rng, 1, prompt_len=(50, 50), max_tokens=(3, 3))
         tokens, _ = await generate(stack.address("router"), ids, params)
         assert len(tokens) == 3

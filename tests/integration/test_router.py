@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -31,7 +32,7 @@ from router.config import RouterConfig
 from router.server import RunningRouter, start_router
 from router.upstream import RegistryUpstreams, Upstreams
 from tandem.engine.tokenizer import Tokenizer
-from tandem.rpc.channels import bind, new_server
+from tandem.rpc.channels import answered_metadata, bind, new_server
 from tandem.rpc.v1 import (
     common_pb2,
     decode_pb2,
@@ -42,6 +43,7 @@ from tandem.rpc.v1 import (
     router_pb2_grpc,
 )
 from tandem.service.runtime import free_port
+from tests.integration.stack import fault_seed
 
 CONTEXT_LENGTH = 64
 ROUTER_ID = "router-test"
@@ -93,6 +95,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.cancelled: list[str] = []
         self.cancel_seen = asyncio.Event()
         self.behaviour: Behaviour = self._first_token_only
+        # the next Submits end so instead (code, details, trailing metadata), the first first
+        self.aborts: list[tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]] = []
 
     @staticmethod
     async def _first_token_only(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
@@ -102,6 +106,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     async def Submit(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillReply:
         self.submits.append(request)
         self.submitted.set()
+        if self.aborts:
+            code, details, metadata = self.aborts.pop(0)
+            await context.abort(code, details, metadata)
         return await self.behaviour(request)
 
     async def Cancel(self, request: prefill_pb2.CancelRequest, context: Any) -> prefill_pb2.CancelReply:
@@ -522,6 +529,67 @@ def test_decode_restart_reconnects_and_resend_is_deduplicated(model_dir: Path) -
             assert seen[-1].finish_reason == STOP and seen[-1].usage.completion_tokens == 5
 
     run(body())
+
+
+def test_a_prompt_whose_prefill_call_broke_is_sent_again_under_a_new_id(model_dir: Path) -> None:
+    """A Submit that ends UNAVAILABLE (or UNKNOWN "Stream removed") without prefill_svc's mark is
+    a call its death or stop broke: the router sends the prompt again under a new upstream id, at
+    most ``--prefill-resends`` times, and cancels each broken id at prefill and decode (the prompt
+    may have reached decode). An UNAVAILABLE that prefill_svc answered itself (marked) ends the
+    request at once. Random break counts and kinds, several requests on one router."""
+    resends = 2
+    rng = random.Random(fault_seed())
+
+    async def body() -> None:
+        async with stack(model_dir, prefill_resends=resends) as s:
+            async def behaviour(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillReply:
+                s.decode.emit(update(request.request_id, 1, [43], finish=STOP))
+                return first_token_reply(request, 42)
+
+            s.prefill.behaviour = behaviour
+            expected_resends = 0
+            for i in range(8):
+                breaks = rng.randint(0, resends + 1)
+                marked = rng.random() < 0.25
+                kinds = [rng.choice([(grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+                                     (grpc.StatusCode.UNAVAILABLE, "Cancelling all calls"),
+                                     (grpc.StatusCode.UNKNOWN, "Stream removed")]) for _ in range(breaks)]
+                s.prefill.aborts = [(code, details, ()) for code, details in kinds]
+                if marked:
+                    refused = "decode refused the request"
+                    s.prefill.aborts = [(grpc.StatusCode.UNAVAILABLE, refused, answered_metadata())]
+                before_submits, before_cancels = len(s.prefill.submits), len(s.decode.cancelled)
+                request = router_pb2.GenerateRequest(text="Hello", request_id=f"broke-{i}")
+                sent = s.prefill.submits
+                if marked or breaks > resends:
+                    error = await generate_error(s.client, request)
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                    assert ("decode refused" if marked else kinds[-1][1]) in (error.details() or ""), error.details()
+                    want_submits = 1 if marked else resends + 1
+                else:
+                    responses = await generate(s.client, request)
+                    assert all_tokens(responses) == [42, 43]
+                    want_submits = breaks + 1
+                ids = [m.request_id for m in sent[before_submits:]]
+                assert len(ids) == want_submits and len(set(ids)) == want_submits, (breaks, marked, ids)
+                assert all(x.startswith(f"broke-{i}~") for x in ids), ids
+                expected_resends += want_submits - 1
+                # every id the router gave up on is cancelled at decode (the prompt may have got there)
+                broken = set(ids[:want_submits - 1])
+                await _until(lambda: broken <= set(s.decode.cancelled[before_cancels:]))
+            assert s.router.core.upstream.streams.num_registered == 0
+            counted = re.search(r"^tandem:num_prefill_resends_total\{[^}]*\} (\S+)$",
+                                s.router.metrics.render().decode(), re.MULTILINE)
+            assert counted and float(counted.group(1)) == expected_resends, counted
+
+    run(body())
+
+
+async def _until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time"
+        await asyncio.sleep(0.01)
 
 
 def test_duplicate_request_id_and_orphan_updates(model_dir: Path) -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from prefill_svc import server
 from prefill_svc.server import PrefillWorker, RequestFailed, _Pending
 from tandem.engine.sampling import SamplingParams
+from tandem.rpc.channels import answered_metadata, connection_broke
 from tandem.rpc.convert import kv_freed_metadata
 from tandem.rpc.v1 import agent_pb2, decode_pb2, prefill_pb2
 
@@ -200,8 +201,20 @@ def test_a_handoff_goes_again_only_when_its_connection_broke(code: grpc.StatusCo
     asyncio.run(run())
 
 
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def test_an_unavailable_the_service_answered_itself_is_no_broken_connection() -> None:
+    """A service marks the errors it answers itself (``answered_metadata``): the router sends
+    a prompt again only when gRPC's own UNAVAILABLE broke the call, never on prefill_svc's own
+    answer ("decode refused the request"), whatever its code."""
+    for code, details in ((grpc.StatusCode.UNAVAILABLE, "decode refused the request"),
+                          (grpc.StatusCode.UNKNOWN, "Stream removed")):
+        assert connection_broke(_rpc_error(code, details))
+        assert not connection_broke(_rpc_error(code, details, answered_metadata()))
+        assert not connection_broke(_rpc_error(code, details, (("retry-after", "1.000"), *answered_metadata())))
+    assert not connection_broke(RuntimeError("Socket closed"))
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
 
 
 # How a kill of decode_svc broke handoff calls here: the call in flight, and the next one,
