@@ -189,10 +189,11 @@ async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats:
         except grpc.aio.AioRpcError:
             if time.monotonic() >= deadline:
                 raise
-        settled = stats is not None and stats.num_free_blocks == stats.num_blocks and not stats.num_requests \
-            and stats.num_free_slabs == stats.num_slabs
-        if stats is not None and (settled or time.monotonic() >= deadline):
-            return stats
+        if stats is not None:
+            settled = stats.num_free_blocks == stats.num_blocks and not stats.num_requests \
+                and stats.num_free_slabs == stats.num_slabs
+            if settled or time.monotonic() >= deadline:
+                return stats
         await asyncio.sleep(0.5)
 
 

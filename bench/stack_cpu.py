@@ -41,8 +41,7 @@ def stack_processes(root_pid: int) -> list[StackProcess]:
     """``root_pid``'s descendants (Linux ``/proc``), each with its role and CPU seconds."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
-    info: dict[int, tuple[str, float, bool]] = {}
-    parent: dict[int, int] = {}
+    info: dict[int, tuple[str, float, bool, int]] = {}  # command line, CPU seconds, zombie, parent
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -53,15 +52,14 @@ def stack_processes(root_pid: int) -> list[StackProcess]:
             continue
         pid, ppid = int(entry.name), int(fields[1])
         children.setdefault(ppid, []).append(pid)
-        parent[pid] = ppid
-        info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick, fields[0] == "Z")
+        info[pid] = (cmd, (int(fields[11]) + int(fields[12])) / tick, fields[0] == "Z", ppid)
     found: list[StackProcess] = []
     todo = list(children.get(root_pid, []))
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        cmd, cpu, zombie = info[pid]
-        found.append(StackProcess(pid, next((r for r in ROLES if r in cmd), "other"), cpu, zombie, parent[pid]))
+        cmd, cpu, zombie, ppid = info[pid]
+        found.append(StackProcess(pid, next((r for r in ROLES if r in cmd), "other"), cpu, zombie, ppid))
     return found
 
 

@@ -348,11 +348,11 @@ class RouterCore:
         self._in_flight.add(request_id)
         try:
             prepared = await self._prepare(request, request_id)
-            prefill_address = self.upstream.pick_prefill()
             budget_s = self._config.request_timeout_s
             if client_timeout_s is not None:
                 budget_s = min(budget_s, client_timeout_s)
             deadline_s = loop.time() + budget_s
+            prefill_address = await self.upstream.pick_prefill(deadline_s)
             upstream_id = prepared.upstream_id  # admission's key, whatever sends the prompt again
             # unique: cannot be in use
             sent = _Sent(upstream_id, prefill_address, self.upstream.streams.register(upstream_id))
@@ -438,7 +438,7 @@ class RouterCore:
                 self.upstream.cancel_soon(sent.upstream_id, sent.prefill_address)
                 sent.upstream_id = f"{prepared.request_id}~{secrets.token_hex(6)}"
                 sent.queue = self.upstream.streams.register(sent.upstream_id)
-                sent.prefill_address = self.upstream.pick_prefill()
+                sent.prefill_address = await self.upstream.pick_prefill(deadline_s)
         raise AssertionError("unreachable")
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:

@@ -11,6 +11,7 @@ never sees a gRPC status. Discovery (``UpstreamSource``) tells it the addresses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -101,6 +102,7 @@ class Upstream:
                  stall_timeout_s: float = 0.0, wait_s: float = DEFAULT_UPSTREAM_WAIT_S) -> None:
         self._router_id = router_id
         self._wait_s = wait_s
+        self._known = asyncio.Event()  # set while a prefill and a decode service are known
         self._channels = channels
         self._cancel_timeout_s = cancel_timeout_s
         self.streams = DecodeStreams(router_id, channels, on_orphan=self._cancel_orphan,
@@ -112,7 +114,7 @@ class Upstream:
     @property
     def knows_both(self) -> bool:
         """Whether a prefill and a decode service are known (from the flags or the registry):
-        without, ``pick_prefill`` refuses every request."""
+        without, ``pick_prefill`` waits for them, then refuses."""
         return bool(self._prefill_addresses and self.streams.addresses)
 
     def set_upstreams(self, upstreams: Upstreams) -> None:
@@ -121,6 +123,10 @@ class Upstream:
                      ", ".join(upstreams.prefill) or "none", ", ".join(upstreams.decode) or "none")
         self._prefill_addresses = upstreams.prefill
         self.streams.set_addresses(upstreams.decode)
+        if self.knows_both:
+            self._known.set()
+        else:
+            self._known.clear()
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Wait (up to ``timeout_s``) for pending upstream cancels, then stop the streams."""
@@ -128,8 +134,15 @@ class Upstream:
             await asyncio.wait(set(self._background), timeout=timeout_s)
         await self.streams.close()
 
-    def pick_prefill(self) -> str:
-        """A prefill address (round robin); UNAVAILABLE when no prefill or no decode is known."""
+    async def pick_prefill(self, deadline_s: float) -> str:
+        """A prefill address (round robin). While no prefill or no decode service is known (the
+        registry lists a restarting service again only once it serves) it waits for both, up to
+        ``wait_s`` and the deadline (loop time); UNAVAILABLE when they do not come."""
+        if not self.knows_both:
+            remaining_s = min(self._wait_s, deadline_s - asyncio.get_running_loop().time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(remaining_s, 0)):
+                    await self._known.wait()
         addresses = self._prefill_addresses
         if not addresses:
             raise RequestError(Status.UNAVAILABLE, "no prefill service is known to this router")

@@ -208,6 +208,26 @@ def start_up(args: list[str], log_path: Path, timeout_s: float = 300) -> subproc
     return proc
 
 
+def up_pid(log: str, name: str) -> int:
+    """The newest pid `tandem up` reported for ``name`` in its log ("NAME ready at ... (pid N)")."""
+    return int(re.findall(rf"tandem up: {re.escape(name)} ready at \S+ \(pid (\d+)\)", log)[-1])
+
+
+def wait_up_log(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, timeout_s: float,
+                start: int = 0) -> re.Match[str]:
+    """The first match of ``pattern`` in `tandem up`'s log from offset ``start`` on, once it is
+    there; fails when the stack exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log = log_path.read_text(errors="replace")
+        found = re.search(pattern, log[start:])
+        if found:
+            return found
+        assert proc.poll() is None, f"exited {proc.returncode}: {log[-4000:]}"
+        assert time.monotonic() < deadline, f"never logged {pattern!r}: {log[-4000:]}"
+        time.sleep(0.1)
+
+
 def stop_up(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 90, check: bool = True) -> None:
     """SIGTERM, then wait for the whole stack to stop; with ``check``, it must exit 0."""
     proc.send_signal(signal.SIGTERM)

@@ -33,7 +33,15 @@ from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_ports
-from tests.integration.stack import assert_greedy_output, fault_seed, start_up, stop_up, with_top2
+from tests.integration.stack import (
+    assert_greedy_output,
+    fault_seed,
+    start_up,
+    stop_up,
+    up_pid,
+    wait_up_log,
+    with_top2,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -217,7 +225,7 @@ def test_one_models_decode_svc_killed_mid_stream_spares_the_other_model(up: Up, 
     takes back the dead service's). Last in this module: the cell it leaves is a restarted one."""
     rng = random.Random(fault_seed())
     text = up.log.read_text(errors="replace")
-    victim = int(re.findall(r"tandem up: decode_svc-1 ready at \S+ \(pid (\d+)\)", text)[-1])  # --model order
+    victim = up_pid(text, "decode_svc-1")  # --model order
     jobs = [(model, [rng.randrange(100, 40000) for _ in range(rng.randint(3, 150))],  # the killed ones outlast 1 s
              SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 48) * (1 if model == FP32_KV else 3),
                             ignore_eos=True))
@@ -254,11 +262,7 @@ def test_one_models_decode_svc_killed_mid_stream_spares_the_other_model(up: Up, 
             assert (got.details() or "").strip(), f"{where}: an error with no message: {got!r}"
         else:
             assert len(got) == params.max_tokens, where
-    deadline = time.monotonic() + 180
-    while len(re.findall(r"tandem up: decode_svc-1 ready at", up.log.read_text(errors="replace"))) < \
-            text.count("tandem up: decode_svc-1 ready at") + 1:
-        assert up.proc.poll() is None and time.monotonic() < deadline, "decode_svc-1 was not restarted"
-        time.sleep(0.2)
+    wait_up_log(up.proc, up.log, r"tandem up: decode_svc-1 ready at", 180, start=len(text))  # restarted
     again = asyncio.run(_generate(up.grpc_address, BF16_KV, [1, 2, 3],
                                   SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
     assert len(again) == 4

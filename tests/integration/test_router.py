@@ -688,19 +688,26 @@ def test_registry_discovery_feeds_upstreams(model_dir: Path) -> None:
         config = RouterConfig(
             model_dir=model_dir, host="127.0.0.1", grpc_port=0, prefill_addresses=(), decode_addresses=(),
             redis_url="redis://unused", cell_id="cell0", router_id=ROUTER_ID, stall_timeout_s=5.0,
-            request_timeout_s=30.0, discovery_interval_s=0.05,
+            request_timeout_s=30.0, discovery_interval_s=0.05, upstream_wait_s=1.0,
         )
         router = await start_router(config, source=RegistryUpstreams(registry, config.cell_id))
         channel = grpc.aio.insecure_channel(router.address)
         client = router_pb2_grpc.RouterStub(channel)
         try:
+            # none known: the request waits --upstream-wait-s for one, then fails
+            started = time.monotonic()
             error = await generate_error(client, router_pb2.GenerateRequest(text="Hello"))
             assert error.code() == grpc.StatusCode.UNAVAILABLE and "no prefill service" in (error.details() or "")
+            assert time.monotonic() - started >= 0.9
+            # services announced while a request waits (a restart): it is served
+            prefill.behaviour = lambda r: _finished_reply(r)
+            waiting = asyncio.create_task(generate(client, router_pb2.GenerateRequest(text="Hello")))
+            await asyncio.sleep(random.uniform(0.1, 0.6))
             registry.services = [Info(prefill_address, "prefill", "cell0"), Info(decode_address, "decode", "cell0"),
                                  Info("127.0.0.1:1", "decode", "other-cell")]
+            assert (await waiting)[-1].finish_reason == STOP
             await asyncio.wait_for(decode.stream_opened.wait(), 5)
             assert router.core.upstream.streams.addresses == (decode_address,)
-            prefill.behaviour = lambda r: _finished_reply(r)
             responses = await generate(client, router_pb2.GenerateRequest(text="Hello"))
             assert responses[-1].finish_reason == STOP
         finally:

@@ -29,7 +29,7 @@ from tandem.engine.shm_files import SHM_DIR
 from tandem.launcher import EXIT_GAVE_UP
 from tandem.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import free_ports
-from tests.integration.stack import ROOT, fault_seed, write_stepping_chat_model
+from tests.integration.stack import ROOT, fault_seed, up_pid, wait_up_log, write_stepping_chat_model
 
 CELL_ID = f"sup-{uuid.uuid4().hex[:6]}"  # both stacks use it: their files must still not collide
 STALL_TIMEOUT_S = 5.0  # the router's wait for a decode update: a lost request's error comes this fast
@@ -48,18 +48,11 @@ class Up:
         return self.log_path.read_text(errors="replace")
 
     def wait_log(self, pattern: str, timeout_s: float, start: int = 0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = re.search(pattern, self.log()[start:])
-            if found:
-                return found
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.log()[-4000:]}"
-            assert time.monotonic() < deadline, f"never logged {pattern!r}: {self.log()[-4000:]}"
-            time.sleep(0.1)
+        return wait_up_log(self.proc, self.log_path, pattern, timeout_s, start)
 
     def pid(self, name: str) -> int:
         """The newest pid the launcher reported for ``name``."""
-        return int(re.findall(rf"tandem up: {name} ready at \S+ \(pid (\d+)\)", self.log())[-1])
+        return up_pid(self.log(), name)
 
     def shm_prefix(self) -> str:
         """The running agent's shared-memory prefix, as the launcher printed it last."""
