@@ -217,6 +217,60 @@ def test_the_router_lists_both_models_and_refuses_an_unknown_one(up: Up) -> None
     assert free == expected and min(free.values()) > 0, (free, expected)
 
 
+def test_one_models_prefill_svc_killed_mid_prompt_has_its_prompts_sent_again(up: Up, smollm2_dir: Path) -> None:
+    """SIGKILL the bf16 model's prefill_svc while its long prompts are before their first token
+    (seeded, TANDEM_FAULT_SEED), as the fp32 model streams: `tandem up` restarts it, and the router
+    sends its prompts again (registry discovery: the dead service may still be listed, or none for
+    a moment), so every request of both models completes whole; the fp32 model's with its engine's
+    greedy output. Every block and slab comes back. Tried up to three times, until a kill found a
+    prompt to send again."""
+    rng = random.Random(fault_seed())
+    resent = 0
+    for _ in range(3):
+        text = up.log.read_text(errors="replace")
+        victim = up_pid(text, "prefill_svc-1")  # --model order
+        jobs = [(FP32_KV, [rng.randrange(100, 40000) for _ in range(rng.randint(3, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randint(32, 64), ignore_eos=True)),
+                (FP32_KV, [rng.randrange(100, 40000) for _ in range(rng.randint(3, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randint(32, 64), ignore_eos=True)),
+                *[(BF16_KV, [rng.randrange(100, 40000) for _ in range(rng.randint(500, 800))],
+                   SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 16), ignore_eos=True))
+                  for _ in range(2)]]
+
+        async def run() -> list[list[int] | grpc.aio.AioRpcError]:
+            async def one(model: str, prompt: list[int], params: SamplingParams) -> list[int] | grpc.aio.AioRpcError:
+                try:
+                    return await _generate(up.grpc_address, model, prompt, params)
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+
+            tasks = [asyncio.create_task(one(m, p, s)) for m, p, s in jobs]
+            await asyncio.sleep(rng.uniform(0.05, 0.3))  # the long prompts are still before their first token
+            os.kill(victim, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        print("outcomes:", [r.code().name if isinstance(r, grpc.aio.AioRpcError) else f"{len(r)} tokens"
+                            for r in results])
+        engine = LLMEngine.from_dir(smollm2_dir, num_blocks=256)
+        wants = iter(engine.generate([p for m, p, _ in jobs if m == FP32_KV],
+                                     [with_top2(s) for m, _, s in jobs if m == FP32_KV]))
+        for (model, prompt, params), got in zip(jobs, results, strict=True):
+            where = f"{model}, prompt of {len(prompt)}, {params.max_tokens} tokens"
+            assert isinstance(got, list), f"{where}: {got!r}"
+            if model == FP32_KV:
+                assert_greedy_output(got, next(wants), 1e-4, where)
+            else:
+                assert len(got) == params.max_tokens, where
+        wait_up_log(up.proc, up.log, r"tandem up: prefill_svc-1 ready at", 180, start=len(text))  # restarted
+        resent = up.log.read_text(errors="replace")[len(text):].count("sending it again")
+        if resent:
+            break
+    assert resent, "in three kills no prompt of the killed prefill_svc was sent again"
+    after = asyncio.run(up.drained(60))
+    assert after.num_requests == 0 and after.num_free_slabs == after.num_slabs, after
+
+
 def test_one_models_decode_svc_killed_mid_stream_spares_the_other_model(up: Up, smollm2_dir: Path) -> None:
     """SIGKILL the bf16 model's decode_svc at a random moment while both models stream (seeded,
     TANDEM_FAULT_SEED): every request of the fp32 model still completes with its engine's greedy
