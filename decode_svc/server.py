@@ -41,10 +41,11 @@ from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, st
 from tandem.policy.local import DROP_MARGIN, drop_error, out_of_reach
 from tandem.policy.policies import ChunkedConfig
 from tandem.policy.types import QueuedRequest
+from tandem.rpc.channels import connection_broke
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
-from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+from tandem.service.cell import AGENT_WAIT_S, RPC_TIMEOUT_S, CellMember
 from tandem.service.step_profile import StepProfiler, parse_window
 from tandem.state.request_store import OutputUpdate, RequestExistsError, RequestStore
 from tandem.state.schema import LoadReport, RequestRecord, RequestState
@@ -58,6 +59,8 @@ _STREAM_QUEUE_LIMIT = 10_000  # TokenBatches buffered for a router that is not r
 # INTERNAL): the pool stayed full, or a service was away; either way it may try again.
 _AGENT_ERROR_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
                        grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE", grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE"}
+_AGENT_AWAY = "agent away"  # ``_grow_blocks``: a request held while its Extend finds the agent unreachable
+AGENT_RETRY_S = 0.1  # how often a loop whose every due request waits for the agent asks again
 _ENDS_KEPT = 1024  # requests whose end went into a stream, kept to send again (DecodeWorker.reopened)
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
@@ -233,6 +236,10 @@ class DecodeWorker:
         self._stepping: Sequence[_Active] = ()  # that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
+        # Since when Extend finds the agent unreachable (perf_counter_ns; None: it answers), and
+        # how many running requests the last step held for it (``_grow_blocks``).
+        self._agent_lost_ns: int | None = None
+        self._held_for_agent = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
         # whose final state Redis has not taken yet.
@@ -695,6 +702,10 @@ class DecodeWorker:
             chunks = self._plan_chunks()
             if batch or chunks:
                 await self._step(batch, chunks)
+            elif self._held_for_agent:
+                # Every request due a block waits for an unreachable agent (``_grow_blocks``).
+                self._last_step_end_ns = 0
+                await asyncio.sleep(AGENT_RETRY_S)
             elif self.preempted or self.prefilling:
                 # Only requests waiting for blocks (others, prefill's, hold them for now), or
                 # prompts of a co-located model's cell that the partition gives no tokens yet
@@ -926,7 +937,7 @@ class DecodeWorker:
         """Blocks for every request's next token. When the pool is full, the youngest running
         request is preempted (its blocks freed, its K/V recomputed when it is readmitted) until
         the growth fits — the request itself if it is the youngest."""
-        async def grow(active: _Active) -> bool | None:
+        async def grow(active: _Active) -> bool | str | None:
             req = active.req
             need = len(req.all_token_ids)
             if len(req.block_ids) * self.block_size < need:
@@ -939,14 +950,24 @@ class DecodeWorker:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     return None  # pool full: preempt and retry
+                now_ns = time.perf_counter_ns()
+                if connection_broke(exc) and (self._agent_lost_ns is None
+                                              or now_ns - self._agent_lost_ns < AGENT_WAIT_S * 1e9):
+                    if self._agent_lost_ns is None:
+                        self._agent_lost_ns = now_ns
+                        log.warning("%s: the agent is unreachable (%s); requests due a block wait for it up to "
+                                    "%g s", self.service_id, exc.details(), AGENT_WAIT_S)
+                    return _AGENT_AWAY  # held this step, asked again at the next
                 active.error = f"growing the request's KV blocks failed: {exc.details()}"
                 active.error_status = _AGENT_ERROR_STATUS.get(exc.code(), "")
                 return False
+            self._agent_lost_ns = None
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
             req.block_ids = list(reply.block_ids)
             return True
 
+        self._held_for_agent = 0
         due = []
         for active in batch:  # most steps every request has room: no call and no task
             req = active.req
@@ -965,7 +986,9 @@ class DecodeWorker:
                     grown = await grow(active)
             if grown is False:
                 await self._finish(active, "error")
-        return [a for a in batch if a in self.running]
+        held = {id(a) for a, grown in zip(due, ok, strict=True) if grown is _AGENT_AWAY}
+        self._held_for_agent = len(held)
+        return [a for a in batch if a in self.running and id(a) not in held]
 
     def _grow_ahead_if_near(self, active: _Active) -> None:
         """Ask for ``active``'s next block in the background when its tokens come within

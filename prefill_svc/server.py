@@ -34,7 +34,7 @@ from tandem.rpc.channels import ChannelPool, answered_metadata, connection_broke
 from tandem.rpc.convert import finish_to_proto, kv_freed_from, retry_after_metadata, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tandem.service.cell import RPC_TIMEOUT_S, CellMember
+from tandem.service.cell import AGENT_WAIT_S, RPC_TIMEOUT_S, CellMember
 from tandem.state.schema import LoadReport
 
 # Aggregated mode: decode answers the handoff with the first token, after the prompt's chunks
@@ -86,6 +86,8 @@ class _Pending:
     enqueued_unix_ns: int = field(default_factory=time.time_ns)
     cancelled: bool = False
     waiting_for_blocks: bool = False  # the pool was full at its last allocation attempt
+    waiting_for_agent: bool = False  # the agent was unreachable at its last allocation attempt
+    agent_lost_ns: int | None = None  # since when its Allocate finds the agent unreachable (perf_counter_ns)
     slot: QueuedRequest | None = None  # its place in the local scheduler's EDF queue
     # The Submit call's trace context: the batch loop's spans for this request join its trace.
     trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
@@ -227,8 +229,8 @@ class PrefillWorker:
     async def _run_batch(self, batch: list[_Pending], preempted_id: str = "") -> None:
         try:
             await self._process(batch, preempted_id)
-            waiting = [p for p in batch if p.waiting_for_blocks and not p.future.done()]
-            if waiting:  # the pool is full: back to the head of the queue, in order
+            waiting = [p for p in batch if _asks_again(p) and not p.future.done()]
+            if waiting:  # the pool is full or the agent away: back to the head of the queue, in order
                 for pending in reversed(waiting):
                     self.queue.appendleft(pending)
                 await asyncio.sleep(POOL_RETRY_S)
@@ -344,14 +346,14 @@ class PrefillWorker:
         refused_now = False
         if not self._pool_gate.locked():
             req = await self._allocate(pending)
-            if req is not None or not pending.waiting_for_blocks:
+            if req is not None or not _asks_again(pending):
                 return req
             # First in line at once: its refusal is the line's latest answer. Behind others,
             # it asks when its turn comes (the ones before it may have freed the way).
             refused_now = not self._pool_gate.locked()
         async with self._pool_gate:
             req = None if refused_now else await self._allocate(pending)
-            while req is None and pending.waiting_for_blocks:
+            while req is None and _asks_again(pending):
                 await asyncio.sleep(POOL_RETRY_S)
                 req = await self._allocate(pending)
             return req
@@ -449,8 +451,9 @@ class PrefillWorker:
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            pending.waiting_for_blocks = False
+            pending.waiting_for_blocks = pending.waiting_for_agent = False
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                pending.agent_lost_ns = None
                 spec = self.runner.pool.spec
                 now_ns = time.perf_counter_ns()
                 self._pool_moved(kv_freed_from(exc.trailing_metadata()), now_ns)
@@ -464,9 +467,16 @@ class PrefillWorker:
                 else:
                     _fail(pending, code, f"KV cache is full (waited {waited_s:.0f} s, the last {stalled_s:.0f} s "
                                          f"without a block coming back): {exc.details()}")
+            elif connection_broke(exc) and not pending.cancelled and (
+                    pending.agent_lost_ns is None
+                    or time.perf_counter_ns() - pending.agent_lost_ns < AGENT_WAIT_S * 1e9):
+                if pending.agent_lost_ns is None:
+                    pending.agent_lost_ns = time.perf_counter_ns()
+                pending.waiting_for_agent = True  # requeued, asking every POOL_RETRY_S (AGENT_WAIT_S)
             else:
                 _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
             return None
+        pending.agent_lost_ns = None
         self._pool_moved_ns = time.perf_counter_ns()  # the line moved
         req = Request(msg.request_id, list(msg.token_ids), pending.params, make_generator(pending.params.seed))
         req.block_ids = list(reply.block_ids)
@@ -653,6 +663,12 @@ class PrefillWorker:
 def _queued_msg(pending: _Pending) -> agent_pb2.QueuedPrefill:
     return agent_pb2.QueuedPrefill(request_id=pending.msg.request_id, prompt_tokens=len(pending.msg.token_ids),
                                    arrival_unix_ns=pending.msg.arrival_unix_ns or pending.enqueued_unix_ns)
+
+
+def _asks_again(pending: _Pending) -> bool:
+    """Whether a prompt whose allocation failed waits to ask again: the pool was full, or the
+    agent unreachable for less than AGENT_WAIT_S."""
+    return pending.waiting_for_blocks or pending.waiting_for_agent
 
 
 def _succeed(pending: _Pending, reply: prefill_pb2.PrefillReply) -> None:

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.cell")
 T = TypeVar("T")
 RPC_TIMEOUT_S = 10.0
+# How long a service's request waits through its agent's outage (its Allocate or Extend finding the
+# agent unreachable, asked again meanwhile) before it fails: an agent that dies takes its cell down
+# (`tandem up` restarts the cell whole; under compose the services exit when its files go), and a
+# request still waiting then is stopped with its service, whose successor (decode) or the router
+# (a prompt) carries it on; failed at once, its client had the error.
+AGENT_WAIT_S = 10.0
 # How long a joining service waits for its agent: ``tandem up`` starts them together, and the
 # agent serves only once it has loaded the weights (as long as ``tandem up --ready-timeout-s``).
 JOIN_WAIT_S = 300.0

@@ -26,6 +26,8 @@ import time
 from collections import OrderedDict, deque
 from types import SimpleNamespace
 
+import grpc
+import grpc.aio
 import pytest
 
 import decode_svc.server as decode_server
@@ -83,6 +85,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker._readmit_after_ns = 0
     worker.block_size = block_size
     worker.num_preemptions = 0
+    worker._agent_lost_ns, worker._held_for_agent = None, 0
     return worker
 
 
@@ -232,6 +235,71 @@ def test_the_next_block_comes_in_the_background_and_before_the_blocks_go_back(se
             if active not in leaving:  # every staying request holds what its next token needs
                 assert len(active.req.block_ids) * block_size >= len(active.req.all_token_ids)
                 assert active.req.block_ids == held[active.req.request_id]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_requests_due_a_block_wait_for_an_unreachable_agent_then_fail_past_the_agent_wait(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running requests of random lengths, the agent unreachable (gRPC's own UNAVAILABLE): each
+    request due a block is held out of the step, still running and without an error, while the
+    others step; when the agent answers again they get their blocks. An agent away longer than
+    AGENT_WAIT_S fails the requests due a block, UNAVAILABLE with the documented message; an
+    error the agent answers (not a broken call) fails them at once."""
+    rng = random.Random(seed)
+    block_size = 16
+    monkeypatch.setattr(decode_server, "AGENT_WAIT_S", 0.2)
+
+    async def main() -> None:
+        calls: list[tuple[str, str]] = []
+        held: dict[str, list[int]] = {}
+        worker = _worker(calls, block_size, held)
+        agent: _SlowAgent = worker.member.agent  # type: ignore[assignment]
+        agent.go.set()
+        answer = agent.Extend
+        away = {"code": grpc.StatusCode.UNAVAILABLE, "details": "failed to connect to all addresses"}
+
+        async def extend(request, timeout: float):  # type: ignore[no-untyped-def]
+            if away:
+                raise grpc.aio.AioRpcError(away["code"], grpc.aio.Metadata(), grpc.aio.Metadata(), away["details"])
+            return await answer(request, timeout)
+
+        agent.Extend = extend  # type: ignore[method-assign]
+        ends: list[tuple[str, str]] = []  # the ends sent to the routers (the stand-in outbox)
+        worker._send = lambda batch, finish=None: ends.extend((finish or {}).items())  # type: ignore[method-assign]
+        actives = []
+        for i in range(rng.randint(2, 10)):
+            n = rng.randint(1, 6 * block_size)
+            req = Request(f"r{seed}-{i}", list(range(1, n + 1)), SamplingParams(max_tokens=100), None)
+            held[req.request_id] = list(range(i * 100, i * 100 + -(-n // block_size)))
+            req.block_ids = list(held[req.request_id])
+            if rng.random() < 0.5:  # its next token needs a block now
+                req.output_token_ids.extend([5] * (len(req.block_ids) * block_size - n + 1))
+            actives.append(_Active(req, "router", num_sent=0))
+        worker.running = list(actives)
+        due = [a for a in actives if len(a.req.all_token_ids) > len(a.req.block_ids) * block_size]
+
+        for _ in range(2):  # within the wait: held, not failed
+            batch = await asyncio.wait_for(worker._grow_blocks(list(actives)), timeout=1.0)
+            assert batch == [a for a in actives if a not in due] and worker._held_for_agent == len(due)
+            assert worker.running == actives and all(not a.error for a in actives)
+        if rng.random() < 0.5:  # the agent is back: every request grows
+            away.clear()
+            batch = await asyncio.wait_for(worker._grow_blocks(list(actives)), timeout=1.0)
+            assert batch == actives and worker._held_for_agent == 0 and worker._agent_lost_ns is None
+            assert all(len(a.req.block_ids) * block_size >= len(a.req.all_token_ids) for a in actives)
+            return
+        if rng.random() < 0.5:
+            await asyncio.sleep(0.25)  # past the wait
+        else:  # an error the agent answers: at once
+            away.update(code=grpc.StatusCode.INTERNAL, details="ledger exploded")
+        batch = await asyncio.wait_for(worker._grow_blocks(list(actives)), timeout=1.0)
+        assert batch == [a for a in actives if a not in due] and worker.running == batch
+        assert [("release", a.req.request_id) for a in due] == [c for c in calls if c[0] == "release"]
+        assert sorted(ends) == sorted((a.req.request_id, "error") for a in due)
+        for active in due:
+            assert active.error == f"growing the request's KV blocks failed: {away['details']}"
 
     asyncio.run(main())
 

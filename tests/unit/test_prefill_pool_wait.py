@@ -175,6 +175,79 @@ def test_a_busy_pool_keeps_prompts_waiting_and_a_stalled_one_fails_them(monkeypa
     assert all(wait_s * 0.9 <= t - stalled <= wait_s + 1.0 for t in ended)
 
 
+class _AwayAgent(_FullPool):
+    """An agent unreachable (gRPC's own UNAVAILABLE, as from a dead process) until ``back_at``
+    (time.monotonic()), then answering as ``_FullPool``."""
+
+    def __init__(self, free: int, back_at: float) -> None:
+        super().__init__(free)
+        self.back_at = back_at
+        self.unreachable = 0
+
+    async def Allocate(self, request: agent_pb2.AllocateRequest, timeout: float) -> agent_pb2.AllocateReply:  # noqa: N802
+        if time.monotonic() < self.back_at:
+            self.unreachable += 1
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+        return await super().Allocate(request, timeout)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prompt_waits_for_an_agent_that_comes_back_within_the_agent_wait(monkeypatch: pytest.MonkeyPatch,
+                                                                          seed: int) -> None:
+    """Prompts whose Allocate finds the agent unreachable ask again, in line, and get their blocks
+    once it answers (an outage shorter than AGENT_WAIT_S, of random length), in arrival order;
+    the pool being full after the outage still counts as waiting for blocks."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(server, "POOL_RETRY_S", 0.01)
+    monkeypatch.setattr(server, "AGENT_WAIT_S", 1.0)
+    num, outage_s = rng.randint(1, 6), rng.uniform(0.05, 0.6)
+
+    async def run() -> tuple[_AwayAgent, list[Any]]:
+        agent = _AwayAgent(num, time.monotonic() + outage_s)
+        worker = _worker(agent)
+        tasks = []
+        for i in range(num):
+            tasks.append(asyncio.create_task(worker._allocate_waiting(_pending(i))))
+            await asyncio.sleep(0.002)
+        return agent, await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    agent, results = asyncio.run(run())
+    assert all(r is not None for r in results) and agent.unreachable > 0
+    assert agent.granted == [f"r{i}" for i in range(num)]
+
+
+def test_a_prompt_fails_once_the_agent_stays_away_past_the_agent_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent away for good: each prompt fails UNAVAILABLE ("gpu_agent: ...") once it has asked
+    for AGENT_WAIT_S, not at once; an error the agent answers (not a broken call) fails at once."""
+    monkeypatch.setattr(server, "POOL_RETRY_S", 0.01)
+    monkeypatch.setattr(server, "AGENT_WAIT_S", 0.3)
+
+    async def run() -> tuple[list[Any], float]:
+        worker = _worker(_AwayAgent(10, float("inf")))
+        pendings = [_pending(i) for i in range(3)]
+        start = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(worker._allocate_waiting(p) for p in pendings)), 30)
+        return [p.future.exception() for p in pendings], time.monotonic() - start
+
+    errors, elapsed = asyncio.run(run())
+    for error in errors:
+        assert isinstance(error, RequestFailed) and error.code == grpc.StatusCode.UNAVAILABLE
+        assert error.message.startswith("gpu_agent: failed to connect"), error.message
+    assert 0.3 <= elapsed < 5.0
+
+    class _Broken(_FullPool):
+        async def Allocate(self, request: agent_pb2.AllocateRequest, timeout: float) -> agent_pb2.AllocateReply:  # noqa: N802
+            raise _rpc_error(grpc.StatusCode.INTERNAL, "boom")
+
+    async def once() -> Any:
+        pending = _pending(0)
+        assert await _worker(_Broken(1))._allocate_waiting(pending) is None
+        return pending.future.exception()
+
+    error = asyncio.run(once())
+    assert isinstance(error, RequestFailed) and error.message == "gpu_agent: boom"
+
+
 @pytest.mark.parametrize(("code", "details", "again"), [
     (grpc.StatusCode.UNAVAILABLE, "Socket closed", True),
     (grpc.StatusCode.UNKNOWN, "Stream removed (Delayed close due to in-progress write (Socket closed))", True),
