@@ -366,14 +366,24 @@ class PrefillWorker:
         the client left or the agent cannot be reached."""
         rid = req.request_id
         deadline = time.monotonic() + TAKE_BACK_WAIT_S
+        agent_lost_s: float | None = None  # since when the agent is unreachable
         while True:
             try:
                 reply = await self.member.agent.Claim(
                     agent_pb2.ClaimRequest(owner=self.config.service_id, request_ids=[rid],
                                            only_from_ended_leases=True), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
+                # The agent unreachable: decode's break was likely the cell's restart after the
+                # agent died. The prompt waits for it (AGENT_WAIT_S) as an Allocate does, and is
+                # then stopped with this service, for the router to send again.
+                now_s = time.monotonic()
+                agent_lost_s = now_s if agent_lost_s is None else agent_lost_s
+                if connection_broke(exc) and not pending.cancelled and now_s - agent_lost_s < AGENT_WAIT_S:
+                    await asyncio.sleep(TAKE_BACK_RETRY_S)
+                    continue
                 _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
                 return None
+            agent_lost_s = None
             if reply.blocks:
                 req.block_ids = list(reply.blocks[0].block_ids)  # the prompt is computed again from its cached prefix
                 return req

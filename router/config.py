@@ -14,8 +14,10 @@ from tandem.service.flags import env_or, flag, parse_config
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# How long a request waits for an unreachable prefill_svc to come back (a restart) before it fails.
-DEFAULT_UPSTREAM_WAIT_S = 10.0
+# How long a request waits for an unreachable prefill_svc to come back (a restart) before it fails:
+# as long as the stall timeout gives a decode_svc, since a cell restarted whole (its agent died)
+# took 11-17 s on this 2-core host, prefill_svc the last to serve again.
+DEFAULT_UPSTREAM_WAIT_S = 30.0
 # The same defaults as gpu_agent's, so that admission and the partition policy share one SLO.
 DEFAULT_TTFT_SLO_MS = 2000.0
 DEFAULT_TBT_SLO_MS = 200.0

@@ -60,7 +60,9 @@ def tiny(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="module")
 def smol(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with Stack(smollm2_dir, tmp_path_factory.mktemp("openai-smol-logs"), num_blocks=SMOL_BLOCKS,
-               extra_env={"TANDEM_API_KEY": API_KEY, "TANDEM_CELL_ID": f"oa-smol-{uuid.uuid4().hex[:6]}"}) as stack:
+               # a test kills prefill and decode: a request waits this long for them before its 503
+               extra_env={"TANDEM_API_KEY": API_KEY, "TANDEM_CELL_ID": f"oa-smol-{uuid.uuid4().hex[:6]}",
+                          "TANDEM_UPSTREAM_WAIT_S": "5"}) as stack:
         yield stack
 
 

@@ -276,10 +276,11 @@ def aggregated_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """A stack whose agent decides aggregated mode (``chunked``): prefill_svc forwards each prompt
     uncomputed and decode_svc computes it in chunks inside its steps."""
     log_dir = tmp_path_factory.mktemp("fault-agg-logs")
-    # its own core locks (a test holds them) and a short stall report (a test waits for one)
+    # its own core locks (a test holds them), a short stall report (a test waits for one) and a
+    # short wait for a prefill_svc to come back (a test kills it for good)
     yield from _fault_stack(model_dir, log_dir, {"TANDEM_POLICY": "chunked", "TANDEM_CELL_ID": "cell-agg",
                                                  "TANDEM_CORE_LOCK_DIR": str(log_dir / "core-locks"),
-                                                 "TANDEM_STALL_REPORT_S": "2"})
+                                                 "TANDEM_STALL_REPORT_S": "2", "TANDEM_UPSTREAM_WAIT_S": "5"})
 
 
 def test_a_core_held_by_another_process_delays_decode_and_its_report_names_the_holder(

@@ -451,7 +451,7 @@ def test_invalid_requests(model_dir: Path) -> None:
 
 def test_prefill_down_is_unavailable(model_dir: Path) -> None:
     async def body() -> None:
-        async with stack(model_dir, prefill_up=False) as s:
+        async with stack(model_dir, prefill_up=False, upstream_wait_s=2.0) as s:
             error = await generate_error(s.client, router_pb2.GenerateRequest(text="Hello"))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert "prefill service" in (error.details() or "")
