@@ -988,6 +988,8 @@ class DecodeWorker:
                 await self._finish(active, "error")
         held = {id(a) for a, grown in zip(due, ok, strict=True) if grown is _AGENT_AWAY}
         self._held_for_agent = len(held)
+        if not held:  # the wait is the held requests': none held, the next outage starts its own
+            self._agent_lost_ns = None
         return [a for a in batch if a in self.running and id(a) not in held]
 
     def _grow_ahead_if_near(self, active: _Active) -> None:

@@ -438,7 +438,7 @@ class RouterCore:
                 self.upstream.cancel_soon(sent.upstream_id, sent.prefill_address)
                 sent.upstream_id = f"{prepared.request_id}~{secrets.token_hex(6)}"
                 sent.queue = self.upstream.streams.register(sent.upstream_id)
-                sent.prefill_address = await self.upstream.pick_prefill(deadline_s)
+                sent.prefill_address = await self.upstream.pick_prefill(deadline_s, avoid=sent.prefill_address)
         raise AssertionError("unreachable")
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:

@@ -134,20 +134,29 @@ class Upstream:
             await asyncio.wait(set(self._background), timeout=timeout_s)
         await self.streams.close()
 
-    async def pick_prefill(self, deadline_s: float) -> str:
-        """A prefill address (round robin). While no prefill or no decode service is known (the
-        registry lists a restarting service again only once it serves) it waits for both, up to
-        ``wait_s`` and the deadline (loop time); UNAVAILABLE when they do not come."""
+    async def pick_prefill(self, deadline_s: float, avoid: str = "") -> str:
+        """A prefill address, round robin over those whose connection is not failing (all of
+        them when every one is), and other than ``avoid`` (the one a resend's call broke on)
+        when there is another: a dead prefill_svc among live ones, still listed for its
+        registration's lifetime or given by flag, took every other request into the wait for
+        it to come back. While no prefill or no decode service is known (the registry lists a
+        restarting service again only once it serves) it waits for both, up to ``wait_s`` and
+        the deadline (loop time); UNAVAILABLE when they do not come."""
         if not self.knows_both:
             remaining_s = min(self._wait_s, deadline_s - asyncio.get_running_loop().time())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(remaining_s, 0)):
                     await self._known.wait()
-        addresses = self._prefill_addresses
+        addresses: Sequence[str] = self._prefill_addresses
         if not addresses:
             raise RequestError(Status.UNAVAILABLE, "no prefill service is known to this router")
         if not self.streams.addresses:
             raise RequestError(Status.UNAVAILABLE, "no decode service is known to this router")
+        if len(addresses) > 1:
+            others = [a for a in addresses if a != avoid] or list(addresses)
+            failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            addresses = [a for a in others if self._channels.get(a).get_state(try_to_connect=True) != failing] \
+                or others
         return addresses[next(self._next_prefill) % len(addresses)]
 
     async def submit(self, address: str, upstream_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -184,8 +184,10 @@ class Stack:
 
 
 @asynccontextmanager
-async def stack(model_dir: Path, *, prefill_up: bool = True, **overrides: Any) -> AsyncIterator[Stack]:
-    """Fake prefill + fake decode + the router; yields once the router's decode stream is open."""
+async def stack(model_dir: Path, *, prefill_up: bool = True, dead_prefill: bool = False,
+                **overrides: Any) -> AsyncIterator[Stack]:
+    """Fake prefill + fake decode + the router; yields once the router's decode stream is open.
+    ``dead_prefill``: the router also has a prefill address where nobody listens, first."""
     prefill, decode = FakePrefill(), FakeDecode()
     servers: list[grpc.aio.Server] = []
     if prefill_up:
@@ -200,6 +202,8 @@ async def stack(model_dir: Path, *, prefill_up: bool = True, **overrides: Any) -
         decode_addresses=(decode_address,), redis_url="", cell_id="cell0", router_id=ROUTER_ID,
         stall_timeout_s=10.0, request_timeout_s=30.0,
     )
+    if dead_prefill:
+        settings["prefill_addresses"] = (f"127.0.0.1:{free_port()}", prefill_address)
     settings.update(overrides)
     router = await start_router(RouterConfig(**settings))
     channel = grpc.aio.insecure_channel(router.address)
@@ -457,6 +461,25 @@ def test_prefill_down_is_unavailable(model_dir: Path) -> None:
             assert "prefill service" in (error.details() or "")
             health = await s.client.Health(router_pb2.HealthRequest(), timeout=5)
             assert health.live and not health.ready and "prefill" in health.detail
+
+    run(body())
+
+
+def test_a_dead_prefill_service_beside_a_live_one_takes_no_request(model_dir: Path) -> None:
+    """Two prefill addresses, nobody listening at the first (a dead service still in the
+    registry, or given by flag): once its connection has failed, every request goes to the live
+    one at once, rather than every other request waiting --upstream-wait-s for the dead one and
+    then failing."""
+    async def body() -> None:
+        async with stack(model_dir, dead_prefill=True, upstream_wait_s=20.0) as s:
+            s.prefill.behaviour = _finished_reply
+            await asyncio.sleep(0.2)  # the readiness probe tried the dead one
+            started = time.monotonic()
+            for i in range(random.randint(4, 8)):
+                responses = await generate(s.client, router_pb2.GenerateRequest(text="Hello", request_id=f"live-{i}"))
+                assert responses[-1].finish_reason == STOP
+            assert time.monotonic() - started < 10.0
+            assert len(s.prefill.submits) == i + 1
 
     run(body())
 
