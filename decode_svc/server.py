@@ -41,7 +41,7 @@ from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, st
 from tandem.policy.local import DROP_MARGIN, drop_error, out_of_reach
 from tandem.policy.policies import ChunkedConfig
 from tandem.policy.types import QueuedRequest
-from tandem.rpc.channels import connection_broke
+from tandem.rpc.channels import Outage
 from tandem.rpc.convert import finish_to_proto, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import tracer
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -236,9 +236,9 @@ class DecodeWorker:
         self._stepping: Sequence[_Active] = ()  # that step's requests
         self._router_stall_s: dict[str, float] = {}  # each router's stall timeout, as its stream said
         self.num_preemptions = 0
-        # Since when Extend finds the agent unreachable (perf_counter_ns; None: it answers), and
-        # how many running requests the last step held for it (``_grow_blocks``).
-        self._agent_lost_ns: int | None = None
+        # Extend's broken calls to the agent, and how many running requests the last step held
+        # for it (``_grow_blocks``).
+        self._agent_outage = Outage()
         self._held_for_agent = 0
         self.num_dropped = 0  # prompts dropped as out of reach of their deadline (--drop-late)
         # Redis outages: requests whose record must be rewritten whole, and finished requests
@@ -950,18 +950,16 @@ class DecodeWorker:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     return None  # pool full: preempt and retry
-                now_ns = time.perf_counter_ns()
-                if connection_broke(exc) and (self._agent_lost_ns is None
-                                              or now_ns - self._agent_lost_ns < AGENT_WAIT_S * 1e9):
-                    if self._agent_lost_ns is None:
-                        self._agent_lost_ns = now_ns
+                starts = self._agent_outage.since_s is None
+                if self._agent_outage.waits(exc, AGENT_WAIT_S):
+                    if starts:
                         log.warning("%s: the agent is unreachable (%s); requests due a block wait for it up to "
                                     "%g s", self.service_id, exc.details(), AGENT_WAIT_S)
                     return _AGENT_AWAY  # held this step, asked again at the next
                 active.error = f"growing the request's KV blocks failed: {exc.details()}"
                 active.error_status = _AGENT_ERROR_STATUS.get(exc.code(), "")
                 return False
-            self._agent_lost_ns = None
+            self._agent_outage.over()
             # The ledger's whole list, not ours plus the new ones: after a restart our record may
             # predate an extension the previous process made before it died.
             req.block_ids = list(reply.block_ids)
@@ -989,7 +987,7 @@ class DecodeWorker:
         held = {id(a) for a, grown in zip(due, ok, strict=True) if grown is _AGENT_AWAY}
         self._held_for_agent = len(held)
         if not held:  # the wait is the held requests': none held, the next outage starts its own
-            self._agent_lost_ns = None
+            self._agent_outage.over()
         return [a for a in batch if a in self.running and id(a) not in held]
 
     def _grow_ahead_if_near(self, active: _Active) -> None:

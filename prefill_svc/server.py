@@ -30,7 +30,7 @@ from tandem.engine.step import Request, sample_step, step_inputs
 from tandem.policy.admission import PrefillBatching
 from tandem.policy.local import DROP_MARGIN, drop_error, plan_prefill
 from tandem.policy.types import QueuedRequest
-from tandem.rpc.channels import ChannelPool, answered_metadata, connection_broke
+from tandem.rpc.channels import ChannelPool, Outage, answered_metadata, connection_broke
 from tandem.rpc.convert import finish_to_proto, kv_freed_from, retry_after_metadata, sampling_from_proto, token_to_proto
 from tandem.rpc.tracing import service_client_interceptors, tracer
 from tandem.rpc.v1 import agent_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -87,7 +87,7 @@ class _Pending:
     cancelled: bool = False
     waiting_for_blocks: bool = False  # the pool was full at its last allocation attempt
     waiting_for_agent: bool = False  # the agent was unreachable at its last allocation attempt
-    agent_lost_ns: int | None = None  # since when its Allocate finds the agent unreachable (perf_counter_ns)
+    agent_outage: Outage = field(default_factory=Outage)  # its Allocates' broken calls to the agent
     slot: QueuedRequest | None = None  # its place in the local scheduler's EDF queue
     # The Submit call's trace context: the batch loop's spans for this request join its trace.
     trace_context: otel_context.Context = field(default_factory=otel_context.get_current)
@@ -366,7 +366,7 @@ class PrefillWorker:
         the client left or the agent cannot be reached."""
         rid = req.request_id
         deadline = time.monotonic() + TAKE_BACK_WAIT_S
-        agent_lost_s: float | None = None  # since when the agent is unreachable
+        agent_outage = Outage()
         while True:
             try:
                 reply = await self.member.agent.Claim(
@@ -376,14 +376,12 @@ class PrefillWorker:
                 # The agent unreachable: decode's break was likely the cell's restart after the
                 # agent died. The prompt waits for it (AGENT_WAIT_S) as an Allocate does, and is
                 # then stopped with this service, for the router to send again.
-                now_s = time.monotonic()
-                agent_lost_s = now_s if agent_lost_s is None else agent_lost_s
-                if connection_broke(exc) and not pending.cancelled and now_s - agent_lost_s < AGENT_WAIT_S:
+                if not pending.cancelled and agent_outage.waits(exc, AGENT_WAIT_S):
                     await asyncio.sleep(TAKE_BACK_RETRY_S)
                     continue
                 _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
                 return None
-            agent_lost_s = None
+            agent_outage.over()
             if reply.blocks:
                 req.block_ids = list(reply.blocks[0].block_ids)  # the prompt is computed again from its cached prefix
                 return req
@@ -463,7 +461,7 @@ class PrefillWorker:
             code = exc.code()
             pending.waiting_for_blocks = pending.waiting_for_agent = False
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                pending.agent_lost_ns = None
+                pending.agent_outage.over()
                 spec = self.runner.pool.spec
                 now_ns = time.perf_counter_ns()
                 self._pool_moved(kv_freed_from(exc.trailing_metadata()), now_ns)
@@ -477,16 +475,12 @@ class PrefillWorker:
                 else:
                     _fail(pending, code, f"KV cache is full (waited {waited_s:.0f} s, the last {stalled_s:.0f} s "
                                          f"without a block coming back): {exc.details()}")
-            elif connection_broke(exc) and not pending.cancelled and (
-                    pending.agent_lost_ns is None
-                    or time.perf_counter_ns() - pending.agent_lost_ns < AGENT_WAIT_S * 1e9):
-                if pending.agent_lost_ns is None:
-                    pending.agent_lost_ns = time.perf_counter_ns()
+            elif not pending.cancelled and pending.agent_outage.waits(exc, AGENT_WAIT_S):
                 pending.waiting_for_agent = True  # requeued, asking every POOL_RETRY_S (AGENT_WAIT_S)
             else:
                 _fail(pending, grpc.StatusCode.UNAVAILABLE, f"gpu_agent: {exc.details()}")
             return None
-        pending.agent_lost_ns = None
+        pending.agent_outage.over()
         self._pool_moved_ns = time.perf_counter_ns()  # the line moved
         req = Request(msg.request_id, list(msg.token_ids), pending.params, make_generator(pending.params.seed))
         req.block_ids = list(reply.block_ids)

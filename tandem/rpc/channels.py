@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,29 @@ def connection_broke(exc: BaseException) -> bool:
         return False
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
         exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed"))
+
+
+class Outage:
+    """How long a service's calls have found it unreachable, for a caller whose requests wait
+    through a short outage rather than fail at its first broken call."""
+
+    def __init__(self) -> None:
+        self.since_s: float | None = None  # the outage's first broken call (time.monotonic()); None: none
+
+    def waits(self, exc: BaseException, wait_s: float) -> bool:
+        """Note a call that raised ``exc``: whether its request waits and asks again, i.e. the
+        call broke (``connection_broke``) and the outage it starts or continues is younger than
+        ``wait_s``."""
+        if not connection_broke(exc):
+            return False
+        now_s = time.monotonic()
+        if self.since_s is None:
+            self.since_s = now_s
+        return now_s - self.since_s < wait_s
+
+    def over(self) -> None:
+        """The service answered: a later break starts a new outage."""
+        self.since_s = None
 
 
 # Trailing metadata a service adds to the errors it answers itself, so that a caller tells them

@@ -85,7 +85,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker._readmit_after_ns = 0
     worker.block_size = block_size
     worker.num_preemptions = 0
-    worker._agent_lost_ns, worker._held_for_agent = None, 0
+    worker._agent_outage, worker._held_for_agent = decode_server.Outage(), 0
     return worker
 
 
@@ -287,7 +287,7 @@ def test_requests_due_a_block_wait_for_an_unreachable_agent_then_fail_past_the_a
         if rng.random() < 0.5:  # the agent is back: every request grows
             away.clear()
             batch = await asyncio.wait_for(worker._grow_blocks(list(actives)), timeout=1.0)
-            assert batch == actives and worker._held_for_agent == 0 and worker._agent_lost_ns is None
+            assert batch == actives and worker._held_for_agent == 0 and worker._agent_outage.since_s is None
             assert all(len(a.req.block_ids) * block_size >= len(a.req.all_token_ids) for a in actives)
             return
         if rng.random() < 0.5:
