@@ -143,9 +143,8 @@ class Upstream:
         restarting service again only once it serves) it waits for both, up to ``wait_s`` and
         the deadline (loop time); UNAVAILABLE when they do not come."""
         if not self.knows_both:
-            remaining_s = min(self._wait_s, deadline_s - asyncio.get_running_loop().time())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(remaining_s, 0)):
+                async with asyncio.timeout(self._wait_bound_s(deadline_s)):
                     await self._known.wait()
         addresses: Sequence[str] = self._prefill_addresses
         if not addresses:
@@ -159,6 +158,10 @@ class Upstream:
                 or others
         return addresses[next(self._next_prefill) % len(addresses)]
 
+    def _wait_bound_s(self, deadline_s: float) -> float:
+        """How long a request may wait for an upstream: ``wait_s``, within its deadline (loop time)."""
+        return min(self._wait_s, max(deadline_s - asyncio.get_running_loop().time(), 0))
+
     async def submit(self, address: str, upstream_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_unix_ns: int, deadline_s: float) -> prefill_pb2.PrefillReply:
         """``Prefill.Submit``: the reply carries the first token. ``deadline_s`` is loop time.
@@ -169,7 +172,7 @@ class Upstream:
             # A prefill_svc that is restarting is back within seconds: wait for it a little
             # rather than fail the request at once.
             try:
-                async with asyncio.timeout(min(self._wait_s, max(deadline_s - asyncio.get_running_loop().time(), 0))):
+                async with asyncio.timeout(self._wait_bound_s(deadline_s)):
                     await channel.channel_ready()
             except TimeoutError:
                 reached = False
