@@ -12,8 +12,8 @@ pair; the figure is the median of the per-pair ratios (``--cap`` / ``--base-cap`
 interquartile range.
 
 ``--base-prompt-cap`` / ``--prompt-cap`` set ``model.WHOLE_LAYERS_BF16_PROMPT_ROWS`` on either side the
-same way (the most prompt tokens a step may carry whole in C where the wide copy is bf16, an AMX
-CPU); both default to its value, so the row caps alone differ.
+same way (the most prompt tokens a step may carry whole in C where the wide copy is bf16, a CPU
+with AMX or AVX512-BF16); both default to its value, so the row caps alone differ.
 
 Writes JSON (default bench/results/hybrid_rows.json).
 

@@ -11,7 +11,8 @@ bf16 where the CPU runs it natively: ``quant.ggml_wide_format``), whole windows 
 prompt chunks.
 
 Speed: one decode step at batch 1 / 2 / 3 / 4 / 8 / 16 / 32 (contexts of 128 tokens) and one prefill of
-128 / 512 tokens, median of --repeats, formats interleaved so drift hits all alike.
+128 / 512 tokens, median of --repeats, formats interleaved so drift hits all alike; the ggml
+format's prefills also on each wide copy.
 
 Usage: python bench/quant.py [--model DIR] [--windows 8] [--window-len 256] [--repeats 5]
        [--threads N] [--out bench/results/quant.json]
@@ -199,9 +200,12 @@ def main() -> None:
             for batch in (1, 2, 3, 4, 8, 16, 32):
                 for f in FORMATS:
                     speed[f.value][f"decode_b{batch}_ms"] = round(decode_step_ms(runners[f], batch, 128, args.repeats), 2)
+            speed |= {name: {} for name in wides}
             for length in (128, 512):
                 for f in FORMATS:
                     speed[f.value][f"prefill_{length}_ms"] = round(prefill_ms(runners[f], length, args.repeats), 1)
+                for name, runner in wides.items():  # the ggml format's prompts on either wide copy
+                    speed[name][f"prefill_{length}_ms"] = round(prefill_ms(runner, length, args.repeats), 1)
             result["speed"] = speed
             bandwidth = read_bandwidth_gb_s(args.repeats)
             result["roofline"] = {"read_bandwidth_gb_s": round(bandwidth, 1)} | {

@@ -39,12 +39,15 @@ DECODE_LAYERS_MAX_ROWS = 6
 # rows), which sent every hybrid step of eight streams and a 27-token chunk to fbgemm's fp16, decode
 # rows included.
 DECODE_LAYERS_X8_MAX_ROWS = 128
-# Where the ggml format's wide copy is oneDNN's bf16 (an AMX CPU, ``quant.ggml_wide_format``), a step
-# with more prompt tokens than this runs op by op on it instead. SmolLM2 prompts alone, whole engine,
-# medians of 3 (this AVX-512 + AMX host, 2026-12-01): 2 threads, whole in C / bf16 op by op 462 / 399
-# tok/s at 16 tokens, 546 / 478 at 24, 539 / 528 at 32, 551 / 1177 at 64, 522 / 1469 at 128; one
-# thread 315 / 355, 294 / 446, 341 / 557 at 16 / 24 / 32, 330 / 1082 at 128. Decode rows alone stay
-# whole in C: 352 / 302 tok/s at 16 rows, 390 / 377 at 32 (2 threads).
+# Where the ggml format's wide copy is oneDNN's bf16 (a CPU with AMX or AVX512-BF16,
+# ``quant.ggml_wide_format``), a step with more prompt tokens than this runs op by op on it instead.
+# SmolLM2 prompts alone, whole engine, medians of 3 (an AVX-512 + AMX host, 2026-12-01): 2 threads,
+# whole in C / bf16 op by op 462 / 399 tok/s at 16 tokens, 546 / 478 at 24, 539 / 528 at 32, 551 /
+# 1177 at 64, 522 / 1469 at 128; one thread 315 / 355, 294 / 446, 341 / 557 at 16 / 24 / 32, 330 /
+# 1082 at 128. Decode rows alone stay whole in C: 352 / 302 tok/s at 16 rows, 390 / 377 at 32 (2
+# threads). On AVX512-BF16 without AMX (an AMD EPYC, 2026-12-02; bench/hybrid_rows.py, medians of 6
+# pairs) the gap is smaller: op by op / whole in C 0.83x for a 128-token prompt, 0.94x at 64, 0.87-0.95x
+# for 8-16 decode rows beside a 48-64-token chunk, 0.98-1.01x at 24-32 prompt tokens.
 WHOLE_LAYERS_BF16_PROMPT_ROWS = 32
 
 

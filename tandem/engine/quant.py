@@ -35,9 +35,12 @@ outputs therefore depend on how requests were batched, and ``auto`` never picks 
 
 The ggml format's calls of more rows than its kernels take (prompts, large batches) run a second,
 private copy of the weights, its *wide* copy (``ggml_wide_format``): fbgemm's fp16, or oneDNN's
-bf16 on a CPU with AMX tiles, where its tile matmuls run SmolLM2's projections 3.6-3.9x faster than
-fbgemm's fp16 at 64-512 rows (whole engine, prompts of 48-512 tokens: 1.25-3.3x; bench/quant.py
-measures the accuracy: it rounds those calls' activations to bf16). Both copies take 2 bytes a weight.
+bf16 on a CPU with a bf16 dot product (``has_bf16_dot``: AMX tiles or AVX512-BF16). On an AMX host
+its tile matmuls ran SmolLM2's projections 3.6-3.9x faster than fbgemm's fp16 at 64-512 rows (whole
+engine, prompts of 48-512 tokens: 1.25-3.3x); on an AVX512-BF16 host without AMX (an AMD EPYC,
+2026-12-02) 1.8-2.2x at 128-512 rows (prompts of 512 tokens, or 16 of 128 in one step: 1.4-1.5x).
+bench/quant.py measures the accuracy: it rounds those calls' activations to bf16. Both copies take
+2 bytes a weight.
 
 oneDNN compiles a primitive per row count, so its calls (bf16, fp32-packed, a bf16 wide copy) of
 more than ``ONEDNN_EXACT_ROWS`` rows run padded to a few sizes (``onednn_rows``).
@@ -124,21 +127,24 @@ def can_run_int8() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles, which oneDNN's bf16 matmuls run on."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
+def has_bf16_dot() -> bool:
+    """Whether this CPU computes bf16 dot products in hardware, which oneDNN's bf16 matmuls run on:
+    AMX tiles or AVX512-BF16 (``vdpbf16ps``). oneDNN also runs bf16 on plain AVX-512 (and says
+    so through ``can_run_bf16``), converting each value to fp32 first: no faster than fbgemm's fp16."""
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return any(probe is not None and probe() for probe in probes)
 
 
 def ggml_wide_format() -> WeightFormat:
     """The format of the ggml format's wide copy, which runs the calls of more rows than ggml's
-    kernels take: bf16 (oneDNN) where the CPU has AMX tiles, fp16 (fbgemm) elsewhere.
+    kernels take: bf16 (oneDNN) where the CPU has a bf16 dot product (``has_bf16_dot``), fp16
+    (fbgemm) elsewhere.
     ``TANDEM_GGML_WIDE`` (auto, fp16, bf16) overrides it, for A/B measurements and the accuracy
     benchmark; bf16 on a CPU without native bf16 matmuls falls back to fp16 with a warning."""
     choice = os.environ.get(GGML_WIDE_ENV, "auto")
     if choice not in GGML_WIDE_CHOICES:
         raise ValueError(f"{GGML_WIDE_ENV}={choice!r}: choose one of {', '.join(GGML_WIDE_CHOICES)}")
-    if choice == "fp16" or (choice == "auto" and not has_amx()):
+    if choice == "fp16" or (choice == "auto" and not has_bf16_dot()):
         return WeightFormat.FP16
     if not can_run_bf16():
         if choice == "bf16":

@@ -12,7 +12,9 @@ Stated bounds (measured values in docs/results/quant-cpu.json):
   perplexity within 8 % of fp32's and top-1 agreement >= 85 % (measured: +4 %, 89 %).
 - ggml (llama.cpp's kernels on the GGUF's own Q4_1 / Q8_0 blocks, single-row steps): perplexity
   within 1.5 % of fp32's and top-1 agreement >= 94 % on rows computed one at a time (measured:
-  +0.4-0.7 %, 96.5-96.9 %); never picked by ``auto``.
+  +0.4-0.7 %, 96.5-96.9 %); never picked by ``auto``. Its prompts of more rows than its C layers
+  take run its wide copy (fp16, or bf16 on a CPU with a bf16 dot product): the default format's
+  bound, on either.
 - KV cache precision (``--kv-dtype``), with the default weight format, against fp32 K/V on the
   same text: float16 keeps perplexity within 0.5 % and top-1 agreement >= 99 %; bfloat16
   within 2 % and >= 95 %.
@@ -188,6 +190,37 @@ def test_reduced_kv_precision_keeps_perplexity_and_top1(smollm2_dir: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("wide", ["fp16", "bf16"])
+def test_ggml_formats_prompt_rows_keep_their_bound_on_either_wide_copy(
+    monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path, smol_runners: dict[WeightFormat, ModelRunner], wide: str
+) -> None:
+    """The ``ggml`` format's prompts of more rows than its C layers take run its wide copy: fbgemm's
+    fp16, or oneDNN's bf16 (the default on a CPU with AMX or AVX512-BF16, ``quant.ggml_wide_format``;
+    it rounds the activations to bf16). Either keeps the default format's bound on real text: perplexity
+    within 2 % of fp32's, top-1 agreement >= 95 % (measured on an AVX512-BF16 EPYC, 764 positions of
+    192-token windows: +0.03 % and 99.9 % on fp16, +0.03 % and 98.3 % on bf16)."""
+    from tandem.engine import ggml_kernels, quant
+    from tandem.engine.model import DECODE_LAYERS_X8_MAX_ROWS
+
+    ggml_kernels.require()
+    if wide == "bf16" and not quant.can_run_bf16():
+        pytest.skip("oneDNN runs no bf16 matmuls on this CPU, so the wide copy cannot be bf16")
+    monkeypatch.setenv(quant.GGML_WIDE_ENV, wide)
+    config = ModelConfig.from_dir(smollm2_dir)
+    runner = ModelRunner.from_dir(smollm2_dir, KVPool.create(KVPoolSpec.for_model(config, 64, 16)),
+                                  weight_format=WeightFormat.GGML)
+    assert runner.model.wide_format == WeightFormat(wide)
+    windows = _windows(Tokenizer.from_dir(smollm2_dir))
+    assert min(map(len, windows)) > DECODE_LAYERS_X8_MAX_ROWS  # every window's prompt runs the wide copy
+    runners = {WeightFormat.FP32: smol_runners[WeightFormat.FP32], WeightFormat.GGML: runner}
+    with torch.inference_mode():
+        stats = _perplexity_and_agreement(runners, windows, WeightFormat.FP32)
+    (ppl_fp32, _), (ppl, agreement) = stats[WeightFormat.FP32], stats[WeightFormat.GGML]
+    assert ppl <= 1.02 * ppl_fp32, stats
+    assert agreement >= 0.95, stats
+
+
+@pytest.mark.slow
 def test_ggml_format_runs_the_gguf_blocks_within_its_bound(
     smollm2_dir: Path, smol_runners: dict[WeightFormat, ModelRunner]
 ) -> None:
@@ -211,7 +244,8 @@ def test_ggml_format_runs_the_gguf_blocks_within_its_bound(
     assert {lin.ggml_type for lin in linears} == {GgmlType.Q4_1}
     windows = _windows(Tokenizer.from_dir(smollm2_dir), num=4, length=128)
     # One row a step (the ggml rows of a decode step), and 64-token chunks: prompt rows run whole
-    # in C on the same Q4 weights and 8-bit activation rows up to the row cap (model.py).
+    # in C on the same Q4 weights and 8-bit activation rows up to the row cap (model.py), or op by
+    # op on the wide copy where it is bf16 (model.WHOLE_LAYERS_BF16_PROMPT_ROWS).
     assert model.whole_layer_rows(64, runner.pool)
     for chunk in (1, 64):
         nll = nll_fp32 = agree = count = 0.0

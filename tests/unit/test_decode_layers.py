@@ -212,7 +212,7 @@ def test_prompt_rows_stay_a_chunk_where_attention_is_not_in_c(monkeypatch: pytes
 @pytest.mark.parametrize("num_decode", [0, 3])
 def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightFormat, prompt_len: int,
                                                                 num_decode: int) -> None:
-    """Where the wide copy is bf16 (an AMX CPU), a step of more prompt tokens than
+    """Where the wide copy is bf16 (a CPU with a bf16 dot product), a step of more prompt tokens than
     WHOLE_LAYERS_BF16_PROMPT_ROWS runs op by op (its projections on the bf16 copy, faster there);
     with the fp16 copy it stays whole in C up to the row cap; decode rows alone stay whole."""
     model = _model(4, 2, 32, False, False, 11, (GgmlType.Q4_1, GgmlType.Q4_0))

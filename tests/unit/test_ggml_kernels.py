@@ -80,7 +80,7 @@ def test_linear_over_exact_weights(gtype: GgmlType, n: int, kblocks: int, m: int
     if m <= (GGML_X8_MAX_ROWS if lin.ggml_repacked else GGML_MAX_ROWS):
         scale = x.abs() @ w.abs().T
         assert bool(((out - ref).abs() <= REL_ABS_DOT * scale + 1e-6).all()), (out - ref).abs() / scale
-    else:  # larger calls run the wide copy (fp16, or bf16 on AMX), exactly as that format does
+    else:  # larger calls run the wide copy (fp16, or bf16 given a bf16 dot product), exactly as that format does
         assert lin.wide_format == quant.ggml_wide_format()
         assert torch.equal(out, Linear(w, b, lin.wide_format)(x))
 
@@ -221,21 +221,35 @@ def test_without_the_kernels_the_format_runs_as_fp16_and_says_so(monkeypatch: py
 
 
 @pytest.mark.parametrize("choice", [None, "auto", "fp16", "bf16"])
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("bf16_dot", [False, True])
 @pytest.mark.parametrize("native_bf16", [False, True])
-def test_the_wide_copy_is_bf16_on_amx_only(monkeypatch: pytest.MonkeyPatch, choice: str | None, amx: bool,
-                                           native_bf16: bool) -> None:
-    """The ggml format's wide copy: bf16 by default only on a CPU with AMX tiles (and native bf16
-    matmuls); TANDEM_GGML_WIDE forces either, bf16 only where it runs natively."""
+def test_the_wide_copy_is_bf16_only_where_the_cpu_has_a_bf16_dot_product(
+        monkeypatch: pytest.MonkeyPatch, choice: str | None, bf16_dot: bool, native_bf16: bool) -> None:
+    """The ggml format's wide copy: bf16 by default only on a CPU with a bf16 dot product (AMX tiles
+    or AVX512-BF16) and native bf16 matmuls; TANDEM_GGML_WIDE forces either, bf16 only where it runs
+    natively."""
     if choice is None:
         monkeypatch.delenv(quant.GGML_WIDE_ENV, raising=False)
     else:
         monkeypatch.setenv(quant.GGML_WIDE_ENV, choice)
-    monkeypatch.setattr(quant, "has_amx", lambda: amx)
+    monkeypatch.setattr(quant, "has_bf16_dot", lambda: bf16_dot)
     monkeypatch.setattr(quant, "can_run_bf16", lambda: native_bf16)
-    wants_bf16 = choice == "bf16" or (choice in (None, "auto") and amx)
+    wants_bf16 = choice == "bf16" or (choice in (None, "auto") and bf16_dot)
     expected = WeightFormat.BF16 if wants_bf16 and native_bf16 else WeightFormat.FP16
     assert quant.ggml_wide_format() == expected
+
+
+@pytest.mark.parametrize("amx", [False, True, None])
+@pytest.mark.parametrize("avx512_bf16", [False, True, None])
+def test_a_bf16_dot_product_is_amx_tiles_or_avx512_bf16(monkeypatch: pytest.MonkeyPatch, amx: bool | None,
+                                                        avx512_bf16: bool | None) -> None:
+    """``has_bf16_dot`` asks torch's CPU probes; a probe this torch lacks (None here) counts as no."""
+    for name, value in (("_is_amx_tile_supported", amx), ("_is_avx512_bf16_supported", avx512_bf16)):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
+    assert quant.has_bf16_dot() == bool(amx or avx512_bf16)
 
 
 def test_a_bad_wide_choice_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,8 +262,9 @@ def test_a_bad_wide_choice_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 6), st.integers(GGML_X8_MAX_ROWS + 1, 80), st.integers(0, 2**31))
 def test_a_bf16_wide_copy_runs_the_large_calls(groups: int, kblocks: int, m: int, seed: int) -> None:
-    """Forced to bf16 (what an AMX CPU picks), calls of more rows than ggml's kernels take are
-    the bf16 format's, bit for bit; the private bytes are the blocks plus 2 a weight either way."""
+    """Forced to bf16 (what a CPU with a bf16 dot product picks), calls of more rows than ggml's
+    kernels take are the bf16 format's, bit for bit; the private bytes are the blocks plus 2 a
+    weight either way."""
     n, k = 8 * groups, 32 * kblocks
     w = _exact(GgmlType.Q4_1, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
