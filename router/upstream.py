@@ -32,6 +32,8 @@ log = logging.getLogger("tandem.router")
 
 # How long a readiness probe waits for an upstream channel to connect.
 HEALTH_PROBE_TIMEOUT_S = 1.0
+# The connection states pick_prefill ranks the prefill services by.
+_READY, _FAILING = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
 
 # --- discovery ---------------------------------------------------------------------------------
@@ -121,6 +123,10 @@ class Upstream:
         if upstreams.prefill != self._prefill_addresses or upstreams.decode != self.streams.addresses:
             log.info("upstreams: prefill %s, decode %s",
                      ", ".join(upstreams.prefill) or "none", ", ".join(upstreams.decode) or "none")
+        if len(upstreams.prefill) > 1:
+            for address in set(upstreams.prefill) - set(self._prefill_addresses):
+                # connect now, so that pick_prefill knows whether it serves before a request needs it
+                self._channels.get(address).get_state(try_to_connect=True)
         self._prefill_addresses = upstreams.prefill
         self.streams.set_addresses(upstreams.decode)
         if self.knows_both:
@@ -135,13 +141,15 @@ class Upstream:
         await self.streams.close()
 
     async def pick_prefill(self, deadline_s: float, avoid: str = "") -> str:
-        """A prefill address, round robin over those whose connection is not failing (all of
-        them when every one is), and other than ``avoid`` (the one a resend's call broke on)
-        when there is another: a dead prefill_svc among live ones, still listed for its
-        registration's lifetime or given by flag, took every other request into the wait for
-        it to come back. While no prefill or no decode service is known (the registry lists a
-        restarting service again only once it serves) it waits for both, up to ``wait_s`` and
-        the deadline (loop time); UNAVAILABLE when they do not come."""
+        """A prefill address, round robin over those whose connection is ready, else over those
+        whose connection is not failing (all of them when every one is), and other than
+        ``avoid`` (the one a resend's call broke on) when there is another: a dead prefill_svc
+        among live ones, still listed for its registration's lifetime or given by flag, took
+        every other request into the wait for it to come back, and one newly listed was not yet
+        known to fail (its connection still being tried). While no prefill or no decode service
+        is known (the registry lists a restarting service again only once it serves) it waits
+        for both, up to ``wait_s`` and the deadline (loop time); UNAVAILABLE when they do not
+        come."""
         if not self.knows_both:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._wait_bound_s(deadline_s)):
@@ -153,9 +161,9 @@ class Upstream:
             raise RequestError(Status.UNAVAILABLE, "no decode service is known to this router")
         if len(addresses) > 1:
             others = [a for a in addresses if a != avoid] or list(addresses)
-            failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
-            addresses = [a for a in others if self._channels.get(a).get_state(try_to_connect=True) != failing] \
-                or others
+            states = [self._channels.get(a).get_state(try_to_connect=True) for a in others]
+            addresses = [a for a, state in zip(others, states, strict=True) if state == _READY] \
+                or [a for a, state in zip(others, states, strict=True) if state != _FAILING] or others
         return addresses[next(self._next_prefill) % len(addresses)]
 
     def _wait_bound_s(self, deadline_s: float) -> float:

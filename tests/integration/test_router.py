@@ -17,6 +17,7 @@ import json
 import random
 import re
 import shutil
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -465,21 +466,35 @@ def test_prefill_down_is_unavailable(model_dir: Path) -> None:
     run(body())
 
 
-def test_a_dead_prefill_service_beside_a_live_one_takes_no_request(model_dir: Path) -> None:
-    """Two prefill addresses, nobody listening at the first (a dead service still in the
-    registry, or given by flag): once its connection has failed, every request goes to the live
-    one at once, rather than every other request waiting --upstream-wait-s for the dead one and
-    then failing."""
+@pytest.mark.parametrize("dead", ["listed at start", "frozen, listed while serving"])
+def test_a_dead_prefill_service_beside_a_live_one_takes_no_request(model_dir: Path, dead: str) -> None:
+    """Two prefill addresses, one of them dead: every request goes to the live one at once,
+    rather than some waiting --upstream-wait-s for the dead one. ``listed at start``: nobody
+    listens there (a dead service still in the registry, or given by flag), first among the
+    router's flags, and its readiness probe has tried it. ``frozen, listed while serving``: the
+    registry lists, while the router serves, a service whose socket takes connections but never
+    answers (a stopped process: its connection stays CONNECTING, never known to fail), and the
+    requests come together at once."""
     async def body() -> None:
-        async with stack(model_dir, dead_prefill=True, upstream_wait_s=20.0) as s:
-            s.prefill.behaviour = _finished_reply
-            await asyncio.sleep(0.2)  # the readiness probe tried the dead one
-            started = time.monotonic()
-            for i in range(random.randint(4, 8)):
-                responses = await generate(s.client, router_pb2.GenerateRequest(text="Hello", request_id=f"live-{i}"))
-                assert responses[-1].finish_reason == STOP
-            assert time.monotonic() - started < 10.0
-            assert len(s.prefill.submits) == i + 1
+        with socket.socket() as frozen:
+            frozen.bind(("127.0.0.1", 0))
+            frozen.listen(64)
+            async with stack(model_dir, dead_prefill=dead == "listed at start", upstream_wait_s=20.0) as s:
+                s.prefill.behaviour = _finished_reply
+                num = random.randint(4, 8)
+                if dead == "listed at start":
+                    await asyncio.sleep(0.2)  # the readiness probe tried the dead one
+                else:
+                    warm = await generate(s.client, router_pb2.GenerateRequest(text="Hello", request_id="warm"))
+                    assert warm[-1].finish_reason == STOP
+                    listed = (f"127.0.0.1:{frozen.getsockname()[1]}", *s.router.config.prefill_addresses)
+                    s.router.core.upstream.set_upstreams(Upstreams(listed, (s.decode_address,)))
+                started = time.monotonic()
+                requests = [router_pb2.GenerateRequest(text="Hello", request_id=f"live-{i}") for i in range(num)]
+                answers = await asyncio.gather(*(generate(s.client, request) for request in requests))
+                assert all(responses[-1].finish_reason == STOP for responses in answers)
+                assert time.monotonic() - started < 10.0
+                assert len(s.prefill.submits) == num + (dead != "listed at start")
 
     run(body())
 
