@@ -62,7 +62,12 @@ def test_dynamic_partition_follows_the_load(smollm2_dir: Path, tmp_path: Path) -
                     async for _ in router.Generate(request, timeout=300):
                         pass
 
-                decoding = asyncio.create_task(generate(list(range(100, 120)), 400))
+                # The stream must outlast the long prompt's prefill on one core, else decode is
+                # idle when the prompt is done and applies no partition until it has work: 400
+                # tokens ended 1 s before a 3000-token prefill on one core of a fast host (an AVX-512
+                # EPYC, 2026-12-02). It is cancelled at the end; its KV (3020 tokens) and the
+                # prompt's fit the 512 blocks of 16 together.
+                decoding = asyncio.create_task(generate(list(range(100, 120)), 3000))
                 # decode alone: it gets both cores
                 await _until(lambda: _affinity(decode_pid) == "0-1", 30, "decode on both cores")
                 seen.append(_affinity(decode_pid))
