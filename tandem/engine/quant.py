@@ -129,8 +129,9 @@ def can_run_int8() -> bool:
 
 def has_bf16_dot() -> bool:
     """Whether this CPU computes bf16 dot products in hardware, which oneDNN's bf16 matmuls run on:
-    AMX tiles or AVX512-BF16 (``vdpbf16ps``). oneDNN also runs bf16 on plain AVX-512 (and says
-    so through ``can_run_bf16``), converting each value to fp32 first: no faster than fbgemm's fp16."""
+    AMX tiles or AVX512-BF16 (``vdpbf16ps``). Without either, oneDNN's bf16 kernels (where it has
+    them: ``can_run_bf16``) convert each value to fp32 first, so the wide copy stays fp16 there
+    (not measured: no such host so far)."""
     probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
     return any(probe is not None and probe() for probe in probes)
 
