@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -41,6 +42,17 @@ def setup_logging(name: str) -> logging.Logger:
     level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     return logging.getLogger(name)
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (modules, the model, torch's and grpc's
+    state: about 200k objects in decode_svc) out of the garbage collector's sight for good
+    (``gc.freeze``), when a service is ready to serve. Its full collections then walk only what
+    serving allocated: a full collection of decode_svc took 110 ms, a pause between two decode
+    steps that every stream felt (seen as 114-124 ms gaps among 810 steps of 1 ms median), and
+    1.5 ms after the freeze. Nothing frozen is ever freed, so only what lives for the process."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], deadline_s: float | None = None) -> None:
