@@ -697,7 +697,7 @@ class DecodeWorker:
             await self._drop_out_of_reach()
             await self._readmit()
             batch = await self._grow_blocks(self.running[: self.config.max_batch_requests])
-            if self._budget_without_streams() and self.member.partition.epoch != self._waited_epoch:
+            if self._budget_for_fewer_streams() and self.member.partition.epoch != self._waited_epoch:
                 await self._await_fresh_partition(reported)
             chunks = self._plan_chunks()
             if batch or chunks:
@@ -812,11 +812,21 @@ class DecodeWorker:
             quiet_s = GATHER_WAVE_QUIET_S if seen > 1 else GATHER_QUIET_S
             await asyncio.sleep(min(quiet_s, max(0.0, end - loop.time())))
 
-    def _budget_without_streams(self) -> bool:
-        """Whether prompts wait beside running streams under an aggregated partition the agent
-        decided while no stream was decoding: its budget was sized for prompts alone."""
+    def _budget_for_fewer_streams(self) -> bool:
+        """Whether prompts wait beside running streams under an aggregated partition whose budget
+        the agent decided for fewer streams than run here now: while none was decoding (a budget
+        sized for prompts alone), or before the prompts a step finished joined the batch (a budget
+        that fit one stream's TBT, or traded one stream's TBT for waiting prompts' TTFT: taken
+        beside the sixteen that joined, a step of 761 prompt tokens cost each of them a 546 ms
+        gap). A budget of none is not stale: it gives the progress floor, which fits any batch."""
         partition = self.member.partition
-        return partition.aggregated and not partition.streams_decoding and bool(self.running and self.prefilling)
+        if not (partition.aggregated and self.running and self.prefilling):
+            return False
+        if not partition.streams_decoding:
+            return True
+        budget = (partition.model_token_budgets.get(self.member.model, 0) if partition.model_token_budgets
+                  else partition.prefill_token_budget)
+        return budget > MIN_CHUNK_TOKENS and len(self.running) > partition.decode_streams
 
     async def _await_fresh_partition(self, reported: bool) -> None:
         """Wait, at most FRESH_PARTITION_WAIT_S, for the agent to decide on the streams now
@@ -826,7 +836,7 @@ class DecodeWorker:
             self._report_load()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(FRESH_PARTITION_WAIT_S):
-                while self._budget_without_streams():
+                while self._budget_for_fewer_streams():
                     self._new_partition.clear()
                     await self._new_partition.wait()
 
@@ -838,8 +848,9 @@ class DecodeWorker:
         agent decides again once their load report reaches it, a few ms later, while this loop
         steps at once): with streams decoding, only the chunked policy's progress floor rides
         this step, as the policy gives when their TBT leaves no room, not a whole default budget
-        that would stall every stream for it. So does a budget decided while no stream was
-        decoding, once the loop has waited for a fresher one (``_await_fresh_partition``). With
+        that would stall every stream for it. So does a budget decided for fewer streams than
+        run now (``_budget_for_fewer_streams``), once the loop has waited for a fresher one
+        (``_await_fresh_partition``). With
         no stream here (one model), a step of prompts alone takes up to a whole step's tokens,
         whatever the decision counted: no TBT bounds it, and prompts gathered after the decision
         ride it too."""
@@ -849,7 +860,7 @@ class DecodeWorker:
             budget = partition.model_token_budgets.get(self.member.model, 0)
             if not budget:
                 return []  # none of the step is this model's: its prompts wait for the next partition
-        if self._budget_without_streams():
+        if self._budget_for_fewer_streams():
             budget = 0  # sized for prompts alone, and no fresher partition came: the floor, below
         elif partition.aggregated and not self.running and not partition.model_token_budgets:
             # No stream's TBT bounds a step of prompts alone, only the step's size: prompts that

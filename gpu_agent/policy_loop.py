@@ -76,6 +76,7 @@ class Applied(NamedTuple):
     # aggregated, a cell of several models: (model, its prompts' tokens) for every model, sorted
     model_budgets: tuple[tuple[str, int], ...] = ()
     streams_decoding: bool = False  # aggregated: decided with streams running (its budget bounds their TBT)
+    decode_streams: int = 0  # aggregated, prompts waiting: the streams it was decided for (0 otherwise)
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -250,7 +251,8 @@ class PolicyLoop:
                           decision.decode_lookahead, preempt, decision.prefill_batch if preempt else (),
                           decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens,
                           _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else (),
-                          decision.aggregated and decode_busy)
+                          decision.aggregated and decode_busy,
+                          len(snapshot.decode_context_lens) if decision.aggregated and prefill_busy else 0)
         if applied == self.last:
             return None
         if preempt:

@@ -35,7 +35,8 @@ class PartitionBoard:
     async def set(self, prefill_units: list[int], decode_units: list[int], policy: str, lookahead: int = 1, *,
                   aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0,
                   preempt: str = "", prefill_first: tuple[str, ...] = (), prefill_held: bool = False,
-                  model_token_budgets: dict[str, int] | None = None, streams_decoding: bool = False) -> None:
+                  model_token_budgets: dict[str, int] | None = None, streams_decoding: bool = False,
+                  decode_streams: int = 0) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
@@ -43,6 +44,7 @@ class PartitionBoard:
                 prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
                 preempt=preempt, prefill_first=prefill_first, prefill_held=prefill_held,
                 model_token_budgets=model_token_budgets or {}, streams_decoding=streams_decoding,
+                decode_streams=decode_streams,
             )
             self._changed.notify_all()
 
@@ -187,7 +189,7 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
                             prefill_layers=applied.prefill_layers, preempt=applied.preempt,
                             prefill_first=applied.prefill_first, prefill_held=applied.prefill_held,
                             model_token_budgets=dict(applied.model_budgets),
-                            streams_decoding=applied.streams_decoding)
+                            streams_decoding=applied.streams_decoding, decode_streams=applied.decode_streams)
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:

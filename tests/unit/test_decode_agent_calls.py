@@ -304,9 +304,9 @@ def test_requests_due_a_block_wait_for_an_unreachable_agent_then_fail_past_the_a
     asyncio.run(main())
 
 
-def _partition(budget: int, streams_decoding: bool, epoch: int) -> common_pb2.Partition:
+def _partition(budget: int, streams_decoding: bool, epoch: int, decode_streams: int = 0) -> common_pb2.Partition:
     return common_pb2.Partition(epoch=epoch, decode_units=[0, 1], aggregated=True, prefill_token_budget=budget,
-                                streams_decoding=streams_decoding)
+                                streams_decoding=streams_decoding, decode_streams=decode_streams)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -339,7 +339,7 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
         whole = sum(len(a.req.prompt_token_ids) for a in worker.prefilling)
         # No stream runs: no wait, and the step takes every prompt up to a whole step's tokens,
         # those that came after the decision too (it counted fewer: a wave gathered since).
-        assert not worker._budget_without_streams()
+        assert not worker._budget_for_fewer_streams()
         decided = rng.randint(1, whole)
         worker.member.partition = _partition(decided, False, 5)  # type: ignore[attr-defined]
         assert sum(n for _, n in worker._plan_chunks()) == min(whole, max(decided, MAX_STEP_TOKENS))
@@ -349,7 +349,7 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
         loop = asyncio.get_running_loop()
 
         def decide() -> None:  # the agent's next decision, on the report that showed the stream
-            worker.member.partition = _partition(fresh, True, 6)  # type: ignore[attr-defined]
+            worker.member.partition = _partition(fresh, True, 6, 1)  # type: ignore[attr-defined]
             worker._new_partition.set()
 
         monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 5.0)  # long: the decision ends the wait
@@ -368,6 +368,75 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
         assert reports == [1] and loop.time() - started >= 0.045
         assert worker._waited_epoch == 7  # the loop does not wait on this partition again
         assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_budget_decided_for_fewer_streams_waits_for_one_decided_for_those_running(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget the agent decided beside fewer streams than run now (the prompts a step finished
+    joined the batch since: a budget fit for one stream's TBT, or one that traded a single
+    stream's TBT for waiting prompts' TTFT) is not taken beside them: the loop reports and waits
+    for a decision on the streams now running, then takes its budget, or the progress floor when
+    none comes in time. A budget decided for as many streams or more, and one no larger than the
+    floor, is taken at once."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        worker = _worker([])
+        reports: list[int] = []
+        worker._report_load = lambda: reports.append(len(worker.running))  # type: ignore[method-assign]
+        worker.config.chunk_order = "edf"  # type: ignore[misc]  # a stand-in config
+        worker._prompt_rate = 0.0
+        worker._new_partition = asyncio.Event()
+        worker._waited_epoch = -1
+
+        def active(name: str) -> _Active:
+            prompt = [rng.randint(1, 500) for _ in range(rng.randint(100, 400))]
+            return _Active(Request(name, prompt, SamplingParams(max_tokens=8), None), "router", num_sent=1, handed_ns=1)
+
+        worker.prefilling = [active(f"p{i}") for i in range(rng.randint(3, 12))]
+        whole = sum(len(a.req.prompt_token_ids) for a in worker.prefilling)
+        decided_for = rng.randint(1, 6)
+        worker.running = [active(f"s{i}") for i in range(rng.randint(1, decided_for))]
+        budget = rng.randint(MIN_CHUNK_TOKENS + 1, whole)
+        worker.member.partition = _partition(budget, True, 5, decided_for)  # type: ignore[attr-defined]
+        assert not worker._budget_for_fewer_streams()  # as many streams as it was decided for, or fewer
+        assert sum(n for _, n in worker._plan_chunks()) == budget
+
+        worker.running += [active(f"j{i}") for i in range(decided_for - len(worker.running) + rng.randint(1, 16))]
+        assert worker._budget_for_fewer_streams()
+        floor_at_most = _partition(rng.randint(0, MIN_CHUNK_TOKENS), True, 5, decided_for)
+        worker.member.partition = floor_at_most  # type: ignore[attr-defined]
+        assert not worker._budget_for_fewer_streams()  # the floor fits any batch
+
+        worker.member.partition = _partition(budget, True, 5, decided_for)  # type: ignore[attr-defined]
+        fresh = rng.randint(1, whole)
+        loop = asyncio.get_running_loop()
+
+        def decide() -> None:  # the agent's next decision, on the report that showed the streams
+            worker.member.partition = _partition(fresh, True, 6, len(worker.running))  # type: ignore[attr-defined]
+            worker._new_partition.set()
+
+        monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 5.0)  # long: the decision ends the wait
+        loop.call_later(rng.uniform(0.001, 0.02), decide)
+        started = loop.time()
+        await worker._await_fresh_partition(reported=False)
+        assert reports == [len(worker.running)]
+        assert loop.time() - started < 2.5 and worker.member.partition.epoch == 6  # type: ignore[attr-defined]
+        assert sum(n for _, n in worker._plan_chunks()) == fresh
+
+        # More streams again, and no decision in time: one wait, then the floor.
+        worker.running.append(active("late"))
+        if fresh > MIN_CHUNK_TOKENS:
+            monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 0.05)
+            started = loop.time()
+            await worker._await_fresh_partition(reported=True)
+            assert loop.time() - started >= 0.045 and worker._waited_epoch == 6
+            assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS
+        else:
+            assert not worker._budget_for_fewer_streams()
 
     asyncio.run(main())
 

@@ -255,6 +255,34 @@ def test_chunked_holds_queued_prompts_only_when_no_chunk_fits_the_slo(num_seqs: 
         assert applied.prefill_token_budget == 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_an_aggregated_partition_names_the_streams_its_budget_was_decided_for(seed: int) -> None:
+    """With prompts waiting, an aggregated partition carries how many streams it was decided
+    beside (decode_svc waits for a newer one when more run), and a change in that count alone is
+    a new partition; with no prompt waiting the count is 0 and a stream more or less changes
+    nothing."""
+    rng = random.Random(seed)
+    loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], 32, SLO)
+    contexts = [rng.randint(20, 900) for _ in range(rng.randint(1, 24))]
+    loop.report(_decode_load(contexts, 0.0, 0, 0))
+    decided = loop.decide()
+    assert decided is not None and decided[0].aggregated and decided[0].streams_decoding
+    assert decided[0].decode_streams == len(contexts)
+    more = contexts + [rng.randint(20, 900) for _ in range(rng.randint(1, 8))]
+    loop.report(_decode_load(more, 0.0, 0, 0))
+    again = loop.decide()
+    assert again is not None and again[0].decode_streams == len(more)
+    # No prompt waiting: decode only, no count; streams coming and going send nothing new.
+    alone = agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts,
+                                last_step_num_seqs=len(contexts))
+    loop.report(alone)
+    decode_only = loop.decide()
+    assert decode_only is not None and decode_only[0].decode_streams == 0 and decode_only[0].prefill_token_budget == 0
+    loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=more,
+                                    last_step_num_seqs=len(more)))
+    assert loop.decide() is None
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_start_up_anchors_give_the_prompt_part_its_fixed_cost_and_live_steps_lift_it(seed: int) -> None:
     """A hybrid step's prompt part costs a fixed part plus one per token (on the AMX host 33-58
