@@ -245,6 +245,10 @@ class CellMember:
             log.info("%s applied partition epoch %d: %d of %d SMs", self.service_id, self.partition.epoch,
                      self._phase_stream.partition.sms(self._phase_stream.phase), self._sm_partitions.total_sms)
             return True
+        if self.units == self._pinned:
+            # A newer decision on the same cores (a budget for more streams, another reason):
+            # nothing to re-pin, and no log line (with prompts waiting, one came every few steps).
+            return False
         apply_cpu_partition(self.units)
         self._pinned = self.units
         log.info("%s applied partition epoch %d: cores %s", self.service_id, self.partition.epoch, self.units)
