@@ -535,21 +535,32 @@ class StreamLimit:
       flight have come down to the cap (gaps measured while the old excess drains do not judge
       the new cap);
     - under ``low`` x SLO while the cap binds (in flight within one of it): the cap grows by one;
-      once it is ``release`` above what is in flight, or nothing is in flight, there is no cap.
+      once it is ``release`` above what is in flight, or nothing is in flight, there is no cap;
+    - not over ``high`` x SLO, the cap binding, and ``probe_s`` since it last changed: the cap
+      grows by one all the same (a probe; over ``high`` again, the next check cuts it). While
+      prompts keep coming, the agent plans hybrid steps up to 0.9x the SLO whatever the number
+      of streams, so the gaps' quantile stays between ``low`` and ``high``: a cap cut in a
+      passing overload (a fault, a burst) never grew again, and refused 30-78 of the 100
+      requests of the soak's phase after its faults, 8 concurrent streams that the stack
+      carries within the SLO.
 
     No cap until the first overload: a burst that fits is admitted whole. Pure, with the clock
     passed in; not thread-safe.
     """
 
     def __init__(self, tbt_s: float, *, quantile: float = 0.9, high: float = 0.9, low: float = 0.65,
-                 window_s: float = 2.0, interval_s: float = 0.5, min_gaps: int = 32, release: int = 8) -> None:
+                 window_s: float = 2.0, interval_s: float = 0.5, min_gaps: int = 32, release: int = 8,
+                 probe_s: float = 5.0) -> None:
         if not (tbt_s > 0 and 0 < quantile <= 1 and 0 < low < high and window_s > 0 and interval_s > 0
-                and min_gaps >= 1 and release >= 1):
+                and min_gaps >= 1 and release >= 1 and probe_s > 0):
             raise ValueError("StreamLimit needs tbt_s > 0, 0 < quantile <= 1, 0 < low < high, positive "
-                             "window and interval, min_gaps >= 1 and release >= 1")
+                             "window, interval and probe period, min_gaps >= 1 and release >= 1")
         self.tbt_s = tbt_s
         self.quantile, self.high, self.low = quantile, high, low
         self.window_s, self.interval_s, self.min_gaps, self.release = window_s, interval_s, min_gaps, release
+        self.probe_s = probe_s
+        self.num_probes = 0
+        self._changed_s = -math.inf  # when the cap was last cut or grown
         self.limit: int | None = None
         self.num_cuts = 0
         self.last_quantile_s: float | None = None
@@ -580,8 +591,13 @@ class StreamLimit:
             if self.limit is None or in_flight <= self.limit:
                 self.limit = max(1, in_flight - max(1, in_flight // 10))
                 self.num_cuts += 1
+                self._changed_s = now_s
                 self._gaps.clear()
-        elif q < self.low * self.tbt_s and self.limit is not None and in_flight >= self.limit - 1:
-            self.limit += 1
+        elif self.limit is not None and in_flight >= self.limit - 1:
+            probe = now_s - self._changed_s >= self.probe_s
+            if q < self.low * self.tbt_s or probe:
+                self.limit += 1
+                self.num_probes += q >= self.low * self.tbt_s
+                self._changed_s = now_s
         if self.limit is not None and self.limit >= in_flight + self.release:
             self.limit = None

@@ -153,3 +153,43 @@ def test_with_the_stream_cap_off_only_ttft_admission_refuses() -> None:
         c.token_gap(0.5, now_s=1.0 + i * 0.01)
     assert c.streams.limit == 4 and c.stats().stream_limit == 4
     assert c.try_admit("more", 10, now_s=2.0) is None and c.num_tbt_refusals == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_cap_cut_in_a_passing_overload_grows_back_while_gaps_stay_under_the_cut(seed: int) -> None:
+    """After a cut, ``clients`` keep as many requests in flight as the cap lets them while the
+    gaps stay between ``low`` and ``high`` x SLO (hybrid steps planned up to 0.9x the SLO,
+    whatever the number of streams): the cap grows by one each ``probe_s`` until every client
+    is admitted, never faster; gaps over ``high`` x SLO instead keep cutting it, with no probe."""
+    rng = random.Random(seed)
+    probe_s = rng.uniform(1.0, 8.0)
+    limit = StreamLimit(TBT_S, min_gaps=4, interval_s=0.1, window_s=1.0, probe_s=probe_s)
+    clients = rng.randint(6, 40)
+    t = 0.0
+    while limit.limit is None:  # a fault's stall: every gap long
+        t += 0.001
+        limit.observe(TBT_S * rng.uniform(0.95, 2.0), t, in_flight=clients)
+    cut_s = t
+    assert limit.limit < clients and limit.num_cuts == 1
+    t += 1.0  # the stall's gaps leave the window
+    grown: list[float] = []
+    while t < cut_s + (clients + 3) * probe_s + 1.0:
+        t += rng.uniform(0.01, 0.05)
+        before = limit.limit
+        in_flight = min(clients, before) if before is not None else clients
+        limit.observe(TBT_S * rng.uniform(limit.low + 0.01, limit.high - 0.01), t, in_flight=in_flight)
+        if limit.limit != before:
+            assert before is not None and limit.limit == before + 1
+            grown.append(t)
+    assert limit.num_cuts == 1 and limit.num_probes == len(grown) >= 1
+    assert limit.admits(clients - 1)  # every client in flight again
+    assert all(b - a >= probe_s for a, b in zip([cut_s, *grown], grown))
+
+    # Still overloaded: cut again whenever the cap binds, never a probe.
+    still = StreamLimit(TBT_S, min_gaps=4, interval_s=0.1, window_s=1.0, probe_s=probe_s)
+    t = 0.0
+    while t < 4 * probe_s:
+        t += rng.uniform(0.01, 0.05)
+        in_flight = min(clients, still.limit) if still.limit is not None else clients
+        still.observe(TBT_S * rng.uniform(0.95, 2.0), t, in_flight=in_flight)
+    assert still.num_probes == 0 and still.limit == 1
