@@ -827,10 +827,18 @@ class DecodeWorker:
             return False
         if not partition.streams_decoding:
             return True
-        budget = (partition.model_token_budgets.get(self.member.model, 0) if partition.model_token_budgets
-                  else partition.prefill_token_budget)
         decided = partition.decode_streams
-        return budget > MIN_CHUNK_TOKENS and len(self.running) > decided + max(1, decided // 10)
+        return self._decided_budget() > MIN_CHUNK_TOKENS and len(self.running) > decided + max(1, decided // 10)
+
+    def _decided_budget(self) -> int:
+        """The prompt tokens the partition in force gives this model's prompts: its aggregated
+        budget, this model's share of it in a cell of several models; 0 when not aggregated."""
+        partition = self.member.partition
+        if not partition.aggregated:
+            return 0
+        if partition.model_token_budgets:  # a cell of several models
+            return partition.model_token_budgets.get(self.member.model, 0)
+        return partition.prefill_token_budget
 
     async def _await_fresh_partition(self, reported: bool) -> None:
         """Wait, at most FRESH_PARTITION_WAIT_S, for the agent to decide on the streams now
@@ -854,18 +862,15 @@ class DecodeWorker:
         this step, as the policy gives when their TBT leaves no room, not a whole default budget
         that would stall every stream for it. So does a budget decided for fewer streams than
         run now (``_budget_for_fewer_streams``), once the loop has waited for a fresher one
-        (``_await_fresh_partition``). With
-        no stream here (one model), a step of prompts alone takes up to a whole step's tokens,
-        whatever the decision counted: no TBT bounds it, and prompts gathered after the decision
-        ride it too."""
+        (``_await_fresh_partition``). With no stream here (one model), a step of prompts alone
+        takes up to a whole step's tokens, whatever the decision counted: no TBT bounds it, and
+        prompts gathered after the decision ride it too."""
         partition = self.member.partition
-        budget = partition.prefill_token_budget if partition.aggregated else 0
-        if partition.aggregated and partition.model_token_budgets:  # a cell of several models
-            budget = partition.model_token_budgets.get(self.member.model, 0)
-            if not budget:
-                return []  # none of the step is this model's: its prompts wait for the next partition
+        budget = self._decided_budget()
+        if partition.aggregated and partition.model_token_budgets and not budget:
+            return []  # none of the step is this model's: its prompts wait for the next partition
         if self._budget_for_fewer_streams():
-            budget = 0  # sized for prompts alone, and no fresher partition came: the floor, below
+            budget = 0  # decided for fewer streams, and no fresher partition came: the floor, below
         elif partition.aggregated and not self.running and not partition.model_token_budgets:
             # No stream's TBT bounds a step of prompts alone, only the step's size: prompts that
             # came after the decision (the rest of a wave gathered above) ride it too.
