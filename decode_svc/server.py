@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections import OrderedDict, deque
@@ -209,6 +210,7 @@ class DecodeWorker:
         self.last_step_num_seqs = 0
         self._step_stats = _StepStats(config.step_stats_s)
         self._step_log = open(config.step_log, "a", buffering=1) if config.step_log else None  # noqa: SIM115
+        self._pid = os.getpid()  # the step log's lines name their process: stacks may share one file
         self._last_step_end_ns = 0  # perf_counter: the loop's time between steps
         self._profiler = StepProfiler(config.torch_profile_dir, parse_window(config.torch_profile_steps),
                                       config.service_id)
@@ -792,6 +794,7 @@ class DecodeWorker:
         assert self._step_log is not None
         partition = self.member.partition
         self._step_log.write(json.dumps({
+            "service_id": self.config.service_id, "cell_id": self.member.cell_id, "pid": self._pid,
             "end_unix_s": round(self.last_step_end_unix_ns / 1e9, 6), "wall_ms": round(self.last_step_ns / 1e6, 3),
             "compute_ms": round(compute_ns / 1e6, 3), "gap_ms": round(gap_ns / 1e6, 3), "num_seqs": len(batch),
             "context_tokens": sum(len(a.req.all_token_ids) for a in batch),

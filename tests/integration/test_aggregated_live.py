@@ -25,9 +25,9 @@ NUM_BLOCKS = 512
 @pytest.mark.parametrize("policy", ["chunked", "adaptive"])
 def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smollm2_dir: Path, tmp_path: Path) -> None:
     step_log = tmp_path / "steps.jsonl"
+    cell_id = f"agg-{uuid.uuid4().hex[:6]}"
     stack = Stack(smollm2_dir, tmp_path, num_blocks=NUM_BLOCKS,
-                  extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": f"agg-{uuid.uuid4().hex[:6]}",
-                             "TANDEM_STEP_LOG": str(step_log)})
+                  extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": cell_id, "TANDEM_STEP_LOG": str(step_log)})
     # Prompts longer than the default chunk budget, so some take several hybrid steps.
     prompts = _prompts(6, 24, seed=3) + _prompts(2, 600, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -66,6 +66,9 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
         steps = [json.loads(line) for line in step_log.read_text().splitlines()]
         assert steps and all(s["wall_ms"] >= s["compute_ms"] > 0 and s["num_seqs"] + s["num_chunks"] > 0
                              for s in steps)
+        # each line names its process: stacks may share one file
+        assert {s["cell_id"] for s in steps} == {cell_id} and len({(s["service_id"], s["pid"]) for s in steps}) == 1
+        assert steps[0]["service_id"].startswith("decode-")
         if policy == "chunked":
             assert sum(s["chunk_tokens"] for s in steps) >= 2 * 600
             assert any(s["chunk_tokens"] and s["num_seqs"] and s["aggregated"] for s in steps)
