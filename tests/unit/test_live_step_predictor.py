@@ -58,10 +58,13 @@ def test_each_factor_settles_above_the_median_ratio_and_below_its_tail(seed: int
         if chunk:
             hybrid.append(measured / live.predict_hybrid([(chunk, 0)], ctx, 2))
         live.observe(measured, chunk, ctx, 2)
-    # about the prompt quantile's 10 % (10-14 % over 16 seeds; decode steps' fold leaves 15-30 %
-    # above it here); with one shared factor, up to all of them when the two ratios are apart
-    assert sum(r > 1 for r in hybrid) / len(hybrid) < 0.2
-    assert statistics.median(hybrid) > math.exp(-3 * sigma)  # and not far above them
+    # about the prompt quantile's 3 % (2.6-4.1 % over 15 of 16 seeds, 12 % in one; decode steps'
+    # fold leaves 15-30 % above it here); with one shared factor, up to all of them when the two
+    # ratios are apart
+    assert sum(r > 1 for r in hybrid) / len(hybrid) < 0.15
+    # and not far above them: a 0.97 quantile of the noise is 1.9 sigma over its median, and one
+    # step over lifts the margin by a fifth, which at small sigma leaves it a little higher still
+    assert statistics.median(hybrid) > math.exp(-4 * sigma)
     ctx = [100, 200]
     decode_s, prompt_s = _parts(base, 64, ctx)
     assert live.predict_decode(ctx, 2) == pytest.approx(live.factor * decode_s)
