@@ -472,7 +472,13 @@ class AdmissionController:
 
     def token_gap(self, gap_s: float, now_s: float | None = None) -> None:
         """A stream's update came ``gap_s`` after its previous one (or its first token)."""
-        self.streams.observe(gap_s, time.monotonic() if now_s is None else now_s, len(self._in_flight))
+        streams = self.streams
+        cuts = streams.num_cuts
+        streams.observe(gap_s, time.monotonic() if now_s is None else now_s, len(self._in_flight))
+        if streams.num_cuts != cuts and streams.last_quantile_s is not None:
+            log.info("%sstream cap cut to %d (%d in flight): the gaps' %.0fth percentile %.0f ms is over %.0f ms",
+                     f"{self.model}: " if self.model else "", streams.limit, len(self._in_flight),
+                     streams.quantile * 100, streams.last_quantile_s * 1e3, streams.high * streams.tbt_s * 1e3)
 
     def ended(self, request_id: str, now_s: float | None = None) -> None:
         """The stream of an admitted request ended (finished, failed or cancelled)."""

@@ -3,6 +3,7 @@ decode server whose step time grows with its batch, and the router controller's 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -103,16 +104,21 @@ def test_bad_settings_and_gaps() -> None:
     assert limit.last_quantile_s is None and limit.limit is None
 
 
-def test_the_router_refuses_over_the_cap_and_frees_a_slot_when_a_stream_ends() -> None:
+def test_the_router_refuses_over_the_cap_and_frees_a_slot_when_a_stream_ends(caplog: pytest.LogCaptureFixture) -> None:
     slo = Slo(ttft_s=1.0, tbt_s=TBT_S)
     c = AdmissionController(TokenPredictor(), slo, enabled=True, default_units=1,
                             streams=StreamLimit(TBT_S, min_gaps=4, interval_s=0.1))
     for i in range(10):
         assert c.try_admit(f"r{i}", 10, now_s=0.0) is None
     assert c.num_in_flight == 10
-    for i in range(10):
-        c.token_gap(0.5, now_s=1.0 + i * 0.01)  # far over the TBT SLO
+    with caplog.at_level(logging.INFO, logger="tandem.router.admission"):
+        for i in range(10):
+            c.token_gap(0.5, now_s=1.0 + i * 0.01)  # far over the TBT SLO
     assert c.streams.limit == 9
+    # each cut is logged once, with what it saw
+    cuts = [r.getMessage() for r in caplog.records if "stream cap cut" in r.getMessage()]
+    assert cuts == [f"stream cap cut to 9 (10 in flight): the gaps' 90th percentile 500 ms is over "
+                    f"{0.9 * TBT_S * 1e3:.0f} ms"]
     c.ended("r0", now_s=2.0)
     c.ended("r1", now_s=2.5)
     assert c.try_admit("x", 10, now_s=2.5) is None  # 8 in flight, cap 9
