@@ -334,6 +334,9 @@ class DecodeWorker:
             except _RECORD_ERRORS as exc:
                 self._record_failed(f"recording handoff of {req.request_id}", exc)
                 self._unrecorded.add(req.request_id)
+        # Its router may never open its token stream here (it died first, while reconnecting to
+        # this service): then its requests are cancelled after the grace, as a lost router's are.
+        self._expect_router(msg.router_id)
         # Started inside the Handoff server span, so it joins the request's trace.
         span = tracer("tandem.decode").start_span("decode", attributes={"tandem.request_id": req.request_id})
         if msg.needs_prefill:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +31,7 @@ from gpu_agent.blocks import BlockLedger
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.step import Request
+from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.v1 import agent_pb2, common_pb2, decode_pb2
 from tandem.state.request_store import RequestStore
 from tandem.state.schema import RequestRecord
@@ -226,5 +227,50 @@ def test_a_forward_of_a_resumed_prompt_is_answered_with_its_recorded_first_token
             assert reply is not None and not reply.accepted and "already decoding" in reply.message
             assert not held.rehanded
         assert agent.claims == 0  # nothing claimed for a request it holds
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_handoff_whose_router_never_opens_its_stream_is_cancelled_after_the_grace(seed: int) -> None:
+    """A router may die while it reconnects its token stream to a restarted decode_svc, after
+    prefill_svc handed it requests: no stream of it ever opens or closes here. Its requests are
+    cancelled once ``--router-grace-s`` has passed, as a lost router's are; those whose router
+    opens its stream within the grace decode on. (They decoded to their end for nobody, 1500
+    tokens holding their blocks; a fault test saw 0 of 6 such streams cancelled.)"""
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        ledger = BlockLedger(BlockAllocator(num_blocks=256, block_size=BLOCK_SIZE))
+        worker = _worker(_Agent(ledger, {PREFILL, SUCCESSOR}), None)
+        grace_s = rng.uniform(0.05, 0.2)
+        worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=grace_s)  # type: ignore[assignment]
+        worker._router_streams = {}  # no router has opened its stream here yet
+        worker._serving, worker._awaited_routers = True, set()
+        worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
+        worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
+        worker._prefill_done_unix_ns = {}
+        worker._report_load = lambda: None  # type: ignore[method-assign]
+        routers = [f"router-{i}" for i in range(rng.randint(2, 4))]
+        opening = set(rng.sample(routers, rng.randint(1, len(routers) - 1)))
+        handed: dict[str, str] = {}
+        for i in range(rng.randint(3, 9)):
+            rid, router = f"r{seed}-{i}", rng.choice(routers)
+            prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 40))]
+            alloc = ledger.allocate(rid, prompt, 8, owner=PREFILL)
+            msg = decode_pb2.HandoffRequest(
+                request_id=rid, router_id=router, prompt_token_ids=prompt, output_token_ids=[7],
+                block_ids=list(alloc.block_ids), num_computed_tokens=len(prompt),
+                sampling=sampling_to_proto(SamplingParams(max_tokens=1500, ignore_eos=True)))
+            reply, active = await worker._accept(msg, 0)
+            assert reply is not None and reply.accepted and active is not None, reply
+            handed[rid] = router
+        await asyncio.sleep(rng.uniform(0.0, 0.5) * grace_s)
+        for router in opening:
+            worker.router_opened(router)
+        await asyncio.sleep(grace_s * 1.5 + 0.05)
+        for rid, router in handed.items():
+            assert worker.by_id[rid].cancelled == (router not in opening), (rid, router, opening)
+        assert worker.num_orphans_cancelled == sum(router not in opening for router in handed.values())
 
     asyncio.run(run())
