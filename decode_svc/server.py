@@ -1254,9 +1254,7 @@ class DecodeWorker:
             self.prefilling.remove(active)
         # The step's tokens are recorded and streamed while the next step computes: its inputs
         # are already known, and a token still reaches its router only after it is recorded.
-        # A step with more prompt tokens than the floor is as long as the policy made it: the
-        # router's stream cap does not judge the streams by it.
-        messages = self._updates(batch, sized_by_policy=self.last_step_chunk_tokens > MIN_CHUNK_TOKENS)
+        messages = self._updates(batch)
         self._joining = asyncio.Event() if done else None
         self._publishing = asyncio.create_task(
             self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done,
@@ -1346,17 +1344,12 @@ class DecodeWorker:
         active.num_sent = len(active.req.output_token_ids)
         return update
 
-    def _updates(self, batch: list[_Active], finish: dict[str, str] | None = None,
-                 sized_by_policy: bool = False) -> dict[str, decode_pb2.TokenBatch]:
-        """One TokenBatch per router with each request's tokens not yet sent (marked sent);
-        ``sized_by_policy``: they come from a step whose prompt tokens the policy sized (see
-        TokenUpdate.sized_by_policy)."""
+    def _updates(self, batch: list[_Active], finish: dict[str, str] | None = None) -> dict[str, decode_pb2.TokenBatch]:
+        """One TokenBatch per router with each request's tokens not yet sent (marked sent)."""
         per_router: dict[str, list[decode_pb2.TokenUpdate]] = {}
         for active in batch:
             reason = (finish or {}).get(active.req.request_id) or active.req.finish_reason
-            update = self._update(active, reason)
-            update.sized_by_policy = sized_by_policy
-            per_router.setdefault(active.router_id, []).append(update)
+            per_router.setdefault(active.router_id, []).append(self._update(active, reason))
         return {router_id: decode_pb2.TokenBatch(updates=updates, step=self.num_steps, step_ns=self.last_step_ns)
                 for router_id, updates in per_router.items()}
 

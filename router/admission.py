@@ -470,18 +470,6 @@ class AdmissionController:
         self.num_admitted += 1
         return None
 
-    def stream_update(self, gap_s: float, now_s: float | None = None, *, tokens: bool = True,
-                      sized_by_policy: bool = False) -> None:
-        """A stream's update came ``gap_s`` after its previous one (or its first token). The
-        stream cap judges only the gaps the number of streams makes: not one that ends with
-        tokens of a step whose prompt part the agent's policy sized (a budget fitted to the TBT
-        SLO, or a wave's first tokens traded against it: as long whatever the streams), nor an
-        update without tokens (a failure's, after a fault's stall). Prompts waiting all the time
-        kept such steps near 0.9x the SLO, and a soak's phase after its faults saw the cap cut
-        to 6 with 8 in flight and refuse 32 of its 100 requests."""
-        if tokens and not sized_by_policy:
-            self.token_gap(gap_s, now_s)
-
     def token_gap(self, gap_s: float, now_s: float | None = None) -> None:
         """A stream's update came ``gap_s`` after its previous one (or its first token)."""
         streams = self.streams

@@ -392,8 +392,7 @@ class RouterCore:
                         continue  # decode holds it without stepping it (waiting for KV blocks): alive
                     if admission is not None:
                         now_s = time.monotonic()
-                        admission.stream_update(now_s - last_update_s, now_s, tokens=bool(update.tokens),
-                                                sized_by_policy=update.sized_by_policy)
+                        admission.token_gap(now_s - last_update_s, now_s)
                         last_update_s = now_s
                     if update.finish_reason == _ERROR:
                         generation.ended_by_upstream = True

@@ -527,11 +527,9 @@ class StreamLimit:
     carry prompt chunks of any size), so the cap is learnt from what its streams measure,
     additive increase and multiplicative decrease (as TCP and adaptive concurrency limits do):
 
-    - ``observe`` takes the gaps between two updates of a stream that the number of streams
-      makes (the router leaves out those ended by a step whose prompt tokens the agent's
-      policy sized, and updates without tokens: ``AdmissionController.stream_update``); every
-      ``interval_s``, with at least ``min_gaps`` gaps of the last ``window_s``, their
-      ``quantile`` is compared with the TBT SLO;
+    - ``observe`` takes every gap between two updates of a stream; every ``interval_s``, with
+      at least ``min_gaps`` gaps of the last ``window_s``, their ``quantile`` is compared with
+      the TBT SLO;
     - over ``high`` x SLO: the cap becomes the streams in flight minus a tenth (at least one),
       never below 1, and the gaps seen so far are dropped; no further cut until the streams in
       flight have come down to the cap (gaps measured while the old excess drains do not judge

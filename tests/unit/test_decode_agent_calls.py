@@ -561,26 +561,3 @@ def test_the_load_is_reported_when_streams_end_and_again_while_the_loop_stands_s
     assert due()
     time.sleep(0.06)
     assert not due()
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_steps_updates_say_whether_the_policy_sized_it(seed: int) -> None:
-    """The updates of a step are marked ``sized_by_policy`` for every router when asked (the
-    step carried more prompt tokens than the floor), and a retirement's own message never is."""
-    rng = random.Random(seed)
-    worker = _worker([])
-    worker.num_steps, worker.last_step_ns = rng.randint(1, 99), rng.randint(1, 10**8)
-    batch = []
-    for i in range(rng.randint(1, 12)):
-        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), None)
-        req.output_token_ids = [rng.randint(1, 500) for _ in range(rng.randint(1, 4))]
-        batch.append(_Active(req, f"router-{rng.randint(0, 2)}", num_sent=len(req.output_token_ids) - 1))
-    for sized in (True, False):
-        for active in batch:
-            active.num_sent = len(active.req.output_token_ids) - 1
-        messages = worker._updates(batch, sized_by_policy=sized)
-        assert set(messages) == {a.router_id for a in batch}
-        updates = [u for m in messages.values() for u in m.updates]
-        assert len(updates) == len(batch) and all(u.tokens and u.sized_by_policy == sized for u in updates)
-    finish = {a.req.request_id: "length" for a in batch}
-    assert not any(u.sized_by_policy for m in worker._updates(batch, finish).values() for u in m.updates)

@@ -139,33 +139,6 @@ def test_the_router_refuses_over_the_cap_and_frees_a_slot_when_a_stream_ends(cap
     assert c.streams.limit is None
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_cap_judges_only_the_gaps_the_streams_make(seed: int) -> None:
-    """Gaps ended by a step whose prompt part the policy sized, or by an update without tokens
-    (a failure's), never cut the cap however long; the same gaps from plain steps do."""
-    rng = random.Random(seed)
-    c = AdmissionController(TokenPredictor(), Slo(ttft_s=1.0, tbt_s=TBT_S), enabled=True, default_units=1,
-                            streams=StreamLimit(TBT_S, min_gaps=4, interval_s=0.1))
-    in_flight = rng.randint(4, 40)
-    for i in range(in_flight):
-        assert c.try_admit(f"r{i}", 10, now_s=0.0) is None
-    now = 1.0
-    for _ in range(rng.randint(50, 200)):
-        now += rng.uniform(0.001, 0.05)
-        slow = rng.uniform(1.0, 20.0) * TBT_S
-        if rng.random() < 0.5:
-            c.stream_update(slow, now, sized_by_policy=True)
-        else:
-            c.stream_update(slow, now, tokens=False)
-        c.stream_update(rng.uniform(0.01, 0.5) * TBT_S, now)  # the streams' own steps: fast
-    assert c.streams.limit is None and c.streams.num_cuts == 0
-    assert c.try_admit("more", 10, now_s=now) is None
-    for _ in range(60):  # the same slow gaps from plain steps, past the window of the fast ones
-        now += 0.05
-        c.stream_update(rng.uniform(1.0, 20.0) * TBT_S, now)
-    assert c.streams.num_cuts == 1 and c.streams.limit == in_flight + 1 - max(1, (in_flight + 1) // 10)
-
-
 def test_with_admission_off_the_cap_is_learnt_but_never_refuses() -> None:
     c = AdmissionController(TokenPredictor(), Slo(ttft_s=1.0, tbt_s=TBT_S), enabled=False, default_units=1,
                             streams=StreamLimit(TBT_S, min_gaps=4, interval_s=0.1))
