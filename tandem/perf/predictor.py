@@ -91,9 +91,9 @@ class LiveStepPredictor:
     prediction (a quantile tracker taking steps of ``prompt_step`` in log space). The quantile
     is high (0.97) because one hybrid step that outruns the TBT SLO costs every stream beside
     it, and a request's TBT p99 over 64-128 gaps is nearly its largest gap: at 0.9, about one
-    hybrid step in 25 ran past the SLO at 32 streams and 6 req/s on the 2-core host, and 20-85 %
-    of the admitted requests of a run missed TBT (README, "A hybrid step past the SLO costs
-    every stream"). Prefill predictions are the base model's (the router calibrates its own).
+    hybrid step in 30 ran past the SLO at 32 streams and 6 req/s on the 2-core host, and in
+    some runs 18-78 % of the admitted requests missed TBT alone (README, "A hybrid step past the
+    SLO costs every stream"). Prefill predictions are the base model's (the router calibrates its own).
     Not thread-safe.
     """
 
