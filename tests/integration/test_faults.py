@@ -270,6 +270,19 @@ async def _revived(stack: Stack, name: str) -> AsyncIterator[None]:
             await asyncio.to_thread(stack.start_process, name)
 
 
+async def _restart_decode(stack: Stack, grace_s: float | None) -> None:
+    """Kill decode_svc and start it again: with ``--router-grace-s`` ``grace_s``
+    (``TANDEM_ROUTER_GRACE_S``), or, with None, the default that the module's later tests expect."""
+    async with _revived(stack, "decode_svc"):
+        stack.kill("decode_svc")
+        if grace_s is not None:
+            stack.extra_env["TANDEM_ROUTER_GRACE_S"] = str(grace_s)
+            try:
+                await asyncio.to_thread(stack.start_process, "decode_svc")
+            finally:
+                del stack.extra_env["TANDEM_ROUTER_GRACE_S"]
+
+
 @pytest.fixture(scope="module")
 def aggregated_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose agent decides aggregated mode (``chunked``): prefill_svc forwards each prompt
@@ -451,18 +464,8 @@ def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Sta
     work = _workload(rng, 6, prompt_len=(3, 200), max_tokens=(1500, 1800))
     grace_s = 2.0
 
-    async def restart_decode(grace: float | None) -> None:
-        async with _revived(stack, "decode_svc"):
-            stack.kill("decode_svc")
-            if grace is not None:
-                stack.extra_env["TANDEM_ROUTER_GRACE_S"] = str(grace)
-                try:
-                    await asyncio.to_thread(stack.start_process, "decode_svc")
-                finally:
-                    del stack.extra_env["TANDEM_ROUTER_GRACE_S"]
-
     async def run() -> float:
-        await restart_decode(grace_s)
+        await _restart_decode(stack, grace_s)
         before = await decode_stats(stack)
         started = [asyncio.Event() for _ in work]
         tasks = [asyncio.create_task(generate(stack.address("router"), ids, params, event, timeout_s=120))
@@ -490,7 +493,7 @@ def test_a_router_that_dies_has_its_requests_cancelled_within_seconds(stack: Sta
     try:
         assert asyncio.run(run()) < grace_s + 10.0
     finally:
-        asyncio.run(restart_decode(None))
+        asyncio.run(_restart_decode(stack, None))
 
 
 def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -> None:
@@ -514,14 +517,8 @@ def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -
             offset = len(stack.logs("decode_svc"))
             router.send_signal(signal.SIGSTOP)
             try:
-                async with _revived(stack, "decode_svc"):
-                    stack.kill("decode_svc")
-                    stack.extra_env["TANDEM_ROUTER_GRACE_S"] = str(grace_s)
-                    try:
-                        await asyncio.to_thread(stack.start_process, "decode_svc")
-                    finally:
-                        del stack.extra_env["TANDEM_ROUTER_GRACE_S"]
-                    await asyncio.to_thread(stack.wait_log, "decode_svc", "has been away", 30.0, offset)
+                await _restart_decode(stack, grace_s)
+                await asyncio.to_thread(stack.wait_log, "decode_svc", "has been away", 30.0, offset)
             finally:
                 router.send_signal(signal.SIGCONT)
             thawed = time.monotonic()
@@ -532,10 +529,6 @@ def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def restart_with_default_grace() -> None:
-        async with _revived(stack, "decode_svc"):
-            stack.kill("decode_svc")
-
     outcomes, waited_s = asyncio.run(run())
     for outcome in outcomes:
         assert isinstance(outcome, grpc.aio.AioRpcError), f"seed {seed}: a stream outlived its cancellation"
@@ -543,7 +536,7 @@ def test_a_router_back_after_the_grace_hears_its_requests_failed(stack: Stack) -
         assert outcome.code() == grpc.StatusCode.UNAVAILABLE, f"seed {seed}: {outcome.code()}"
     assert waited_s < 10.0, f"seed {seed}: the errors came {waited_s:.1f} s after the router thawed"
     asyncio.run(_drained(stack))
-    asyncio.run(restart_with_default_grace())
+    asyncio.run(_restart_decode(stack, None))
 
 
 def test_redis_restarted_empty_mid_stream_loses_nothing_and_serves_after(stack: Stack, engine: LLMEngine) -> None:
