@@ -220,23 +220,28 @@ async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: Re
     sent_s = clock()
     chat = target.endpoint == "chat"
     num_429 = 0
+    last_sent_s: float | None = None  # a retry's send; the record keeps the first as its arrival
     try:
         body = request_body(target, model, spec, prompt)
         for retries_left in range(target.retries_429, -1, -1):
             async with http.stream("POST", ENDPOINTS[target.endpoint], json=body,
                                    timeout=target.timeout_s) as response:
                 if response.status_code != 429 or retries_left == 0:
-                    return replace(await _read_stream(response, spec, sent_s, clock, chat), num_429=num_429)
+                    return replace(await _read_stream(response, spec, sent_s, clock, chat), num_429=num_429,
+                                   last_sent_s=last_sent_s)
                 await response.aread()
             num_429 += 1
             await asyncio.sleep(_retry_after_s(response))  # refused for now: ask again when told
+            last_sent_s = clock()
         raise AssertionError("the last attempt returns")
     except asyncio.CancelledError:
         raise
     except _StreamFailed as exc:
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, exc.times, None, exc.message, num_429)
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, exc.times, None, exc.message, num_429,
+                             last_sent_s)
     except Exception as exc:  # every failure is a result, not a crash
-        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"{type(exc).__name__}: {exc}", num_429)
+        return RequestRecord(spec.request_id, sent_s, spec.input_len, (), None, f"{type(exc).__name__}: {exc}",
+                             num_429, last_sent_s)
 
 
 # Bounds on a server's Retry-After that the client follows (seconds).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,9 @@ class RequestRecord:
     finish_s: float | None            # None if it failed
     error: str | None = None          # None when it completed
     num_429: int = 0                  # refusals (HTTP 429) it was retried after; its TTFT counts the waits
+    # When its last attempt was sent (after the waits its 429s asked for); None: no retry, the
+    # first send (``arrival_s``) was the last.
+    last_sent_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +96,19 @@ class RequestRecord:
     @property
     def ttft_s(self) -> float | None:
         return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def attempt_ttft_s(self) -> float | None:
+        """The TTFT of the attempt the server answered: from its last send, not its first. The
+        server judged that attempt (its admission, its queue); the client chose the waits before it."""
+        first = self.token_times_s[0] if self.token_times_s else None
+        return None if first is None else first - (self.arrival_s if self.last_sent_s is None else self.last_sent_s)
+
+    def as_last_attempt(self) -> RequestRecord:
+        """This record as if its last attempt had been its only one: what the server answered."""
+        if self.last_sent_s is None:
+            return self
+        return replace(self, arrival_s=self.last_sent_s, num_429=0, last_sent_s=None)
 
     @property
     def gaps_s(self) -> tuple[float, ...]:
@@ -111,13 +127,14 @@ class RequestRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "arrival_s": self.arrival_s, "input_len": self.input_len,
                 "token_times_s": list(self.token_times_s), "finish_s": self.finish_s, "error": self.error,
-                "num_429": self.num_429}
+                "num_429": self.num_429, "last_sent_s": self.last_sent_s}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
         return cls(d["request_id"], float(d["arrival_s"]), int(d["input_len"]),
                    tuple(float(t) for t in d["token_times_s"]),
-                   None if d["finish_s"] is None else float(d["finish_s"]), d.get("error"), int(d.get("num_429", 0)))
+                   None if d["finish_s"] is None else float(d["finish_s"]), d.get("error"), int(d.get("num_429", 0)),
+                   None if d.get("last_sent_s") is None else float(d["last_sent_s"]))
 
 
 def meets_ttft(record: RequestRecord, slo: SloSpec) -> bool:

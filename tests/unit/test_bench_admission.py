@@ -24,19 +24,25 @@ def _admission() -> ModuleType:
 
 
 def _record(rng: random.Random, i: int, outcome: str) -> RequestRecord:
-    """outcome: 'met', 'late' (TTFT 3 s), 'slow' (a 0.5 s gap), 'refused' (TTFT or TBT reason)."""
+    """outcome: 'met', 'late' (TTFT 3 s), 'waited' (TTFT 3 s from its first send, retried, and
+    within the SLO from its last), 'slow' (a 0.5 s gap), 'refused' (TTFT or TBT reason)."""
     if outcome == "refused":
         reason = rng.choice(["queue ahead pushes TTFT past the deadline (predicted TTFT 2500 ms, deadline 2000 ms)",
                              "decode is at the most streams that keep the TBT SLO; retry after 1.20 s"])
         return RequestRecord(f"r{i}", 0.0, 40, (), None, f"HTTP 429: admission refused: {reason}")
-    first = 3.0 if outcome == "late" else rng.uniform(0.1, 1.9)
+    first = 3.0 if outcome in ("late", "waited") else rng.uniform(0.1, 1.9)
     gaps = [rng.uniform(0.01, 0.1) for _ in range(rng.randint(1, 30))]
     if outcome == "slow":
         gaps[rng.randrange(len(gaps))] = 0.5
     times = [first]
     for gap in gaps:
         times.append(times[-1] + gap)
-    return RequestRecord(f"r{i}", 0.0, 40, tuple(times), times[-1], num_429=rng.choice([0, 0, 1, 2]))
+    num_429 = rng.randint(1, 2) if outcome == "waited" else rng.choice([0, 0, 1, 2])
+    # A retry's send: late ones stay late from it (TTFT over 2 s), waited ones meet the SLO from it.
+    last_sent_s = (None if not num_429 else rng.uniform(1.1, first) if outcome == "waited"
+                   else rng.uniform(0.0, min(first - 2.05, first - 0.01)) if outcome == "late"
+                   else rng.uniform(0.0, first))
+    return RequestRecord(f"r{i}", 0.0, 40, tuple(times), times[-1], num_429=num_429, last_sent_s=last_sent_s)
 
 
 def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
@@ -44,7 +50,7 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
     rng = random.Random(5)
     for _ in range(50):
         n = rng.randint(1, 40)
-        on_kinds = [rng.choice(["met", "late", "slow", "refused"]) for _ in range(n)]
+        on_kinds = [rng.choice(["met", "late", "waited", "slow", "refused"]) for _ in range(n)]
         off_kinds = [rng.choice(["met", "late", "slow"]) for _ in range(n)]
         on = [_record(rng, i, k).to_dict() for i, k in enumerate(on_kinds)]
         off = [_record(rng, i, k).to_dict() for i, k in enumerate(off_kinds)]
@@ -53,7 +59,12 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
         assert got["num_refused"] == len(refused)
         assert got["num_false_refusals"] == sum(off_kinds[i] == "met" for i in refused)
         assert got["num_admitted"] == n - len(refused)
-        assert got["num_admitted_missed"] == sum(k in ("late", "slow") for k in on_kinds)
+        assert got["num_admitted_missed"] == sum(k in ("late", "waited", "slow") for k in on_kinds)
+        # from the attempt answered, the waits the 429s asked for do not count
+        assert got["admitted_missed_last_attempt"] == sum(k in ("late", "slow") for k in on_kinds)
+        admitted = sum(k != "refused" for k in on_kinds)
+        assert got["admitted_missed_last_attempt_of_admitted"] == (
+            got["admitted_missed_last_attempt"] / admitted if admitted else None)
         assert got["met_with_admission"] == on_kinds.count("met")
         assert got["met_without_admission"] == off_kinds.count("met")
         assert sum(got["refusal_reasons"].values()) == len(refused)
@@ -61,16 +72,19 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
                                                 "decode is at the most streams that keep the TBT SLO"}
         assert sum(got["false_refusals_by_reason"].values()) == got["num_false_refusals"]
         retried = [on_record["num_429"] > 0 for on_record in on]
-        misses = [i for i, k in enumerate(on_kinds) if k in ("late", "slow")]
+        misses = [i for i, k in enumerate(on_kinds) if k in ("late", "waited", "slow")]
         assert got["admitted_missed_retried"] == sum(retried[i] for i in misses)
-        assert got["admitted_missed_ttft"] == sum(on_kinds[i] == "late" and not retried[i] for i in misses)
+        assert got["admitted_missed_ttft"] == sum(on_kinds[i] in ("late", "waited") and not retried[i] for i in misses)
         assert got["admitted_missed_tbt_only"] == sum(on_kinds[i] == "slow" and not retried[i] for i in misses)
-        # a run whose records did not keep their 429s: no split, the table says so
+        assert f"| {got['admitted_missed_last_attempt']} (" in admission.markdown([{"load": "x", **got}])
+        # a run whose records did not keep their 429s nor their last sends: no split, the table says so
         for row in on:
             row.pop("num_429")
+            row.pop("last_sent_s")
         old = admission.judge(on, off, SLO)
         assert old["admitted_missed_retried"] is None and old["num_admitted_missed"] == got["num_admitted_missed"]
-        assert "| - |" in admission.markdown([{"load": "x", **old}])
+        assert old["admitted_missed_last_attempt"] is None and old["admitted_missed_last_attempt_of_admitted"] is None
+        assert "| - | - |" in admission.markdown([{"load": "x", **old}])
 
 
 def test_runs_of_different_lengths_are_an_error() -> None:
