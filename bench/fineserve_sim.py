@@ -15,7 +15,13 @@ Instances come from ``tandem.place.profile_model`` at the 1x rates; then
 and every rate is scaled 1x..8x with the placement fixed. Reports TTFT SLO attainment and output
 tokens/s, and FineServe's ratios over each baseline from the same run.
 
+With ``--place-at rate`` each rate scale is placed anew, for the rates it sends (both
+placements from the same instances: the replicas each model's scaled rate needs, within an
+80 GiB GPU): what a global scheduler told the rates to expect does, where the fixed 1x
+placement leaves GPUs empty that the higher rates need (``fineserve-sim-Ngpu-placed-at-rate.json``).
+
     .venv/bin/python bench/fineserve_sim.py [--gpus 8 16] [--rate-scales 1 2 4 8] [--duration-s 60]
+                                            [--place-at 1x|rate]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 from tandem.perf.hardware import hardware_preset
 from tandem.perf.model_shape import LLAMA_3_1_8B, LLAMA_3_1_70B
 from tandem.place.placement import (
-    GIB, Cell, Workload, place_fineserve, place_prism, profile_model,
+    GIB, Cell, ModelProfile, Placement, PlacementError, Workload, place_fineserve, place_prism, profile_model,
 )
 from tandem.sim.multimodel import FINESERVE, PRISM, STATIC, SystemSpec, Variant, simulate_cluster, variant_perf
 
@@ -37,6 +43,7 @@ from tandem.sim.multimodel import FINESERVE, PRISM, STATIC, SystemSpec, Variant,
 SLAB_FCFS = SystemSpec("slab_fcfs", "shared", "fcfs")
 
 P95_PROMPT = 757  # exp(3.93 + 1.645 x 1.64): the ShareGPT length model's 95th percentile
+GPU_BYTES = 80 * GIB
 
 
 def variants(hardware_name: str, slo_scale: float, rate_8b: float, rate_70b: float) -> list[Variant]:
@@ -65,22 +72,51 @@ def main() -> None:
     parser.add_argument("--rate-70b", type=float, default=1.5, help="1x request rate of each 70B model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="docs/results")
+    parser.add_argument("--place-at", choices=["1x", "rate"], default="1x",
+                        help="place once at the 1x rates (the placement fixed as rates scale), or anew at each rate")
     args = parser.parse_args()
     hardware = hardware_preset(args.hardware)
     vs = variants(args.hardware, args.slo_scale, args.rate_8b, args.rate_70b)
-    profiles = []
-    for v in vs:
-        work = Workload(v.rate_rps, v.ttft_slo_s, 0.2, 195, 317)  # ShareGPT means (clipped)
-        profiles += profile_model(v.name, v.shape, v.precision, hardware, work, kv_precision=v.kv_precision)
+
+    def instances(scale: float) -> list[ModelProfile]:
+        profiles: list[ModelProfile] = []
+        for v in vs:
+            work = Workload(v.rate_rps * scale, v.ttft_slo_s, 0.2, 195, 317)  # ShareGPT means (clipped)
+            profiles += profile_model(v.name, v.shape, v.precision, hardware, work, kv_precision=v.kv_precision,
+                                      max_footprint_bytes=GPU_BYTES)
+        return profiles
+
+    def place(profiles: list[ModelProfile], cells: list[Cell]) -> dict[str, Placement | str]:
+        out: dict[str, Placement | str] = {}
+        for name, placer in (("fineserve", place_fineserve), ("prism", place_prism)):
+            try:
+                out[name] = placer(profiles, cells)
+            except PlacementError as e:
+                out[name] = str(e)  # that system cannot serve these rates here: no row
+        return out
+
+    fixed_profiles = instances(1.0)
     for num_gpus in args.gpus:
-        cells = [Cell(f"gpu{i}", 80 * GIB) for i in range(num_gpus)]
-        placements = {"fineserve": place_fineserve(profiles, cells), "prism": place_prism(profiles, cells)}
+        cells = [Cell(f"gpu{i}", GPU_BYTES) for i in range(num_gpus)]
+        fixed = place(fixed_profiles, cells)
         rows = []
         for scale in args.rate_scales:
+            profiles, placements = ((fixed_profiles, fixed) if args.place_at == "1x"
+                                    else (instances(scale), place(instances(scale), cells)))
             row: dict[str, object] = {"rate_scale": scale}
-            for system, placement in ((FINESERVE, placements["fineserve"]), (STATIC, placements["fineserve"]),
-                                      (PRISM, placements["prism"]), (SLAB_FCFS, placements["fineserve"])):
+            if args.place_at == "rate":
+                row["placement"] = {name: p.resident if isinstance(p, Placement) else p
+                                    for name, p in placements.items()}
+                row["instances"] = len(profiles)
+            for system, placer in ((FINESERVE, "fineserve"), (STATIC, "fineserve"), (PRISM, "prism"),
+                                   (SLAB_FCFS, "fineserve")):
+                placement = placements[placer]
+                if not isinstance(placement, Placement):
+                    row[system.name] = {"unplaced": placement, "ttft_attainment": 0.0, "token_throughput": 0.0,
+                                        "wall_s": 0.0}
+                    continue
                 t0 = time.perf_counter()
+                # arrivals: each model's 1x rate x scale, dealt over its instances in the placement
                 result = simulate_cluster(vs, profiles, placement, hardware, system, rate_scale=scale,
                                           duration_s=args.duration_s, seed=args.seed)
                 result["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -104,10 +140,13 @@ def main() -> None:
             "slo_scale": args.slo_scale, "seed": args.seed,
             "models": [{"name": v.name, "precision": v.precision, "kv_precision": v.kv_precision,
                         "rate_rps_1x": v.rate_rps, "ttft_slo_s": round(v.ttft_slo_s, 4)} for v in vs],
-            "placement": {name: {"table": p.table(profiles), "cells": p.resident} for name, p in placements.items()},
+            "place_at": args.place_at,
+            "placement": {name: {"table": p.table(fixed_profiles), "cells": p.resident} if isinstance(p, Placement)
+                          else {"error": p} for name, p in fixed.items()},
             "results": rows,
         }
-        path = Path(args.out_dir) / f"fineserve-sim-{num_gpus}gpu.json"
+        suffix = "" if args.place_at == "1x" else "-placed-at-rate"
+        path = Path(args.out_dir) / f"fineserve-sim-{num_gpus}gpu{suffix}.json"
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {path}")
 

@@ -106,7 +106,8 @@ def parse_deployment(data: Any, *, rate_scale: float = 1.0) -> Deployment:
             shape = shape.with_tp(int(entry["tp"]))
         try:
             profiles += profile_model(name, shape, str(entry.get("precision", "fp16")), hardware, work,
-                                      kv_precision=entry.get("kv_precision"))
+                                      kv_precision=entry.get("kv_precision"),
+                                      max_footprint_bytes=max(c.memory_bytes for c in cells))
         except PlacementError as e:
             raise PlacementError(f"{where}: {e}") from None
     return Deployment(tuple(cells), tuple(profiles))

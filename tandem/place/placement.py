@@ -301,10 +301,16 @@ def profile_model(
     *,
     kv_precision: str | None = None,
     max_replicas: int = MAX_REPLICAS,
+    max_footprint_bytes: float | None = None,
 ) -> list[ModelProfile]:
     """The instances of one model: the fewest replicas whose per-replica rate has an operating
     point (FineServe: "if that batch size would violate the TTFT SLO, we meet the rate by
-    increasing the number of data-parallel replicas"), each with its F_M and mu_M."""
+    increasing the number of data-parallel replicas"), each with its F_M and mu_M.
+
+    With ``max_footprint_bytes`` (the largest cell's memory), an instance must also fit it: a
+    rate whose operating point holds more KV than one cell has is split over more replicas too.
+    Without, such a model left placement to fail ("needs 108 GiB, no cell has it": Llama-3.1-70B
+    FP8 at 12 req/s on 80 GiB H100s) where two replicas fit."""
     if precision not in WEIGHT_BYTES:
         raise PlacementError(f"{name}: unknown precision {precision!r} (known: {', '.join(WEIGHT_BYTES)})")
     kv_precision = kv_precision or DEFAULT_KV_PRECISION[precision]
@@ -323,6 +329,10 @@ def profile_model(
         mme = GIB / (ctx * kv_token) / point.decode_step_s
         kv = point.batch_size * (work.mean_input_len + work.mean_output_len) * kv_token
         act = activation_bytes(shape, point.batch_size, work.mean_input_len)
+        fixed = weight_bytes(shape, precision) + act
+        if (max_footprint_bytes is not None and fixed + kv > max_footprint_bytes >= fixed
+                and replicas < max_replicas):
+            continue  # no cell holds its KV: split the rate further (weights alone too big: placement says so)
         return [
             ModelProfile(
                 name=name if r == 0 else f"{name}#{r}", model=name, rate_rps=rate,

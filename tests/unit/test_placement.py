@@ -4,13 +4,14 @@ expected placements are computed by hand; replicas when a rate needs them; ``tan
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tandem.cli import main
 from tandem.perf.hardware import H100_SXM
-from tandem.perf.model_shape import LLAMA_3_1_8B
+from tandem.perf.model_shape import LLAMA_3_1_8B, LLAMA_3_1_70B
 from tandem.place.deployment import parse_deployment
 from tandem.place.placement import (
     GIB, Cell, ModelProfile, PlacementError, Workload, place_fineserve, place_prism, profile_model, score,
@@ -82,6 +83,29 @@ def test_replicas_when_one_instance_cannot_meet_the_rate() -> None:
     assert fp8.mme > 2 * one.mme and fp8.weight_bytes < 0.6 * one.weight_bytes
     with pytest.raises(PlacementError, match="no operating point"):
         profile_model("m", LLAMA_3_1_8B, "fp16", H100_SXM, Workload(2.0, 0.001, 0.1, 512, 256))
+
+
+@pytest.mark.parametrize("rate", [6.0, 12.0, 24.0, 48.0])
+def test_replicas_when_one_instance_would_not_fit_a_cell(rate: float) -> None:
+    """An operating point whose KV no cell holds splits the rate over more replicas, the fewest
+    that fit; a model whose weights alone do not fit keeps its instances, and placement names it."""
+    work = Workload(rate_rps=rate, ttft_slo_s=2.0, tpot_slo_s=0.2, mean_input_len=195, mean_output_len=317)
+    big = LLAMA_3_1_70B.with_tp(1)
+    free = profile_model("m", big, "fp8", H100_SXM, work)
+    bounded = profile_model("m", big, "fp8", H100_SXM, work, max_footprint_bytes=80 * GIB)
+    assert len(bounded) >= len(free)
+    assert all(p.footprint_bytes <= 80 * GIB for p in bounded)
+    assert sum(p.rate_rps for p in bounded) == pytest.approx(rate)
+    if len(bounded) > 1:  # the fewest that fit: one replica fewer would not have (or missed the SLOs)
+        fewer = profile_model("m", big, "fp8", H100_SXM, replace(work, rate_rps=rate / (len(bounded) - 1)))
+        assert len(fewer) > 1 or fewer[0].footprint_bytes > 80 * GIB
+    if free[0].footprint_bytes <= 80 * GIB:
+        assert [p.name for p in bounded] == [p.name for p in free]  # nothing to split
+    # fp16 70B weights (about 131 GiB) fit no 80 GiB cell however the rate is split
+    fp16 = profile_model("m", big, "fp16", H100_SXM, work, max_footprint_bytes=80 * GIB)
+    assert len(fp16) == len(profile_model("m", big, "fp16", H100_SXM, work))
+    with pytest.raises(PlacementError, match="no cell has it"):
+        place_fineserve(fp16, [Cell("gpu", 80 * GIB)])
 
 
 def test_deployment_file_and_the_place_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
