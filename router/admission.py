@@ -399,7 +399,8 @@ class AdmissionController:
             calibration_fixed_costs=tuple((r.units, r.beside_streams, *c.scaling)
                                           for r, c in sorted(self.calibration_by_regime.items())
                                           if c.calibrated and c.overhead_s > 0),
-            num_tbt_refusals=self.num_tbt_refusals, stream_limit=self.streams.limit,
+            num_tbt_refusals=self.num_tbt_refusals,
+            stream_limit=self.streams.limit if self.enabled and self.stream_cap else None,  # none enforced: none
             num_kv_refusals=self.num_kv_refusals,
         )
 

@@ -664,6 +664,9 @@ class Gateway:
                 log.debug("load board read failed: %s", exc)
         self._metrics.set_cell(next((r for r in reports if r.role == "agent"), None))
         self._metrics.count_services(reports)
+        for core in self._models:
+            if core.admission is not None:
+                self._metrics.set_admission(core.metrics.model_name, core.admission.stats())
         return Response(self._metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:

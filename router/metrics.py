@@ -19,13 +19,28 @@ decode service per model); ``kv_cache_usage_perc`` is each model's share of the 
 (the shares sum to the cell's use, one slab pool or a fixed split alike); the partition gauges
 are the cell's, the same for every model, since all the cell's models compute on its units.
 A service or agent that names no model counts under the primary's name (see ``label``).
+
+The router's own SLO admission (``router.admission``), per model, read from its counts at
+scrape time: ``admission_admitted_total``, ``admission_refused_total`` by ``reason`` (``ttft``:
+its predicted TTFT past the SLO; ``tbt``: over the stream cap; ``kv``: KV blocks would come too
+late), ``admission_ttft_total`` by ``outcome`` (the admitted requests' first tokens within or past
+the TTFT SLO, as the router measures them), ``admission_refusals_judged_total`` by ``verdict``
+(a TTFT refusal judged once the request admitted before it got its first token: ``false``, it
+would have met the SLO, or ``confirmed``), and the gauges ``admission_stream_cap`` (+Inf: no
+cap) and ``admission_prefill_calibration`` (measured / predicted prefill time).
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.protocol import LoadReport
+
+if TYPE_CHECKING:
+    from router.admission import AdmissionStats
 
 PREFIX = "tandem:"
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -86,7 +101,27 @@ class RouterMetrics:
         self.num_prefill_resends = Counter(
             f"{PREFIX}num_prefill_resends", "Prompts sent again because their prefill service died or stopped "
             "before it answered.", model, registry=r)
+        self.admission_admitted = Counter(
+            f"{PREFIX}admission_admitted", "Requests the router's SLO admission let in.", model, registry=r)
+        self.admission_refused = Counter(
+            f"{PREFIX}admission_refused", "Requests the router's SLO admission refused (HTTP 429, gRPC "
+            "RESOURCE_EXHAUSTED), by reason: ttft (predicted TTFT past the SLO), tbt (over the stream cap), kv "
+            "(KV blocks would come too late).", ["model_name", "reason"], registry=r)
+        self.admission_ttft = Counter(
+            f"{PREFIX}admission_ttft", "Admitted requests whose first token came within (met) or past (missed) "
+            "the TTFT SLO, as the router measures it.", ["model_name", "outcome"], registry=r)
+        self.admission_refusals_judged = Counter(
+            f"{PREFIX}admission_refusals_judged", "TTFT refusals judged when the request admitted before each "
+            "got its first token: false (it would have met the SLO) or confirmed.", ["model_name", "verdict"],
+            registry=r)
+        self.admission_stream_cap = Gauge(
+            f"{PREFIX}admission_stream_cap", "The most streams admission keeps in flight (+Inf: no cap).", model,
+            registry=r)
+        self.admission_prefill_calibration = Gauge(
+            f"{PREFIX}admission_prefill_calibration", "Measured / predicted prefill time, the factor admission "
+            "scales its TTFT predictions by.", model, registry=r)
         self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
+        self._admission_counts: dict[tuple[str, str], int] = {}  # (model, count) -> last value folded in
         self._names: list[str] = []  # the served models, the primary first
 
     def for_model(self, model_name: str) -> ModelMetrics:
@@ -144,6 +179,28 @@ class RouterMetrics:
                 if grown:
                     counter.labels(model_name=model_name).inc(grown)
                 self._service_counts[(report.service_id, name)] = value
+
+    def set_admission(self, model_name: str, stats: AdmissionStats) -> None:
+        """Fold one model's admission counts (since the router started) into the counters, and
+        set its gauges."""
+        label = {"model_name": model_name}
+        num_ttft_refused = stats.num_refused - stats.num_tbt_refusals - stats.num_kv_refusals
+        for key, child, value in (
+                ("admitted", self.admission_admitted.labels(**label), stats.num_admitted),
+                ("ttft", self.admission_refused.labels(**label, reason="ttft"), num_ttft_refused),
+                ("tbt", self.admission_refused.labels(**label, reason="tbt"), stats.num_tbt_refusals),
+                ("kv", self.admission_refused.labels(**label, reason="kv"), stats.num_kv_refusals),
+                ("met", self.admission_ttft.labels(**label, outcome="met"), stats.num_met),
+                ("missed", self.admission_ttft.labels(**label, outcome="missed"), stats.num_missed),
+                ("false", self.admission_refusals_judged.labels(**label, verdict="false"), stats.num_false_refusals),
+                ("confirmed", self.admission_refusals_judged.labels(**label, verdict="confirmed"),
+                 stats.num_confirmed_refusals)):
+            grown = value - self._admission_counts.get((model_name, key), 0)
+            if grown > 0:
+                child.inc(grown)
+                self._admission_counts[(model_name, key)] = value
+        self.admission_stream_cap.labels(**label).set(math.inf if stats.stream_limit is None else stats.stream_limit)
+        self.admission_prefill_calibration.labels(**label).set(stats.calibration_factor)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

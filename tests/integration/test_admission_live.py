@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.client import AsyncTandemClient, Overloaded
 from tests.e2e.test_openai_api import _wait_all_blocks_free
@@ -41,6 +42,14 @@ def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with Stack(smollm2_dir, tmp_path_factory.mktemp("admission-logs"), num_blocks=512, admission="on",
                extra_env={"TANDEM_TTFT_SLO_MS": str(TTFT_SLO_MS), "TANDEM_CELL_ID": f"adm-{uuid.uuid4().hex[:6]}"}) as s:
         yield s
+
+
+def _admission_sample(page: str, name: str, **labels: str) -> float:
+    """The one sample of ``tandem:admission_<name>`` with ``labels`` on a /metrics page."""
+    found = [sample.value for family in text_string_to_metric_families(page) for sample in family.samples
+             if sample.name == f"tandem:admission_{name}" and all(sample.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
 
 
 def test_http_burst_is_partly_refused_with_retry_after_and_blocks_come_back(stack: Stack) -> None:
@@ -67,6 +76,12 @@ def test_http_burst_is_partly_refused_with_retry_after_and_blocks_come_back(stac
             assert r.json()["usage"]["completion_tokens"] == 4
     stats = asyncio.run(_wait_all_blocks_free(stack, 30))
     assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
+    # /metrics counts them (the module's first requests): refused for their TTFT, the rest admitted
+    page = stack.metrics()
+    assert _admission_sample(page, "refused_total", reason="ttft") == codes.count(429)
+    assert _admission_sample(page, "refused_total", reason="tbt") == 0
+    assert _admission_sample(page, "admitted_total") >= codes.count(200)
+    assert _admission_sample(page, "prefill_calibration") > 0
 
 
 def test_lone_long_prompt_on_an_idle_cell_is_served(stack: Stack) -> None:
@@ -197,8 +212,11 @@ def test_streams_over_the_tbt_cap_are_refused_and_an_idle_cell_admits_again(tigh
             late = [await http.post(f"{base}/v1/chat/completions", json={
                 "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": f"Late {i}."}]})
                 for i in range(4)]
+            nonlocal page
+            page = (await http.get(f"{base}/metrics")).text  # while the streams still run
             return list(await asyncio.gather(*streams)), late
 
+    page = ""
     codes, late = asyncio.run(run())
     assert codes == [200] * 12
     refused = [r for r in late if r.status_code == 429]
@@ -207,6 +225,9 @@ def test_streams_over_the_tbt_cap_are_refused_and_an_idle_cell_admits_again(tigh
         message = r.json()["error"]["message"]
         assert "decode is at the most streams that keep the TBT SLO" in message, message
         assert 1 <= int(r.headers["retry-after-ms"]) <= 1000 * int(r.headers["retry-after"])
+    # /metrics saw the cap while the streams ran, and counted the refusals over it
+    assert _admission_sample(page, "refused_total", reason="tbt") == len(refused)
+    assert 1 <= _admission_sample(page, "stream_cap") <= 12
     stats = asyncio.run(_wait_all_blocks_free(tight_tbt_stack, 60))
     assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
     with httpx.Client(timeout=120) as http:  # idle: the cap is released

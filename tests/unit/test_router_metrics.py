@@ -112,3 +112,55 @@ def test_a_one_model_router_counts_its_cells_model_under_its_served_name() -> No
 def test_kv_used_by_model_is_a_fraction() -> None:
     with pytest.raises(ValueError, match="kv_used_by_model"):
         dataclasses.replace(report("agent-c", "agent", 0, 0), kv_used_by_model={"a": 1.5})
+
+
+def _labelled(metrics: RouterMetrics, name: str, model: str, **labels: str) -> float:
+    samples = [sample.value for family in metrics.registry.collect() for sample in family.samples
+               if sample.name == name and sample.labels.get("model_name") == model
+               and all(sample.labels.get(k) == v for k, v in labels.items())]
+    assert len(samples) == 1, (name, model, labels, samples)
+    return samples[0]
+
+
+def test_admission_counts_fold_into_counters_by_reason_and_the_gauges_follow_the_last_stats() -> None:
+    """Each model's admission counts (cumulative since the router started) become counters that
+    grow by what was added between scrapes, refusals split by reason (TTFT, the stream cap, KV
+    blocks); the stream cap and the calibration factor are gauges, +Inf without a cap."""
+    from router.admission import AdmissionStats
+
+    rng = random.Random(11)
+    for _ in range(30):
+        metrics = RouterMetrics()
+        counts = {model: dict.fromkeys(("admitted", "ttft", "tbt", "kv", "met", "missed", "false", "confirmed"), 0)
+                  for model in ("a", "b")}
+        last: dict[str, AdmissionStats] = {}
+        for _ in range(rng.randint(1, 12)):
+            model = rng.choice(("a", "b"))
+            c = counts[model]
+            for key in c:
+                c[key] += rng.choice((0, 0, 1, rng.randint(1, 20)))
+            stats = AdmissionStats(
+                num_admitted=c["admitted"], num_refused=c["ttft"] + c["tbt"] + c["kv"], num_met=c["met"],
+                num_missed=c["missed"], num_false_refusals=c["false"], num_confirmed_refusals=c["confirmed"],
+                calibration_factor=rng.uniform(0.1, 3.0), num_calibration_batches=rng.randint(0, 9),
+                num_tbt_refusals=c["tbt"], num_kv_refusals=c["kv"],
+                stream_limit=rng.choice((None, rng.randint(1, 64))))
+            if rng.random() < 0.8:  # some scrapes are missed: the next one adds what grew meanwhile
+                metrics.set_admission(model, stats)
+                last[model] = stats
+        for model, stats in last.items():
+            p = "tandem:admission_"
+            assert _labelled(metrics, f"{p}admitted_total", model) == stats.num_admitted
+            assert _labelled(metrics, f"{p}refused_total", model, reason="tbt") == stats.num_tbt_refusals
+            assert _labelled(metrics, f"{p}refused_total", model, reason="kv") == stats.num_kv_refusals
+            assert _labelled(metrics, f"{p}refused_total", model, reason="ttft") == (
+                stats.num_refused - stats.num_tbt_refusals - stats.num_kv_refusals)
+            assert _labelled(metrics, f"{p}ttft_total", model, outcome="met") == stats.num_met
+            assert _labelled(metrics, f"{p}ttft_total", model, outcome="missed") == stats.num_missed
+            assert _labelled(metrics, f"{p}refusals_judged_total", model, verdict="false") == stats.num_false_refusals
+            assert _labelled(metrics, f"{p}refusals_judged_total", model, verdict="confirmed") == (
+                stats.num_confirmed_refusals)
+            cap = _labelled(metrics, f"{p}stream_cap", model)
+            assert cap == (float("inf") if stats.stream_limit is None else stats.stream_limit)
+            assert _labelled(metrics, f"{p}prefill_calibration", model) == pytest.approx(stats.calibration_factor)
+        assert b"tandem:admission_stream_cap" in metrics.render() or not last
