@@ -390,7 +390,10 @@ class RouterCore:
                     update = await next_update(sent.queue, deadline_s, self._config.stall_timeout_s)
                     if not update.tokens and update.finish_reason == _UNSPECIFIED:
                         continue  # decode holds it without stepping it (waiting for KV blocks): alive
-                    if admission is not None:
+                    if admission is not None and update.tokens:
+                        # Only updates with tokens are a stream's gaps: an error after a fault's
+                        # stall (or a finish without a token) says nothing of decode's steps, and
+                        # fed to the stream cap, a dead decode's stall cut it for the next streams.
                         now_s = time.monotonic()
                         admission.token_gap(now_s - last_update_s, now_s)
                         last_update_s = now_s
