@@ -46,8 +46,10 @@ import httpx
 
 from bench.peer import running, tandem_up
 from bench.stack_cpu import ROLES, StackProcess, stack_processes
+from tandem.bench.client import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from tandem.bench.report import write_json
 from tandem.rpc.channels import RECONNECT_OPTIONS
+from tandem.rpc.convert import retry_after_from
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, free_port
 
@@ -72,6 +74,31 @@ class Faults:
 
     def router_killed_since(self, start_s: float) -> bool:
         return any(role == "router" and at >= start_s for at, role in self.kills)
+
+
+def _with_hint(outcome: str, retry_after_s: float | None) -> str:
+    """A refusal's outcome with the server's retry hint after it ("http 429: retry after 0.25 s"):
+    the worker waits that long before its next request, as a client that honours Retry-After
+    does (it is counted by the part before the colon)."""
+    return outcome if retry_after_s is None else f"{outcome}: retry after {retry_after_s:.3f} s"
+
+
+def _refused(r: httpx.Response) -> str:
+    """A 4xx answer's outcome; a 429's with its Retry-After (``retry-after-ms`` first)."""
+    if r.status_code != 429:
+        return f"http {r.status_code}"
+    for header, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            return _with_hint("http 429", float(r.headers[header]) / divisor)
+        except (KeyError, ValueError):
+            continue
+    return "http 429"
+
+
+def _retry_hint_s(outcome: str) -> float | None:
+    """The wait a refusal's outcome asks for (bounded as ``tandem bench`` bounds it), else None."""
+    match = re.search(r": retry after ([0-9.]+) s$", outcome)
+    return None if match is None else min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, float(match.group(1))))
 
 
 def _clear_5xx(status: int, text: str) -> str:
@@ -110,7 +137,7 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
         if r.status_code != 200:
             if r.status_code >= 500 and faults is not None:
                 return _clear_5xx(r.status_code, r.text)
-            return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {r.text[:200]}"
+            return _refused(r) if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {r.text[:200]}"
         usage = r.json().get("usage", {})
         return "ok" if usage.get("completion_tokens", 0) >= 1 else f"UNEXPECTED no tokens: {r.text[:200]}"
     body = {"model": model, "messages": [{"role": "user", "content": _prompt(rng)}], "max_tokens": max_tokens,
@@ -121,7 +148,7 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
             text = (await r.aread()).decode(errors="replace")
             if r.status_code >= 500 and faults is not None:
                 return _clear_5xx(r.status_code, text)
-            return f"http {r.status_code}" if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {text[:200]}"
+            return _refused(r) if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {text[:200]}"
         chunks = 0
         async for line in r.aiter_lines():
             if line.startswith("data: "):
@@ -160,7 +187,9 @@ async def _grpc(stub: router_pb2_grpc.RouterStub, rng: random.Random, kind: str,
                 return "cancelled"
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
-        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return _with_hint(f"grpc {code.name}", retry_after_from(exc.trailing_metadata()))
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
             return f"grpc {code.name}"
         if faults is not None and code != grpc.StatusCode.DEADLINE_EXCEEDED:
             if code == grpc.StatusCode.UNAVAILABLE and faults.router_killed_since(start_s):
@@ -308,8 +337,11 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
                         outcome = f"UNEXPECTED {type(exc).__name__}: {exc}"
                 if outcome.startswith("failed clearly") and len(clear_failures) < 40:
                     clear_failures.add(re.sub(r"[0-9a-f]{8,}|\d+", "#", outcome.split(": ", 1)[1]))
-                if faults is not None and outcome.split(":")[0] in ("failed clearly", "broken by the router's kill",
-                                                                    "http 429", "grpc RESOURCE_EXHAUSTED"):
+                hint_s = _retry_hint_s(outcome)
+                if hint_s is not None:
+                    await asyncio.sleep(hint_s)  # a refusal: ask again when told, faults or not
+                elif faults is not None and outcome.split(":")[0] in ("failed clearly", "broken by the router's kill",
+                                                                      "http 429", "grpc RESOURCE_EXHAUSTED"):
                     await asyncio.sleep(1.0)  # as a client would, and so the load spans the kills
                 outcomes[outcome.split(":")[0]] += 1
                 by_kind[kind][outcome.split(":")[0]] += 1
