@@ -46,7 +46,7 @@ import httpx
 
 from bench.peer import running, tandem_up
 from bench.stack_cpu import ROLES, StackProcess, stack_processes
-from tandem.bench.client import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+from tandem.bench.client import bounded_retry_after_s, retry_after_hint_s
 from tandem.bench.report import write_json
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.convert import retry_after_from
@@ -84,21 +84,14 @@ def _with_hint(outcome: str, retry_after_s: float | None) -> str:
 
 
 def _refused(r: httpx.Response) -> str:
-    """A 4xx answer's outcome; a 429's with its Retry-After (``retry-after-ms`` first)."""
-    if r.status_code != 429:
-        return f"http {r.status_code}"
-    for header, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        try:
-            return _with_hint("http 429", float(r.headers[header]) / divisor)
-        except (KeyError, ValueError):
-            continue
-    return "http 429"
+    """A 4xx answer's outcome; a 429's with its Retry-After (read as ``tandem bench`` reads it)."""
+    return _with_hint("http 429", retry_after_hint_s(r)) if r.status_code == 429 else f"http {r.status_code}"
 
 
 def _retry_hint_s(outcome: str) -> float | None:
     """The wait a refusal's outcome asks for (bounded as ``tandem bench`` bounds it), else None."""
     match = re.search(r": retry after ([0-9.]+) s$", outcome)
-    return None if match is None else min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, float(match.group(1))))
+    return None if match is None else bounded_retry_after_s(float(match.group(1)))
 
 
 def _clear_5xx(status: int, text: str) -> str:

@@ -249,16 +249,26 @@ RETRY_AFTER_MIN_S = 0.05
 RETRY_AFTER_MAX_S = 10.0
 
 
-def _retry_after_s(response: httpx.Response) -> float:
-    """The server's hint in seconds (bounded), read as the openai client reads it: OpenAI's
-    ``retry-after-ms`` first, then ``Retry-After`` in seconds; 1 s without a usable header."""
+def retry_after_hint_s(response: httpx.Response) -> float | None:
+    """The server's hint in seconds, as the openai client reads it: OpenAI's ``retry-after-ms``
+    first, then ``Retry-After`` in seconds; None without a usable header."""
     for header, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         try:
-            value = float(response.headers[header]) / divisor
+            return float(response.headers[header]) / divisor
         except (KeyError, ValueError):
             continue
-        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, value))
-    return 1.0
+    return None
+
+
+def bounded_retry_after_s(hint_s: float) -> float:
+    """A server's retry hint within the bounds a client follows (RETRY_AFTER_MIN_S..MAX_S)."""
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, hint_s))
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """The server's hint in seconds (bounded, ``retry_after_hint_s``); 1 s without a usable header."""
+    hint_s = retry_after_hint_s(response)
+    return 1.0 if hint_s is None else bounded_retry_after_s(hint_s)
 
 
 class _StreamFailed(Exception):
