@@ -120,8 +120,9 @@ class RouterMetrics:
         self.admission_prefill_calibration = Gauge(
             f"{PREFIX}admission_prefill_calibration", "Measured / predicted prefill time, the factor admission "
             "scales its TTFT predictions by.", model, registry=r)
-        self._service_counts: dict[tuple[str, str], int] = {}  # (service id, field) -> last count seen
-        self._admission_counts: dict[tuple[str, str], int] = {}  # (model, count) -> last value folded in
+        # the last value of each cumulative count folded in: ("service", service id, field) or
+        # ("admission", model, count)
+        self._counts_seen: dict[tuple[str, str, str], int] = {}
         self._names: list[str] = []  # the served models, the primary first
 
     def for_model(self, model_name: str) -> ModelMetrics:
@@ -173,12 +174,17 @@ class RouterMetrics:
             for name, counter in (("num_dropped", self.num_requests_dropped),
                                   ("num_preemptions", self.num_prefill_pauses if report.role == "prefill"
                                    else self.num_preemptions)):
-                value = getattr(report, name)
-                last = self._service_counts.get((report.service_id, name), 0)
-                grown = value - last if value >= last else value
-                if grown:
-                    counter.labels(model_name=model_name).inc(grown)
-                self._service_counts[(report.service_id, name)] = value
+                self._fold(counter.labels(model_name=model_name), ("service", report.service_id, name),
+                           getattr(report, name))
+
+    def _fold(self, child: Counter, key: tuple[str, str, str], value: int) -> None:
+        """Add to ``child`` what the cumulative count ``key`` grew by since it was last seen; a
+        count that went down counts from zero again (a restarted service)."""
+        last = self._counts_seen.get(key, 0)
+        grown = value - last if value >= last else value
+        if grown:
+            child.inc(grown)
+        self._counts_seen[key] = value
 
     def set_admission(self, model_name: str, stats: AdmissionStats) -> None:
         """Fold one model's admission counts (since the router started) into the counters, and
@@ -195,10 +201,7 @@ class RouterMetrics:
                 ("false", self.admission_refusals_judged.labels(**label, verdict="false"), stats.num_false_refusals),
                 ("confirmed", self.admission_refusals_judged.labels(**label, verdict="confirmed"),
                  stats.num_confirmed_refusals)):
-            grown = value - self._admission_counts.get((model_name, key), 0)
-            if grown > 0:
-                child.inc(grown)
-                self._admission_counts[(model_name, key)] = value
+            self._fold(child, ("admission", model_name, key), value)
         self.admission_stream_cap.labels(**label).set(math.inf if stats.stream_limit is None else stats.stream_limit)
         self.admission_prefill_calibration.labels(**label).set(stats.calibration_factor)
 
