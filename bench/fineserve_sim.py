@@ -96,13 +96,15 @@ def main() -> None:
         return out
 
     fixed_profiles = instances(1.0)
+    # each rate's instances (the same for every cluster size), when each rate is placed anew
+    scaled = {scale: instances(scale) for scale in args.rate_scales} if args.place_at == "rate" else {}
     for num_gpus in args.gpus:
         cells = [Cell(f"gpu{i}", GPU_BYTES) for i in range(num_gpus)]
         fixed = place(fixed_profiles, cells)
         rows = []
         for scale in args.rate_scales:
             profiles, placements = ((fixed_profiles, fixed) if args.place_at == "1x"
-                                    else (instances(scale), place(instances(scale), cells)))
+                                    else (scaled[scale], place(scaled[scale], cells)))
             row: dict[str, object] = {"rate_scale": scale}
             if args.place_at == "rate":
                 row["placement"] = {name: p.resident if isinstance(p, Placement) else p

@@ -318,6 +318,7 @@ def profile_model(
         raise PlacementError(f"{name}: unknown KV precision {kv_precision!r} (known: {', '.join(KV_BYTES)})")
     perf = PerfModel(precision_hardware(hardware, precision), precision_shape(shape, precision))
     kv_token = kv_bytes_per_token(shape, kv_precision)
+    weights = weight_bytes(shape, precision)
     for replicas in range(1, max_replicas + 1):
         rate = work.rate_rps / replicas
         point = operating_point(perf, work, rate)
@@ -329,14 +330,14 @@ def profile_model(
         mme = GIB / (ctx * kv_token) / point.decode_step_s
         kv = point.batch_size * (work.mean_input_len + work.mean_output_len) * kv_token
         act = activation_bytes(shape, point.batch_size, work.mean_input_len)
-        fixed = weight_bytes(shape, precision) + act
+        fixed = weights + act
         if (max_footprint_bytes is not None and fixed + kv > max_footprint_bytes >= fixed
                 and replicas < max_replicas):
             continue  # no cell holds its KV: split the rate further (weights alone too big: placement says so)
         return [
             ModelProfile(
                 name=name if r == 0 else f"{name}#{r}", model=name, rate_rps=rate,
-                ttft_slo_s=work.ttft_slo_s, weight_bytes=weight_bytes(shape, precision),
+                ttft_slo_s=work.ttft_slo_s, weight_bytes=weights,
                 activation_bytes=act, kv_bytes=float(kv), mme=mme, batch_size=point.batch_size,
                 num_replicas=replicas, kv_bytes_per_token=kv_token,
                 predicted_ttft_s=point.ttft_s, predicted_tpot_s=point.tpot_s,
