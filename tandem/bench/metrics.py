@@ -97,15 +97,10 @@ class RequestRecord:
     def ttft_s(self) -> float | None:
         return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
 
-    @property
-    def attempt_ttft_s(self) -> float | None:
-        """The TTFT of the attempt the server answered: from its last send, not its first. The
-        server judged that attempt (its admission, its queue); the client chose the waits before it."""
-        first = self.token_times_s[0] if self.token_times_s else None
-        return None if first is None else first - (self.arrival_s if self.last_sent_s is None else self.last_sent_s)
-
     def as_last_attempt(self) -> RequestRecord:
-        """This record as if its last attempt had been its only one: what the server answered."""
+        """This record as if its last attempt had been its only one: what the server answered
+        (its TTFT from the last send, not the first: the server judged that attempt, its
+        admission and its queue; the client chose the waits before it)."""
         if self.last_sent_s is None:
             return self
         return replace(self, arrival_s=self.last_sent_s, num_429=0, last_sent_s=None)
