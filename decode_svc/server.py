@@ -576,12 +576,14 @@ class DecodeWorker:
             timer.cancel()
         cancelled = self._cancelled_for.pop(router_id, None)
         if cancelled:  # back after its grace: its clients still wait; they fail now, clearly
-            error = (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
-                     f"more than {self.config.router_grace_s:g} s")
             self.router_outbox(router_id).put_nowait(decode_pb2.TokenBatch(step=self.num_steps, updates=[
-                decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error,
-                                       error_status="UNAVAILABLE")
+                decode_pb2.TokenUpdate(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                       error=self._router_gone_error(), error_status="UNAVAILABLE")
                 for rid in cancelled]))
+
+    def _router_gone_error(self) -> str:
+        return (f"decode_svc {self.service_id} cancelled the request: its router's token stream was away "
+                f"more than {self.config.router_grace_s:g} s")
 
     def router_closed(self, router_id: str) -> None:
         self._router_streams[router_id] -= 1
@@ -605,7 +607,10 @@ class DecodeWorker:
             return
         orphans = [a for a in self.by_id.values() if a.router_id == router_id and not a.cancelled]
         for active in orphans:
+            # An error, not an abort: a router back before the loop drops them hears this end
+            # (directly, or from ``reopened``), and its clients were not the ones who cancelled.
             active.cancelled = True
+            active.error, active.error_status = self._router_gone_error(), "UNAVAILABLE"
         self.routers.pop(router_id, None)  # nobody reads its queue
         self._router_stall_s.pop(router_id, None)
         self._gone_routers.add(router_id)
@@ -957,7 +962,7 @@ class DecodeWorker:
     async def _drop_cancelled(self) -> None:
         for active in [a for a in [*self.running, *self.prefilling, *self.preempted] if a.cancelled]:
             # A prompt still in chunks has sent nothing: its Handoff reply says it was cancelled.
-            await self._finish(active, "abort", send=active not in self.prefilling)
+            await self._finish(active, "error" if active.error else "abort", send=active not in self.prefilling)
 
     async def _grow_blocks(self, batch: list[_Active]) -> list[_Active]:
         """Blocks for every request's next token. When the pool is full, the youngest running

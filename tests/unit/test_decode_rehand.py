@@ -274,3 +274,60 @@ def test_a_handoff_whose_router_never_opens_its_stream_is_cancelled_after_the_gr
         assert worker.num_orphans_cancelled == sum(router not in opening for router in handed.values())
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_router_back_after_its_grace_reads_only_errors_for_its_cancelled_requests(seed: int) -> None:
+    """A router away past ``--router-grace-s`` has its requests cancelled; the decode loop drops
+    them at its next step. The router may reopen its stream before or after that drop: either
+    way every end its stream carries for them is an error that says why, never an abort (CI seed
+    888738819: the loop dropped them after the router was back, as aborts, and ``reopened`` put
+    that abort first; the client saw a stream end as if it had cancelled it)."""
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        worker = _worker(_Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=BLOCK_SIZE)), set()), None)
+        worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=0.5)  # type: ignore[assignment]
+        worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
+        worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
+        worker._ended_recently, worker._unrecorded, worker._prefill_done_unix_ns = OrderedDict(), set(), {}
+        worker._serving, worker._awaited_routers = True, set()
+        worker.running, worker.prefilling, worker._publishing = [], [], None
+        worker.num_steps, worker.last_step_ns = rng.randrange(100), 0
+        worker._report_load = lambda: None  # type: ignore[method-assign]
+        held = []
+        for i in range(rng.randint(1, 5)):
+            active = _held(rng)
+            active.req.request_id = f"r{i}"
+            active.num_sent = rng.randint(1, len(active.req.output_token_ids))
+            worker.by_id[active.req.request_id] = active
+            worker.running.append(active)
+            held.append(active)
+        del worker._router_streams[ROUTER]
+        worker._router_gone(ROUTER)  # the grace passed
+        assert all(a.cancelled for a in held)
+        dropped_first = rng.random() < 0.5
+        if dropped_first:
+            await worker._drop_cancelled()
+        outbox = worker.router_outbox(ROUTER)
+        stream = outbox.open()
+        worker.router_opened(ROUTER)
+        if not dropped_first:
+            await worker._drop_cancelled()
+        awaiting = [decode_pb2.StreamOffset(request_id=a.req.request_id, num_tokens=rng.randint(1, a.num_sent))
+                    for a in held]
+        unknown = worker.reopened(ROUTER, awaiting)  # dropped while the router was away: nothing kept to resend
+        assert unknown == ([a.req.request_id for a in held] if dropped_first else []), (dropped_first, unknown)
+        ends: dict[str, list[int]] = {}
+        while outbox._items:
+            message = await outbox.get(stream)
+            assert message is not None
+            for update in message.updates:
+                if update.finish_reason:
+                    ends.setdefault(update.request_id, []).append(update.finish_reason)
+                    assert "router's token stream was away" in update.error and update.error_status == "UNAVAILABLE"
+        assert set(ends) == {a.req.request_id for a in held}, (dropped_first, ends)
+        assert all(reasons[0] == common_pb2.FINISH_REASON_ERROR for reasons in ends.values()), (dropped_first, ends)
+        assert not worker.by_id and not worker.running
+
+    asyncio.run(run())
