@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -1260,6 +1260,7 @@ class DecodeWorker:
         # The step's tokens are recorded and streamed while the next step computes: its inputs
         # are already known, and a token still reaches its router only after it is recorded.
         messages = self._updates(batch)
+        mark_prompt_step(messages.values(), self.last_step_chunk_tokens)
         self._joining = asyncio.Event() if done else None
         self._publishing = asyncio.create_task(
             self._publish(self.num_steps, self._publishing, records, rewrites, messages, finished, done,
@@ -1438,6 +1439,18 @@ class DecodeWorker:
         """Give the request's blocks back, publishing the K/V written so far."""
         await self.member.release(req.request_id, req.all_token_ids[: req.num_computed_tokens])
         self._readmit_after_ns = 0  # the preempted may fit now
+
+
+def mark_prompt_step(messages: Iterable[decode_pb2.TokenBatch], chunk_tokens: int) -> None:
+    """Flag the updates of a step that carried ``chunk_tokens`` prompt tokens as a prompt step
+    when the chunk was above the progress floor: only a budget the agent sized to the TBT target
+    gives that, so the step's length says nothing of the streams (a chunk at the floor may:
+    their TBT left it no room). The router's stream cap reads the flag."""
+    if chunk_tokens <= MIN_CHUNK_TOKENS:
+        return
+    for message in messages:
+        for update in message.updates:
+            update.prompt_step = True
 
 
 def _token_update(active: _Active, start: int, stop: int, finish_reason: str | None) -> decode_pb2.TokenUpdate:

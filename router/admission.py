@@ -471,11 +471,13 @@ class AdmissionController:
         self.num_admitted += 1
         return None
 
-    def token_gap(self, gap_s: float, now_s: float | None = None) -> None:
-        """A stream's update came ``gap_s`` after its previous one (or its first token)."""
+    def token_gap(self, gap_s: float, now_s: float | None = None, *, prompt_step: bool = False) -> None:
+        """A stream's update came ``gap_s`` after its previous one (or its first token);
+        ``prompt_step``: from a step whose length a prompt chunk set (``StreamLimit.observe``)."""
         streams = self.streams
         cuts = streams.num_cuts
-        streams.observe(gap_s, time.monotonic() if now_s is None else now_s, len(self._in_flight))
+        streams.observe(gap_s, time.monotonic() if now_s is None else now_s, len(self._in_flight),
+                        prompt_step=prompt_step)
         if streams.num_cuts != cuts and streams.last_quantile_s is not None:
             log.info("%sstream cap cut to %d (%d in flight): the gaps' %.0fth percentile %.0f ms is over %.0f ms",
                      f"{self.model}: " if self.model else "", streams.limit, len(self._in_flight),

@@ -395,7 +395,7 @@ class RouterCore:
                         # stall (or a finish without a token) says nothing of decode's steps, and
                         # fed to the stream cap, a dead decode's stall cut it for the next streams.
                         now_s = time.monotonic()
-                        admission.token_gap(now_s - last_update_s, now_s)
+                        admission.token_gap(now_s - last_update_s, now_s, prompt_step=update.prompt_step)
                         last_update_s = now_s
                     if update.finish_reason == _ERROR:
                         generation.ended_by_upstream = True

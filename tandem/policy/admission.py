@@ -542,7 +542,13 @@ class StreamLimit:
       of streams, so the gaps' quantile stays between ``low`` and ``high``: a cap cut in a
       passing overload (a fault, a burst) never grew again, and refused 30-78 of the 100
       requests of the soak's phase after its faults, 8 concurrent streams that the stack
-      carries within the SLO.
+      carries within the SLO;
+    - a gap that ended with a step whose prompt chunk the agent sized to the TBT target never
+      counts past ``high`` x SLO: the plan is 0.9 x the SLO and the step's noise alone (the same
+      hybrid step took 91 and 214 ms) put the gaps' quantile over it, and at 6 req/s the cap
+      cut to 6 and 20 streams refused 26-34 of 60 requests, 12-17 of them served within the SLO
+      by a stack without admission. Fewer streams would only have made the next chunk
+      larger; the agent's calibration of hybrid steps answers for those.
 
     No cap until the first overload: a burst that fits is admitted whole. Pure, with the clock
     passed in; not thread-safe.
@@ -574,10 +580,15 @@ class StreamLimit:
             self.limit = None
         return self.limit is None or in_flight < self.limit
 
-    def observe(self, gap_s: float, now_s: float, in_flight: int) -> None:
-        """One stream's gap between two updates, seen at ``now_s`` with ``in_flight`` streams."""
+    def observe(self, gap_s: float, now_s: float, in_flight: int, *, prompt_step: bool = False) -> None:
+        """One stream's gap between two updates, seen at ``now_s`` with ``in_flight`` streams.
+        ``prompt_step``: the step that ended the gap carried a prompt chunk the agent sized to
+        fill it up to its TBT target (aggregated mode), so its length is the plan's, not the
+        streams': such a gap counts at most ``high`` x the SLO, never past the cut."""
         if not (gap_s >= 0 and math.isfinite(gap_s)):
             return
+        if prompt_step:
+            gap_s = min(gap_s, self.high * self.tbt_s)
         self._gaps.append((now_s, gap_s))
         while self._gaps and self._gaps[0][0] < now_s - self.window_s:
             self._gaps.popleft()

@@ -331,3 +331,19 @@ def test_a_router_back_after_its_grace_reads_only_errors_for_its_cancelled_reque
         assert not worker.by_id and not worker.running
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_step_with_a_chunk_above_the_floor_flags_its_updates_as_a_prompt_step(seed: int) -> None:
+    """The router's stream cap reads ``TokenUpdate.prompt_step``: set on every update of a step
+    whose prompt chunk was above the progress floor (a budget sized to the TBT target), on none
+    of a step with no chunk or one at the floor (the streams' TBT left it no room)."""
+    rng = random.Random(seed)
+    for chunk_tokens in (0, rng.randint(1, server.MIN_CHUNK_TOKENS), server.MIN_CHUNK_TOKENS,
+                         server.MIN_CHUNK_TOKENS + 1, rng.randint(server.MIN_CHUNK_TOKENS + 1, 4096)):
+        messages = {f"router-{r}": decode_pb2.TokenBatch(updates=[
+            decode_pb2.TokenUpdate(request_id=f"r{r}-{i}", tokens=[common_pb2.GeneratedToken(token_id=i)])
+            for i in range(rng.randint(1, 6))]) for r in range(rng.randint(1, 3))}
+        server.mark_prompt_step(messages.values(), chunk_tokens)
+        flags = {u.prompt_step for m in messages.values() for u in m.updates}
+        assert flags == {chunk_tokens > server.MIN_CHUNK_TOKENS}, (chunk_tokens, flags)

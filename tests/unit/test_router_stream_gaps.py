@@ -77,11 +77,11 @@ def _core(smollm2_dir: Path, upstream: FakeUpstream) -> tuple[RouterCore, Admiss
     return core, admission
 
 
-def _update(index: int, tokens: int = 1, error: str = "") -> decode_pb2.TokenUpdate:
+def _update(index: int, tokens: int = 1, error: str = "", prompt_step: bool = False) -> decode_pb2.TokenUpdate:
     if error:
         return decode_pb2.TokenUpdate(first_index=index, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error,
                                       error_status="UNAVAILABLE")
-    return decode_pb2.TokenUpdate(first_index=index,
+    return decode_pb2.TokenUpdate(first_index=index, prompt_step=prompt_step,
                                   tokens=[common_pb2.GeneratedToken(token_id=7) for _ in range(tokens)])
 
 
@@ -89,7 +89,8 @@ def _update(index: int, tokens: int = 1, error: str = "") -> decode_pb2.TokenUpd
 def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, seed: int) -> None:
     """Streams step well within the TBT SLO, then stall far past it and end with an error (a
     killed decode): the cap is not cut. The same stall with tokens after it (a slow step) is a
-    gap, and cuts it."""
+    gap, and cuts it; unless decode flags that step as one a prompt chunk sized
+    (``TokenUpdate.prompt_step``): that gap counts no further than the cut's threshold."""
     rng = random.Random(seed)
 
     async def run(stall_then: str) -> int | None:
@@ -122,8 +123,8 @@ def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, 
         await asyncio.sleep(0.25 + rng.uniform(0, 0.1))  # 2.5 times the TBT SLO and more
         for queue in queues:
             queue.put_nowait(_update(index, error="decode service died") if stall_then == "error"
-                             else _update(index))
-        if stall_then == "tokens":
+                             else _update(index, prompt_step=stall_then == "prompt step"))
+        if stall_then != "error":
             await asyncio.sleep(0.01)
             for queue in queues:
                 queue.put_nowait(decode_pb2.TokenUpdate(first_index=index + 1,
@@ -136,3 +137,4 @@ def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, 
 
     assert asyncio.run(run("error")) is None  # no cap: the stall ended the streams, it was no step
     assert asyncio.run(run("tokens")) is not None  # a step that slow is a gap: the cap is cut
+    assert asyncio.run(run("prompt step")) is None  # ... unless a prompt chunk made it that slow

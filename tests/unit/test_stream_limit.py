@@ -199,3 +199,32 @@ def test_a_cap_cut_in_a_passing_overload_grows_back_while_gaps_stay_under_the_cu
         in_flight = min(clients, still.limit) if still.limit is not None else clients
         still.observe(TBT_S * rng.uniform(0.95, 2.0), t, in_flight=in_flight)
     assert still.num_probes == 0 and still.limit == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_gaps_of_steps_sized_for_prompts_never_cut_the_cap(seed: int) -> None:
+    """Hybrid steps whose prompt chunk the agent sized to 0.9x the SLO come out at that plan
+    times the host's noise, often over it: flagged ``prompt_step``, no number or length of such
+    gaps cuts the cap, and a cap already cut still grows back by its probes. The same gaps
+    unflagged (steps the streams alone made that long) cut it."""
+    rng = random.Random(seed)
+    clients = rng.randint(4, 40)
+    flagged = StreamLimit(TBT_S, min_gaps=4, interval_s=0.1, window_s=1.0, probe_s=1.0)
+    plain = StreamLimit(TBT_S, min_gaps=4, interval_s=0.1, window_s=1.0, probe_s=1.0)
+    t = 0.0
+    for _ in range(rng.randint(200, 600)):
+        t += rng.uniform(0.01, 0.05)
+        gap = 0.9 * TBT_S * math.exp(rng.gauss(0.1, 0.3))  # the plan times the step's noise
+        flagged.observe(gap, t, in_flight=clients, prompt_step=True)
+        plain.observe(gap, t, in_flight=min(clients, plain.limit or clients))
+    assert flagged.num_cuts == 0 and flagged.limit is None and flagged.admits(10 * clients)
+    assert plain.num_cuts >= 1
+
+    # A cap cut by streams too many (decode-only steps over the SLO) then sees hybrid steps
+    # alone: it grows back by one a probe, and is gone once it is far above what is in flight.
+    while plain.limit is not None and plain.num_probes < 3:
+        t += rng.uniform(0.01, 0.05)
+        before = plain.limit
+        plain.observe(TBT_S * rng.uniform(1.0, 3.0), t, in_flight=before, prompt_step=True)
+        assert plain.limit is None or plain.limit >= before
+    assert plain.num_probes >= 1 or plain.limit is None

@@ -76,20 +76,22 @@ class StreamOffset(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("request_id", "first_index", "tokens", "finish_reason", "error", "error_status")
+    __slots__ = ("request_id", "first_index", "tokens", "finish_reason", "error", "error_status", "prompt_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_index: int
     tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.GeneratedToken]
     finish_reason: _common_pb2.FinishReason
     error: str
     error_status: str
-    def __init__(self, request_id: _Optional[str] = ..., first_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., error_status: _Optional[str] = ...) -> None: ...
+    prompt_step: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., error_status: _Optional[str] = ..., prompt_step: _Optional[bool] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("updates", "step", "step_ns")
