@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -79,6 +81,10 @@ class DecodeStreams:
         self._num_batches: dict[str, int] = {}
         self._open: set[str] = set()  # addresses whose stream is open now (its first batch came)
         self._closed = False
+        # When a stream last opened (its first batch came; ``time.monotonic``): a stream's gap
+        # that spans it spans an outage (a decode service restarted and resumed its requests),
+        # not a step, and the stream cap leaves it out.
+        self.last_opened_s = -math.inf
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -187,6 +193,8 @@ class DecodeStreams:
                                                         stall_timeout_s=self._stall_timeout_s))
             try:
                 async for batch in call:
+                    if address not in self._open:
+                        self.last_opened_s = time.monotonic()
                     self._open.add(address)
                     if num_failures:
                         log.info("decode stream from %s is %s", address, "back" if connected else "open")

@@ -11,7 +11,9 @@ token stream. Everything else is the real router core, admission and stream cap.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.queues: dict[str, asyncio.Queue[decode_pb2.TokenUpdate]] = {}
         self.streams = self
+        self.last_opened_s = -math.inf  # DecodeStreams': when a decode stream last (re)opened
         self.submitted = asyncio.Event()
 
     def register(self, upstream_id: str) -> asyncio.Queue[decode_pb2.TokenUpdate]:
@@ -90,7 +93,9 @@ def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, 
     """Streams step well within the TBT SLO, then stall far past it and end with an error (a
     killed decode): the cap is not cut. The same stall with tokens after it (a slow step) is a
     gap, and cuts it; unless decode flags that step as one a prompt chunk sized
-    (``TokenUpdate.prompt_step``): that gap counts no further than the cut's threshold."""
+    (``TokenUpdate.prompt_step``): that gap counts no further than the cut's threshold; or a
+    decode stream (re)opened within the stall (``DecodeStreams.last_opened_s``: a successor
+    resumed the streams), and the gap is the outage's."""
     rng = random.Random(seed)
 
     async def run(stall_then: str) -> int | None:
@@ -120,7 +125,12 @@ def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, 
             for queue in queues:
                 queue.put_nowait(_update(index))
             index += 1
-        await asyncio.sleep(0.25 + rng.uniform(0, 0.1))  # 2.5 times the TBT SLO and more
+        stall_s = 0.25 + rng.uniform(0, 0.1)  # 2.5 times the TBT SLO and more
+        reopen_at = rng.uniform(0.1, 0.9)
+        await asyncio.sleep(stall_s * reopen_at)
+        if stall_then == "tokens after a reopen":  # decode died; its successor resumed the streams
+            upstream.last_opened_s = time.monotonic()
+        await asyncio.sleep(stall_s * (1 - reopen_at))
         for queue in queues:
             queue.put_nowait(_update(index, error="decode service died") if stall_then == "error"
                              else _update(index, prompt_step=stall_then == "prompt step"))
@@ -138,3 +148,4 @@ def test_an_error_after_a_stall_is_no_gap_for_the_stream_cap(smollm2_dir: Path, 
     assert asyncio.run(run("error")) is None  # no cap: the stall ended the streams, it was no step
     assert asyncio.run(run("tokens")) is not None  # a step that slow is a gap: the cap is cut
     assert asyncio.run(run("prompt step")) is None  # ... unless a prompt chunk made it that slow
+    assert asyncio.run(run("tokens after a reopen")) is None  # ... or it spans a decode outage
