@@ -347,3 +347,53 @@ def test_a_step_with_a_chunk_above_the_floor_flags_its_updates_as_a_prompt_step(
         server.mark_prompt_step(messages.values(), chunk_tokens)
         flags = {u.prompt_step for m in messages.values() for u in m.updates}
         assert flags == {chunk_tokens > server.MIN_CHUNK_TOKENS}, (chunk_tokens, flags)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_requests_cancelled_for_a_gone_router_stay_ended_when_it_comes_back(redis_client: aredis.Redis,
+                                                                             seed: int) -> None:
+    """Requests the loop dropped while their router was away past its grace are recorded failed
+    in Redis, not done: a router that comes back names them (``reopened`` keeps no end for a gone
+    router), and ``resend_ended`` takes a done record whose end never reached its router for a
+    dead predecessor's and decodes it again; a cancelled request must not come back to life."""
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        store = RequestStore(redis_client)
+        worker = _worker(_Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=BLOCK_SIZE)), set()), store)
+        worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=0.5)  # type: ignore[assignment]
+        worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
+        worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
+        worker._ended_recently, worker._unrecorded, worker._prefill_done_unix_ns = OrderedDict(), set(), {}
+        worker._serving, worker._awaited_routers, worker._unwritten_states = True, set(), {}
+        worker.running, worker.prefilling, worker._publishing = [], [], None
+        worker.num_steps, worker.last_step_ns = 0, 0
+        worker._report_load = lambda: None  # type: ignore[method-assign]
+        ids = []
+        for i in range(rng.randint(1, 5)):
+            rid = f"g{seed}-{i}"
+            record = dataclasses.replace(_record(rid, rng, []), decode_service_id=SUCCESSOR)
+            await store.create(record)
+            active = _held(rng)
+            active.req.request_id = rid
+            active.num_sent = len(active.req.output_token_ids)
+            worker.by_id[rid] = active
+            worker.running.append(active)
+            ids.append(rid)
+        del worker._router_streams[ROUTER]
+        worker._router_gone(ROUTER)
+        await worker._drop_cancelled()  # the router is still away
+        states = {rid: (await store.get(rid)).state for rid in ids}  # type: ignore[union-attr]
+        assert set(states.values()) == {"failed"}, states
+        worker.router_outbox(ROUTER).open()
+        worker.router_opened(ROUTER)
+        unknown = worker.reopened(ROUTER, [decode_pb2.StreamOffset(request_id=rid, num_tokens=1) for rid in ids])
+        assert sorted(unknown) == sorted(ids)
+        assert await worker.resend_ended(ROUTER, unknown) == 0
+        assert not worker.by_id and not worker.running
+
+    async def main() -> None:
+        async with redis_client:
+            await run()
+
+    asyncio.run(main())
