@@ -205,7 +205,6 @@ class DecodeWorker:
         self.last_step_end_unix_ns = 0
         self.last_step_chunk_tokens = 0
         self._prompt_rate = 0.0  # prompt tokens/s of recent steps with prompt chunks (0: none timed yet)
-        self._prompt_step_s = 0.0  # the last step with prompt chunks beside streams, its gap included
         self._prompt_rates = _PromptRates()  # for _drop_out_of_reach
         self.slo = config.ttft_slo()  # the prompts' deadlines (_chunk_order)
         self.last_step_num_seqs = 0
@@ -910,25 +909,17 @@ class DecodeWorker:
         SLO, though: a prompt whose deadline passed longer ago than its own TTFT SLO is back
         among the first by its deadline, the earliest there, so a stream of feasible prompts under
         sustained overload cannot starve it. First come first served with ``--chunk-order fcfs``,
-        or until a step with prompt tokens has been timed.
-
-        A prompt's first token comes at the end of the step that computes its last chunk, so it
-        can make its deadline only if that step, as long as the last one with prompt chunks
-        beside streams, ends by then. At the rate alone a short prompt counted feasible until
-        its last few ms; under overload, the earlier ones going late one by one, each was then
-        served about when its deadline came, and 9 of the 17 admitted TTFT misses of six runs at
-        6 req/s had their first tokens at 2.02-2.07 s against 2 s (README, "A prompt's step")."""
+        or until a step with prompt tokens has been timed."""
         rate = self._prompt_rate
         if self.config.chunk_order == "fcfs" or rate <= 0 or len(self.prefilling) < 2:
             return self.prefilling
         now = time.time()
-        step_s = self._prompt_step_s
 
         def key(active: _Active) -> tuple[bool, float]:
             req = active.req
             ttft_s = self.slo.ttft_for(len(req.prompt_token_ids))
             deadline = active.arrival_unix_ns / 1e9 + ttft_s
-            late = now + max((len(req.prompt_token_ids) - req.num_computed_tokens) / rate, step_s) > deadline
+            late = now + (len(req.prompt_token_ids) - req.num_computed_tokens) / rate > deadline
             return late and now <= deadline + ttft_s, deadline
 
         return sorted(self.prefilling, key=key)
@@ -1223,8 +1214,6 @@ class DecodeWorker:
             rate = self.last_step_chunk_tokens / max(step_ns, 1) * 1e9
             old = self._prompt_rate or rate
             self._prompt_rate = (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
-            if batch:
-                self._prompt_step_s = step_ns / 1e9
         self._prompt_rates.add(self.last_step_chunk_tokens, step_ns, bool(batch))
         self.last_step_num_seqs = len(batch)
         self.num_steps += num_run

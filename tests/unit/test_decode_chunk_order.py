@@ -21,8 +21,7 @@ from tandem.engine.sampling import SamplingParams
 from tandem.engine.step import Request
 
 
-def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k_ms: float = 0.0,
-            step_s: float = 0.0) -> DecodeWorker:
+def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k_ms: float = 0.0) -> DecodeWorker:
     worker = DecodeWorker.__new__(DecodeWorker)  # only what _plan_chunks touches
     worker.config = parse_args(["--chunk-order", order, "--ttft-slo-ms", str(slo_ms),
                                 "--ttft-slo-ms-per-1k", str(per_1k_ms)])
@@ -34,7 +33,6 @@ def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k
     worker.running = [object()]  # type: ignore[list-item]
     worker.prefilling = []
     worker._prompt_rate = rate
-    worker._prompt_step_s = step_s  # the last step with prompt chunks beside streams
     return worker
 
 
@@ -51,15 +49,14 @@ def test_feasible_prompts_go_first_each_group_by_deadline(seed: int) -> None:
     rng = random.Random(seed)
     rate = rng.uniform(50, 800)
     per_1k = rng.choice([0.0, 500.0])
-    step_s = rng.choice([0.0, rng.uniform(0.02, 0.4)])
-    worker = _worker("deadline", budget=rng.randint(1, 4000), rate=rate, per_1k_ms=per_1k, step_s=step_s)
+    worker = _worker("deadline", budget=rng.randint(1, 4000), rate=rate, per_1k_ms=per_1k)
     now = time.time()
 
     def deadline(a: _Active) -> float:
         return a.arrival_unix_ns / 1e9 + (2000 + per_1k * len(a.req.prompt_token_ids) / 1000) / 1000
 
-    def slack(a: _Active) -> float:  # seconds to spare if it were next: its first token comes with a step's end
-        return deadline(a) - now - max((len(a.req.prompt_token_ids) - a.req.num_computed_tokens) / rate, step_s)
+    def slack(a: _Active) -> float:  # seconds to spare if it were next
+        return deadline(a) - now - (len(a.req.prompt_token_ids) - a.req.num_computed_tokens) / rate
 
     def overdue(a: _Active) -> float:  # seconds past its deadline beyond one more SLO
         return now - 2 * deadline(a) + a.arrival_unix_ns / 1e9
@@ -102,23 +99,3 @@ def test_a_late_prompt_is_passed_over_for_one_more_slo_at_most() -> None:
         worker = _worker("deadline", budget=46, rate=230.0)
         worker.prefilling = [long, short]
         assert worker._chunk_order()[0] is {"long": long, "short": short}[first]
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_a_prompt_whose_step_would_end_past_its_deadline_is_late(seed: int) -> None:
-    """A short prompt computes in a few ms at the rate, but its first token comes only when the
-    step carrying its chunk ends, about as long as the last step with prompt chunks: with less
-    time than that to its deadline it is late, and a prompt that came after it and can still
-    make it goes first. With more time than a step, deadline order."""
-    rng = random.Random(seed)
-    rate, step_s = rng.uniform(300, 800), rng.uniform(0.08, 0.2)
-    tokens = rng.randint(5, 20)  # computed in under 70 ms at the rate
-    left_s = rng.uniform(tokens / rate + 0.02, step_s - 0.02)  # before its deadline: past the rate's, under a step
-    short = _prompt(0, tokens, 2.0 - left_s)
-    later = _prompt(1, rng.randint(5, 200), rng.uniform(0.0, 1.0))
-    worker = _worker("deadline", budget=rng.randint(8, 64), rate=rate, step_s=step_s)
-    worker.prefilling = [short, later]
-    assert worker._chunk_order() == [later, short]
-    worker = _worker("deadline", budget=rng.randint(8, 64), rate=rate, step_s=0.0)  # no step timed yet: the rate
-    worker.prefilling = [short, later]
-    assert worker._chunk_order() == [short, later]
