@@ -75,6 +75,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from tandem.policy.admission import (
+    DEFAULT_COLD_MARGIN,
+    DEFAULT_MARGIN,
     REASON_KV,
     REASON_TBT,
     PrefillBatching,
@@ -93,8 +95,6 @@ log = logging.getLogger("tandem.router.admission")
 
 ReadAgentLoad = Callable[[], Awaitable[LoadReport | None]]
 
-DEFAULT_MARGIN = 0.25  # refuse only a predicted TTFT over 1.25 x the SLO
-DEFAULT_COLD_MARGIN = 1.0  # ... over 2 x the SLO until a batch has been measured
 WARMUP_BATCHES = 1  # measured batches not folded into the calibration
 STEP_GROUP_S = 0.03  # first tokens from decode's hybrid steps this close after another came from its step
 SUMMARY_INTERVAL_S = 30.0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.engine.model_cache import resolve_model
+from tandem.policy.admission import DEFAULT_COLD_MARGIN, DEFAULT_MARGIN
 from tandem.protocol import InvalidRequestError, SamplingDefaults
 from tandem.service.flags import env_or, flag, parse_config
 
@@ -102,6 +103,10 @@ class RouterConfig:
     admission: bool = field(default=True, metadata=flag(
         "--admission", "on", "refuse early (429) requests predicted to miss the TTFT SLO",
         parse=lambda text: text == "on", choices=["on", "off"]))
+    admission_margin: float = field(default=DEFAULT_MARGIN, metadata=flag(
+        "--admission-margin", DEFAULT_MARGIN, "refuse only a request whose first token is predicted later than "
+        f"its deadline by more than this fraction of the TTFT SLO (a prediction is an estimate; {DEFAULT_COLD_MARGIN:g} "
+        "until a batch has been measured)", type=float))
     stream_cap: bool = field(default=True, metadata=flag(
         "--stream-cap", "on", "with admission on, also cap the streams in flight where their token gaps "
         "approach the TBT SLO (refused: 429)", parse=lambda text: text == "on", choices=["on", "off"]))
@@ -138,6 +143,9 @@ class RouterConfig:
             raise ValueError(f"served model names must be unique, got {names}")
         if self.extra_models and self.static_upstreams:
             raise ValueError("--extra-model needs registry discovery (--redis-url), not fixed addresses")
+        if not 0 <= self.admission_margin <= DEFAULT_COLD_MARGIN:
+            raise ValueError(f"--admission-margin must be in [0, {DEFAULT_COLD_MARGIN:g}] (the cold start's margin), "
+                             f"got {self.admission_margin}")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

@@ -240,7 +240,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
     slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000, config.ttft_slo_ms_per_1k / 1000)
     batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
-                               stream_cap=config.stream_cap, model=model)
+                               margin=config.admission_margin, stream_cap=config.stream_cap, model=model)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:

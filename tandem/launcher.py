@@ -49,6 +49,7 @@ from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
 from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES
+from tandem.policy.admission import DEFAULT_MARGIN
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
@@ -165,6 +166,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "(deadlines, EDF order, early drop)", type=float)
     add_flag(parser, "--admission", "on", "router refuses early (429) what would miss the TTFT SLO",
              choices=["on", "off"])
+    add_flag(parser, "--admission-margin", DEFAULT_MARGIN, "the router refuses only a request predicted past its TTFT "
+             "deadline by more than this fraction of the SLO", type=float)
     add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
              "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
@@ -313,7 +316,8 @@ class Supervisor:
         env = {"REDIS_URL": redis_url, "TANDEM_POLICY": args.policy,
                "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
                "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
-               "TANDEM_ADMISSION": args.admission, "TANDEM_STREAM_CAP": args.stream_cap,
+               "TANDEM_ADMISSION": args.admission, "TANDEM_ADMISSION_MARGIN": str(args.admission_margin),
+               "TANDEM_STREAM_CAP": args.stream_cap,
                "TANDEM_PROFILE": args.profile}
         many_cells = len(plans) > 1
         self.cells: list[CellProcs] = []

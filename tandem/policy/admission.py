@@ -27,6 +27,11 @@ from typing import NamedTuple
 
 from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step
 
+# The router refuses only a predicted TTFT over (1 + margin) x the SLO (``admit_one``): over 1.25x
+# once a batch has been measured, over 2x before (the model uncalibrated).
+DEFAULT_MARGIN = 0.25
+DEFAULT_COLD_MARGIN = 1.0
+
 REASON_PAST_DEADLINE = "deadline already passed"
 REASON_TOO_LONG = "prefill alone exceeds the TTFT SLO"
 REASON_QUEUE = "queue ahead pushes TTFT past the deadline"

@@ -53,6 +53,27 @@ def test_every_flag_comes_from_a_field_and_reaches_it(model_dir: Path, monkeypat
             assert getattr(defaults, name) == spec.parse(spec.default), name
 
 
+def test_the_admission_margin_reaches_the_controller_and_is_bounded(smollm2_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--admission-margin`` (and its TANDEM_* twin) is the margin the router's admission refuses
+    with; outside [0, the cold start's margin] it is a clear error, not a controller that raises later."""
+    from router.server import _admission_controller
+    from tandem.engine.config import ModelConfig
+    monkeypatch.delenv(env_name("--admission-margin"), raising=False)
+    base = ["--model", str(smollm2_dir), "--prefill-address", "a:1", "--decode-address", "c:3"]
+    model_config = ModelConfig.from_dir(smollm2_dir)
+    assert _admission_controller(parse_args(base), model_config, "").margin == 0.25  # the default
+    for margin in (0.0, 0.1, 0.5, 1.0):
+        config = parse_args([*base, "--admission-margin", str(margin)])
+        assert config.admission_margin == margin
+        assert _admission_controller(config, model_config, "").margin == margin
+    monkeypatch.setenv(env_name("--admission-margin"), "0.15")
+    assert parse_args(base).admission_margin == 0.15
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ValueError, match="--admission-margin"):
+            parse_args([*base, "--admission-margin", bad])
+
+
 @pytest.mark.parametrize("config_type, parse", PARSERS, ids=lambda x: getattr(x, "__name__", ""))
 def test_help_lists_every_flag_with_its_env_twin(config_type: type, parse: Callable[[Sequence[str]], Any],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
