@@ -276,6 +276,21 @@ def test_a_handoff_whose_router_never_opens_its_stream_is_cancelled_after_the_gr
     asyncio.run(run())
 
 
+def _grace_worker(records: RequestStore | None, num_steps: int = 0) -> DecodeWorker:
+    """A worker with what a router's loss and return touch (``_router_gone``, ``_drop_cancelled``,
+    ``router_opened``, ``reopened``), a 0.5 s grace and no request yet."""
+    worker = _worker(_Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=BLOCK_SIZE)), set()), records)
+    worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=0.5)  # type: ignore[assignment]
+    worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
+    worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
+    worker._ended_recently, worker._unrecorded, worker._prefill_done_unix_ns = OrderedDict(), set(), {}
+    worker._serving, worker._awaited_routers, worker._unwritten_states = True, set(), {}
+    worker.running, worker.prefilling, worker._publishing = [], [], None
+    worker.num_steps, worker.last_step_ns = num_steps, 0
+    worker._report_load = lambda: None  # type: ignore[method-assign]
+    return worker
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_router_back_after_its_grace_reads_only_errors_for_its_cancelled_requests(seed: int) -> None:
     """A router away past ``--router-grace-s`` has its requests cancelled; the decode loop drops
@@ -286,15 +301,7 @@ def test_a_router_back_after_its_grace_reads_only_errors_for_its_cancelled_reque
     rng = random.Random(seed)
 
     async def run() -> None:
-        worker = _worker(_Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=BLOCK_SIZE)), set()), None)
-        worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=0.5)  # type: ignore[assignment]
-        worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
-        worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
-        worker._ended_recently, worker._unrecorded, worker._prefill_done_unix_ns = OrderedDict(), set(), {}
-        worker._serving, worker._awaited_routers = True, set()
-        worker.running, worker.prefilling, worker._publishing = [], [], None
-        worker.num_steps, worker.last_step_ns = rng.randrange(100), 0
-        worker._report_load = lambda: None  # type: ignore[method-assign]
+        worker = _grace_worker(None, num_steps=rng.randrange(100))
         held = []
         for i in range(rng.randint(1, 5)):
             active = _held(rng)
@@ -360,15 +367,7 @@ def test_requests_cancelled_for_a_gone_router_stay_ended_when_it_comes_back(redi
 
     async def run() -> None:
         store = RequestStore(redis_client)
-        worker = _worker(_Agent(BlockLedger(BlockAllocator(num_blocks=8, block_size=BLOCK_SIZE)), set()), store)
-        worker.config = SimpleNamespace(service_id=SUCCESSOR, router_grace_s=0.5)  # type: ignore[assignment]
-        worker.routers, worker._router_stall_s, worker._gone_routers = {}, {}, set()
-        worker._cancelled_for, worker.num_orphans_cancelled = OrderedDict(), 0
-        worker._ended_recently, worker._unrecorded, worker._prefill_done_unix_ns = OrderedDict(), set(), {}
-        worker._serving, worker._awaited_routers, worker._unwritten_states = True, set(), {}
-        worker.running, worker.prefilling, worker._publishing = [], [], None
-        worker.num_steps, worker.last_step_ns = 0, 0
-        worker._report_load = lambda: None  # type: ignore[method-assign]
+        worker = _grace_worker(store)
         ids = []
         for i in range(rng.randint(1, 5)):
             rid = f"g{seed}-{i}"
