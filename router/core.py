@@ -428,8 +428,9 @@ class RouterCore:
         """``Prefill.Submit`` of ``sent``, sent again when its prefill service died or stopped before
         it answered (``PrefillLost``: the client has seen nothing yet), at most ``--prefill-resends``
         times and while the deadline allows: each time under a new upstream id, to the next prefill
-        service (the same one, restarted, when it is the only one), the old id cancelled at prefill
-        and at every decode service (a prompt handed to decode before the call broke)."""
+        service (the same one, restarted, when it is the only one) once it answers a call
+        (``await_serving``), the old id cancelled at prefill and at every decode service (a prompt
+        handed to decode before the call broke)."""
         for resend in itertools.count(1):
             try:
                 return await self.upstream.submit(sent.prefill_address, sent.upstream_id, prepared.prompt_ids,
@@ -443,9 +444,12 @@ class RouterCore:
                 self.metrics.num_prefill_resends.inc()
                 self.upstream.streams.unregister(sent.upstream_id)
                 self.upstream.cancel_soon(sent.upstream_id, sent.prefill_address)
+                broken_id = sent.upstream_id
                 sent.upstream_id = f"{prepared.request_id}~{secrets.token_hex(6)}"
                 sent.queue = self.upstream.streams.register(sent.upstream_id)
                 sent.prefill_address = await self.upstream.pick_prefill(deadline_s, avoid=sent.prefill_address)
+                # not on a connection that died unnoticed (submit waits, then fails, if it never answers)
+                await self.upstream.await_serving(sent.prefill_address, broken_id, deadline_s)
         raise AssertionError("unreachable")
 
     async def _prepare(self, request: router_pb2.GenerateRequest, request_id: str) -> PreparedRequest:

@@ -32,6 +32,7 @@ log = logging.getLogger("tandem.router")
 
 # How long a readiness probe waits for an upstream channel to connect.
 HEALTH_PROBE_TIMEOUT_S = 1.0
+PROBE_PAUSE_S = 0.05  # between await_serving's calls that broke
 # The connection states pick_prefill ranks the prefill services by.
 _READY, _FAILING = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
@@ -208,6 +209,29 @@ class Upstream:
                 raise PrefillLost(why, reached) from None
             raise RequestError(Status.UNAVAILABLE, why) from None
         return reply
+
+    async def await_serving(self, address: str, probe_id: str, deadline_s: float) -> bool:
+        """Whether the prefill service at ``address`` answers a call within the wait (``wait_s``,
+        within the deadline, loop time): a Cancel of ``probe_id`` (idempotent: the id of a call
+        that broke, which the service may still hold) sent with wait_for_ready, so that a service
+        that is restarting is waited for, and sent again when it breaks on a connection that had
+        died without the channel knowing yet. A prompt sent again after a break goes out only on
+        a connection that has just carried an answer: CI saw a resend spent at once on a channel
+        that still said READY (the call ended "Stream removed" or "failed to connect" within
+        milliseconds), and the prompt failed though its service was back a second later."""
+        stub = prefill_pb2_grpc.PrefillStub(self._channels.get(address))
+        loop = asyncio.get_running_loop()
+        end_s = loop.time() + self._wait_bound_s(deadline_s)
+        while (left_s := end_s - loop.time()) > 0:
+            try:
+                await stub.Cancel(prefill_pb2.CancelRequest(request_id=probe_id), timeout=left_s,
+                                  wait_for_ready=True)
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if not connection_broke(exc):
+                    return exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED  # it answered: it serves
+            await asyncio.sleep(PROBE_PAUSE_S)
+        return False
 
     # Cancellation -----------------------------------------------------------------------------
 

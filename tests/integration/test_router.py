@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -621,6 +622,56 @@ def test_a_prompt_whose_prefill_call_broke_is_sent_again_under_a_new_id(model_di
             assert counted and float(counted.group(1)) == expected_resends, counted
 
     run(body())
+
+
+async def _start_killable_prefill(port: int) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.integration.killable_prefill", "--port", str(port), "--hold-s", "0.3",
+        stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    assert line.strip() == b"listening", line
+    return proc
+
+
+def test_prompts_whose_prefill_process_was_killed_are_served_by_its_restart(model_dir: Path) -> None:
+    """SIGKILL the (only) prefill process while its Submits are in flight and start it again on
+    its port after a random pause, as `tandem up` does: every prompt is served by the restarted
+    process, however the kill fell against the router's view of the channel (killed mid-call, or
+    before the prompts came, while the channel still said READY). A resend goes out only once the
+    service answered a call on a live connection: before, CI saw both prompts of a kill fail
+    "failed to connect ... Connection refused", their resends spent within milliseconds on a
+    connection that had died unnoticed, and here 3 of 27 runs failed so ("Stream removed",
+    "failed to connect"); none of 20 since. Random request counts, kill and restart times."""
+    rng = random.Random(fault_seed())
+    port = free_port()
+
+    async def body() -> None:
+        proc = await _start_killable_prefill(port)
+        try:
+            async with stack(model_dir, prefill_up=False, prefill_addresses=(f"127.0.0.1:{port}",),
+                             upstream_wait_s=15.0, prefill_resends=1) as s:
+                for i in range(6):
+                    before = rng.random() < 0.5  # killed before the prompts come: the channel still says READY
+                    if before:
+                        proc.kill()
+                        await proc.wait()
+                    tasks = [asyncio.create_task(generate(s.client, router_pb2.GenerateRequest(
+                        text="Hello", request_id=f"killed-{i}-{j}"))) for j in range(rng.randint(1, 4))]
+                    if not before:
+                        await asyncio.sleep(rng.uniform(0.0, 0.25))
+                        proc.kill()
+                        await proc.wait()
+                    await asyncio.sleep(rng.uniform(0.0, 2.0))
+                    proc = await _start_killable_prefill(port)
+                    for task in tasks:
+                        assert all_tokens(await task) == [42]
+                assert s.router.core.upstream.streams.num_registered == 0
+        finally:
+            proc.kill()
+            await proc.wait()
+
+    run(body(), timeout_s=120)
 
 
 async def _until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
