@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
-import json
 import os
 import platform
 import shlex

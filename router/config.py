@@ -150,10 +150,10 @@ class RouterConfig:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
-        for flag, addresses in (("--prefill-address", self.prefill_addresses),
-                                ("--decode-address", self.decode_addresses)):
+        for flag_name, addresses in (("--prefill-address", self.prefill_addresses),
+                                     ("--decode-address", self.decode_addresses)):
             for address in addresses:
-                _check_address(flag, address)
+                _check_address(flag_name, address)
         if bool(self.prefill_addresses) != bool(self.decode_addresses):
             raise ValueError("give both --prefill-address and --decode-address, or neither (registry discovery)")
         if not self.prefill_addresses and not self.redis_url:

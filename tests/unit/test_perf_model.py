@@ -437,7 +437,7 @@ def test_predictor_contention_reads_the_phase_grid() -> None:
     """Prefill's slowdown comes from prefill's row of the guard, decode's from decode's."""
     from tandem.perf.calibration import ContentionGuard
     from tandem.perf.hardware import A100_80G
-    from tandem.perf.model import PerfModel, causal_pairs
+    from tandem.perf.model import PerfModel
     from tandem.perf.model_shape import LLAMA_3_1_8B
     from tandem.perf.predictor import PerfPredictor
 

@@ -779,9 +779,9 @@ def test_dynamic_time_shares_with_the_chunked_steps_it_is_given(tbt_target: floa
                   for i, n in enumerate(lens))
     s = kv_snap(free=10, total=1000, waiting=1, queue=queue, decode=(700,) * num_seqs)
     order = "edf" if edf else "fcfs"
-    for given, want_config in ((chunked, replace(chunked, order=order)), (None, ChunkedConfig(order=order))):
-        policy = split_policy(edf_chunks=edf) if given is None else DynamicPolicy(
-            DynamicConfig(rate_check=False, edf_chunks=edf), given)
+    for base, want_config in ((chunked, replace(chunked, order=order)), (None, ChunkedConfig(order=order))):
+        policy = split_policy(edf_chunks=edf) if base is None else DynamicPolicy(
+            DynamicConfig(rate_check=False, edf_chunks=edf), base)
         got, want = policy(s, P), ChunkedPolicy(want_config)(s, P)
         assert replace(got, reason=want.reason) == want and got.reason.endswith(want.reason)
 
