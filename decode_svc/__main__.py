@@ -17,8 +17,8 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, open_redis, report_load
-from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, watch_agent,
-                                    watch_progress)
+from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, unless_stopped,
+                                    watch_agent, watch_progress)
 from tandem.state.request_store import RequestStore
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     member = CellMember(agent_pb2.ROLE_DECODE, config.service_id, address, config.agent_address,
                         weight_format=WeightFormat.parse(config.quantization) if config.quantization else None,
                         model=config.model, eager_attention=config.cuda_eager_attention)
-    runner = await member.join()
+    runner = await unless_stopped(member.join(), stop, f"joining the gpu_agent at {config.agent_address}")
     graphs = await _graphs(config, member, runner, log)
     redis = open_redis(config.redis_url)
     records = RequestStore(redis) if redis is not None else None

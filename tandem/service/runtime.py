@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from tandem.ports import free_port, free_ports  # noqa: F401  (re-exported for the launcher and tests)
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 
@@ -73,7 +74,10 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], deadline_s: fl
         stop = _StopEvent(deadline_s, loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        try:
+            await main(stop)
+        except StoppedWhileStarting as exc:
+            logging.getLogger("tandem.runtime").info("stopped while starting (%s); nothing to drain", exc)
 
     uvloop.run(runner())
 
@@ -159,6 +163,30 @@ def service_main(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_service(lambda stop: serve(config, stop))
+
+
+class StoppedWhileStarting(Exception):
+    """The stop event was set while the service still waited to start (for its agent): it ends
+    at once, exit 0, with nothing to drain."""
+
+
+async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event, what: str) -> T:
+    """``awaitable``'s result, or :class:`StoppedWhileStarting` (it cancelled) once ``stop`` is set
+    first. A service waiting to join an agent that is not there (restarting, or killed again) must
+    still end on SIGTERM: before, it waited on until its shutdown deadline and exited
+    :data:`EXIT_SHUTDOWN_OVERDUE` (8 s per service of a cell the launcher restarts)."""
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+    if task.cancelled():
+        raise StoppedWhileStarting(f"told to stop while {what}")
+    return task.result()
 
 
 class AgentGoneError(RuntimeError):

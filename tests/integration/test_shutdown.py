@@ -11,6 +11,9 @@ import os
 import random
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +26,7 @@ import pytest
 from decode_svc.config import ROUTER_GRACE_S
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, SHUTDOWN_DEADLINE_S
-from tests.integration.stack import Stack, fault_seed, write_tiny_chat_model
+from tests.integration.stack import ROOT, Stack, fault_seed, write_tiny_chat_model
 
 NAMES = ("router", "prefill_svc", "decode_svc", "gpu_agent")
 MAX_TOKENS = 1500  # each request of the router's stop test
@@ -140,6 +143,49 @@ def test_a_stopping_router_answers_its_requests_in_flight_with_a_clear_error(smo
                 break
             assert time.monotonic() < deadline, f"blocks not back: {stats}"
             time.sleep(0.5)
+
+
+@pytest.mark.parametrize("service", ["prefill_svc", "decode_svc"])
+def test_a_service_still_waiting_for_its_agent_stops_at_once_on_sigterm(service: str, tmp_path: Path) -> None:
+    """A service started while its cell's agent is not there (the launcher restarts a cell whose
+    agent is killed again, or cannot start without Redis) waits to join it; SIGTERM must end that
+    wait at once, exit 0. Before, it waited on to its 8 s shutdown deadline and exited 75, and a
+    soak's cell restart stood still for every such service in turn. The "agent" here accepts the
+    TCP connection and never answers, so the test knows when the service is waiting on it."""
+    rng = random.Random(fault_seed())
+    with socket.socket() as agent:
+        agent.bind(("127.0.0.1", 0))
+        agent.listen(8)
+        agent.settimeout(60)
+        agent_address = f"127.0.0.1:{agent.getsockname()[1]}"
+        port = socket.socket()
+        port.bind(("127.0.0.1", 0))
+        args = ["--agent-address", agent_address, "--port", str(port.getsockname()[1])]
+        port.close()
+        if service == "prefill_svc":
+            args += ["--decode-address", "127.0.0.1:1"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "TANDEM_CELL_ID": f"join-{uuid.uuid4().hex[:6]}"}
+        env.pop("REDIS_URL", None)
+        log_path = tmp_path / f"{service}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", service, *args], env=env, cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        try:
+            conn, _ = agent.accept()  # the service's Register is on its way: it waits in join
+            with conn:
+                time.sleep(rng.uniform(0.0, 1.5))
+                start = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(timeout=SHUTDOWN_DEADLINE_S + 7)
+                took = time.monotonic() - start
+        finally:
+            proc.kill()
+            proc.wait()
+    logs = log_path.read_text()
+    assert code == 0, f"{service} exited {code} after {took:.1f} s:\n{logs[-3000:]}"
+    assert took < SHUTDOWN_DEADLINE_S / 2, f"{service} took {took:.1f} s to stop:\n{logs[-3000:]}"
+    assert "stopped while starting" in logs
 
 
 def agent_stats(address: str) -> agent_pb2.AgentStats:

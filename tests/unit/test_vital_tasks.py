@@ -128,3 +128,49 @@ def test_a_shutdown_past_its_deadline_dumps_stacks_runs_last_words_and_exits_75(
     # path had said them and they were no longer registered.
     assert ran_on == ["MainThread"] if how == "executor_thread" else ran_on[0] != "MainThread" and len(ran_on) == 1
     assert deadline_s <= took < deadline_s + 10
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_unless_stopped_returns_the_result_or_cancels_the_wait_once_told_to_stop(stop_first: bool, seed: int) -> None:
+    """``unless_stopped``: the awaited result when it comes first (even with the stop set after),
+    the awaited error as it is, and once the stop comes first the awaitable is cancelled (its
+    cleanup has run) and :class:`StoppedWhileStarting` raised."""
+    import asyncio
+    import random
+
+    from tandem.service.runtime import StoppedWhileStarting, unless_stopped
+
+    rng = random.Random(seed)
+    work_s, stop_s = sorted(rng.uniform(0.0, 0.05) for _ in range(2))
+    if stop_first:
+        work_s, stop_s = stop_s + 0.02, work_s
+    cleaned: list[bool] = []
+
+    async def work() -> int:
+        try:
+            await asyncio.sleep(work_s)
+            return 7
+        except asyncio.CancelledError:
+            cleaned.append(True)
+            raise
+
+    async def failing() -> int:
+        raise ValueError("no agent")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(stop_s, stop.set)
+        if stop_first:
+            with pytest.raises(StoppedWhileStarting, match="joining"):
+                await unless_stopped(work(), stop, "joining")
+            assert cleaned == [True]
+        else:
+            assert await unless_stopped(work(), stop, "joining") == 7
+            assert not cleaned
+            with pytest.raises(ValueError, match="no agent"):
+                await unless_stopped(failing(), asyncio.Event(), "joining")
+        await asyncio.sleep(0.06)  # no task left behind raises later
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
