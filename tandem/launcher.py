@@ -458,30 +458,52 @@ class Supervisor:
                 except StackStopping:
                     break
                 continue  # the services that failed without Redis are restarted after it
-            dead = next((c for c in self.children if not c.alive()), None)
-            if dead is None:
+            dead = [c for c in self.children if not c.alive()]
+            if not dead:
                 continue
-            delay_s = dead.budget.next_delay_s(time.monotonic())
-            cell = self.cell_of(dead)
-            whole_cell = cell is not None and dead is cell.agent
-            what = f"the cell {cell.plan.cell_id}" if whole_cell and cell is not None else dead.name
-            if delay_s is None:
-                self._say_giving_up(dead.name, dead.returncode, what, dead.budget)
-                return EXIT_GAVE_UP
-            dead.num_restarts += 1
-            say(f"{dead.name} exited with code {dead.returncode}; restarting {what} in {delay_s:.1f} s "
-                f"(restart #{dead.num_restarts})", error=True)
             try:
-                if whole_cell and cell is not None:
-                    self.restart_cell(cell, delay_s)
-                else:
-                    self.sleep(delay_s)
-                    self.start([dead])
-            except RuntimeError as exc:  # it died again while starting: the next round counts it
+                if not self.restart(dead):
+                    return EXIT_GAVE_UP
+            except RuntimeError as exc:  # one died again while starting: the next round counts it
                 say(f"restart failed: {exc}", error=True)
             except StackStopping:
                 break
         return 0
+
+    def restart(self, dead: list[Child]) -> bool:
+        """Restart every process of ``dead`` in one round: a dead agent's whole cell (``_stop_cell``
+        first), any other alone, all started together after the longest of their backoffs, so that
+        a router found dead beside a dead agent (several faults at once, as a soak sends them)
+        starts with the cell rather than after its restart and backoff. False when one is out of
+        restarts."""
+        restarting: list[Child] = []
+        cells: list[CellProcs] = []
+        delay_s = 0.0
+        for child in dead:
+            cell = self.cell_of(child)
+            if cell is not None and cell.agent is not None and child is not cell.agent and not cell.agent.alive():
+                continue  # its agent is dead too: the cell's restart starts it
+            child_delay_s = child.budget.next_delay_s(time.monotonic())
+            whole_cell = cell is not None and child is cell.agent
+            what = f"the cell {cell.plan.cell_id}" if whole_cell and cell is not None else child.name
+            if child_delay_s is None:
+                self._say_giving_up(child.name, child.returncode, what, child.budget)
+                return False
+            child.num_restarts += 1
+            say(f"{child.name} exited with code {child.returncode}; restarting {what} in {child_delay_s:.1f} s "
+                f"(restart #{child.num_restarts})", error=True)
+            delay_s = max(delay_s, child_delay_s)
+            if whole_cell and cell is not None:
+                cells.append(cell)
+                self._stop_cell(cell)
+                restarting += cell.children
+            else:
+                restarting.append(child)
+        self.sleep(delay_s)
+        self.start(restarting)
+        for cell in cells:
+            say(f"cell {cell.plan.cell_id} is back (gpu_agent instance {cell.instance_id})")
+        return True
 
     def _say_giving_up(self, name: str, code: int | None, what: str, budget: RestartBudget) -> None:
         say(f"{name} exited with code {code}, and {what} was already restarted {budget.num_recent} times within "
@@ -508,16 +530,13 @@ class Supervisor:
         say(f"redis-server ready at 127.0.0.1:{server.port} (pid {server.pid})")
         return True
 
-    def restart_cell(self, cell: CellProcs, delay_s: float) -> None:
+    def _stop_cell(self, cell: CellProcs) -> None:
         """The agent died and its KV pool with it: stop the cell's prefill and decode services
-        (their requests' K/V is gone), remove the agent's files, and start the cell again on the
-        same addresses. The new agent fails the old cell's requests before decode can resume any."""
+        (their requests' K/V is gone) and remove the agent's files; the cell then starts again on
+        the same addresses. The new agent fails the old cell's requests before decode can resume any."""
         for child in cell.workers:
             child.stop()
         self.remove_agent_files(cell)
-        self.sleep(delay_s)
-        self.start(cell.children)
-        say(f"cell {cell.plan.cell_id} is back (gpu_agent instance {cell.instance_id})")
 
     def stop(self) -> None:
         """Stop every process, newest first, and remove what a dead agent left behind."""

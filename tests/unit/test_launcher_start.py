@@ -110,3 +110,51 @@ def test_a_worker_that_dies_fails_the_start_once_the_others_serve(tmp_path: Path
     finally:
         for child in sup.children:
             child.stop(5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_process_found_dead_restarts_in_one_round(seed: int, tmp_path: Path) -> None:
+    """Several faults at once (a soak killed the router while the cell's agent was being
+    restarted): one ``restart`` round brings back the dead agent's whole cell (its live
+    services stopped first) and every other dead process with it, started together after the
+    longest backoff, rather than the router after the cell's restart. A process out of restarts
+    makes the round give up."""
+    import os
+    import signal
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    agent = _child("agent", log, rng.uniform(0.3, 0.8), [])
+    cell = CellProcs(SimpleNamespace(cell_id="c"), agent.address, agent)  # type: ignore[arg-type]
+    cell.workers = [_child(role, log, rng.uniform(0.0, 0.3), [agent]) for role in ("decode", "prefill")]
+    router = _child("router", log, rng.uniform(0.0, 0.3), [])
+    sup = _supervisor([cell], router)
+    sup.args.restart_window_s, sup.args.max_restarts = 60.0, 3
+    try:
+        sup.start(sup.children)
+        killed = [agent, router, *rng.sample(cell.workers, rng.randint(0, 2))]
+        rng.shuffle(killed)
+        for child in killed:
+            assert child.proc is not None
+            os.kill(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(5)
+        survivors = [w for w in cell.workers if w not in killed]
+        mark = log.stat().st_size
+        assert sup.restart([c for c in sup.children if not c.alive()])
+        assert all(c.alive() for c in sup.children)
+        with open(log) as f:
+            f.seek(mark)
+            started = {line.split(" ")[2] for line in f if line.split(" ")[1] == "start"}
+        assert started == {c.name for c in sup.children}  # the cell whole (survivors too), the router
+        assert all(c.num_restarts == 0 for c in cell.workers)  # restarted with their cell, not counted
+        assert agent.num_restarts == router.num_restarts == 1
+        assert all(s.proc is not None and s.proc.returncode is None for s in survivors)
+
+        router.budget = RestartBudget(0, 60.0)  # out of restarts: the round gives up
+        assert router.proc is not None
+        os.kill(router.proc.pid, signal.SIGKILL)
+        router.proc.wait(5)
+        assert not sup.restart([router])
+    finally:
+        for child in sup.children:
+            child.stop(5)
