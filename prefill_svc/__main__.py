@@ -52,6 +52,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     finally:
         await server.stop(grace=1.0)
         await tasks.cancel()
+        await worker.cancel_forwards()
         await member.close()
         await discovery.close()
         await worker.decode_channels.close()

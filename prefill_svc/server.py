@@ -211,6 +211,16 @@ class PrefillWorker:
         )
 
     # ------------------------------------------------------------------ loop
+    async def cancel_forwards(self) -> None:
+        """At shutdown, before the agent's channel closes: the prompts still being forwarded to
+        decode end here (their callers are gone with the server; the agent reclaims their blocks
+        when this service's lease ends) rather than call a closed channel."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
     async def run(self) -> None:
         while True:
             await self._wake.wait()

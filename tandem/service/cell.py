@@ -226,13 +226,18 @@ class CellMember:
     async def release(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
         """Give a request's blocks back to the agent (publishing ``token_ids``' K/V first), as
         their owner: a request another service has taken over is left alone. A failed call is
-        logged; the agent reclaims what this service holds when its lease ends."""
+        logged; the agent reclaims what this service holds when its lease ends. So is a call after
+        ``close`` (a shutdown that closed the channel while a request still ended): before, its
+        ``UsageError`` escaped, a task's exception that nobody retrieved."""
         try:
             await self.agent.Release(
                 agent_pb2.ReleaseRequest(request_id=request_id, token_ids=token_ids, owner=self.service_id),
                 timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.error("could not release blocks of %s: %s", request_id, exc.details())
+        except grpc.aio.UsageError as exc:
+            log.warning("could not release blocks of %s: %s (shutting down; the agent reclaims them when this "
+                        "service's lease ends)", request_id, exc)
 
     def apply_partition(self) -> bool:
         """Apply a newer partition; call only from the torch thread, at a boundary."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from tandem.rpc.v1 import agent_pb2, common_pb2
 from tandem.service.cell import CellMember
 
@@ -28,3 +30,18 @@ async def _newer_partitions() -> None:
     assert woken == sorted(set(woken)) and woken[-1] == max(epochs)
     assert len(woken) == len({e for i, e in enumerate(epochs) if e > max(epochs[:i], default=0)})
     await member.channel.close()
+
+
+def test_a_release_after_close_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """A request that ends while its service shuts down calls ``release`` on a closed channel
+    (a real one: grpc raises ``UsageError``): logged, the agent's lease takes the blocks back."""
+    import logging
+
+    async def run() -> None:
+        member = CellMember(agent_pb2.ROLE_PREFILL, "prefill-t", "127.0.0.1:1", "127.0.0.1:2")
+        await member.close()
+        with caplog.at_level(logging.WARNING, logger="tandem.cell"):
+            await member.release("r-closed", [1, 2, 3])
+
+    asyncio.run(run())
+    assert "could not release blocks of r-closed" in caplog.text and "shutting down" in caplog.text
