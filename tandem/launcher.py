@@ -484,8 +484,8 @@ class Supervisor:
             if cell is not None and cell.agent is not None and child is not cell.agent and not cell.agent.alive():
                 continue  # its agent is dead too: the cell's restart starts it
             child_delay_s = child.budget.next_delay_s(time.monotonic())
-            whole_cell = cell is not None and child is cell.agent
-            what = f"the cell {cell.plan.cell_id}" if whole_cell and cell is not None else child.name
+            agents_cell = cell if cell is not None and child is cell.agent else None
+            what = f"the cell {agents_cell.plan.cell_id}" if agents_cell is not None else child.name
             if child_delay_s is None:
                 self._say_giving_up(child.name, child.returncode, what, child.budget)
                 return False
@@ -493,10 +493,10 @@ class Supervisor:
             say(f"{child.name} exited with code {child.returncode}; restarting {what} in {child_delay_s:.1f} s "
                 f"(restart #{child.num_restarts})", error=True)
             delay_s = max(delay_s, child_delay_s)
-            if whole_cell and cell is not None:
-                cells.append(cell)
-                self._stop_cell(cell)
-                restarting += cell.children
+            if agents_cell is not None:
+                cells.append(agents_cell)
+                self._stop_cell(agents_cell)
+                restarting += agents_cell.children
             else:
                 restarting.append(child)
         self.sleep(delay_s)

@@ -25,7 +25,7 @@ import pytest
 
 from decode_svc.config import ROUTER_GRACE_S
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
-from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, SHUTDOWN_DEADLINE_S
+from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, SHUTDOWN_DEADLINE_S, free_port
 from tests.integration.stack import ROOT, Stack, fault_seed, write_tiny_chat_model
 
 NAMES = ("router", "prefill_svc", "decode_svc", "gpu_agent")
@@ -158,10 +158,7 @@ def test_a_service_still_waiting_for_its_agent_stops_at_once_on_sigterm(service:
         agent.listen(8)
         agent.settimeout(60)
         agent_address = f"127.0.0.1:{agent.getsockname()[1]}"
-        port = socket.socket()
-        port.bind(("127.0.0.1", 0))
-        args = ["--agent-address", agent_address, "--port", str(port.getsockname()[1])]
-        port.close()
+        args = ["--agent-address", agent_address, "--port", str(free_port())]
         if service == "prefill_svc":
             args += ["--decode-address", "127.0.0.1:1"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
