@@ -67,10 +67,12 @@ FAULT_ROLES = ROLES  # what --kill picks from: every process of the stack
 
 
 class Faults:
-    """The kills so far (monotonic time, role), for judging how a request ended."""
+    """The kills so far (monotonic time, role), for judging how a request ended; ``ended`` stops
+    the killer (set once the faulted requests are done, before the ledger is read)."""
 
     def __init__(self) -> None:
         self.kills: list[tuple[float, str]] = []
+        self.ended = asyncio.Event()
 
     def router_killed_since(self, start_s: float) -> bool:
         return any(role == "router" and at >= start_s for at, role in self.kills)
@@ -201,16 +203,16 @@ async def _agent_stats(address: str) -> agent_pb2.AgentStats:
         return await agent_pb2_grpc.GpuAgentStub(channel).GetStats(agent_pb2.GetStatsRequest(), timeout=10)
 
 
-async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats:
+async def _settled_stats(address: str, deadline: float) -> agent_pb2.AgentStats | None:
     """The agent's stats once every block is free and no request is held, or at ``deadline``
-    (an agent that is restarting after a kill is asked again)."""
+    (an agent that is restarting after a kill is asked again); None if it never answered."""
     stats: agent_pb2.AgentStats | None = None
     while True:
         try:
             stats = await _agent_stats(address)
         except grpc.aio.AioRpcError:
             if time.monotonic() >= deadline:
-                raise
+                return stats
         if stats is not None:
             settled = stats.num_free_blocks == stats.num_blocks and not stats.num_requests \
                 and stats.num_free_slabs == stats.num_slabs
@@ -248,13 +250,13 @@ async def _wait_serving(base_url: str, grpc_address: str, timeout_s: float, mode
             await asyncio.sleep(0.5)
 
 
-async def kill_at_random(root_pid: int, roles: list[str], every_s: float, until: asyncio.Event, faults: Faults,
+async def kill_at_random(root_pid: int, roles: list[str], every_s: float, faults: Faults,
                          rng: random.Random, sig: signal.Signals = signal.SIGKILL) -> None:
     """Send ``sig`` to a random one of ``roles`` every ``every_s`` seconds on average (0.5-1.5x)
-    until ``until``: to one instance of it, where a cell of several models runs one per model."""
-    while not until.is_set():
+    until ``faults.ended``: to one instance of it, where a cell of several models runs one per model."""
+    while not faults.ended.is_set():
         try:
-            await asyncio.wait_for(until.wait(), timeout=every_s * rng.uniform(0.5, 1.5))
+            await asyncio.wait_for(faults.ended.wait(), timeout=every_s * rng.uniform(0.5, 1.5))
             return
         except TimeoutError:
             pass
@@ -347,6 +349,8 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     elapsed = time.monotonic() - started
+    if faults is not None:
+        faults.ended.set()  # no kill while the ledger settles (a killed agent restarts meanwhile)
     # Aborted and cancelled requests release their blocks asynchronously: give them a moment.
     deadline = time.monotonic() + 60
     stats = await _settled_stats(agent_address, deadline)
@@ -357,26 +361,32 @@ async def soak(base_url: str, grpc_address: str, agent_address: str, num_request
         **({"by_model": {m: dict(v) for m, v in by_model.items()}} if len(models) > 1 else {}),
         "failed_clearly_said": sorted(clear_failures),
         "num_unexpected": sum(n for o, n in outcomes.items() if o.startswith("UNEXPECTED")),
-        "agent": {"num_blocks": stats.num_blocks, "num_free_blocks": stats.num_free_blocks,
-                  "num_requests": stats.num_requests, "leaked_blocks": stats.num_blocks - stats.num_free_blocks,
-                  "num_reclaimed_requests": stats.num_reclaimed_requests,
-                  "num_slabs": stats.num_slabs, "leaked_slabs": stats.num_slabs - stats.num_free_slabs,
-                  "held_blocks_by_model": {m.model: m.num_held_blocks for m in stats.models}},
+        "agent": _ledger(stats),
     }
+
+
+def _ledger(stats: agent_pb2.AgentStats | None) -> dict[str, Any]:
+    if stats is None:
+        return {"unreachable": "the agent did not answer GetStats within 60 s after the requests"}
+    return {"num_blocks": stats.num_blocks, "num_free_blocks": stats.num_free_blocks,
+            "num_requests": stats.num_requests, "leaked_blocks": stats.num_blocks - stats.num_free_blocks,
+            "num_reclaimed_requests": stats.num_reclaimed_requests,
+            "num_slabs": stats.num_slabs, "leaked_slabs": stats.num_slabs - stats.num_free_slabs,
+            "held_blocks_by_model": {m.model: m.num_held_blocks for m in stats.models}}
 
 
 async def soak_with_faults(base_url: str, grpc_address: str, agent_address: str, root_pid: int,
                            args: argparse.Namespace, seed: int, models: list[str]) -> dict[str, Any]:
     """The soak while processes are killed at random, then ``args.after_requests`` requests after
     the last kill, judged as without faults."""
-    faults, until = Faults(), asyncio.Event()
-    killer = asyncio.create_task(kill_at_random(root_pid, args.kill, args.kill_every_s, until, faults,
+    faults = Faults()
+    killer = asyncio.create_task(kill_at_random(root_pid, args.kill, args.kill_every_s, faults,
                                                 random.Random(seed), signal.Signals[f"SIG{args.signal}"]))
     try:
         result = await soak(base_url, grpc_address, agent_address, args.requests, args.concurrency, seed, faults,
                             args.timeout_s, models)
     finally:
-        until.set()
+        faults.ended.set()
         await killer
     result["kills"] = dict(Counter(role for _, role in faults.kills))
     result["recovery_s"] = round(await _wait_serving(base_url, grpc_address, 180, models), 2)
@@ -447,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     last = result.get("after", result)  # with faults, the ledger that counts is the one after the last kill
     result["ok"] = (result["num_unexpected"] == 0 and not codes.get(str(EXIT_SHUTDOWN_OVERDUE))
                     and last["num_unexpected"] == 0 and last["outcomes"].get("ok", 0) >= 1
-                    and last["agent"]["leaked_blocks"] == 0 and last["agent"]["num_requests"] == 0
-                    and last["agent"]["leaked_slabs"] == 0
+                    and last["agent"].get("leaked_blocks") == 0 and last["agent"].get("num_requests") == 0
+                    and last["agent"].get("leaked_slabs") == 0
                     and result["stack_running"]
                     and not result["shm_files_after_stop"])
     write_json(result, args.out)
