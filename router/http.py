@@ -82,6 +82,7 @@ from tandem.protocol import (
     SamplingDefaults,
 )
 from tandem.rpc.v1 import common_pb2, router_pb2
+from tandem.service.runtime import unless
 
 log = logging.getLogger("tandem.router.http")
 
@@ -803,18 +804,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    loop = asyncio.get_running_loop()
-    work_task = loop.create_task(work)
-    watch_task = loop.create_task(disconnected())
-    try:
-        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task not in done:
-        raise ClientDisconnected
-    return work_task.result()
+    return await unless(work, disconnected(), ClientDisconnected)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

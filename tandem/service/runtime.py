@@ -170,23 +170,31 @@ class StoppedWhileStarting(Exception):
     at once, exit 0, with nothing to drain."""
 
 
+async def unless(awaitable: Awaitable[T], interrupt: Awaitable[Any], interrupted: Callable[[], BaseException]) -> T:
+    """``awaitable``'s result, or ``interrupted()`` raised once ``interrupt`` completes first: the
+    awaitable is then cancelled and awaited, so its cleanup has run before this returns."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(interrupt)
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+    if watch.done() and not watch.cancelled():
+        watch.exception()  # retrieved: a watch that failed counts as the interrupt
+    if task.cancelled():
+        raise interrupted()
+    return task.result()
+
+
 async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event, what: str) -> T:
     """``awaitable``'s result, or :class:`StoppedWhileStarting` (it cancelled) once ``stop`` is set
     first. A service waiting to join an agent that is not there (restarting, or killed again) must
     still end on SIGTERM: before, it waited on until its shutdown deadline and exited
     :data:`EXIT_SHUTDOWN_OVERDUE` (8 s per service of a cell the launcher restarts)."""
-    task = asyncio.ensure_future(awaitable)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait([task])
-    if task.cancelled():
-        raise StoppedWhileStarting(f"told to stop while {what}")
-    return task.result()
+    return await unless(awaitable, stop.wait(), lambda: StoppedWhileStarting(f"told to stop while {what}"))
 
 
 class AgentGoneError(RuntimeError):

@@ -174,3 +174,37 @@ def test_unless_stopped_returns_the_result_or_cancels_the_wait_once_told_to_stop
         assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(main())
+
+
+def test_unless_counts_a_failed_watch_as_the_interrupt_and_leaves_no_task_behind() -> None:
+    """``unless`` (unless_stopped's and the router's wait for a client's disconnect): a watch that
+    fails (a client's receive raising) interrupts as a completed one does, and the work is
+    cancelled and awaited (its cleanup has run) before the interrupt is raised."""
+    import asyncio
+
+    from tandem.service.runtime import unless
+
+    class Interrupted(Exception):
+        pass
+
+    cleaned: list[bool] = []
+
+    async def work() -> int:
+        try:
+            await asyncio.sleep(5)
+            return 1
+        except asyncio.CancelledError:
+            cleaned.append(True)
+            raise
+
+    async def watch_fails() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError("receive failed")
+
+    async def main() -> None:
+        with pytest.raises(Interrupted):
+            await unless(work(), watch_fails(), Interrupted)
+        assert cleaned == [True]
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
