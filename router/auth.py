@@ -1,6 +1,7 @@
 """The API key on the router's public gRPC API: with ``--api-key`` set, every RPC but Health
-must carry ``authorization: Bearer <key>`` (what the SDK's ``api_key`` sends), the same rule as
-the HTTP gateway's; others end with UNAUTHENTICATED before the servicer sees them."""
+(and the standard ``grpc.health.v1.Health``) must carry ``authorization: Bearer <key>`` (what
+the SDK's ``api_key`` sends), the same rule as the HTTP gateway's; others end with
+UNAUTHENTICATED before the servicer sees them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import grpc
 
 # Load balancers and orchestrators probe health without credentials.
-_OPEN_METHODS = frozenset({"/tandem.v1.Router/Health"})
+_OPEN_METHODS = frozenset({"/tandem.v1.Router/Health", "/grpc.health.v1.Health/Check",
+                           "/grpc.health.v1.Health/Watch"})
 
 
 def bearer_matches(header: str | None, api_key: str) -> bool:

@@ -109,6 +109,7 @@ class Child:
     budget: RestartBudget
     proc: subprocess.Popen[bytes] | None = None
     num_restarts: int = 0
+    ready_pid: int = 0  # the incarnation that last came up (what the liveness watch probes)
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.make_args()], env={**os.environ, **self.env})
@@ -186,6 +187,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--restart-window-s", 300.0, "window over which --max-restarts counts", type=float)
     add_flag(parser, "--restart-backoff-s", 1.0, "wait before the first restart; doubled for each further "
              "restart within the window, at most 30 s", type=float)
+    add_flag(parser, "--liveness-timeout-s", 30.0, "a process that has served but has answered no gRPC health "
+             "check (grpc.health.v1) for this long, frozen or wedged, is killed and restarted as if it had "
+             "died (0: never)", type=float)
     parser.set_defaults(func=run)
     return parser
 
@@ -296,6 +300,96 @@ class CellProcs:
         return [self.agent, *self.workers]  # in start order
 
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+LIVENESS_EVERY_S = 1.0  # a probe of each process this often
+LIVENESS_PROBE_S = 5.0  # a probe with no answer by then has failed
+
+
+@dataclass
+class _Probe:
+    pid: int
+    channel: grpc.Channel
+    last_ok: float
+    pending: Any = None  # the call in flight (a grpc future)
+    sent: float = 0.0
+
+
+class LivenessWatch:
+    """Probes every process that has come up with the standard gRPC health check, a call in
+    flight per process at a time (grpc futures: the supervisor's loop never blocks on one), and
+    SIGKILLs one that has answered none for ``timeout_s``: a frozen or wedged process (SIGSTOP,
+    a deadlock, a loop blocked for good) still holds its port, is alive to ``poll()`` and would
+    stand in its cell's way forever; killed, it is restarted as a dead one is, and a decode_svc's
+    successor resumes its requests from Redis. A process's liveness counts from when it came up
+    (``Child.ready_pid``): one still starting is the ready wait's business."""
+
+    def __init__(self, timeout_s: float) -> None:
+        from grpc_health.v1 import health_pb2
+
+        self.timeout_s = timeout_s
+        self._request = health_pb2.HealthCheckRequest().SerializeToString()
+        self._probes: dict[str, _Probe] = {}
+        self._last_round = 0.0
+
+    def check(self, children: list[Child]) -> list[Child]:
+        """One round: start the probes that are due, read those that answered, and kill (and
+        return) every process silent past the timeout. Silence counts only while rounds run: after
+        a pause (the supervisor restarting something, which blocks its loop) every process's
+        silence starts again, as no probe was sent meanwhile."""
+        now = time.monotonic()
+        if now - self._last_round > 2 * LIVENESS_EVERY_S:
+            for paused in self._probes.values():
+                paused.last_ok = now
+        self._last_round = now
+        killed = []
+        for child in children:
+            probe = self._probe(child, now)
+            if probe is None:
+                continue
+            if probe.pending is not None and probe.pending.done():
+                try:
+                    probe.pending.result()
+                    probe.last_ok = now
+                except grpc.RpcError:
+                    pass  # UNAVAILABLE, DEADLINE_EXCEEDED: no answer; counted by the silence
+                probe.pending = None
+            if probe.pending is None and now - probe.sent >= LIVENESS_EVERY_S:
+                call = probe.channel.unary_unary(HEALTH_CHECK)
+                probe.pending, probe.sent = call.future(self._request, timeout=min(LIVENESS_PROBE_S, self.timeout_s)), now
+            silent_s = now - probe.last_ok
+            if silent_s > self.timeout_s and child.proc is not None and child.proc.poll() is None:
+                say(f"{child.name} (pid {probe.pid}) answered no health check for {silent_s:.0f} s "
+                    f"(--liveness-timeout-s {self.timeout_s:g}): killing it, to restart it", error=True)
+                child.proc.kill()
+                child.proc.wait()
+                self._drop(child.name)
+                killed.append(child)
+        return killed
+
+    def _probe(self, child: Child, now: float) -> _Probe | None:
+        """``child``'s probe, new for a new incarnation; None while it is not up (starting, dead)."""
+        probe = self._probes.get(child.name)
+        up = child.alive() and child.proc is not None and child.proc.pid == child.ready_pid
+        if probe is not None and (not up or probe.pid != child.ready_pid):
+            self._drop(child.name)
+            probe = None
+        if probe is None and up:
+            channel = grpc.insecure_channel(child.address, options=READY_PROBE_OPTIONS)
+            probe = self._probes[child.name] = _Probe(child.ready_pid, channel, last_ok=now)
+        return probe
+
+    def _drop(self, name: str) -> None:
+        probe = self._probes.pop(name, None)
+        if probe is not None:
+            if probe.pending is not None:
+                probe.pending.cancel()
+            probe.channel.close()
+
+    def close(self) -> None:
+        for name in list(self._probes):
+            self._drop(name)
+
+
 class Supervisor:
     """Starts the stack, restarts what dies, and stops it all; see the module docstring.
 
@@ -360,6 +454,7 @@ class Supervisor:
             "--http-port", str(args.port), *upstreams,
         ]), self.router_addr, {**env, "TANDEM_CELL_ID": plans[0].cell_id}, self._budget())
         self.children = [*(c for cell in self.cells for c in cell.children), self.router]
+        self.liveness = LivenessWatch(args.liveness_timeout_s) if args.liveness_timeout_s > 0 else None
 
     def _budget(self) -> RestartBudget:
         return RestartBudget(self.args.max_restarts, self.args.restart_window_s, self.args.restart_backoff_s)
@@ -416,6 +511,7 @@ class Supervisor:
                 failed = failed or exc
                 continue
             pid = child.proc.pid if child.proc else "?"
+            child.ready_pid = child.proc.pid if child.proc else 0
             say(f"{child.name} ready at {child.address} (pid {pid})")
             cell = self.cell_of(child)
             if cell is not None and child is cell.agent:
@@ -458,6 +554,8 @@ class Supervisor:
                 except StackStopping:
                     break
                 continue  # the services that failed without Redis are restarted after it
+            if self.liveness is not None:
+                self.liveness.check(self.children)
             dead = [c for c in self.children if not c.alive()]
             if not dead:
                 continue
@@ -540,6 +638,8 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stop every process, newest first, and remove what a dead agent left behind."""
+        if self.liveness is not None:
+            self.liveness.close()
         for child in reversed(self.children):
             if child.alive() and child.proc is not None:
                 child.proc.terminate()

@@ -117,8 +117,14 @@ SERVER_OPTIONS: list[tuple[str, int]] = [("grpc.so_reuseport", 0)]
 
 
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """A grpc.aio server with Tandem's options (``SERVER_OPTIONS``)."""
-    return grpc.aio.server(interceptors=list(interceptors) or None, options=SERVER_OPTIONS)
+    """A grpc.aio server with Tandem's options (``SERVER_OPTIONS``) and the standard gRPC health
+    service (``grpc.health.v1.Health``, SERVING once the server starts): what ``tandem up``'s
+    liveness watch, Kubernetes' gRPC probes and ``grpc_health_probe`` ask."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.aio.server(interceptors=list(interceptors) or None, options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    return server
 
 
 def bind(server: grpc.aio.Server, address: str) -> int:

@@ -327,8 +327,15 @@ def test_errors_have_the_openai_shape(tiny: Stack) -> None:
 
 def _assert_grpc_needs_the_key(address: str) -> None:
     """The public gRPC API follows the HTTP gateway's key: Generate and ListModels without it (or
-    with a wrong one) end UNAUTHENTICATED; Health stays open for probes."""
+    with a wrong one) end UNAUTHENTICATED; Health, and the standard grpc.health.v1 service, stay
+    open for probes."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from tandem.client import ClientError, TandemClient
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
     for key in (None, "wrong"):
         with TandemClient(address, timeout_s=30, max_retries=0, api_key=key) as client:

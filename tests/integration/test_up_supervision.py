@@ -266,3 +266,55 @@ def test_the_private_redis_killed_is_restarted_and_services_restart_after_it(
     finally:
         if up.proc.poll() is None:
             up.stop()
+
+
+def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_dir: Path, tmp_path: Path) -> None:
+    """A process that stops answering (SIGSTOP: alive to the supervisor, its port still open,
+    nothing served) is found by `tandem up`'s liveness watch (the standard gRPC health check,
+    here `--liveness-timeout-s 4`), killed and restarted as a dead one is: two random roles in turn
+    under streams, each stream whole or failed clearly within the client bound, and the stack
+    serves after each. Before, a frozen decode_svc or agent left its cell standing still for good."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    rng = random.Random(fault_seed())
+    up = start_up(model_dir, tmp_path / "up.log", "--liveness-timeout-s", "4")
+    try:
+        up.wait_log("tandem up: serving", 180)
+        with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
+            jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 30)), rng.randint(8, 300)) for _ in range(3)]
+            outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(jobs)
+
+            def client(i: int) -> None:
+                try:
+                    outcomes[i] = up.generate(*jobs[i])
+                except grpc.RpcError as exc:
+                    outcomes[i] = exc
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            time.sleep(rng.uniform(0.0, 1.5))
+            offset = len(up.log())
+            pid = up.pid(role)
+            print(f"freezing {role} (pid {pid})")
+            os.kill(pid, signal.SIGSTOP)
+            up.wait_log(rf"{role} \(pid {pid}\) answered no health check for \d+ s", 30, offset)
+            up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
+                        offset)
+            for t in threads:
+                t.join(CLIENT_BOUND_S + 5)
+                assert not t.is_alive(), "a client hung"
+            for (_, max_tokens), outcome in zip(jobs, outcomes):
+                if isinstance(outcome, grpc.RpcError):
+                    assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
+                    assert outcome.details()
+                else:
+                    assert outcome is not None and len(outcome) == max_tokens
+            assert len(up.generate("Hello", 4)) == 4
+            assert up.pid(role) != pid
+        assert up.proc.poll() is None
+    finally:
+        assert up.stop() == 0

@@ -158,3 +158,54 @@ def test_every_process_found_dead_restarts_in_one_round(seed: int, tmp_path: Pat
     finally:
         for child in sup.children:
             child.stop(5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_path: Path) -> None:
+    """``LivenessWatch`` on real processes answering the standard gRPC health check: none is
+    killed while they answer; one frozen (SIGSTOP) is SIGKILLed once silent past the timeout,
+    not before, and the other is left alone; a pause in the rounds (the supervisor's loop blocked
+    by a restart) starts every silence again rather than killing at the first round after it."""
+    import os
+    import signal
+
+    from tandem.launcher import LIVENESS_EVERY_S, LivenessWatch
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    a, b = _child("a", log, rng.uniform(0.0, 0.3), []), _child("b", log, rng.uniform(0.0, 0.3), [])
+    sup = _supervisor([], b)
+    sup.children = [a, b]
+    timeout_s = rng.uniform(1.5, 2.5)
+    watch = LivenessWatch(timeout_s)
+
+    def rounds(seconds: float) -> list[Child]:
+        killed: list[Child] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not killed:
+            killed = watch.check([a, b])
+            time.sleep(0.2)
+        return killed
+
+    try:
+        sup.start([a, b])
+        assert rounds(timeout_s + 1.5) == [] and a.alive() and b.alive()
+        os.kill(a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        frozen_at = time.monotonic()
+        assert rounds(timeout_s + 8) == [a]
+        # silent since its last answer, which may precede the freeze by a probe's period
+        assert time.monotonic() - frozen_at >= timeout_s - LIVENESS_EVERY_S - 0.3
+        assert not a.alive() and a.returncode == -signal.SIGKILL and b.alive()
+
+        os.kill(b.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        time.sleep(timeout_s + 1)  # no rounds meanwhile
+        resumed_at = time.monotonic()
+        assert watch.check([a, b]) == []  # the pause does not count as silence
+        assert rounds(timeout_s + 8) == [b]
+        assert time.monotonic() - resumed_at >= timeout_s - 0.3
+    finally:
+        watch.close()
+        for child in (a, b):
+            if child.alive() and child.proc is not None:
+                child.proc.kill()
+                child.proc.wait()

@@ -2,7 +2,8 @@
 services, so that ``tandem up``'s readiness check passes on it): ``python -m
 tests.unit.wave_child NAME PORT LOG DELAY_S EXIT NEEDS...``. It appends ``start NAME`` to LOG,
 records which of the ports in NEEDS already accept connections, waits DELAY_S, then either
-exits with EXIT (when not 0) or serves on PORT and appends ``ready NAME`` until it is stopped."""
+exits with EXIT (when not 0) or serves on PORT (the standard gRPC health service alone, as
+every Tandem service has it) and appends ``ready NAME`` until it is stopped."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 
 def _open(port: int) -> bool:
@@ -28,6 +30,7 @@ def main() -> None:
     if int(code):
         sys.exit(int(code))
     server = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     with open(log, "a") as out:
