@@ -24,6 +24,7 @@ unexpected. After the last kill the stack must serve again, then ``--after-reque
 requests are judged as without faults (nothing unexpected, at least one completed), and then the
 ledger must be all-free. ``--signal TERM`` sends SIGTERM instead: each service's graceful shutdown
 under load, which must end within its deadline (one that exits 75, past it, fails the run).
+``--signal STOP`` freezes the process instead: `tandem up`'s liveness watch must kill and restart it.
 """
 
 from __future__ import annotations
@@ -416,9 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="kill a random one of --kill with SIGKILL this often on average (0: no faults)")
     p.add_argument("--kill", nargs="+", choices=FAULT_ROLES, default=["decode_svc", "prefill_svc", "router"],
                    help="the processes --kill-every-s picks from")
-    p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
+    p.add_argument("--signal", choices=["KILL", "TERM", "STOP"], default="KILL",
                    help="what --kill-every-s sends: TERM tests each service's graceful shutdown under load "
-                        "(one past its deadline exits 75, which fails the run)")
+                        "(one past its deadline exits 75, which fails the run); STOP freezes the process, "
+                        "which `tandem up`'s liveness watch must find, kill and restart (give it a short "
+                        "--liveness-timeout-s in --tandem-args)")
     p.add_argument("--after-requests", type=int, default=100,
                    help="with faults: requests sent after the last kill, judged as without faults")
     p.add_argument("--timeout-s", type=float, default=300.0, help="a request with no answer by then is a hang")

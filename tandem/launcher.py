@@ -308,34 +308,39 @@ LIVENESS_PROBE_S = 5.0  # a probe with no answer by then has failed
 @dataclass
 class _Probe:
     pid: int
-    channel: grpc.Channel
+    send: Callable[[], Any]  # starts one probe: a future whose result() raises when it got no answer
+    close: Callable[[], None]
     last_ok: float
-    pending: Any = None  # the call in flight (a grpc future)
+    pending: Any = None  # the probe in flight
     sent: float = 0.0
 
 
 class LivenessWatch:
-    """Probes every process that has come up with the standard gRPC health check, a call in
-    flight per process at a time (grpc futures: the supervisor's loop never blocks on one), and
-    SIGKILLs one that has answered none for ``timeout_s``: a frozen or wedged process (SIGSTOP,
-    a deadlock, a loop blocked for good) still holds its port, is alive to ``poll()`` and would
-    stand in its cell's way forever; killed, it is restarted as a dead one is, and a decode_svc's
-    successor resumes its requests from Redis. A process's liveness counts from when it came up
-    (``Child.ready_pid``): one still starting is the ready wait's business."""
+    """Probes every process that has come up, a probe in flight per process at a time (futures:
+    the supervisor's loop never blocks on one), and SIGKILLs one that has answered none for
+    ``timeout_s``: a frozen or wedged process (SIGSTOP, a deadlock, a loop blocked for good)
+    still holds its port, is alive to ``poll()`` and would stand in its cell's way forever;
+    killed, it is restarted as a dead one is, and a decode_svc's successor resumes its requests
+    from Redis. The services answer the standard gRPC health check; the private Redis, PING. A
+    process's liveness counts from when it came up (``Child.ready_pid``): one still starting is
+    the ready wait's business."""
 
     def __init__(self, timeout_s: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from grpc_health.v1 import health_pb2
 
         self.timeout_s = timeout_s
         self._request = health_pb2.HealthCheckRequest().SerializeToString()
         self._probes: dict[str, _Probe] = {}
         self._last_round = 0.0
+        self._pings = ThreadPoolExecutor(1, thread_name_prefix="redis-ping")
 
-    def check(self, children: list[Child]) -> list[Child]:
-        """One round: start the probes that are due, read those that answered, and kill (and
-        return) every process silent past the timeout. Silence counts only while rounds run: after
-        a pause (the supervisor restarting something, which blocks its loop) every process's
-        silence starts again, as no probe was sent meanwhile."""
+    def check(self, children: list[Child], redis: RedisServer | None = None) -> list[str]:
+        """One round: start the probes that are due, read those that answered, and kill every
+        process silent past the timeout (their names are returned). Silence counts only while
+        rounds run: after a pause (the supervisor restarting something, which blocks its loop)
+        every process's silence starts again, as no probe was sent meanwhile."""
         now = time.monotonic()
         if now - self._last_round > 2 * LIVENESS_EVERY_S:
             for paused in self._probes.values():
@@ -343,51 +348,78 @@ class LivenessWatch:
         self._last_round = now
         killed = []
         for child in children:
-            probe = self._probe(child, now)
-            if probe is None:
-                continue
-            if probe.pending is not None and probe.pending.done():
-                try:
-                    probe.pending.result()
-                    probe.last_ok = now
-                except grpc.RpcError:
-                    pass  # UNAVAILABLE, DEADLINE_EXCEEDED: no answer; counted by the silence
-                probe.pending = None
-            if probe.pending is None and now - probe.sent >= LIVENESS_EVERY_S:
-                call = probe.channel.unary_unary(HEALTH_CHECK)
-                probe.pending, probe.sent = call.future(self._request, timeout=min(LIVENESS_PROBE_S, self.timeout_s)), now
-            silent_s = now - probe.last_ok
-            if silent_s > self.timeout_s and child.proc is not None and child.proc.poll() is None:
-                say(f"{child.name} (pid {probe.pid}) answered no health check for {silent_s:.0f} s "
-                    f"(--liveness-timeout-s {self.timeout_s:g}): killing it, to restart it", error=True)
+            up = child.alive() and child.proc is not None and child.proc.pid == child.ready_pid
+            probe = self._probe(child.name, child.ready_pid if up else 0, now, functools.partial(self._grpc, child))
+            if probe is not None and self._silent_past(child.name, probe, now):
+                assert child.proc is not None
                 child.proc.kill()
                 child.proc.wait()
-                self._drop(child.name)
-                killed.append(child)
+                killed.append(child.name)
+        if redis is not None:
+            pid = redis.pid or 0
+            probe = self._probe("redis-server", pid, now, functools.partial(self._redis, redis))
+            if probe is not None and self._silent_past("redis-server", probe, now):
+                redis.kill()
+                killed.append("redis-server")
         return killed
 
-    def _probe(self, child: Child, now: float) -> _Probe | None:
-        """``child``'s probe, new for a new incarnation; None while it is not up (starting, dead)."""
-        probe = self._probes.get(child.name)
-        up = child.alive() and child.proc is not None and child.proc.pid == child.ready_pid
-        if probe is not None and (not up or probe.pid != child.ready_pid):
-            self._drop(child.name)
+    def _silent_past(self, name: str, probe: _Probe, now: float) -> bool:
+        """Reads ``probe``'s answer, sends the next one when due; True (the probe dropped, the
+        kill said) once the process has been silent past the timeout."""
+        if probe.pending is not None and probe.pending.done():
+            try:
+                probe.pending.result()
+                probe.last_ok = now
+            except Exception:
+                pass  # UNAVAILABLE, DEADLINE_EXCEEDED, no PONG: no answer, counted by the silence
+            probe.pending = None
+        if probe.pending is None and now - probe.sent >= LIVENESS_EVERY_S:
+            probe.pending, probe.sent = probe.send(), now
+        silent_s = now - probe.last_ok
+        if silent_s <= self.timeout_s:
+            return False
+        say(f"{name} (pid {probe.pid}) answered no health check for {silent_s:.0f} s "
+            f"(--liveness-timeout-s {self.timeout_s:g}): killing it, to restart it", error=True)
+        self._drop(name)
+        return True
+
+    def _probe(self, name: str, pid: int, now: float, make: Callable[[], _Probe]) -> _Probe | None:
+        """``name``'s probe, new for a new incarnation; None while it is not up (pid 0)."""
+        probe = self._probes.get(name)
+        if probe is not None and probe.pid != pid:
+            self._drop(name)
             probe = None
-        if probe is None and up:
-            channel = grpc.insecure_channel(child.address, options=READY_PROBE_OPTIONS)
-            probe = self._probes[child.name] = _Probe(child.ready_pid, channel, last_ok=now)
+        if probe is None and pid:
+            probe = self._probes[name] = make()
+            probe.pid, probe.last_ok = pid, now
         return probe
+
+    def _grpc(self, child: Child) -> _Probe:
+        channel = grpc.insecure_channel(child.address, options=READY_PROBE_OPTIONS)
+        call = channel.unary_unary(HEALTH_CHECK)
+        timeout_s = min(LIVENESS_PROBE_S, self.timeout_s)
+        return _Probe(0, lambda: call.future(self._request, timeout=timeout_s), channel.close, 0.0)
+
+    def _redis(self, redis: RedisServer) -> _Probe:
+        timeout_s = min(LIVENESS_PROBE_S, self.timeout_s)
+
+        def ping() -> None:
+            if not redis.answers_ping(timeout_s):
+                raise ConnectionError("no PONG")
+
+        return _Probe(0, lambda: self._pings.submit(ping), lambda: None, 0.0)
 
     def _drop(self, name: str) -> None:
         probe = self._probes.pop(name, None)
         if probe is not None:
             if probe.pending is not None:
                 probe.pending.cancel()
-            probe.channel.close()
+            probe.close()
 
     def close(self) -> None:
         for name in list(self._probes):
             self._drop(name)
+        self._pings.shutdown(wait=False, cancel_futures=True)
 
 
 class Supervisor:
@@ -499,6 +531,7 @@ class Supervisor:
             needs = self._needs(child)
 
             def stopping(needs: Child | None = needs, child: Child = child) -> bool:
+                self.watch_liveness()  # a frozen agent (or Redis) must not hold the wait to its deadline
                 if needs is not None and not needs.alive():
                     raise RuntimeError(f"{child.name} cannot register: {needs.name} exited with code "
                                        f"{needs.returncode}")
@@ -531,7 +564,16 @@ class Supervisor:
         while time.monotonic() < end:
             if self.stopping:
                 raise StackStopping
+            self.watch_liveness()
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
+
+    def watch_liveness(self) -> None:
+        """A round of the liveness watch (none with --liveness-timeout-s 0): from the supervisor's
+        loop and from its waits within a restart, so that a process frozen meanwhile (the new
+        agent a restarting cell's services wait for, Redis) is killed in time, not at the wait's
+        deadline. What it kills is restarted by the supervisor's next round."""
+        if self.liveness is not None:
+            self.liveness.check(self.children, self.redis_server)
 
     def remove_agent_files(self, cell: CellProcs) -> None:
         """Remove the (dead) agent's shared memory; never a live agent's (it holds its lock)."""
@@ -554,8 +596,7 @@ class Supervisor:
                 except StackStopping:
                     break
                 continue  # the services that failed without Redis are restarted after it
-            if self.liveness is not None:
-                self.liveness.check(self.children)
+            self.watch_liveness()
             dead = [c for c in self.children if not c.alive()]
             if not dead:
                 continue

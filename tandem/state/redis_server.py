@@ -85,11 +85,11 @@ def find_redis_server() -> str:
     )
 
 
-def _answers_ping(port: int) -> bool:
+def _answers_ping(port: int, timeout_s: float = 0.5) -> bool:
     """Whether a Redis on ``127.0.0.1:port`` answers PING (raw RESP; no client needed): ``+PONG``,
     or ``-NOAUTH`` from one that requires a password."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
             sock.sendall(_PING)
             return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
@@ -249,6 +249,16 @@ class RedisServer:
     def alive(self) -> bool:
         """Whether the started server's process still runs (False before :meth:`start`)."""
         return self._proc is not None and self._proc.poll() is None
+
+    def answers_ping(self, timeout_s: float) -> bool:
+        """Whether the server answers PING within ``timeout_s`` (False before :meth:`start`)."""
+        return self._port is not None and _answers_ping(self._port, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a frozen one: :meth:`alive` is then False and it can be restarted)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
     def restart(self) -> RedisServer:
         """Start the server again on its port, after it died (or stop it first): the same

@@ -30,6 +30,8 @@ def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup = Supervisor.__new__(Supervisor)  # the start-up logic alone: no args, plans or Redis
     sup.args = argparse.Namespace(ready_timeout_s=60.0)
     sup.stopping = False
+    sup.liveness = None
+    sup.redis_server = None
     sup.cells = cells
     sup.router = router
     sup.children = [*(c for cell in cells for c in cell.children), router]
@@ -179,8 +181,8 @@ def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_pa
     timeout_s = rng.uniform(1.5, 2.5)
     watch = LivenessWatch(timeout_s)
 
-    def rounds(seconds: float) -> list[Child]:
-        killed: list[Child] = []
+    def rounds(seconds: float) -> list[str]:
+        killed: list[str] = []
         end = time.monotonic() + seconds
         while time.monotonic() < end and not killed:
             killed = watch.check([a, b])
@@ -192,7 +194,7 @@ def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_pa
         assert rounds(timeout_s + 1.5) == [] and a.alive() and b.alive()
         os.kill(a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         frozen_at = time.monotonic()
-        assert rounds(timeout_s + 8) == [a]
+        assert rounds(timeout_s + 8) == ["a"]
         # silent since its last answer, which may precede the freeze by a probe's period
         assert time.monotonic() - frozen_at >= timeout_s - LIVENESS_EVERY_S - 0.3
         assert not a.alive() and a.returncode == -signal.SIGKILL and b.alive()
@@ -201,7 +203,7 @@ def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_pa
         time.sleep(timeout_s + 1)  # no rounds meanwhile
         resumed_at = time.monotonic()
         assert watch.check([a, b]) == []  # the pause does not count as silence
-        assert rounds(timeout_s + 8) == [b]
+        assert rounds(timeout_s + 8) == ["b"]
         assert time.monotonic() - resumed_at >= timeout_s - 0.3
     finally:
         watch.close()
@@ -209,3 +211,35 @@ def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_pa
             if child.alive() and child.proc is not None:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def test_the_liveness_watch_kills_a_frozen_private_redis_which_then_restarts() -> None:
+    """The private Redis is watched too (PING): frozen (SIGSTOP), it is SIGKILLed past the
+    timeout, and restarts on its port (what the supervisor's next round does with a dead one);
+    one that answers is left alone."""
+    import os
+    import signal
+
+    from tandem.launcher import LivenessWatch
+    from tandem.state.redis_server import RedisServer
+
+    watch = LivenessWatch(1.5)
+    with RedisServer() as redis:
+        try:
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                assert watch.check([], redis) == []
+                time.sleep(0.2)
+            port = redis.port
+            assert redis.pid is not None
+            os.kill(redis.pid, signal.SIGSTOP)
+            end, killed = time.monotonic() + 10, list[str]()
+            while time.monotonic() < end and not killed:
+                killed = watch.check([], redis)
+                time.sleep(0.2)
+            assert killed == ["redis-server"] and not redis.alive()
+            redis.restart()
+            assert redis.port == port and redis.answers_ping(2.0)
+            assert watch.check([], redis) == []
+        finally:
+            watch.close()
