@@ -16,7 +16,7 @@ from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
-from tandem.service.registry import announce, open_redis, report_load
+from tandem.service.registry import announce, await_redis, open_redis, report_load
 from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, unless_stopped,
                                     watch_agent, watch_progress)
 from tandem.state.request_store import RequestStore
@@ -34,6 +34,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
                         model=config.model, eager_attention=config.cuda_eager_attention)
     runner = await unless_stopped(member.join(), stop, f"joining the gpu_agent at {config.agent_address}")
     graphs = await _graphs(config, member, runner, log)
+    await await_redis(config.redis_url, stop)  # its records are read (resume) and written from here on
     redis = open_redis(config.redis_url)
     records = RequestStore(redis) if redis is not None else None
     worker = DecodeWorker(config, member, runner, records, graphs)

@@ -27,7 +27,7 @@ from tandem.policy.types import Slo
 from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
-from tandem.service.registry import announce, report_load
+from tandem.service.registry import announce, await_redis, report_load
 from tandem.service.runtime import VitalTasks, freeze_startup_heap, last_words, service_main, setup_logging
 from tandem.state.schema import LoadReport
 
@@ -58,6 +58,7 @@ async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
 async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, tasks: VitalTasks) -> None:
     started = time.perf_counter()
     cell = await asyncio.to_thread(build_state, config)
+    await await_redis(config.redis_url, stop)  # a Redis restarting meanwhile is waited for, not an exit
     cores = sorted(set(config.prefill_cores) | set(config.decode_cores))
     if config.never_splits:
         # Aggregated from the start, so no request is prefilled apart before the first decision.

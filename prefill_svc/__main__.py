@@ -12,7 +12,7 @@ from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
-from tandem.service.registry import Discovery, announce, report_load
+from tandem.service.registry import Discovery, announce, await_redis, report_load
 from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, unless_stopped,
                                     watch_agent)
 
@@ -24,6 +24,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
     member = CellMember(agent_pb2.ROLE_PREFILL, config.service_id, address, config.agent_address, model=config.model,
                         eager_attention=config.cuda_eager_attention)
     runner = await unless_stopped(member.join(), stop, f"joining the gpu_agent at {config.agent_address}")
+    await await_redis(config.redis_url, stop)
     discovery = Discovery(config.redis_url, member.cell_id, model=member.model)
     decode_address = (lambda: config.decode_address) if config.decode_address else (lambda: discovery.pick("decode"))
     worker = PrefillWorker(config, member, runner, decode_address)

@@ -38,7 +38,7 @@ from tandem.rpc.tracing import (
     shutdown_tracing,
 )
 from tandem.rpc.v1 import router_pb2_grpc
-from tandem.service.registry import announce, redis_client
+from tandem.service.registry import announce, await_redis, redis_client
 from tandem.service.runtime import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
     ``router``) while it serves."""
     setup_tracing("router")
     started_s = time.perf_counter()
+    await await_redis(config.redis_url, stop_event)
     running = await start_router(config)
     try:
         async with announce(config.redis_url, "router", config.cell_id, running.address,

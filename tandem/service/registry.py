@@ -37,6 +37,55 @@ def redis_client(url: str) -> aredis.Redis:
     return aredis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
 
 
+REDIS_WAIT_S = 60.0  # a service starting while Redis is away waits this long for it (TANDEM_REDIS_WAIT_S)
+REDIS_WAIT_SAY_S = 5.0
+
+
+async def await_redis(url: str, stop: asyncio.Event, wait_s: float | None = None, retry_s: float = 0.5) -> None:
+    """Return once the Redis at ``url`` answers PING (at once without a URL). A service started
+    while Redis is away (restarting, or not up yet) waits for it, saying so every few seconds,
+    rather than exiting at its first call: under ``tandem up`` each such exit cost a restart and
+    a doubled backoff, and five within the window stopped the whole stack. Raises the last error
+    after ``wait_s`` (``TANDEM_REDIS_WAIT_S``, :data:`REDIS_WAIT_S`): a wrong URL still fails, and
+    loudly; ends at once, with StoppedWhileStarting, once ``stop`` is set."""
+    from tandem.service.runtime import unless_stopped
+
+    if not url:
+        return
+    if wait_s is None:
+        wait_s = float(os.environ.get("TANDEM_REDIS_WAIT_S", REDIS_WAIT_S))
+    client = redis_client(url)
+
+    async def wait() -> None:
+        start, said = time.monotonic(), None
+        while True:
+            try:
+                await client.ping()
+                if said is not None:
+                    log.info("Redis answers after %.1f s", time.monotonic() - start)
+                return
+            except (aredis.RedisError, OSError) as exc:
+                now = time.monotonic()
+                if now - start >= wait_s:
+                    raise
+                if said is None or now - said >= REDIS_WAIT_SAY_S:
+                    log.warning("waiting for Redis (%s), %.0f s so far: %s", _without_password(url), now - start, exc)
+                    said = now
+            await asyncio.sleep(retry_s)
+
+    try:
+        await unless_stopped(wait(), stop, "waiting for Redis")
+    finally:
+        await client.aclose()
+
+
+def _without_password(url: str) -> str:
+    """``url`` with any password masked, for a log line."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***' + at if at else ''}{host}" if sep else url
+
+
 def open_redis(url: str) -> aredis.Redis | None:
     """``redis_client(url)``, or None without a URL."""
     return redis_client(url) if url else None

@@ -97,8 +97,8 @@ def dumps_service(info: ServiceInfo) -> bytes:
 class HeartbeatTask:
     """Keeps one service registered while the ``async with`` body runs.
 
-    On enter it registers (errors propagate: a service that cannot reach Redis at startup should
-    fail loudly), then re-registers every ``interval_s`` (default ``ttl_s / 3``) — re-registering
+    On enter it registers (errors propagate: the services wait for Redis first, with
+    ``tandem.service.registry.await_redis``, and one still away fails loudly), then re-registers every ``interval_s`` (default ``ttl_s / 3``) — re-registering
     rather than only refreshing the TTL brings the entry back after a Redis restart or a long
     pause. Redis errors in the loop are logged and retried at the next tick. On exit the loop is
     cancelled and, with ``unregister_on_exit``, the entry removed (best effort; the TTL removes it

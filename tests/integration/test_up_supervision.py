@@ -79,6 +79,36 @@ class Up:
             raise
 
 
+class Streams:
+    """``count`` greedy streams of random lengths against ``up``, each in a thread from now on;
+    ``judge`` waits for them: none hung, each whole (every token, nothing repeated) or failed
+    with a clear error (a status that says why)."""
+
+    def __init__(self, up: Up, rng: random.Random, count: int) -> None:
+        self.jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 30)), rng.randint(8, 300)) for _ in range(count)]
+        self.outcomes: list[list[int] | grpc.RpcError | None] = [None] * count
+        self.threads = [threading.Thread(target=self._client, args=(up, i)) for i in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, up: Up, i: int) -> None:
+        try:
+            self.outcomes[i] = up.generate(*self.jobs[i])
+        except grpc.RpcError as exc:
+            self.outcomes[i] = exc
+
+    def judge(self) -> None:
+        for t in self.threads:
+            t.join(CLIENT_BOUND_S + 5)
+            assert not t.is_alive(), "a client hung"
+        for (_, max_tokens), outcome in zip(self.jobs, self.outcomes):
+            if isinstance(outcome, grpc.RpcError):
+                assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
+                assert outcome.details()
+            else:
+                assert outcome is not None and len(outcome) == max_tokens
+
+
 def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
     grpc_port, http_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # each stack its own Redis
@@ -228,30 +258,11 @@ def test_the_private_redis_killed_is_restarted_and_services_restart_after_it(
     try:
         up.wait_log("tandem up: serving", 180)
         port = int(up.wait_log(r"redis at redis://127\.0\.0\.1:(\d+)/0 \(private\)", 5).group(1))
-        jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 30)), rng.randint(8, 300)) for _ in range(4)]
-        outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(jobs)
-
-        def client(i: int) -> None:
-            try:
-                outcomes[i] = up.generate(*jobs[i])
-            except grpc.RpcError as exc:
-                outcomes[i] = exc
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
+        streams = Streams(up, rng, 4)
         time.sleep(rng.uniform(0.0, 1.5))
         offset = len(up.log())
         os.kill(_redis_pid(port), signal.SIGKILL)
-        for t in threads:
-            t.join(CLIENT_BOUND_S + 5)
-            assert not t.is_alive(), "a client hung"
-        for (_, max_tokens), outcome in zip(jobs, outcomes):
-            if isinstance(outcome, grpc.RpcError):
-                assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
-                assert outcome.details()
-            else:
-                assert outcome is not None and len(outcome) == max_tokens
+        streams.judge()
         up.wait_log(rf"redis-server exited with code -9; restarting it on port {port} in 0\.2 s \(restart #1\)",
                     30, offset)
         up.wait_log(rf"tandem up: redis-server ready at 127\.0\.0\.1:{port}", 30, offset)
@@ -284,18 +295,7 @@ def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_di
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
-            jobs = [(" ".join(["Tell me a story."] * rng.randint(1, 30)), rng.randint(8, 300)) for _ in range(3)]
-            outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(jobs)
-
-            def client(i: int) -> None:
-                try:
-                    outcomes[i] = up.generate(*jobs[i])
-                except grpc.RpcError as exc:
-                    outcomes[i] = exc
-
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
-            for t in threads:
-                t.start()
+            streams = Streams(up, rng, 3)
             time.sleep(rng.uniform(0.0, 1.5))
             offset = len(up.log())
             pid = up.pid(role)
@@ -304,15 +304,7 @@ def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_di
             up.wait_log(rf"{role} \(pid {pid}\) answered no health check for \d+ s", 30, offset)
             up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
                         offset)
-            for t in threads:
-                t.join(CLIENT_BOUND_S + 5)
-                assert not t.is_alive(), "a client hung"
-            for (_, max_tokens), outcome in zip(jobs, outcomes):
-                if isinstance(outcome, grpc.RpcError):
-                    assert outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), outcome
-                    assert outcome.details()
-                else:
-                    assert outcome is not None and len(outcome) == max_tokens
+            streams.judge()
             assert len(up.generate("Hello", 4)) == 4
             assert up.pid(role) != pid
         assert up.proc.poll() is None
