@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tandem import ask_cli, launcher
+    from tandem import ask_cli, health_cli, launcher
     from tandem.bench import cli as bench_cli
     from tandem.engine import chat_cli, models_cli
     from tandem.perf import profile_cli
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     launcher.add_parser(sub)
     ask_cli.add_parser(sub)
+    health_cli.add_parser(sub)
     chat_cli.add_parser(sub)
     models_cli.add_parser(sub)
     profile_cli.add_parser(sub).set_defaults(func=_profile)

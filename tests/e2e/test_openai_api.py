@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -378,12 +380,30 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         assert "127.0.0.1" in http.get(f"{base}/ready", headers=auth).text
         _assert_grpc_needs_the_key(smol.address("router"))
         assert http.get(f"{base}/ready").status_code == 200
+        for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):  # a container's healthcheck
+            assert _probe(smol.address(name)) == (0, "SERVING"), name
+        assert _probe(smol.address("router"), "--ready") == (0, "ready")
         # without prefill and decode the router is not ready and generation is unavailable
         smol.kill("prefill_svc")
         smol.kill("decode_svc")
         _assert_error(http.get(f"{base}/ready", headers=auth), 503, "prefill")
         _assert_error(http.post(chat, json=body, headers=auth), 503)
         assert http.get(f"{base}/health").status_code == 200
+        code, said = _probe(smol.address("router"), "--ready")
+        assert code == 1 and said.startswith("not ready") and "prefill" in said
+        assert _probe(smol.address("router")) == (0, "SERVING")
+        code, said = _probe(smol.address("decode_svc"))
+        assert code == 1 and said.startswith("UNAVAILABLE"), said
+
+
+def _probe(address: str, *flags: str) -> tuple[int, str]:
+    """``python -m tandem.health_cli ADDRESS`` as compose's healthchecks run it: (exit code, what
+    it said after the address)."""
+    done = subprocess.run([sys.executable, "-m", "tandem.health_cli", address, *flags], capture_output=True,
+                          text=True, timeout=60)
+    said = (done.stdout + done.stderr).strip()
+    assert said.startswith(f"{address}: "), said
+    return done.returncode, said.removeprefix(f"{address}: ")
 
 
 # --- lifecycle and load ----------------------------------------------------------------------------

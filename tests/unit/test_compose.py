@@ -6,7 +6,9 @@ command is parsed by the real argument parser of the process it starts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -16,12 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _compose(*overrides: str) -> dict:  # type: ignore[type-arg]
     """compose.yaml with ``overrides`` merged as `docker compose -f compose.yaml -f X` merges
-    them: a service's keys replace the base's, ``extends`` copies a service first."""
+    them: ``extends`` copies a service first; a service's mappings (environment, healthcheck)
+    merge key by key, its other keys replace the base's."""
     merged = yaml.safe_load((ROOT / "compose.yaml").read_text())
     for name in overrides:
         for service, keys in yaml.safe_load((ROOT / name).read_text())["services"].items():
             base = dict(merged["services"].get(keys.get("extends", service), {}))
-            merged["services"][service] = {**base, **{k: v for k, v in keys.items() if k != "extends"}}
+            for key, value in keys.items():
+                if key != "extends":
+                    both = isinstance(value, dict) and isinstance(base.get(key), dict)
+                    base[key] = {**base[key], **value} if both else value
+            merged["services"][service] = base
     return merged
 
 
@@ -44,7 +51,7 @@ def test_every_command_parses_with_its_process_flags(smollm2_dir: Path, override
     from prefill_svc.config import parse_args as prefill_args
     from router.config import parse_args as router_args
 
-    parsers = {"gpu_agent": agent_args, "prefill_svc": prefill_args, "decode_svc": decode_args, "router": router_args}
+    parsers: dict[str, Callable[[list[str]], Any]] = {"gpu_agent": agent_args, "prefill_svc": prefill_args, "decode_svc": decode_args, "router": router_args}
     services = _compose(*overrides)["services"]
     seen = set()
     for name, service in services.items():
@@ -61,6 +68,42 @@ def test_every_command_parses_with_its_process_flags(smollm2_dir: Path, override
             assert config.announced_address == f"{name}:{config.port}", name
             assert service["ipc"] == "service:gpu_agent", name
     assert seen == set(parsers)
+
+
+@pytest.mark.parametrize("overrides", [(), ("compose.multimodel.yaml",)])
+def test_every_tandem_service_has_a_healthcheck_on_its_own_port(smollm2_dir: Path, overrides: tuple[str, ...],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`docker compose up --wait` and `docker compose ps` read these: each probes the gRPC port
+    its own process serves (the router's readiness for the router), with the shared timings."""
+    import argparse
+
+    from decode_svc.config import parse_args as decode_args
+    from gpu_agent.config import parse_args as agent_args
+    from prefill_svc.config import parse_args as prefill_args
+    from router.config import parse_args as router_args
+    from tandem import health_cli
+
+    parsers: dict[str, Callable[[list[str]], Any]] = {"gpu_agent": agent_args, "prefill_svc": prefill_args, "decode_svc": decode_args, "router": router_args}
+    probe = argparse.ArgumentParser()
+    health_cli._arguments(probe)
+    services = _compose(*overrides)["services"]
+    checked = 0
+    for name, service in services.items():
+        command = service.get("command", [])
+        if command[:2] != ["python", "-m"]:
+            continue
+        for key, value in service["environment"].items():
+            monkeypatch.setenv(key, str(value))
+        config = parsers[command[2]](command[3:])
+        check = service["healthcheck"]
+        assert check["test"][:4] == ["CMD", "python", "-m", "tandem.health_cli"], name
+        args = probe.parse_args(check["test"][4:])
+        port = config.grpc_port if command[2] == "router" else config.port
+        assert args.address == f"127.0.0.1:{port}", name
+        assert args.ready == (command[2] == "router"), name
+        assert {"interval", "timeout", "retries", "start_period"} <= set(check), name
+        checked += 1
+    assert checked == len(services) - 1  # all but Redis, which has its own
 
 
 def test_the_two_model_cell_runs_a_decode_and_a_prefill_per_model_behind_one_router(
