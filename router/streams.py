@@ -63,7 +63,7 @@ class DecodeStreams:
         *,
         on_orphan: OrphanCallback | None = None,
         reconnect_initial_s: float = 0.05,
-        reconnect_max_s: float = 1.0,
+        reconnect_max_s: float = 0.25,
         stall_timeout_s: float = 0.0,
     ) -> None:
         self._router_id = router_id

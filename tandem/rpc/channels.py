@@ -10,12 +10,24 @@ from typing import Any
 import grpc
 import grpc.aio
 
-# Retry connecting every 0.1-1 s, so a caller sees a restarted service within a second of it
-# listening again, not after gRPC's default reconnect backoff (which grows to two minutes).
+# A client of the public API retries connecting every 0.1-1 s, so it sees a restarted router
+# within a second of it listening again, not after gRPC's default reconnect backoff (which grows
+# to two minutes).
 RECONNECT_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+# Within the mesh (router to services, services to each other and to their agent) every 50-250
+# ms: a restarted service's peers are a handful of processes, and each of them stalls requests
+# until it reconnects. With the 1 s ceiling above, the router's token stream from a restarted
+# decode_svc opened 1.34-1.52 s after it was ready (three kills, one idle stack), the channel's
+# backoff and the stream's own retry out of step.
+MESH_RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
 ]
 
 # Waiting for a process that is starting to listen: try every 50-250 ms, so that the wait ends
@@ -100,7 +112,7 @@ class ChannelPool:
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors or None,
-                                                options=RECONNECT_OPTIONS)
+                                                options=MESH_RECONNECT_OPTIONS)
             self._channels[address] = channel
         return channel
 

@@ -26,7 +26,7 @@ from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import PROMPT_TIMING_SIZES, ModelRunner, PromptStepTiming, build_model, warm_up
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import attach_weights, parse_dtype
-from tandem.rpc.channels import RECONNECT_OPTIONS
+from tandem.rpc.channels import MESH_RECONNECT_OPTIONS
 from tandem.rpc.tracing import service_client_interceptors
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tandem.service.core_locks import CoreLocks
@@ -78,9 +78,9 @@ class CellMember:
         self.computes = True  # False: a prefill service of a cell that never splits (set at join)
         # A service starts beside its agent (``tandem up`` starts a cell's processes at once), and
         # a restarted agent listens again on the same address: either way the service should see
-        # it within a second, not after gRPC's default reconnect backoff.
+        # it within a quarter of a second, not after gRPC's default reconnect backoff.
         self.channel = grpc.aio.insecure_channel(agent_address, interceptors=service_client_interceptors(),
-                                                 options=RECONNECT_OPTIONS)
+                                                 options=MESH_RECONNECT_OPTIONS)
         self.agent = agent_pb2_grpc.GpuAgentStub(self.channel)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{service_id}")
         self.partition = common_pb2.Partition()
