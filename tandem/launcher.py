@@ -305,6 +305,16 @@ LIVENESS_EVERY_S = 1.0  # a probe of each process this often
 LIVENESS_PROBE_S = 5.0  # a probe with no answer by then has failed
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t in
+    ``/proc/PID/stat``); False where there is no such file (not Linux, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")
+
+
 @dataclass
 class _Probe:
     pid: int
@@ -322,8 +332,10 @@ class LivenessWatch:
     still holds its port, is alive to ``poll()`` and would stand in its cell's way forever;
     killed, it is restarted as a dead one is, and a decode_svc's successor resumes its requests
     from Redis. The services answer the standard gRPC health check; the private Redis, PING. A
-    process's liveness counts from when it came up (``Child.ready_pid``): one still starting is
-    the ready wait's business."""
+    process's liveness counts from when it came up (``Child.ready_pid``); one still starting
+    cannot be asked (its server is not up yet) and is the ready wait's business, unless it is
+    stopped (SIGSTOP, state T in ``/proc``): stopped past the timeout, it is killed as well,
+    rather than holding its start, or its cell's restart, to ``--ready-timeout-s`` (300 s)."""
 
     def __init__(self, timeout_s: float) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -333,6 +345,7 @@ class LivenessWatch:
         self.timeout_s = timeout_s
         self._request = health_pb2.HealthCheckRequest().SerializeToString()
         self._probes: dict[str, _Probe] = {}
+        self._stopped: dict[str, tuple[int, float]] = {}  # a starting process seen stopped: (pid, since)
         self._last_round = 0.0
         self._pings = ThreadPoolExecutor(1, thread_name_prefix="redis-ping")
 
@@ -345,16 +358,21 @@ class LivenessWatch:
         if now - self._last_round > 2 * LIVENESS_EVERY_S:
             for paused in self._probes.values():
                 paused.last_ok = now
+            self._stopped = {name: (pid, now) for name, (pid, _) in self._stopped.items()}
         self._last_round = now
         killed = []
         for child in children:
             up = child.alive() and child.proc is not None and child.proc.pid == child.ready_pid
             probe = self._probe(child.name, child.ready_pid if up else 0, now, functools.partial(self._grpc, child))
-            if probe is not None and self._silent_past(child.name, probe, now):
+            starting = child.alive() and not up
+            if (probe is not None and self._silent_past(child.name, probe, now)) or (
+                    starting and self._stopped_past(child, now)):
                 assert child.proc is not None
                 child.proc.kill()
                 child.proc.wait()
                 killed.append(child.name)
+            elif not starting:
+                self._stopped.pop(child.name, None)
         if redis is not None:
             pid = redis.pid or 0
             probe = self._probe("redis-server", pid, now, functools.partial(self._redis, redis))
@@ -381,6 +399,24 @@ class LivenessWatch:
         say(f"{name} (pid {probe.pid}) answered no health check for {silent_s:.0f} s "
             f"(--liveness-timeout-s {self.timeout_s:g}): killing it, to restart it", error=True)
         self._drop(name)
+        return True
+
+    def _stopped_past(self, child: Child, now: float) -> bool:
+        """Whether ``child``, still starting, has been stopped (SIGSTOP) past the timeout, seen
+        by the rounds; a process that runs again starts its count again."""
+        assert child.proc is not None
+        pid = child.proc.pid
+        if not process_stopped(pid):
+            self._stopped.pop(child.name, None)
+            return False
+        seen_pid, since = self._stopped.setdefault(child.name, (pid, now))
+        if seen_pid != pid:
+            self._stopped[child.name] = (pid, since := now)
+        if now - since <= self.timeout_s:
+            return False
+        say(f"{child.name} (pid {pid}) has been stopped while starting for {now - since:.0f} s "
+            f"(--liveness-timeout-s {self.timeout_s:g}): killing it, to restart it", error=True)
+        del self._stopped[child.name]
         return True
 
     def _probe(self, name: str, pid: int, now: float, make: Callable[[], _Probe]) -> _Probe | None:

@@ -243,3 +243,52 @@ def test_the_liveness_watch_kills_a_frozen_private_redis_which_then_restarts() -
             assert watch.check([], redis) == []
         finally:
             watch.close()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_liveness_watch_kills_a_process_stopped_while_starting(seed: int, tmp_path: Path) -> None:
+    """A process still starting cannot answer a health check, but one stopped (SIGSTOP) past
+    the timeout is killed too, not left to hold its start to --ready-timeout-s; one that starts
+    slowly, or that was stopped and resumed within the timeout, is left alone."""
+    import os
+    import signal
+
+    from tandem.launcher import LivenessWatch, process_stopped
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    # both listen only after a minute: "starting" for the whole test
+    stopped, slow = _child("stopped", log, 60.0, []), _child("slow", log, 60.0, [])
+    timeout_s = rng.uniform(1.0, 2.0)
+    watch = LivenessWatch(timeout_s)
+
+    def rounds(seconds: float) -> list[str]:
+        killed: list[str] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not killed:
+            killed = watch.check([stopped, slow])
+            time.sleep(rng.uniform(0.05, 0.3))
+        return killed
+
+    try:
+        for child in (stopped, slow):
+            child.start()
+        pid = stopped.proc.pid  # type: ignore[union-attr]
+        assert rounds(timeout_s + 1) == [] and not process_stopped(pid)
+        os.kill(pid, signal.SIGSTOP)  # stopped, then resumed within the timeout: left alone
+        assert rounds(timeout_s * rng.uniform(0.3, 0.7)) == [] and process_stopped(pid)
+        os.kill(pid, signal.SIGCONT)
+        assert rounds(timeout_s + 1) == []
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert rounds(timeout_s + 5) == ["stopped"]
+        assert time.monotonic() - stopped_at >= timeout_s
+        assert not stopped.alive() and stopped.returncode == -signal.SIGKILL and slow.alive()
+        assert not process_stopped(pid) and not process_stopped(os.getpid())
+    finally:
+        watch.close()
+        for child in (stopped, slow):
+            if child.alive() and child.proc is not None:
+                os.kill(child.proc.pid, signal.SIGCONT)
+                child.proc.kill()
+                child.proc.wait()
