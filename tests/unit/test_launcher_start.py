@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -36,6 +38,16 @@ def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup.router = router
     sup.children = [*(c for cell in cells for c in cell.children), router]
     return sup
+
+
+def _watch_rounds(watch: Any, children: list[Child], seconds: float, pause_s: Callable[[], float]) -> list[str]:
+    """Rounds of a ``LivenessWatch`` for up to ``seconds``, until one kills: what it killed."""
+    killed: list[str] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not killed:
+        killed = watch.check(children)
+        time.sleep(pause_s())
+    return killed
 
 
 def _events(log: Path) -> list[tuple[float, str, str, str]]:
@@ -182,12 +194,7 @@ def test_the_liveness_watch_kills_a_frozen_process_and_only_it(seed: int, tmp_pa
     watch = LivenessWatch(timeout_s)
 
     def rounds(seconds: float) -> list[str]:
-        killed: list[str] = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not killed:
-            killed = watch.check([a, b])
-            time.sleep(0.2)
-        return killed
+        return _watch_rounds(watch, [a, b], seconds, lambda: 0.2)
 
     try:
         sup.start([a, b])
@@ -263,12 +270,7 @@ def test_the_liveness_watch_kills_a_process_stopped_while_starting(seed: int, tm
     watch = LivenessWatch(timeout_s)
 
     def rounds(seconds: float) -> list[str]:
-        killed: list[str] = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not killed:
-            killed = watch.check([stopped, slow])
-            time.sleep(rng.uniform(0.05, 0.3))
-        return killed
+        return _watch_rounds(watch, [stopped, slow], seconds, lambda: rng.uniform(0.05, 0.3))
 
     try:
         for child in (stopped, slow):
