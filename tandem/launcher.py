@@ -18,7 +18,8 @@ prints the addresses, and stays in the foreground, supervising:
   again and decode records its requests whole once Redis answers;
 - restarts wait with exponential backoff, and a process that dies more than ``--max-restarts``
   times within ``--restart-window-s`` stops the whole stack with exit code
-  :data:`EXIT_GAVE_UP` and a message naming it.
+  :data:`EXIT_GAVE_UP` and a message naming it; one that served ``--restart-stable-s`` before it
+  died starts that count and its backoff afresh (a fault from outside, not a crash loop).
 
 Every agent incarnation gets its own shared-memory prefix (``<cell id>-<instance id>``), so
 stacks that share ``/dev/shm`` and a cell id never touch each other's files. Ctrl-C or SIGTERM
@@ -73,7 +74,10 @@ class RestartBudget:
     ``next_delay_s(now)`` is called at each death: it returns the backoff before the restart —
     ``initial_backoff_s`` doubled for each restart still within the window, at most
     ``max_backoff_s`` — or None when ``max_restarts`` restarts already happened within
-    ``window_s`` (give up). Deaths older than the window are forgotten.
+    ``window_s`` (give up). Deaths older than the window are forgotten, and so are all of them
+    once the process has served ``--restart-stable-s`` before it died (``forget``): it is not
+    crash-looping, so neither its backoff nor the give-up count should grow with faults that
+    came from outside, minutes apart.
     """
 
     max_restarts: int
@@ -95,6 +99,10 @@ class RestartBudget:
         self._restarts_s.append(now_s)
         return delay_s
 
+    def forget(self) -> None:
+        """Forget every earlier restart: the next one waits ``initial_backoff_s`` again."""
+        self._restarts_s.clear()
+
     @property
     def num_recent(self) -> int:
         return len(self._restarts_s)
@@ -110,6 +118,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     num_restarts: int = 0
     ready_pid: int = 0  # the incarnation that last came up (what the liveness watch probes)
+    ready_at_s: float = 0.0  # when it came up (time.monotonic())
+
+    def served_s(self, now_s: float) -> float:
+        """How long the current (or just dead) incarnation has served; 0 if it never came up."""
+        up = self.proc is not None and self.ready_pid == self.proc.pid
+        return now_s - self.ready_at_s if up else 0.0
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.make_args()], env={**os.environ, **self.env})
@@ -187,6 +201,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--restart-window-s", 300.0, "window over which --max-restarts counts", type=float)
     add_flag(parser, "--restart-backoff-s", 1.0, "wait before the first restart; doubled for each further "
              "restart within the window, at most 30 s", type=float)
+    add_flag(parser, "--restart-stable-s", 60.0, "a process that served this long before it died is not "
+             "crash-looping: its restart waits --restart-backoff-s again and its earlier restarts no longer "
+             "count toward --max-restarts (0: they always count)", type=float)
     add_flag(parser, "--liveness-timeout-s", 30.0, "a process that has served but has answered no gRPC health "
              "check (grpc.health.v1) for this long, frozen or wedged, is killed and restarted as if it had "
              "died (0: never)", type=float)
@@ -471,6 +488,7 @@ class Supervisor:
         self.stopping = False
         self.redis_server = redis_server  # the private one, which is restarted too; None: REDIS_URL's
         self.redis_budget = self._budget()
+        self.redis_up_since_s = time.monotonic()  # the private Redis's current incarnation came up
         self.redis_restarts = 0
         self.router_addr = f"{args.host}:{args.grpc_port}"
         # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
@@ -581,6 +599,7 @@ class Supervisor:
                 continue
             pid = child.proc.pid if child.proc else "?"
             child.ready_pid = child.proc.pid if child.proc else 0
+            child.ready_at_s = time.monotonic()
             say(f"{child.name} ready at {child.address} (pid {pid})")
             cell = self.cell_of(child)
             if cell is not None and child is cell.agent:
@@ -658,7 +677,10 @@ class Supervisor:
             cell = self.cell_of(child)
             if cell is not None and cell.agent is not None and child is not cell.agent and not cell.agent.alive():
                 continue  # its agent is dead too: the cell's restart starts it
-            child_delay_s = child.budget.next_delay_s(time.monotonic())
+            now_s = time.monotonic()
+            if self._served_long_enough(child.served_s(now_s)):
+                child.budget.forget()
+            child_delay_s = child.budget.next_delay_s(now_s)
             agents_cell = cell if cell is not None and child is cell.agent else None
             what = f"the cell {agents_cell.plan.cell_id}" if agents_cell is not None else child.name
             if child_delay_s is None:
@@ -680,6 +702,12 @@ class Supervisor:
             say(f"cell {cell.plan.cell_id} is back (gpu_agent instance {cell.instance_id})")
         return True
 
+    def _served_long_enough(self, served_s: float) -> bool:
+        """Whether a process that served ``served_s`` before it died restarts as if for the first
+        time (``--restart-stable-s``; 0: never)."""
+        stable_s: float = self.args.restart_stable_s
+        return stable_s > 0 and served_s >= stable_s
+
     def _say_giving_up(self, name: str, code: int | None, what: str, budget: RestartBudget) -> None:
         say(f"{name} exited with code {code}, and {what} was already restarted {budget.num_recent} times within "
             f"{self.args.restart_window_s:g} s (--max-restarts {self.args.max_restarts}); giving up: stopping the "
@@ -689,7 +717,10 @@ class Supervisor:
         """Restart the private Redis that died, on its port; False when it is out of restarts.
         A failed start is said and left to the next round (which counts it)."""
         code = server.returncode
-        delay_s = self.redis_budget.next_delay_s(time.monotonic())
+        now_s = time.monotonic()
+        if self._served_long_enough(now_s - self.redis_up_since_s):
+            self.redis_budget.forget()
+        delay_s = self.redis_budget.next_delay_s(now_s)
         if delay_s is None:
             self._say_giving_up("redis-server", code, "redis-server", self.redis_budget)
             return False
@@ -702,6 +733,7 @@ class Supervisor:
         except RedisServerError as exc:
             say(f"restarting redis-server failed: {exc}", error=True)
             return True
+        self.redis_up_since_s = time.monotonic()
         say(f"redis-server ready at 127.0.0.1:{server.port} (pid {server.pid})")
         return True
 

@@ -30,7 +30,7 @@ def _child(name: str, log: Path, delay_s: float, needs: list[Child], code: int =
 
 def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup = Supervisor.__new__(Supervisor)  # the start-up logic alone: no args, plans or Redis
-    sup.args = argparse.Namespace(ready_timeout_s=60.0)
+    sup.args = argparse.Namespace(ready_timeout_s=60.0, restart_stable_s=0.0)
     sup.stopping = False
     sup.liveness = None
     sup.redis_server = None
@@ -294,3 +294,56 @@ def test_the_liveness_watch_kills_a_process_stopped_while_starting(seed: int, tm
                 os.kill(child.proc.pid, signal.SIGCONT)
                 child.proc.kill()
                 child.proc.wait()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_process_that_served_long_enough_restarts_as_if_for_the_first_time(
+        seed: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--restart-stable-s``: deaths soon after coming up (a crash loop) double the backoff and
+    count toward ``--max-restarts``; a process that served the stable time before it died is
+    restarted after the first backoff, and its earlier restarts no longer count. Real processes
+    killed with SIGKILL after random times."""
+    import os
+    import re
+    import signal
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    worker = _child("worker", log, 0.0, [])
+    worker.budget.initial_backoff_s = backoff_s = rng.uniform(0.2, 0.4)
+    sup = _supervisor([], _child("router", log, 0.0, []))
+    sup.children = [worker]
+    sup.args.max_restarts = max_restarts = worker.budget.max_restarts  # 3 within 60 s
+    sup.args.restart_window_s = worker.budget.window_s
+    sup.args.restart_stable_s = stable_s = rng.uniform(0.8, 1.5)
+
+    def kill_after(served_s: float) -> float | None:
+        """Kills the worker once it has served ``served_s`` and restarts it: the backoff said,
+        or None when the restart gave up."""
+        time.sleep(max(0.0, served_s - worker.served_s(time.monotonic())))
+        assert worker.proc is not None
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait(5)
+        capsys.readouterr()
+        restarted = sup.restart([worker])
+        said = capsys.readouterr().err
+        if not restarted:
+            assert "giving up" in said
+            return None
+        return float(re.findall(r"restarting worker in ([0-9.]+) s", said)[0])
+
+    def doubled(times: int) -> float:
+        return round(backoff_s * 2 ** times, 1)
+
+    try:
+        sup.start([worker])
+        quick = [kill_after(rng.uniform(0.0, stable_s / 3)) for _ in range(max_restarts - 1)]
+        assert quick == [doubled(i) for i in range(max_restarts - 1)]
+        for _ in range(rng.randint(2, 4)):  # served long enough: the first backoff, never giving up
+            assert kill_after(stable_s + rng.uniform(0.1, 0.4)) == doubled(0)
+        for i in range(1, max_restarts):  # a crash loop again: doubled, then out of restarts
+            assert kill_after(rng.uniform(0.0, stable_s / 3)) == doubled(i)
+        assert kill_after(0.0) is None
+    finally:
+        for child in (worker, sup.router):
+            child.stop(5)
