@@ -75,22 +75,25 @@ class RestartBudget:
     ``initial_backoff_s`` doubled for each restart still within the window, at most
     ``max_backoff_s`` — or None when ``max_restarts`` restarts already happened within
     ``window_s`` (give up). Deaths older than the window are forgotten, and so are all of them
-    once the process has served ``--restart-stable-s`` before it died (``forget``): it is not
-    crash-looping, so neither its backoff nor the give-up count should grow with faults that
-    came from outside, minutes apart.
+    when the process served ``stable_s`` (``--restart-stable-s``; 0: never) before it died: it
+    is not crash-looping, so neither its backoff nor the give-up count should grow with faults
+    that came from outside, minutes apart.
     """
 
     max_restarts: int
     window_s: float
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    stable_s: float = 0.0
     _restarts_s: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.window_s <= 0 or self.initial_backoff_s < 0:
             raise ValueError("--max-restarts must be >= 0, --restart-window-s > 0, --restart-backoff-s >= 0")
 
-    def next_delay_s(self, now_s: float) -> float | None:
+    def next_delay_s(self, now_s: float, served_s: float = 0.0) -> float | None:
+        if self.stable_s > 0 and served_s >= self.stable_s:
+            self._restarts_s.clear()
         while self._restarts_s and self._restarts_s[0] <= now_s - self.window_s:
             self._restarts_s.popleft()
         if len(self._restarts_s) >= self.max_restarts:
@@ -98,10 +101,6 @@ class RestartBudget:
         delay_s = min(self.initial_backoff_s * 2 ** len(self._restarts_s), self.max_backoff_s)
         self._restarts_s.append(now_s)
         return delay_s
-
-    def forget(self) -> None:
-        """Forget every earlier restart: the next one waits ``initial_backoff_s`` again."""
-        self._restarts_s.clear()
 
     @property
     def num_recent(self) -> int:
@@ -543,7 +542,8 @@ class Supervisor:
         self.liveness = LivenessWatch(args.liveness_timeout_s) if args.liveness_timeout_s > 0 else None
 
     def _budget(self) -> RestartBudget:
-        return RestartBudget(self.args.max_restarts, self.args.restart_window_s, self.args.restart_backoff_s)
+        return RestartBudget(self.args.max_restarts, self.args.restart_window_s, self.args.restart_backoff_s,
+                             stable_s=self.args.restart_stable_s)
 
     def _agent_argv(self, cell: CellProcs) -> list[str]:
         """The agent's command line; called at every start, each incarnation a new instance id."""
@@ -678,9 +678,7 @@ class Supervisor:
             if cell is not None and cell.agent is not None and child is not cell.agent and not cell.agent.alive():
                 continue  # its agent is dead too: the cell's restart starts it
             now_s = time.monotonic()
-            if self._served_long_enough(child.served_s(now_s)):
-                child.budget.forget()
-            child_delay_s = child.budget.next_delay_s(now_s)
+            child_delay_s = child.budget.next_delay_s(now_s, child.served_s(now_s))
             agents_cell = cell if cell is not None and child is cell.agent else None
             what = f"the cell {agents_cell.plan.cell_id}" if agents_cell is not None else child.name
             if child_delay_s is None:
@@ -702,12 +700,6 @@ class Supervisor:
             say(f"cell {cell.plan.cell_id} is back (gpu_agent instance {cell.instance_id})")
         return True
 
-    def _served_long_enough(self, served_s: float) -> bool:
-        """Whether a process that served ``served_s`` before it died restarts as if for the first
-        time (``--restart-stable-s``; 0: never)."""
-        stable_s: float = self.args.restart_stable_s
-        return stable_s > 0 and served_s >= stable_s
-
     def _say_giving_up(self, name: str, code: int | None, what: str, budget: RestartBudget) -> None:
         say(f"{name} exited with code {code}, and {what} was already restarted {budget.num_recent} times within "
             f"{self.args.restart_window_s:g} s (--max-restarts {self.args.max_restarts}); giving up: stopping the "
@@ -718,9 +710,7 @@ class Supervisor:
         A failed start is said and left to the next round (which counts it)."""
         code = server.returncode
         now_s = time.monotonic()
-        if self._served_long_enough(now_s - self.redis_up_since_s):
-            self.redis_budget.forget()
-        delay_s = self.redis_budget.next_delay_s(now_s)
+        delay_s = self.redis_budget.next_delay_s(now_s, now_s - self.redis_up_since_s)
         if delay_s is None:
             self._say_giving_up("redis-server", code, "redis-server", self.redis_budget)
             return False

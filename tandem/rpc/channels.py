@@ -34,12 +34,7 @@ MESH_RECONNECT_OPTIONS: list[tuple[str, int]] = [
 # within a quarter of a second of it listening (gRPC's default backoff, 1 s growing by 1.6x, was
 # seen to notice a started service 1-3 s late), and on a subchannel of its own, whose backoff no
 # other channel to the address shares.
-READY_PROBE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 250),
-    ("grpc.use_local_subchannel_pool", 1),
-]
+READY_PROBE_OPTIONS: list[tuple[str, int]] = [*MESH_RECONNECT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
 def connection_broke(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ def _child(name: str, log: Path, delay_s: float, needs: list[Child], code: int =
 
 def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup = Supervisor.__new__(Supervisor)  # the start-up logic alone: no args, plans or Redis
-    sup.args = argparse.Namespace(ready_timeout_s=60.0, restart_stable_s=0.0)
+    sup.args = argparse.Namespace(ready_timeout_s=60.0)
     sup.stopping = False
     sup.liveness = None
     sup.redis_server = None
@@ -315,7 +315,7 @@ def test_a_process_that_served_long_enough_restarts_as_if_for_the_first_time(
     sup.children = [worker]
     sup.args.max_restarts = max_restarts = worker.budget.max_restarts  # 3 within 60 s
     sup.args.restart_window_s = worker.budget.window_s
-    sup.args.restart_stable_s = stable_s = rng.uniform(0.8, 1.5)
+    worker.budget.stable_s = stable_s = rng.uniform(0.8, 1.5)
 
     def kill_after(served_s: float) -> float | None:
         """Kills the worker once it has served ``served_s`` and restarts it: the backoff said,
