@@ -60,6 +60,7 @@ from tandem.state.redis_server import RedisServer, RedisServerError
 EXIT_START_FAILED = 1
 EXIT_GAVE_UP = 3  # a process kept dying: more than --max-restarts within --restart-window-s
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this long
+RESTART_START_FACTOR = 4.0  # a restart may take this many times its process's slowest start so far
 POLL_S = 0.2
 
 
@@ -118,6 +119,18 @@ class Child:
     num_restarts: int = 0
     ready_pid: int = 0  # the incarnation that last came up (what the liveness watch probes)
     ready_at_s: float = 0.0  # when it came up (time.monotonic())
+    slowest_start_s: float = 0.0  # the longest any of its starts took until it served; 0: none has yet
+
+    def start_timeout_s(self, first_s: float, restart_floor_s: float) -> float:
+        """How long a start of it may take before it is taken as wedged (stopped; the next round
+        restarts it, and counts that): ``first_s`` (--ready-timeout-s) until it has served once,
+        then RESTART_START_FACTOR times its slowest start, at least ``restart_floor_s``
+        (--restart-ready-timeout-s; 0: ``first_s`` always), at most ``first_s``. A process that came
+        up in 4 s is not held 300 s when its restart hangs before serving (a lock, a stuck read),
+        where the liveness watch cannot see it (it has no health service yet, and is not stopped)."""
+        if self.slowest_start_s <= 0 or restart_floor_s <= 0:
+            return first_s
+        return min(first_s, max(restart_floor_s, RESTART_START_FACTOR * self.slowest_start_s))
 
     def served_s(self, now_s: float) -> float:
         """How long the current (or just dead) incarnation has served; 0 if it never came up."""
@@ -203,6 +216,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--restart-stable-s", 60.0, "a process that served this long before it died is not "
              "crash-looping: its restart waits --restart-backoff-s again and its earlier restarts no longer "
              "count toward --max-restarts (0: they always count)", type=float)
+    add_flag(parser, "--restart-ready-timeout-s", 30.0, "a restarted process that does not serve within this "
+             f"long, or {RESTART_START_FACTOR:g} times its slowest start so far if that is longer (never longer "
+             "than --ready-timeout-s), is taken as wedged: stopped, and restarted as if it had died (0: "
+             "--ready-timeout-s)", type=float)
     add_flag(parser, "--liveness-timeout-s", 30.0, "a process that has served but has answered no gRPC health "
              "check (grpc.health.v1) for this long, frozen or wedged, is killed and restarted as if it had "
              "died (0: never)", type=float)
@@ -241,10 +258,12 @@ def child_check(child: Child, stopping: Callable[[], bool]) -> Callable[[], None
     return check
 
 
-def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False) -> None:
-    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out."""
+def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False, limit_s: float = 0.0) -> None:
+    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out
+    (``limit_s``: the time it had, for the message)."""
     if not wait_channel_ready(child.address, deadline, child_check(child, stopping)):
-        raise RuntimeError(f"{child.name} did not come up at {child.address} in time")
+        within = f" within {limit_s:.0f} s" if limit_s > 0 else " in time"
+        raise RuntimeError(f"{child.name} did not come up at {child.address}{within}")
 
 
 # A method no server has: its answer (UNIMPLEMENTED, or an auth error) says a server is there.
@@ -576,7 +595,9 @@ class Supervisor:
         serves (``CellMember.join`` retries until then). A child that dies or never serves is
         stopped (the next round restarts it), and so, at once, are the services whose agent died
         (they would wait for it in vain); the first error is raised once the others serve."""
-        deadline = time.monotonic() + self.args.ready_timeout_s
+        started_s = time.monotonic()
+        limits_s = {child.name: child.start_timeout_s(self.args.ready_timeout_s, self.args.restart_ready_timeout_s)
+                    for child in children}
         for child in children:
             child.start()
         failed: RuntimeError | None = None
@@ -591,8 +612,10 @@ class Supervisor:
                                        f"{needs.returncode}")
                 return self.stopping
 
+            # a service waits for its agent: it has as long as its agent has, if that is longer
+            limit_s = max(limits_s[child.name], limits_s.get(needs.name, 0.0) if needs is not None else 0.0)
             try:
-                wait_ready(child, deadline, stopping)
+                wait_ready(child, started_s + limit_s, stopping, limit_s)
             except RuntimeError as exc:
                 child.stop()  # dead already, stuck, or without its agent: the next round restarts it
                 failed = failed or exc
@@ -600,6 +623,7 @@ class Supervisor:
             pid = child.proc.pid if child.proc else "?"
             child.ready_pid = child.proc.pid if child.proc else 0
             child.ready_at_s = time.monotonic()
+            child.slowest_start_s = max(child.slowest_start_s, child.ready_at_s - started_s)
             say(f"{child.name} ready at {child.address} (pid {pid})")
             cell = self.cell_of(child)
             if cell is not None and child is cell.agent:

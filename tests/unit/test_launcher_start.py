@@ -30,7 +30,7 @@ def _child(name: str, log: Path, delay_s: float, needs: list[Child], code: int =
 
 def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup = Supervisor.__new__(Supervisor)  # the start-up logic alone: no args, plans or Redis
-    sup.args = argparse.Namespace(ready_timeout_s=60.0)
+    sup.args = argparse.Namespace(ready_timeout_s=60.0, restart_ready_timeout_s=0.0)
     sup.stopping = False
     sup.liveness = None
     sup.redis_server = None
@@ -347,3 +347,65 @@ def test_a_process_that_served_long_enough_restarts_as_if_for_the_first_time(
     finally:
         for child in (worker, sup.router):
             child.stop(5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_restart_that_hangs_before_serving_is_stopped_at_a_multiple_of_its_first_start(
+        seed: int, tmp_path: Path) -> None:
+    """``--restart-ready-timeout-s``: a process's first start has the whole ``--ready-timeout-s``
+    (one slower than the restart bound still comes up); once it has served, a restart that hangs
+    before serving (alive, no server yet: the liveness watch cannot ask it) is stopped after
+    RESTART_START_FACTOR times its slowest start or the floor, whichever is longer, not after
+    ``--ready-timeout-s``; a service waiting for its agent has as long as the agent. The next
+    round restarts it. Real processes, random start times, the agent or a worker hanging."""
+    import os
+    import signal
+
+    from tandem.launcher import RESTART_START_FACTOR
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    floor_s = rng.uniform(1.0, 2.0)
+    delays = {"agent": rng.uniform(floor_s, floor_s + 0.5), "decode": rng.uniform(0.0, 0.3)}  # agent over the floor
+
+    def child(name: str, needs: list[Child]) -> Child:
+        port = free_port()
+
+        def argv() -> list[str]:
+            return ["tests.unit.wave_child", name, str(port), str(log), f"{delays[name]:.3f}", "0",
+                    *(c.address.rsplit(":", 1)[1] for c in needs)]
+        return Child(name, argv, f"127.0.0.1:{port}", {"PYTHONPATH": str(ROOT)}, RestartBudget(3, 60.0, 0.0))
+
+    agent = child("agent", [])
+    cell = CellProcs(SimpleNamespace(cell_id="c"), agent.address, agent)  # type: ignore[arg-type]
+    decode = child("decode", [agent])
+    cell.workers = [decode]
+    sup = _supervisor([cell], _child("router", log, 0.0, []))
+    sup.children = [agent, decode]
+    sup.args.restart_ready_timeout_s = floor_s
+    sup.args.restart_window_s, sup.args.max_restarts = 60.0, 3
+    try:
+        sup.start(sup.children)  # the first start: the agent takes longer than the floor, and serves
+        assert agent.slowest_start_s > floor_s and decode.slowest_start_s > 0
+        hanging = rng.choice([agent, decode])
+        delays[hanging.name] = 600.0  # its next start hangs before serving
+        limit_s = max(floor_s, RESTART_START_FACTOR * hanging.slowest_start_s)
+        assert hanging.start_timeout_s(60.0, floor_s) == pytest.approx(limit_s)
+        if hanging is decode:  # the agent's limit is its own too, when longer
+            limit_s = max(limit_s, agent.start_timeout_s(60.0, floor_s))
+        assert hanging.proc is not None
+        os.kill(hanging.proc.pid, signal.SIGKILL)
+        hanging.proc.wait(5)
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"{hanging.name} did not come up at .* within {limit_s:.0f} s"):
+            sup.restart([hanging])
+        took_s = time.monotonic() - began
+        assert limit_s - 0.2 <= took_s < limit_s + 8.0  # not --ready-timeout-s (60 s)
+        assert not hanging.alive()  # stopped: the next round restarts it
+        delays[hanging.name] = rng.uniform(0.0, 0.3)
+        assert sup.restart([c for c in sup.children if not c.alive()])
+        assert all(c.alive() for c in sup.children)
+        assert hanging.num_restarts == 2  # the hung start counted
+    finally:
+        for c in (*sup.children, sup.router):
+            c.stop(5)
