@@ -17,7 +17,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, decode_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import announce, await_redis, open_redis, report_load
-from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, unless_stopped,
+from tandem.service.runtime import (VitalTasks, service_main, serving, setup_logging, unless_stopped,
                                     watch_agent, watch_progress)
 from tandem.state.request_store import RequestStore
 
@@ -60,7 +60,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     try:
         async with announce(config.redis_url, "decode", member.cell_id, config.announced_address, config.service_id,
                             extra={"model": member.model}):
-            freeze_startup_heap()
+            serving(log)
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,
                      runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)

@@ -28,7 +28,7 @@ from tandem.rpc.channels import bind, new_server
 from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2_grpc, common_pb2
 from tandem.service.registry import announce, await_redis, report_load
-from tandem.service.runtime import VitalTasks, freeze_startup_heap, last_words, service_main, setup_logging
+from tandem.service.runtime import VitalTasks, last_words, service_main, serving, setup_logging
 from tandem.state.schema import LoadReport
 
 async def serve(config: AgentConfig, stop: asyncio.Event) -> None:
@@ -107,7 +107,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     tasks.start(policy_ticks(policy, partition), "policy loop")
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
-            freeze_startup_heap()
+            serving(log)
             log.info(
                 "gpu_agent %s ready at %s (pid %d): %s, %s, loaded in %.1fs, %s",
                 config.cell_id, address, os.getpid(), ", ".join(cell.models), _describe_kv(cell),

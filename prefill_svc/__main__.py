@@ -13,7 +13,7 @@ from tandem.rpc.tracing import service_server_interceptors, setup_tracing
 from tandem.rpc.v1 import agent_pb2, prefill_pb2_grpc
 from tandem.service.cell import CellMember
 from tandem.service.registry import Discovery, announce, await_redis, report_load
-from tandem.service.runtime import (VitalTasks, freeze_startup_heap, service_main, setup_logging, unless_stopped,
+from tandem.service.runtime import (VitalTasks, service_main, serving, setup_logging, unless_stopped,
                                     watch_agent)
 
 
@@ -46,7 +46,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
             weights = (f"weights {runner.model.weight_format.value} (private copy "
                        f"{runner.model.derived_weight_bytes / 2**20:.0f} MiB)" if member.computes else
                        "no weight copy of its own (the cell's policy never splits: decode computes every prompt)")
-            freeze_startup_heap()
+            serving(log)
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, %s", config.service_id, address,
                      os.getpid(), member.cell_id, member.units, weights)
             await stop.wait()

@@ -39,7 +39,7 @@ from tandem.rpc.tracing import (
 )
 from tandem.rpc.v1 import router_pb2_grpc
 from tandem.service.registry import announce, await_redis, redis_client
-from tandem.service.runtime import freeze_startup_heap
+from tandem.service.runtime import serving
 
 if TYPE_CHECKING:
     from router.admission import AdmissionController
@@ -254,7 +254,7 @@ async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
         async with announce(config.redis_url, "router", config.cell_id, running.address,
                             service_id=config.router_id):
             http = f"HTTP at http://{running.http.address}; " if running.http is not None else ""
-            freeze_startup_heap()
+            serving(log)
             log.info("router %s ready at %s (pid %d): %smodel %s, context %d, upstreams from %s, started in %.1fs",
                      config.router_id, running.address, os.getpid(), http, ", ".join(running.models.names),
                      running.core.context_length, "flags" if config.static_upstreams else "registry",

@@ -33,6 +33,9 @@ EXIT_SHUTDOWN_OVERDUE = 75
 SHUTDOWN_DEADLINE_S = 8.0
 # How long a loop with work may go without progress before ``watch_progress`` says where it waits.
 STALL_REPORT_S = 20.0
+# How long a serving process's event loop may answer nothing before the process exits
+# (``watch_event_loop``; ``TANDEM_LOOP_WATCHDOG_S``, 0: never).
+LOOP_WATCHDOG_S = 60.0
 
 # What must run even when the shutdown is stuck (see ``last_words``).
 _last_words: list[Callable[[], object]] = []
@@ -54,6 +57,62 @@ def freeze_startup_heap() -> None:
     1.5 ms after the freeze. Nothing frozen is ever freed, so only what lives for the process."""
     gc.collect()
     gc.freeze()
+
+
+def serving(log: logging.Logger) -> None:
+    """What every service does once it is ready to serve, just before it says so: freeze its
+    start-up heap (``freeze_startup_heap``) and start the watchdog of its event loop
+    (``watch_event_loop``)."""
+    freeze_startup_heap()
+    watch_event_loop(log)
+
+
+def watch_event_loop(log: logging.Logger, limit_s: float | None = None,
+                     ping_s: float = 1.0) -> threading.Thread | None:
+    """A daemon thread that pings the calling event loop every ``ping_s`` (``call_soon_threadsafe``)
+    and, once the loop has answered none for ``limit_s`` (``TANDEM_LOOP_WATCHDOG_S``,
+    :data:`LOOP_WATCHDOG_S`; 0: no watchdog), exits the process with :data:`EXIT_LOOP_FAILED` and
+    every thread's and task's stack (``exit_now``). A loop that blocked that long (a synchronous
+    call that never returns, a lock a thread holds for good) serves nothing, and its health
+    service answers nothing: ``tandem up``'s liveness watch would kill it, but under docker
+    compose a healthcheck only marks it unhealthy, and Docker restarts a container that exits
+    (``restart: unless-stopped``), not an unhealthy one. Run it once serving: start-up may block
+    the loop (loading, packing weights). Time the thread itself did not run (the process stopped
+    with SIGSTOP, or starved of CPU for longer than a ping) restarts the count, so a process
+    resumed after a long stop does not exit for it; a stopped process stays the liveness watch's."""
+    if limit_s is None:
+        limit_s = float(os.environ.get("TANDEM_LOOP_WATCHDOG_S", LOOP_WATCHDOG_S))
+    if limit_s <= 0:
+        return None
+    loop = asyncio.get_running_loop()
+    answered = [time.monotonic()]
+
+    def answer() -> None:
+        answered[0] = time.monotonic()
+
+    def watch() -> None:
+        silent_since = time.monotonic()
+        last = silent_since
+        while not loop.is_closed():
+            time.sleep(ping_s)
+            now = time.monotonic()
+            if now - last > 2 * ping_s + 1.0:  # this thread did not run: not the loop's silence
+                silent_since = now
+            last = now
+            if answered[0] >= silent_since:
+                silent_since = now
+            elif now - silent_since >= limit_s:
+                log.critical("the event loop has answered nothing for %.0f s (TANDEM_LOOP_WATCHDOG_S)",
+                             now - silent_since)
+                exit_now(EXIT_LOOP_FAILED, f"the event loop blocked for {now - silent_since:.0f} s", loop)
+            try:
+                loop.call_soon_threadsafe(answer)
+            except RuntimeError:  # the loop closed: the process is ending
+                return
+
+    thread = threading.Thread(target=watch, name="loop-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]], deadline_s: float | None = None) -> None:

@@ -109,10 +109,11 @@ class Streams:
                 assert outcome is not None and len(outcome) == max_tokens
 
 
-def start_up(model_dir: Path, log_path: Path, *flags: str) -> Up:
+def start_up(model_dir: Path, log_path: Path, *flags: str, env_extra: dict[str, str] | None = None) -> Up:
     grpc_port, http_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # each stack its own Redis
     env.update(PYTHONPATH=str(ROOT), TANDEM_STALL_TIMEOUT_S=str(STALL_TIMEOUT_S))
+    env.update(env_extra or {})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir), "--grpc-port", str(grpc_port),
@@ -302,6 +303,53 @@ def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_di
             print(f"freezing {role} (pid {pid})")
             os.kill(pid, signal.SIGSTOP)
             up.wait_log(rf"{role} \(pid {pid}\) answered no health check for \d+ s", 30, offset)
+            up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
+                        offset)
+            streams.judge()
+            assert len(up.generate("Hello", 4)) == 4
+            assert up.pid(role) != pid
+        assert up.proc.poll() is None
+    finally:
+        assert up.stop() == 0
+
+
+# Loaded by every process of the stack below (its directory first on PYTHONPATH): SIGUSR2 runs a
+# Python signal handler, on the main thread, which is the event loop's, and never returns: a
+# wedged event loop, injected from outside (nothing in Tandem can be made to block its loop for good).
+WEDGE_ON_SIGUSR2 = """
+import signal, time
+
+def _wedge(signum, frame):
+    while True:
+        time.sleep(3600)
+
+signal.signal(signal.SIGUSR2, _wedge)
+"""
+
+
+def test_a_process_whose_event_loop_blocks_exits_by_itself_and_is_restarted(model_dir: Path, tmp_path: Path) -> None:
+    """A serving process whose event loop blocks for good (alive, not stopped, its port open)
+    exits by itself (EXIT_LOOP_FAILED, its stacks logged) once the loop has answered nothing for
+    TANDEM_LOOP_WATCHDOG_S, here with `tandem up`'s liveness watch off, as under docker compose,
+    where only an exit gets a container restarted: two random roles in turn under streams, each
+    stream whole or failed clearly within the client bound, and the stack serves after each."""
+    rng = random.Random(fault_seed())
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(WEDGE_ON_SIGUSR2)
+    up = start_up(model_dir, tmp_path / "up.log", "--liveness-timeout-s", "0",
+                  env_extra={"PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "TANDEM_LOOP_WATCHDOG_S": "3"})
+    try:
+        up.wait_log("tandem up: serving", 180)
+        for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
+            streams = Streams(up, rng, 3)
+            time.sleep(rng.uniform(0.0, 1.5))
+            offset = len(up.log())
+            pid = up.pid(role)
+            print(f"blocking {role}'s event loop (pid {pid})")
+            os.kill(pid, signal.SIGUSR2)
+            up.wait_log(rf"the event loop blocked for \d+ s; exiting 70", 30, offset)
+            up.wait_log(rf"tandem up: {role} exited with code 70", 30, offset)
             up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
                         offset)
             streams.judge()
