@@ -68,6 +68,11 @@ class StackStopping(Exception):
     """A signal arrived while the launcher was waiting (for a backoff or a process to be ready)."""
 
 
+class GivingUp(Exception):
+    """A process ran out of restarts (``--max-restarts``) while the launcher was waiting; said
+    already. Not a RuntimeError: a start's wait must not take it for one process's failure."""
+
+
 @dataclass
 class RestartBudget:
     """When to restart a process that keeps dying, and when to give up.
@@ -508,6 +513,7 @@ class Supervisor:
         self.redis_budget = self._budget()
         self.redis_up_since_s = time.monotonic()  # the private Redis's current incarnation came up
         self.redis_restarts = 0
+        self._reviving_redis = False  # restart_redis is running (its backoff waits call watch_liveness)
         self.router_addr = f"{args.host}:{args.grpc_port}"
         # The SLOs, policy and profile reach every child through their TANDEM_* twins, so the
         # router's admission and the agent's policy work from the same numbers.
@@ -653,6 +659,22 @@ class Supervisor:
         deadline. What it kills is restarted by the supervisor's next round."""
         if self.liveness is not None:
             self.liveness.check(self.children, self.redis_server)
+        self.revive_redis()
+
+    def revive_redis(self) -> None:
+        """Restart the private Redis if it died: from the supervisor's loop, and from its waits
+        within a restart too, where services starting again wait for Redis (up to
+        TANDEM_REDIS_WAIT_S) and would hold the restart until then. Raises GivingUp when Redis is
+        out of restarts."""
+        server = self.redis_server
+        if server is None or self._reviving_redis or server.alive():
+            return
+        self._reviving_redis = True
+        try:
+            if not self.restart_redis(server):
+                raise GivingUp("redis-server")
+        finally:
+            self._reviving_redis = False
 
     def remove_agent_files(self, cell: CellProcs) -> None:
         """Remove the (dead) agent's shared memory; never a live agent's (it holds its lock)."""
@@ -668,22 +690,15 @@ class Supervisor:
         """Restart what dies until a signal (0) or a process out of restarts (EXIT_GAVE_UP)."""
         while not self.stopping:
             time.sleep(POLL_S)
-            if self.redis_server is not None and not self.redis_server.alive():
-                try:
-                    if not self.restart_redis(self.redis_server):
-                        return EXIT_GAVE_UP
-                except StackStopping:
-                    break
-                continue  # the services that failed without Redis are restarted after it
-            self.watch_liveness()
-            dead = [c for c in self.children if not c.alive()]
-            if not dead:
-                continue
             try:
-                if not self.restart(dead):
+                self.watch_liveness()  # Redis first: the services that failed without it restart after it
+                dead = [c for c in self.children if not c.alive()]
+                if dead and not self.restart(dead):
                     return EXIT_GAVE_UP
             except RuntimeError as exc:  # one died again while starting: the next round counts it
                 say(f"restart failed: {exc}", error=True)
+            except GivingUp:
+                return EXIT_GAVE_UP
             except StackStopping:
                 break
         return 0
@@ -837,6 +852,8 @@ def run(args: argparse.Namespace) -> int:
         code = supervisor.supervise()
     except StackStopping:
         pass
+    except GivingUp:
+        code = EXIT_GAVE_UP
     except RuntimeError as exc:
         say(f"error: {exc}", error=True)
         code = EXIT_START_FAILED

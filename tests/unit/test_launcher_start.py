@@ -409,3 +409,60 @@ def test_a_restart_that_hangs_before_serving_is_stopped_at_a_multiple_of_its_fir
     finally:
         for c in (*sup.children, sup.router):
             c.stop(5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_private_redis_dead_during_a_restart_is_restarted_within_the_wait(seed: int, tmp_path: Path) -> None:
+    """The private Redis killed while a restart waits for its processes to serve (services that
+    start again wait for Redis, and would hold the restart until their wait for it ends) is
+    restarted within that wait, on its port; out of restarts, the wait ends at once in GivingUp
+    (the stack stops with EXIT_GAVE_UP), not in a process's failure. A real redis-server and real
+    processes, killed at random moments of the wait."""
+    import os
+    import signal
+    import threading
+
+    from tandem.launcher import GivingUp
+    from tandem.state.redis_server import RedisServer
+
+    rng = random.Random(seed)
+    log = tmp_path / "events"
+    with RedisServer() as redis:
+        port = redis.port
+        worker = _child("worker", log, rng.uniform(3.0, 4.0), [])  # slow to serve: the wait
+        sup = _supervisor([], _child("router", log, 0.0, []))
+        sup.children = [worker]
+        sup.redis_server = redis
+        sup.redis_budget = RestartBudget(1, 60.0, 0.1)
+        sup.args.max_restarts, sup.args.restart_window_s = 1, 60.0
+        sup.redis_up_since_s = time.monotonic()
+        sup.redis_restarts = 0
+        sup._reviving_redis = False
+
+        def kill_redis_soon() -> None:
+            time.sleep(rng.uniform(0.3, 1.5))
+            assert redis.pid is not None
+            os.kill(redis.pid, signal.SIGKILL)
+
+        try:
+            old_pid = redis.pid
+            killer = threading.Thread(target=kill_redis_soon)
+            killer.start()
+            sup.start([worker])  # returns once the worker serves: Redis is back by then
+            killer.join()
+            assert redis.alive() and redis.pid != old_pid and redis.port == port and redis.answers_ping(2.0)
+            assert sup.redis_restarts == 1
+            # out of restarts (1 within the window): the next death during a wait gives up
+            assert worker.proc is not None
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            worker.proc.wait(5)
+            killer = threading.Thread(target=kill_redis_soon)
+            killer.start()
+            began = time.monotonic()
+            with pytest.raises(GivingUp):
+                sup.start([worker])
+            killer.join()
+            assert time.monotonic() - began < 3.0  # at the death, not when the worker serves
+        finally:
+            for child in (worker, sup.router):
+                child.stop(5)
