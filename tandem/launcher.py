@@ -61,6 +61,11 @@ EXIT_START_FAILED = 1
 EXIT_GAVE_UP = 3  # a process kept dying: more than --max-restarts within --restart-window-s
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this long
 RESTART_START_FACTOR = 4.0  # a restart may take this many times its process's slowest start so far
+# ... and is taken as wedged past that only while it computes nothing: less than this much CPU
+# time over the last window (a process hung on a lock or a read uses none; one packing its
+# weights on busy cores uses some every second)
+START_IDLE_WINDOW_S = 5.0
+START_IDLE_CPU_S = 0.05
 POLL_S = 0.2
 
 
@@ -127,12 +132,14 @@ class Child:
     slowest_start_s: float = 0.0  # the longest any of its starts took until it served; 0: none has yet
 
     def start_timeout_s(self, first_s: float, restart_floor_s: float) -> float:
-        """How long a start of it may take before it is taken as wedged (stopped; the next round
-        restarts it, and counts that): ``first_s`` (--ready-timeout-s) until it has served once,
-        then RESTART_START_FACTOR times its slowest start, at least ``restart_floor_s``
-        (--restart-ready-timeout-s; 0: ``first_s`` always), at most ``first_s``. A process that came
-        up in 4 s is not held 300 s when its restart hangs before serving (a lock, a stuck read),
-        where the liveness watch cannot see it (it has no health service yet, and is not stopped)."""
+        """How long a start of it may take before, computing nothing (``StartIdleness``), it is
+        taken as wedged (stopped; the next round restarts it, and counts that): ``first_s``
+        (--ready-timeout-s) until it has served once, then RESTART_START_FACTOR times its slowest
+        start, at least ``restart_floor_s`` (--restart-ready-timeout-s; 0: ``first_s`` always), at
+        most ``first_s``. A process that came up in 4 s is not held 300 s when its restart hangs
+        before serving (a lock, a stuck read), where the liveness watch cannot see it (it has no
+        health service yet, and is not stopped); one that is slow but computes (two models' decode
+        services packing their weights on the same busy cores) is left to ``first_s``."""
         if self.slowest_start_s <= 0 or restart_floor_s <= 0:
             return first_s
         return min(first_s, max(restart_floor_s, RESTART_START_FACTOR * self.slowest_start_s))
@@ -223,8 +230,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "count toward --max-restarts (0: they always count)", type=float)
     add_flag(parser, "--restart-ready-timeout-s", 30.0, "a restarted process that does not serve within this "
              f"long, or {RESTART_START_FACTOR:g} times its slowest start so far if that is longer (never longer "
-             "than --ready-timeout-s), is taken as wedged: stopped, and restarted as if it had died (0: "
-             "--ready-timeout-s)", type=float)
+             f"than --ready-timeout-s), and has used no CPU for {START_IDLE_WINDOW_S:g} s, is taken as wedged: "
+             "stopped, and restarted as if it had died (0: only --ready-timeout-s)", type=float)
     add_flag(parser, "--liveness-timeout-s", 30.0, "a process that has served but has answered no gRPC health "
              "check (grpc.health.v1) for this long, frozen or wedged, is killed and restarted as if it had "
              "died (0: never)", type=float)
@@ -263,12 +270,10 @@ def child_check(child: Child, stopping: Callable[[], bool]) -> Callable[[], None
     return check
 
 
-def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False, limit_s: float = 0.0) -> None:
-    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out
-    (``limit_s``: the time it had, for the message)."""
+def wait_ready(child: Child, deadline: float, stopping: Callable[[], bool] = lambda: False) -> None:
+    """Block until ``child`` accepts gRPC connections; raise if it dies or time runs out."""
     if not wait_channel_ready(child.address, deadline, child_check(child, stopping)):
-        within = f" within {limit_s:.0f} s" if limit_s > 0 else " in time"
-        raise RuntimeError(f"{child.name} did not come up at {child.address}{within}")
+        raise RuntimeError(f"{child.name} did not come up at {child.address} in time")
 
 
 # A method no server has: its answer (UNIMPLEMENTED, or an auth error) says a server is there.
@@ -343,6 +348,36 @@ class CellProcs:
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 LIVENESS_EVERY_S = 1.0  # a probe of each process this often
 LIVENESS_PROBE_S = 5.0  # a probe with no answer by then has failed
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (user and system, all its threads; ``/proc/PID/stat``),
+    or None where there is no such file (not Linux, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class StartIdleness:
+    """Whether a starting process has computed nothing lately: less than START_IDLE_CPU_S of CPU
+    over the last START_IDLE_WINDOW_S, from samples taken at each ``idle`` call. Never idle
+    before a whole window is sampled, nor where its CPU time cannot be read."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def idle(self, pid: int, now_s: float) -> bool:
+        cpu_s = process_cpu_s(pid)
+        if cpu_s is None:
+            return False
+        self._samples.append((now_s, cpu_s))
+        while len(self._samples) > 1 and self._samples[1][0] <= now_s - START_IDLE_WINDOW_S:
+            self._samples.popleft()
+        then_s, then_cpu_s = self._samples[0]
+        return then_s <= now_s - START_IDLE_WINDOW_S and cpu_s - then_cpu_s < START_IDLE_CPU_S
 
 
 def process_stopped(pid: int) -> bool:
@@ -611,17 +646,26 @@ class Supervisor:
         for child in sorted(children, key=lambda c: (c is self.router, self._needs(c) is not None)):
             needs = self._needs(child)
 
-            def stopping(needs: Child | None = needs, child: Child = child) -> bool:
+            # a service waits for its agent: it has as long as its agent has, if that is longer
+            limit_s = max(limits_s[child.name], limits_s.get(needs.name, 0.0) if needs is not None else 0.0)
+            idleness = StartIdleness()
+
+            def stopping(needs: Child | None = needs, child: Child = child, limit_s: float = limit_s,
+                         idleness: StartIdleness = idleness) -> bool:
                 self.watch_liveness()  # a frozen agent (or Redis) must not hold the wait to its deadline
                 if needs is not None and not needs.alive():
                     raise RuntimeError(f"{child.name} cannot register: {needs.name} exited with code "
                                        f"{needs.returncode}")
+                now_s = time.monotonic()
+                if (limit_s < self.args.ready_timeout_s and child.proc is not None and now_s - started_s >= limit_s
+                        and idleness.idle(child.proc.pid, now_s)):
+                    raise RuntimeError(f"{child.name} did not come up at {child.address} within {limit_s:.0f} s "
+                                       f"and computed nothing for the last {START_IDLE_WINDOW_S:g} s: taken as "
+                                       "wedged (--restart-ready-timeout-s)")
                 return self.stopping
 
-            # a service waits for its agent: it has as long as its agent has, if that is longer
-            limit_s = max(limits_s[child.name], limits_s.get(needs.name, 0.0) if needs is not None else 0.0)
             try:
-                wait_ready(child, started_s + limit_s, stopping, limit_s)
+                wait_ready(child, started_s + self.args.ready_timeout_s, stopping)
             except RuntimeError as exc:
                 child.stop()  # dead already, stuck, or without its agent: the next round restarts it
                 failed = failed or exc

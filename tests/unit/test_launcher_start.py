@@ -349,19 +349,20 @@ def test_a_process_that_served_long_enough_restarts_as_if_for_the_first_time(
             child.stop(5)
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed,busy", [(0, False), (1, False), (2, True)])
 def test_a_restart_that_hangs_before_serving_is_stopped_at_a_multiple_of_its_first_start(
-        seed: int, tmp_path: Path) -> None:
+        seed: int, busy: bool, tmp_path: Path) -> None:
     """``--restart-ready-timeout-s``: a process's first start has the whole ``--ready-timeout-s``
     (one slower than the restart bound still comes up); once it has served, a restart that hangs
-    before serving (alive, no server yet: the liveness watch cannot ask it) is stopped after
-    RESTART_START_FACTOR times its slowest start or the floor, whichever is longer, not after
-    ``--ready-timeout-s``; a service waiting for its agent has as long as the agent. The next
-    round restarts it. Real processes, random start times, the agent or a worker hanging."""
+    before serving (alive, computing nothing, no server yet: the liveness watch cannot ask it) is
+    stopped once it has taken RESTART_START_FACTOR times its slowest start or the floor, whichever
+    is longer, not ``--ready-timeout-s``; a service waiting for its agent has as long as the agent.
+    The next round restarts it. A restart slower than the bound that computes all along (busy) is
+    left to come up. Real processes, random start times, the agent or a worker slow to restart."""
     import os
     import signal
 
-    from tandem.launcher import RESTART_START_FACTOR
+    from tandem.launcher import RESTART_START_FACTOR, START_IDLE_WINDOW_S
 
     rng = random.Random(seed)
     log = tmp_path / "events"
@@ -387,25 +388,34 @@ def test_a_restart_that_hangs_before_serving_is_stopped_at_a_multiple_of_its_fir
     try:
         sup.start(sup.children)  # the first start: the agent takes longer than the floor, and serves
         assert agent.slowest_start_s > floor_s and decode.slowest_start_s > 0
-        hanging = rng.choice([agent, decode])
-        delays[hanging.name] = 600.0  # its next start hangs before serving
-        limit_s = max(floor_s, RESTART_START_FACTOR * hanging.slowest_start_s)
-        assert hanging.start_timeout_s(60.0, floor_s) == pytest.approx(limit_s)
-        if hanging is decode:  # the agent's limit is its own too, when longer
+        slow = rng.choice([agent, decode])
+        limit_s = max(floor_s, RESTART_START_FACTOR * slow.slowest_start_s)
+        assert slow.start_timeout_s(60.0, floor_s) == pytest.approx(limit_s)
+        if slow is decode:  # the agent's limit is its own too, when longer
             limit_s = max(limit_s, agent.start_timeout_s(60.0, floor_s))
-        assert hanging.proc is not None
-        os.kill(hanging.proc.pid, signal.SIGKILL)
-        hanging.proc.wait(5)
+        if busy:
+            slow.env = {**slow.env, "WAVE_CHILD_BUSY": "1"}
+        # its next start hangs, or computes, past the bound
+        delays[slow.name] = limit_s + START_IDLE_WINDOW_S + 2.0 if busy else 600.0
+        assert slow.proc is not None
+        os.kill(slow.proc.pid, signal.SIGKILL)
+        slow.proc.wait(5)
         began = time.monotonic()
-        with pytest.raises(RuntimeError, match=rf"{hanging.name} did not come up at .* within {limit_s:.0f} s"):
-            sup.restart([hanging])
+        if busy:
+            assert sup.restart([slow])
+            assert time.monotonic() - began >= delays[slow.name]  # waited for it, past the bound
+            assert all(c.alive() for c in sup.children) and slow.num_restarts == 1
+            return
+        with pytest.raises(RuntimeError, match=rf"{slow.name} did not come up at .* within {limit_s:.0f} s and "
+                                               "computed nothing"):
+            sup.restart([slow])
         took_s = time.monotonic() - began
-        assert limit_s - 0.2 <= took_s < limit_s + 8.0  # not --ready-timeout-s (60 s)
-        assert not hanging.alive()  # stopped: the next round restarts it
-        delays[hanging.name] = rng.uniform(0.0, 0.3)
+        assert limit_s - 0.2 <= took_s < limit_s + START_IDLE_WINDOW_S + 8.0  # not --ready-timeout-s (60 s)
+        assert not slow.alive()  # stopped: the next round restarts it
+        delays[slow.name] = rng.uniform(0.0, 0.3)
         assert sup.restart([c for c in sup.children if not c.alive()])
         assert all(c.alive() for c in sup.children)
-        assert hanging.num_restarts == 2  # the hung start counted
+        assert slow.num_restarts == 2  # the hung start counted
     finally:
         for c in (*sup.children, sup.router):
             c.stop(5)

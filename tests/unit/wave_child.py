@@ -1,12 +1,14 @@
 """A stand-in service for ``test_launcher_waves`` (a real process with a real gRPC server and no
 services, so that ``tandem up``'s readiness check passes on it): ``python -m
 tests.unit.wave_child NAME PORT LOG DELAY_S EXIT NEEDS...``. It appends ``start NAME`` to LOG,
-records which of the ports in NEEDS already accept connections, waits DELAY_S, then either
+records which of the ports in NEEDS already accept connections, waits DELAY_S (sleeping, or
+computing all along with WAVE_CHILD_BUSY set), then either
 exits with EXIT (when not 0) or serves on PORT (the standard gRPC health service alone, as
 every Tandem service has it) and appends ``ready NAME`` until it is stopped."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -26,7 +28,12 @@ def main() -> None:
     up = [p for p in needs if _open(int(p))]
     with open(log, "a") as out:
         out.write(f"{time.monotonic():.6f} start {name} {','.join(up)}\n")
-    time.sleep(float(delay_s))
+    if os.environ.get("WAVE_CHILD_BUSY"):  # computes through the delay (a slow start, not a hung one)
+        end = time.monotonic() + float(delay_s)
+        while time.monotonic() < end:
+            pass
+    else:
+        time.sleep(float(delay_s))
     if int(code):
         sys.exit(int(code))
     server = grpc.server(futures.ThreadPoolExecutor(1))
