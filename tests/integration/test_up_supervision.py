@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,6 +280,27 @@ def test_the_private_redis_killed_is_restarted_and_services_restart_after_it(
             up.stop()
 
 
+def _two_roles_in_turn(up: Up, rng: random.Random, fault: signal.Signals,
+                       said: Callable[[str, int], list[str]]) -> None:
+    """Two random roles in turn, each under three streams: send it ``fault``, wait for the log
+    lines ``said(role, pid)`` names and for its successor (its cell's, for the agent); every
+    stream whole or failed clearly within the client bound, the stack serving after each."""
+    for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
+        streams = Streams(up, rng, 3)
+        time.sleep(rng.uniform(0.0, 1.5))
+        offset = len(up.log())
+        pid = up.pid(role)
+        print(f"sending {fault.name} to {role} (pid {pid})")
+        os.kill(pid, fault)
+        for pattern in said(role, pid):
+            up.wait_log(pattern, 30, offset)
+        up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120, offset)
+        streams.judge()
+        assert len(up.generate("Hello", 4)) == 4
+        assert up.pid(role) != pid
+    assert up.proc.poll() is None
+
+
 def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_dir: Path, tmp_path: Path) -> None:
     """A process that stops answering (SIGSTOP: alive to the supervisor, its port still open,
     nothing served) is found by `tandem up`'s liveness watch (the standard gRPC health check,
@@ -295,20 +316,8 @@ def test_a_frozen_process_is_killed_by_the_liveness_watch_and_restarted(model_di
         with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
-            streams = Streams(up, rng, 3)
-            time.sleep(rng.uniform(0.0, 1.5))
-            offset = len(up.log())
-            pid = up.pid(role)
-            print(f"freezing {role} (pid {pid})")
-            os.kill(pid, signal.SIGSTOP)
-            up.wait_log(rf"{role} \(pid {pid}\) answered no health check for \d+ s", 30, offset)
-            up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
-                        offset)
-            streams.judge()
-            assert len(up.generate("Hello", 4)) == 4
-            assert up.pid(role) != pid
-        assert up.proc.poll() is None
+        _two_roles_in_turn(up, rng, signal.SIGSTOP, lambda role, pid: [
+            rf"{role} \(pid {pid}\) answered no health check for \d+ s"])
     finally:
         assert up.stop() == 0
 
@@ -341,20 +350,7 @@ def test_a_process_whose_event_loop_blocks_exits_by_itself_and_is_restarted(mode
                   env_extra={"PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "TANDEM_LOOP_WATCHDOG_S": "3"})
     try:
         up.wait_log("tandem up: serving", 180)
-        for role in rng.sample(["decode_svc", "prefill_svc", "router", "gpu_agent"], 2):
-            streams = Streams(up, rng, 3)
-            time.sleep(rng.uniform(0.0, 1.5))
-            offset = len(up.log())
-            pid = up.pid(role)
-            print(f"blocking {role}'s event loop (pid {pid})")
-            os.kill(pid, signal.SIGUSR2)
-            up.wait_log(rf"the event loop blocked for \d+ s; exiting 70", 30, offset)
-            up.wait_log(rf"tandem up: {role} exited with code 70", 30, offset)
-            up.wait_log(rf"cell {CELL_ID} is back" if role == "gpu_agent" else rf"tandem up: {role} ready at", 120,
-                        offset)
-            streams.judge()
-            assert len(up.generate("Hello", 4)) == 4
-            assert up.pid(role) != pid
-        assert up.proc.poll() is None
+        _two_roles_in_turn(up, rng, signal.SIGUSR2, lambda role, pid: [
+            r"the event loop blocked for \d+ s; exiting 70", rf"tandem up: {role} exited with code 70"])
     finally:
         assert up.stop() == 0
