@@ -155,11 +155,15 @@ class PolicyLoop:
         """Fit the shape of prompt parts on the prompt steps a (new) decode service timed at start-up."""
         self.anchored_from = load.service_id
         units = len(self.cores)
-        self.predictor.anchor([(t.prompt_ns / 1e9, t.decode_ns / 1e9, [(t.prompt_tokens, 0)], list(t.decode_context_lens),
-                                units) for t in load.prompt_step_timings])
+        timed = ", ".join(f"{t.prompt_tokens} ({t.prompt_ns / 1e6:.0f} ms)" for t in load.prompt_step_timings)
+        if not self.predictor.anchor([(t.prompt_ns / 1e9, t.decode_ns / 1e9, [(t.prompt_tokens, 0)],
+                                       list(t.decode_context_lens), units) for t in load.prompt_step_timings]):
+            log.warning("policy calibration: %s timed prompts of %s tokens at start-up, not a machine's growth "
+                        "with size (other processes held the cores): left out; prompt parts of hybrid steps stay "
+                        "%s", load.service_id, timed, self.predictor.prompt_scale())
+            return
         log.info("policy calibration: %s timed prompts of %s tokens beside a decode step at start-up; prompt parts "
-                 "of hybrid steps now %s, decode steps x%.2f the model", load.service_id,
-                 ", ".join(f"{t.prompt_tokens} ({t.prompt_ns / 1e6:.0f} ms)" for t in load.prompt_step_timings),
+                 "of hybrid steps now %s, decode steps x%.2f the model", load.service_id, timed,
                  self.predictor.prompt_scale(), self.predictor.factor)
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:

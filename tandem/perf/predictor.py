@@ -51,6 +51,28 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
     return PerfPredictor(PerfModel(hardware, shape))
 
 
+# How much faster than the base model's a larger timed prompt's part may grow over a smaller
+# one's before the pair is taken as disturbed (``plausible_anchors``).
+ANCHOR_GROWTH_SLACK = 1.5
+
+
+def plausible_anchors(anchors: Sequence[tuple[float, float]]) -> bool:
+    """Whether prompt parts timed at start-up, each (base model's prompt part, measured), can be
+    a machine's: a larger prompt's part not shorter than a smaller one's (10 % of noise), nor
+    growing more than ANCHOR_GROWTH_SLACK times as fast as the base model's (which is about
+    linear in tokens). decode_svc times them beside whatever else runs on its cores: restarted
+    during a soak, beside the other model's decode service packing its weights, one timed 32
+    and 256 tokens at 523 and 63 ms, another at 88 and 4222 ms (29 and 87 ms on idle cores), and
+    a line through such points predicts every later hybrid step of that service wrong."""
+    ordered = sorted(anchors)
+    for (base_small, small), (base_large, large) in zip(ordered, ordered[1:]):
+        if base_large <= base_small:
+            continue
+        if large < 0.9 * small or large > small * ANCHOR_GROWTH_SLACK * base_large / base_small:
+            return False
+    return True
+
+
 class LiveStepPredictor:
     """A predictor whose decode and hybrid steps are scaled by what it measured live.
 
@@ -152,7 +174,7 @@ class LiveStepPredictor:
         self.num_prompt_samples += 1
         return ratio
 
-    def anchor(self, steps: Sequence[tuple[float, float, Sequence[tuple[int, int]], Sequence[int], int]]) -> None:
+    def anchor(self, steps: Sequence[tuple[float, float, Sequence[tuple[int, int]], Sequence[int], int]]) -> bool:
         """Fit the shape of prompt parts on steps timed apart from the live ones: each
         (prompt part measured, decode part measured, the prompt's (new, cached) tokens, the
         contexts decoded beside it, units). decode_svc times a few prompt sizes at start-up
@@ -161,21 +183,28 @@ class LiveStepPredictor:
         The live steps then only move the fixed part (their median excess over the anchors'
         line) and the margin. Until the first live decode-only step, the decode parts measured
         set ``factor`` (their median ratio to the base model; the live step replaces it).
-        Replaces earlier anchors."""
-        self._anchors = []
+        Replaces earlier anchors, unless the new prompt parts are implausible
+        (``plausible_anchors``: timed while other processes held the cores), which are left
+        out, keeping the earlier anchors (a restarted decode service's predecessor's) or the
+        live fit: False then."""
+        anchors = []
         decode_ratios = []
         for prompt_s, decode_s, seqs, contexts, units in steps:
             base_decode_s, base_prompt_s = self._hybrid_parts(seqs, contexts, units)
             if prompt_s > 0 and base_prompt_s > 0 and math.isfinite(prompt_s):
-                self._anchors.append((base_prompt_s, prompt_s))
+                anchors.append((base_prompt_s, prompt_s))
             if decode_s > 0 and math.isfinite(decode_s) and (ratio := self._ratio(decode_s, base_decode_s)):
                 decode_ratios.append(ratio)
         if decode_ratios and not self.num_samples:
             self.factor = statistics.median(decode_ratios)
+        if not plausible_anchors(anchors):
+            return False
+        self._anchors = anchors
         xs = [x for x, _ in self._anchors]
         self._anchor_line = (self._affine(self._anchors, narrow_guard=False)
                              if len(xs) >= 2 and max(xs) >= 1.5 * min(xs) else None)
         self._fit_prompt()
+        return True
 
     def _fit_prompt(self) -> None:
         """``prompt_fixed_s`` and ``prompt_factor``: the anchors' line, lifted by the live

@@ -347,6 +347,40 @@ def test_the_start_up_decode_step_sets_the_decode_factor_until_a_live_one_is_mea
     assert live.factor == pytest.approx(measured)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_start_up_timings_disturbed_by_other_processes_are_left_out(seed: int) -> None:
+    """A decode service restarted beside busy processes timed its start-up prompts at 523 and 63
+    ms (32 and 256 tokens) or 88 and 4222 ms, against 29 and 87 ms on idle cores. Timings that
+    shrink with size, or grow much faster than the base model's, are left out: the predictor
+    keeps the anchors it had (the earlier service's) and the agent says so; plausible ones,
+    however slow or fast, replace them."""
+    rng = random.Random(seed)
+    base = LinearPredictor()
+    ctx0 = [65]
+    small, large = _parts(base, 32, ctx0)[1], _parts(base, 256, ctx0)[1]
+
+    def steps(ms_small: float, ms_large: float) -> list[tuple[float, float, list[tuple[int, int]], list[int], int]]:
+        return [(ms / 1e3, base.predict_decode(ctx0, 2), [(n, 0)], ctx0, 2)
+                for n, ms in ((32, ms_small), (256, ms_large))]
+
+    live = LiveStepPredictor(base)
+    scale = math.exp(rng.uniform(-1.5, 0.5))  # the host's speed (3x it stays under max_factor)
+    fixed_ms = rng.uniform(0.0, 30.0)
+    good = (fixed_ms + scale * small * 1e3, fixed_ms + scale * large * 1e3)
+    assert live.anchor(steps(*good))
+    fitted = (live.prompt_fixed_s, live.prompt_factor)
+    disturbed = rng.choice([
+        (good[0] * rng.uniform(2, 20), good[1] * rng.uniform(0.1, 0.8)),  # the small one held up: shrinks
+        (good[0] * rng.uniform(1e-6, 0.01), good[1]),  # the decode step alone held up: a prompt part of ~0
+        (good[0], good[1] * rng.uniform(3, 50)),  # the large one held up: far more than linear
+    ])
+    assert not live.anchor(steps(*disturbed))
+    assert (live.prompt_fixed_s, live.prompt_factor) == fitted
+    slower = (good[0] * 3, good[1] * 3)  # a slower host, uniformly: plausible, it replaces them
+    assert live.anchor(steps(*slower))
+    assert live.prompt_factor == pytest.approx(3 * fitted[1], rel=1e-6)
+
+
 def test_a_narrow_live_range_keeps_the_slope_at_least_half_the_flat_rate() -> None:
     """Live chunks within 1.5x of each other in size give one factor; spread a little wider but
     noisy, a line through them could tilt flat and predict big steps almost free."""
