@@ -195,10 +195,10 @@ class LiveStepPredictor:
                 anchors.append((base_prompt_s, prompt_s))
             if decode_s > 0 and math.isfinite(decode_s) and (ratio := self._ratio(decode_s, base_decode_s)):
                 decode_ratios.append(ratio)
+        if not plausible_anchors(anchors):
+            return False  # the decode parts were timed in the same disturbed minute
         if decode_ratios and not self.num_samples:
             self.factor = statistics.median(decode_ratios)
-        if not plausible_anchors(anchors):
-            return False
         self._anchors = anchors
         xs = [x for x, _ in self._anchors]
         self._anchor_line = (self._affine(self._anchors, narrow_guard=False)

@@ -336,7 +336,9 @@ def test_the_start_up_decode_step_sets_the_decode_factor_until_a_live_one_is_mea
     live = LiveStepPredictor(base)
     ctx0 = [rng.randint(1, 200)]
     start_up = math.exp(rng.uniform(-1, 1))
-    steps = [(rng.uniform(0.01, 0.1), start_up * base.predict_decode(ctx0, 2), [(n, 0)], ctx0, 2) for n in (32, 256)]
+    fixed_s, per_token = rng.uniform(0.0, 0.05), rng.uniform(0.2, 2.0)  # plausible prompt parts
+    steps = [(fixed_s + per_token * _parts(base, n, ctx0)[1], start_up * base.predict_decode(ctx0, 2), [(n, 0)], ctx0, 2)
+             for n in (32, 256)]
     live.anchor(steps)
     ctx = [rng.randint(1, 600) for _ in range(rng.randint(1, 8))]
     assert live.predict_decode(ctx, 2) == pytest.approx(start_up * base.predict_decode(ctx, 2))
@@ -374,8 +376,10 @@ def test_start_up_timings_disturbed_by_other_processes_are_left_out(seed: int) -
         (good[0] * rng.uniform(1e-6, 0.01), good[1]),  # the decode step alone held up: a prompt part of ~0
         (good[0], good[1] * rng.uniform(3, 50)),  # the large one held up: far more than linear
     ])
-    assert not live.anchor(steps(*disturbed))
+    factor = live.factor
+    assert not live.anchor([(p, d * 10, seqs, ctx, units) for p, d, seqs, ctx, units in steps(*disturbed)])
     assert (live.prompt_fixed_s, live.prompt_factor) == fitted
+    assert live.factor == factor  # nor is the decode factor taken from that minute
     slower = (good[0] * 3, good[1] * 3)  # a slower host, uniformly: plausible, it replaces them
     assert live.anchor(steps(*slower))
     assert live.prompt_factor == pytest.approx(3 * fitted[1], rel=1e-6)
