@@ -102,6 +102,11 @@ def watch_event_loop(log: logging.Logger, limit_s: float | None = None,
             if answered[0] >= silent_since:
                 silent_since = now
             elif now - silent_since >= limit_s:
+                # writing the stacks could block too (the loop may hold the log's lock, or
+                # stderr be a full pipe): exit regardless a little later
+                backstop = threading.Timer(10.0, os._exit, args=(EXIT_LOOP_FAILED,))
+                backstop.daemon = True
+                backstop.start()
                 log.critical("the event loop has answered nothing for %.0f s (TANDEM_LOOP_WATCHDOG_S)",
                              now - silent_since)
                 exit_now(EXIT_LOOP_FAILED, f"the event loop blocked for {now - silent_since:.0f} s", loop)

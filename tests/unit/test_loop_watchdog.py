@@ -48,6 +48,21 @@ def test_a_loop_blocked_for_good_exits_with_its_stacks(seed: int) -> None:
     assert "Stacks of every thread" in err and "in serve" in err  # where it was stuck
 
 
+def test_a_loop_blocked_holding_the_log_lock_still_exits() -> None:
+    """Writing the stacks can block too (here the loop holds the log handler's lock): the
+    process exits EXIT_LOOP_FAILED regardless, 10 s after the limit."""
+    limit_s = random.uniform(1.0, 2.0)
+    began = time.monotonic()
+    proc = _start("block_log", limit_s)
+    try:
+        code = proc.wait(limit_s + 30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert code == EXIT_LOOP_FAILED
+    assert limit_s + 10 <= time.monotonic() - began < limit_s + 30
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_short_blocks_and_a_long_stop_are_left_serving(seed: int) -> None:
     rng = random.Random(seed)
