@@ -139,7 +139,8 @@ class Child:
         most ``first_s``. A process that came up in 4 s is not held 300 s when its restart hangs
         before serving (a lock, a stuck read), where the liveness watch cannot see it (it has no
         health service yet, and is not stopped); one that is slow but computes (two models' decode
-        services packing their weights on the same busy cores) is left to ``first_s``."""
+        services packing their weights on the same busy cores) is left to ``first_s``, and so is
+        one while the stack's Redis does not answer (it waits for Redis, computing nothing)."""
         if self.slowest_start_s <= 0 or restart_floor_s <= 0:
             return first_s
         return min(first_s, max(restart_floor_s, RESTART_START_FACTOR * self.slowest_start_s))
@@ -545,6 +546,8 @@ class Supervisor:
         self.args = args
         self.stopping = False
         self.redis_server = redis_server  # the private one, which is restarted too; None: REDIS_URL's
+        self.redis_url = redis_url
+        self._redis_asked: tuple[float, bool] = (-1e9, False)  # when Redis was last pinged, and its answer
         self.redis_budget = self._budget()
         self.redis_up_since_s = time.monotonic()  # the private Redis's current incarnation came up
         self.redis_restarts = 0
@@ -649,16 +652,19 @@ class Supervisor:
             # a service waits for its agent: it has as long as its agent has, if that is longer
             limit_s = max(limits_s[child.name], limits_s.get(needs.name, 0.0) if needs is not None else 0.0)
             idleness = StartIdleness()
+            redis_up_since: list[float | None] = [None]  # Redis has answered all along since then
 
             def stopping(needs: Child | None = needs, child: Child = child, limit_s: float = limit_s,
-                         idleness: StartIdleness = idleness) -> bool:
+                         idleness: StartIdleness = idleness, redis_up_since: list[float | None] = redis_up_since
+                         ) -> bool:
                 self.watch_liveness()  # a frozen agent (or Redis) must not hold the wait to its deadline
                 if needs is not None and not needs.alive():
                     raise RuntimeError(f"{child.name} cannot register: {needs.name} exited with code "
                                        f"{needs.returncode}")
                 now_s = time.monotonic()
                 if (limit_s < self.args.ready_timeout_s and child.proc is not None and now_s - started_s >= limit_s
-                        and idleness.idle(child.proc.pid, now_s)):
+                        and idleness.idle(child.proc.pid, now_s)
+                        and self._redis_up_for(redis_up_since, now_s) >= START_IDLE_WINDOW_S):
                     raise RuntimeError(f"{child.name} did not come up at {child.address} within {limit_s:.0f} s "
                                        f"and computed nothing for the last {START_IDLE_WINDOW_S:g} s: taken as "
                                        "wedged (--restart-ready-timeout-s)")
@@ -704,6 +710,36 @@ class Supervisor:
         if self.liveness is not None:
             self.liveness.check(self.children, self.redis_server)
         self.revive_redis()
+
+    def _redis_up_for(self, since: list[float | None], now_s: float) -> float:
+        """How long the stack's Redis has answered PING at every ask (at most one a second),
+        ``since[0]`` keeping when that began: a process starting again waits for Redis (up to
+        TANDEM_REDIS_WAIT_S), computing nothing, and that wait is not a wedge."""
+        asked_s, answered = self._redis_asked
+        if now_s - asked_s >= 1.0:
+            answered = self._redis_answers()
+            self._redis_asked = (now_s, answered)
+        if not answered:
+            since[0] = None
+            return 0.0
+        began_s = since[0] = now_s if since[0] is None else since[0]
+        return now_s - began_s
+
+    def _redis_answers(self) -> bool:
+        if not self.redis_url:  # none to wait for
+            return True
+        if self.redis_server is not None:
+            return self.redis_server.answers_ping(1.0)
+        import redis
+
+        try:
+            client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
 
     def revive_redis(self) -> None:
         """Restart the private Redis if it died: from the supervisor's loop, and from its waits

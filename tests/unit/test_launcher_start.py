@@ -34,6 +34,8 @@ def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup.stopping = False
     sup.liveness = None
     sup.redis_server = None
+    sup.redis_url = ""
+    sup._redis_asked = (-1e9, False)
     sup.cells = cells
     sup.router = router
     sup.children = [*(c for cell in cells for c in cell.children), router]
@@ -442,7 +444,7 @@ def test_the_private_redis_dead_during_a_restart_is_restarted_within_the_wait(se
         worker = _child("worker", log, rng.uniform(3.0, 4.0), [])  # slow to serve: the wait
         sup = _supervisor([], _child("router", log, 0.0, []))
         sup.children = [worker]
-        sup.redis_server = redis
+        sup.redis_server, sup.redis_url = redis, redis.url
         sup.redis_budget = RestartBudget(1, 60.0, 0.1)
         sup.args.max_restarts, sup.args.restart_window_s = 1, 60.0
         sup.redis_up_since_s = time.monotonic()
@@ -474,5 +476,57 @@ def test_the_private_redis_dead_during_a_restart_is_restarted_within_the_wait(se
             killer.join()
             assert time.monotonic() - began < 3.0  # at the death, not when the worker serves
         finally:
+            for child in (worker, sup.router):
+                child.stop(5)
+
+
+def test_a_restart_waiting_for_a_redis_that_does_not_answer_is_not_taken_as_wedged(tmp_path: Path) -> None:
+    """A process starting again computes nothing while it waits for Redis; past the restart
+    bound it is not stopped for that while Redis does not answer (here stopped with SIGSTOP),
+    only once Redis has answered for a whole idle window and it still computes nothing. A real
+    redis-server and real processes."""
+    import os
+    import signal
+
+    from tandem.launcher import START_IDLE_WINDOW_S
+    from tandem.state.redis_server import RedisServer
+
+    log = tmp_path / "events"
+    with RedisServer() as redis:
+        worker = _child("worker", log, 0.0, [])
+        sup = _supervisor([], _child("router", log, 0.0, []))
+        sup.children = [worker]
+        sup.redis_server, sup.redis_url = redis, redis.url
+        sup._reviving_redis = False
+        sup.args.restart_ready_timeout_s = 1.0
+        stop_s = random.uniform(8.0, 10.0)
+        try:
+            sup.start([worker])
+            limit_s = worker.start_timeout_s(60.0, 1.0)
+            worker.make_args = lambda: ["tests.unit.wave_child", "worker", "0", str(log), "600", "0"]  # hangs
+            assert redis.pid is not None and worker.proc is not None
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            worker.proc.wait(5)
+            os.kill(redis.pid, signal.SIGSTOP)
+            resumed: list[float] = []
+
+            def resume() -> None:
+                time.sleep(limit_s + stop_s)
+                assert redis.pid is not None
+                os.kill(redis.pid, signal.SIGCONT)
+                resumed.append(time.monotonic())
+
+            import threading
+
+            thread = threading.Thread(target=resume)
+            thread.start()
+            with pytest.raises(RuntimeError, match="computed nothing"):
+                sup.start([worker])
+            stopped_s = time.monotonic()
+            thread.join()
+            assert resumed and stopped_s - resumed[0] >= START_IDLE_WINDOW_S - 0.5  # not while Redis was away
+        finally:
+            if redis.pid is not None:
+                os.kill(redis.pid, signal.SIGCONT)
             for child in (worker, sup.router):
                 child.stop(5)
