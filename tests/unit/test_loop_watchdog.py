@@ -31,17 +31,22 @@ def _start(mode: str, limit_s: float) -> subprocess.Popen[str]:
     return proc
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_a_loop_blocked_for_good_exits_with_its_stacks(seed: int) -> None:
-    limit_s = random.Random(seed).uniform(1.0, 2.5)
+def _exit_of_blocked(mode: str, limit_s: float, wait_s: float) -> tuple[int, float, str]:
+    """Start a child that blocks its loop (``mode``): its exit code, seconds it lived, stderr."""
     began = time.monotonic()
-    proc = _start("block", limit_s)
+    proc = _start(mode, limit_s)
     try:
-        code = proc.wait(limit_s + 20)
+        code = proc.wait(wait_s)
     finally:
         proc.kill()
     took_s = time.monotonic() - began
-    _, err = proc.communicate()
+    return code, took_s, proc.communicate()[1]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_loop_blocked_for_good_exits_with_its_stacks(seed: int) -> None:
+    limit_s = random.Random(seed).uniform(1.0, 2.5)
+    code, took_s, err = _exit_of_blocked("block", limit_s, limit_s + 20)
     assert code == EXIT_LOOP_FAILED
     assert limit_s <= took_s < limit_s + 20
     assert "the event loop blocked for" in err
@@ -52,15 +57,9 @@ def test_a_loop_blocked_holding_the_log_lock_still_exits() -> None:
     """Writing the stacks can block too (here the loop holds the log handler's lock): the
     process exits EXIT_LOOP_FAILED regardless, 10 s after the limit."""
     limit_s = random.uniform(1.0, 2.0)
-    began = time.monotonic()
-    proc = _start("block_log", limit_s)
-    try:
-        code = proc.wait(limit_s + 30)
-    finally:
-        proc.kill()
-        proc.communicate()
+    code, took_s, _ = _exit_of_blocked("block_log", limit_s, limit_s + 30)
     assert code == EXIT_LOOP_FAILED
-    assert limit_s + 10 <= time.monotonic() - began < limit_s + 30
+    assert limit_s + 10 <= took_s < limit_s + 30
 
 
 @pytest.mark.parametrize("seed", range(2))
