@@ -117,6 +117,13 @@ class PolicyLoop:
         self.num_decisions = 0
         self.num_preemptions = 0
 
+    def wants_prompt_timings(self, model: str) -> bool:
+        """Whether a decode service of ``model`` (its served name) that registers now should time
+        prompts at start-up: the predictor is of that model and holds no plausible timings yet (a
+        restarted decode service keeps its predecessor's, and is spared the second or more it
+        takes, on cores the other processes are busy on)."""
+        return model in ("", self.predicted_model or model) and not self.predictor.anchored
+
     def report(self, load: agent_pb2.PhaseLoad, model: str = "") -> None:
         """``load`` from the service computing ``model`` (its served name; "" in a cell of one)."""
         key = (load.role, model)

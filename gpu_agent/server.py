@@ -102,6 +102,8 @@ class GpuAgentServicer(agent_pb2_grpc.GpuAgentServicer):
             weight_format=model.weight_format.value,
             model=model.name,
             aggregated_only=self.config.never_splits,
+            skip_prompt_timings=(request.role == agent_pb2.ROLE_DECODE
+                                 and (self.policy is None or not self.policy.wants_prompt_timings(model.name))),
         )
 
     async def Allocate(self, request: agent_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> agent_pb2.AllocateReply:  # noqa: N802

@@ -145,6 +145,11 @@ class LiveStepPredictor:
         self.split_factor = 1.0
         self.num_split_samples = 0
 
+    @property
+    def anchored(self) -> bool:
+        """Whether it holds start-up timings (``anchor``) to fit prompt parts on."""
+        return bool(self._anchors)
+
     def observe(self, measured_s: float, chunk_tokens: int, context_lens: Sequence[int], units: int) -> float | None:
         """Fold in one measured step; returns its measured / predicted ratio, the prediction
         made before this step was folded in (None: not usable)."""

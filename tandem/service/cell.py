@@ -172,8 +172,8 @@ class CellMember:
         if self.computes:
             # before the service says it is ready, not on its first request; decode also times
             # what the agent fits a hybrid step's prompt part on (reported with every load)
-            self.prompt_timings = warm_up(
-                model, time_prompts=PROMPT_TIMING_SIZES if self.role == agent_pb2.ROLE_DECODE else ())
+            timed = self.role == agent_pb2.ROLE_DECODE and not reply.skip_prompt_timings
+            self.prompt_timings = warm_up(model, time_prompts=PROMPT_TIMING_SIZES if timed else ())
         runner = ModelRunner(model, pool)
         if pool.tensor.device.type == "cuda":
             runner.host_logits = True  # the services sample on the host

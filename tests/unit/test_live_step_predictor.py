@@ -422,3 +422,26 @@ def test_the_policy_loop_anchors_on_a_decode_services_start_up_timings_once() ->
     loop.predictor._anchors.clear()  # reports repeat the timings: the same service is not fitted again
     loop.report(load, "m")
     assert (loop.predictor.prompt_fixed_s, loop.predictor.prompt_factor) == fitted
+
+
+def test_a_decode_service_times_prompts_at_start_up_only_while_the_agent_needs_them() -> None:
+    """The agent tells a registering decode service to skip the start-up prompt timings once its
+    predictor holds plausible ones of that model (a restart's predecessor's), and always for a
+    model it fits no predictor on; disturbed timings left out leave it asking."""
+    base = LinearPredictor()
+    loop = PolicyLoop("chunked", POLICIES["chunked"], base, [0, 1], 32, SLO, predicted_model="m")
+    assert loop.wants_prompt_timings("m") and loop.wants_prompt_timings("")
+    assert not loop.wants_prompt_timings("other-model")
+
+    def load_with(ms_small: float, ms_large: float, service_id: str) -> agent_pb2.PhaseLoad:
+        load = _decode_load([100], 0.0, 0, 0)
+        load.service_id = service_id
+        load.prompt_step_timings.extend(
+            agent_pb2.PromptStepTiming(prompt_tokens=n, decode_context_lens=[65], prompt_ns=int(ms * 1e6),
+                                       decode_ns=10**7) for n, ms in ((32, ms_small), (256, ms_large)))
+        return load
+
+    loop.report(load_with(523.0, 63.0, "d1"), "m")  # disturbed: left out
+    assert loop.wants_prompt_timings("m")
+    loop.report(load_with(60.0, 300.0, "d2"), "m")
+    assert not loop.wants_prompt_timings("m") and not loop.wants_prompt_timings("")

@@ -26,61 +26,61 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/agent.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"d\n\x0fRegisterRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"\xb7\x01\n\nKVPoolInfo\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x14\n\x0coffset_bytes\x18\t \x01(\x04\"\xc1\x02\n\rRegisterReply\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x18\n\x10weights_shm_name\x18\x03 \x01(\t\x12&\n\x07kv_pool\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVPoolInfo\x12\'\n\tpartition\x18\x05 \x01(\x0b\x32\x14.tandem.v1.Partition\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rweight_format\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x14\n\x0c\x63uda_weights\x18\t \x01(\x0c\x12\x0f\n\x07\x63uda_kv\x18\n \x01(\x0c\x12\x1a\n\rscratch_block\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x61ggregated_only\x18\x0c \x01(\x08\x42\x10\n\x0e_scratch_block\"r\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_extra_tokens\x18\x03 \x01(\r\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0f\n\x07readmit\x18\x05 \x01(\x08\"P\n\rAllocateReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x11\n\tserver_ns\x18\x03 \x01(\x04\"F\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"J\n\x0b\x45xtendReply\x12\x15\n\rnew_block_ids\x18\x01 \x03(\r\x12\x11\n\tserver_ns\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"F\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"%\n\x0cPublishReply\x12\x15\n\rnum_published\x18\x01 \x01(\r\"F\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"R\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x1e\n\x16only_from_ended_leases\x18\x03 \x01(\x08\"Y\n\nClaimReply\x12\x0f\n\x07missing\x18\x01 \x03(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.tandem.v1.BlockList\x12\x14\n\x0cheld_by_live\x18\x03 \x03(\t\"2\n\tBlockList\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"+\n\x15WatchPartitionRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xc5\x02\n\nAgentStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1f\n\x17num_prefix_query_tokens\x18\x04 \x01(\x04\x12\x1d\n\x15num_prefix_hit_tokens\x18\x05 \x01(\x04\x12\'\n\tpartition\x18\x06 \x01(\x0b\x32\x14.tandem.v1.Partition\x12\x1e\n\x16num_reclaimed_requests\x18\x07 \x01(\x04\x12\x1c\n\x14num_reclaimed_blocks\x18\x08 \x01(\x04\x12\"\n\x06models\x18\t \x03(\x0b\x32\x12.tandem.v1.ModelKV\x12\x11\n\tnum_slabs\x18\n \x01(\r\x12\x16\n\x0enum_free_slabs\x18\x0b \x01(\r\"\x87\x01\n\x07ModelKV\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x11\n\tnum_slabs\x18\x05 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x06 \x01(\r\"j\n\rQueuedPrefill\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61rrival_unix_ns\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xf1\x03\n\tPhaseLoad\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12(\n\x06queued\x18\x03 \x03(\x0b\x32\x18.tandem.v1.QueuedPrefill\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x04 \x03(\r\x12\x14\n\x0clast_step_ns\x18\x05 \x01(\x04\x12\x30\n\x07running\x18\x06 \x01(\x0b\x32\x1f.tandem.v1.PrefillBatchInFlight\x12/\n\x06paused\x18\x07 \x01(\x0b\x32\x1f.tandem.v1.PrefillBatchInFlight\x12\x1d\n\x15last_step_end_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16last_step_chunk_tokens\x18\t \x01(\r\x12\x1a\n\x12last_step_num_seqs\x18\n \x01(\r\x12*\n\"oldest_waiting_first_token_unix_ns\x18\x0b \x01(\x04\x12\x12\n\nkv_waiting\x18\x0c \x01(\r\x12\x1c\n\x14last_step_compute_ns\x18\r \x01(\x04\x12\x38\n\x13prompt_step_timings\x18\x0e \x03(\x0b\x32\x1b.tandem.v1.PromptStepTiming\"l\n\x10PromptStepTiming\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x02 \x03(\r\x12\x11\n\tprompt_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\"\x86\x01\n\x14PrefillBatchInFlight\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.tandem.v1.QueuedPrefill\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x17\n\x0fstarted_unix_ns\x18\x03 \x01(\x04\x12\x14\n\x0cpreempted_id\x18\x04 \x01(\t\":\n\x0fReportLoadReply\x12\'\n\tpartition\x18\x01 \x01(\x0b\x32\x14.tandem.v1.Partition*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xcc\x04\n\x08GpuAgent\x12@\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x18.tandem.v1.RegisterReply\x12@\n\x08\x41llocate\x12\x1a.tandem.v1.AllocateRequest\x1a\x18.tandem.v1.AllocateReply\x12:\n\x06\x45xtend\x12\x18.tandem.v1.ExtendRequest\x1a\x16.tandem.v1.ExtendReply\x12=\n\x07Publish\x12\x19.tandem.v1.PublishRequest\x1a\x17.tandem.v1.PublishReply\x12=\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x17.tandem.v1.ReleaseReply\x12\x37\n\x05\x43laim\x12\x17.tandem.v1.ClaimRequest\x1a\x15.tandem.v1.ClaimReply\x12J\n\x0eWatchPartition\x12 .tandem.v1.WatchPartitionRequest\x1a\x14.tandem.v1.Partition0\x01\x12=\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x15.tandem.v1.AgentStats\x12>\n\nReportLoad\x12\x14.tandem.v1.PhaseLoad\x1a\x1a.tandem.v1.ReportLoadReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/agent.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"d\n\x0fRegisterRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"\xb7\x01\n\nKVPoolInfo\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x14\n\x0coffset_bytes\x18\t \x01(\x04\"\xde\x02\n\rRegisterReply\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x18\n\x10weights_shm_name\x18\x03 \x01(\t\x12&\n\x07kv_pool\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVPoolInfo\x12\'\n\tpartition\x18\x05 \x01(\x0b\x32\x14.tandem.v1.Partition\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rweight_format\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x14\n\x0c\x63uda_weights\x18\t \x01(\x0c\x12\x0f\n\x07\x63uda_kv\x18\n \x01(\x0c\x12\x1a\n\rscratch_block\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x61ggregated_only\x18\x0c \x01(\x08\x12\x1b\n\x13skip_prompt_timings\x18\r \x01(\x08\x42\x10\n\x0e_scratch_block\"r\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_extra_tokens\x18\x03 \x01(\r\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0f\n\x07readmit\x18\x05 \x01(\x08\"P\n\rAllocateReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x11\n\tserver_ns\x18\x03 \x01(\x04\"F\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"J\n\x0b\x45xtendReply\x12\x15\n\rnew_block_ids\x18\x01 \x03(\r\x12\x11\n\tserver_ns\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"F\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"%\n\x0cPublishReply\x12\x15\n\rnum_published\x18\x01 \x01(\r\"F\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05owner\x18\x03 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"R\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x1e\n\x16only_from_ended_leases\x18\x03 \x01(\x08\"Y\n\nClaimReply\x12\x0f\n\x07missing\x18\x01 \x03(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.tandem.v1.BlockList\x12\x14\n\x0cheld_by_live\x18\x03 \x03(\t\"2\n\tBlockList\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"+\n\x15WatchPartitionRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xc5\x02\n\nAgentStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1f\n\x17num_prefix_query_tokens\x18\x04 \x01(\x04\x12\x1d\n\x15num_prefix_hit_tokens\x18\x05 \x01(\x04\x12\'\n\tpartition\x18\x06 \x01(\x0b\x32\x14.tandem.v1.Partition\x12\x1e\n\x16num_reclaimed_requests\x18\x07 \x01(\x04\x12\x1c\n\x14num_reclaimed_blocks\x18\x08 \x01(\x04\x12\"\n\x06models\x18\t \x03(\x0b\x32\x12.tandem.v1.ModelKV\x12\x11\n\tnum_slabs\x18\n \x01(\r\x12\x16\n\x0enum_free_slabs\x18\x0b \x01(\r\"\x87\x01\n\x07ModelKV\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x11\n\tnum_slabs\x18\x05 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x06 \x01(\r\"j\n\rQueuedPrefill\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61rrival_unix_ns\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xf1\x03\n\tPhaseLoad\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12(\n\x06queued\x18\x03 \x03(\x0b\x32\x18.tandem.v1.QueuedPrefill\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x04 \x03(\r\x12\x14\n\x0clast_step_ns\x18\x05 \x01(\x04\x12\x30\n\x07running\x18\x06 \x01(\x0b\x32\x1f.tandem.v1.PrefillBatchInFlight\x12/\n\x06paused\x18\x07 \x01(\x0b\x32\x1f.tandem.v1.PrefillBatchInFlight\x12\x1d\n\x15last_step_end_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16last_step_chunk_tokens\x18\t \x01(\r\x12\x1a\n\x12last_step_num_seqs\x18\n \x01(\r\x12*\n\"oldest_waiting_first_token_unix_ns\x18\x0b \x01(\x04\x12\x12\n\nkv_waiting\x18\x0c \x01(\r\x12\x1c\n\x14last_step_compute_ns\x18\r \x01(\x04\x12\x38\n\x13prompt_step_timings\x18\x0e \x03(\x0b\x32\x1b.tandem.v1.PromptStepTiming\"l\n\x10PromptStepTiming\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x02 \x03(\r\x12\x11\n\tprompt_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\"\x86\x01\n\x14PrefillBatchInFlight\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.tandem.v1.QueuedPrefill\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x17\n\x0fstarted_unix_ns\x18\x03 \x01(\x04\x12\x14\n\x0cpreempted_id\x18\x04 \x01(\t\":\n\x0fReportLoadReply\x12\'\n\tpartition\x18\x01 \x01(\x0b\x32\x14.tandem.v1.Partition*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xcc\x04\n\x08GpuAgent\x12@\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x18.tandem.v1.RegisterReply\x12@\n\x08\x41llocate\x12\x1a.tandem.v1.AllocateRequest\x1a\x18.tandem.v1.AllocateReply\x12:\n\x06\x45xtend\x12\x18.tandem.v1.ExtendRequest\x1a\x16.tandem.v1.ExtendReply\x12=\n\x07Publish\x12\x19.tandem.v1.PublishRequest\x1a\x17.tandem.v1.PublishReply\x12=\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x17.tandem.v1.ReleaseReply\x12\x37\n\x05\x43laim\x12\x17.tandem.v1.ClaimRequest\x1a\x15.tandem.v1.ClaimReply\x12J\n\x0eWatchPartition\x12 .tandem.v1.WatchPartitionRequest\x1a\x14.tandem.v1.Partition0\x01\x12=\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x15.tandem.v1.AgentStats\x12>\n\nReportLoad\x12\x14.tandem.v1.PhaseLoad\x1a\x1a.tandem.v1.ReportLoadReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2911
-  _globals['_ROLE']._serialized_end=2974
+  _globals['_ROLE']._serialized_start=2940
+  _globals['_ROLE']._serialized_end=3003
   _globals['_REGISTERREQUEST']._serialized_start=60
   _globals['_REGISTERREQUEST']._serialized_end=160
   _globals['_KVPOOLINFO']._serialized_start=163
   _globals['_KVPOOLINFO']._serialized_end=346
   _globals['_REGISTERREPLY']._serialized_start=349
-  _globals['_REGISTERREPLY']._serialized_end=670
-  _globals['_ALLOCATEREQUEST']._serialized_start=672
-  _globals['_ALLOCATEREQUEST']._serialized_end=786
-  _globals['_ALLOCATEREPLY']._serialized_start=788
-  _globals['_ALLOCATEREPLY']._serialized_end=868
-  _globals['_EXTENDREQUEST']._serialized_start=870
-  _globals['_EXTENDREQUEST']._serialized_end=940
-  _globals['_EXTENDREPLY']._serialized_start=942
-  _globals['_EXTENDREPLY']._serialized_end=1016
-  _globals['_PUBLISHREQUEST']._serialized_start=1018
-  _globals['_PUBLISHREQUEST']._serialized_end=1088
-  _globals['_PUBLISHREPLY']._serialized_start=1090
-  _globals['_PUBLISHREPLY']._serialized_end=1127
-  _globals['_RELEASEREQUEST']._serialized_start=1129
-  _globals['_RELEASEREQUEST']._serialized_end=1199
-  _globals['_RELEASEREPLY']._serialized_start=1201
-  _globals['_RELEASEREPLY']._serialized_end=1237
-  _globals['_CLAIMREQUEST']._serialized_start=1239
-  _globals['_CLAIMREQUEST']._serialized_end=1321
-  _globals['_CLAIMREPLY']._serialized_start=1323
-  _globals['_CLAIMREPLY']._serialized_end=1412
-  _globals['_BLOCKLIST']._serialized_start=1414
-  _globals['_BLOCKLIST']._serialized_end=1464
-  _globals['_WATCHPARTITIONREQUEST']._serialized_start=1466
-  _globals['_WATCHPARTITIONREQUEST']._serialized_end=1509
-  _globals['_GETSTATSREQUEST']._serialized_start=1511
-  _globals['_GETSTATSREQUEST']._serialized_end=1528
-  _globals['_AGENTSTATS']._serialized_start=1531
-  _globals['_AGENTSTATS']._serialized_end=1856
-  _globals['_MODELKV']._serialized_start=1859
-  _globals['_MODELKV']._serialized_end=1994
-  _globals['_QUEUEDPREFILL']._serialized_start=1996
-  _globals['_QUEUEDPREFILL']._serialized_end=2102
-  _globals['_PHASELOAD']._serialized_start=2105
-  _globals['_PHASELOAD']._serialized_end=2602
-  _globals['_PROMPTSTEPTIMING']._serialized_start=2604
-  _globals['_PROMPTSTEPTIMING']._serialized_end=2712
-  _globals['_PREFILLBATCHINFLIGHT']._serialized_start=2715
-  _globals['_PREFILLBATCHINFLIGHT']._serialized_end=2849
-  _globals['_REPORTLOADREPLY']._serialized_start=2851
-  _globals['_REPORTLOADREPLY']._serialized_end=2909
-  _globals['_GPUAGENT']._serialized_start=2977
-  _globals['_GPUAGENT']._serialized_end=3565
+  _globals['_REGISTERREPLY']._serialized_end=699
+  _globals['_ALLOCATEREQUEST']._serialized_start=701
+  _globals['_ALLOCATEREQUEST']._serialized_end=815
+  _globals['_ALLOCATEREPLY']._serialized_start=817
+  _globals['_ALLOCATEREPLY']._serialized_end=897
+  _globals['_EXTENDREQUEST']._serialized_start=899
+  _globals['_EXTENDREQUEST']._serialized_end=969
+  _globals['_EXTENDREPLY']._serialized_start=971
+  _globals['_EXTENDREPLY']._serialized_end=1045
+  _globals['_PUBLISHREQUEST']._serialized_start=1047
+  _globals['_PUBLISHREQUEST']._serialized_end=1117
+  _globals['_PUBLISHREPLY']._serialized_start=1119
+  _globals['_PUBLISHREPLY']._serialized_end=1156
+  _globals['_RELEASEREQUEST']._serialized_start=1158
+  _globals['_RELEASEREQUEST']._serialized_end=1228
+  _globals['_RELEASEREPLY']._serialized_start=1230
+  _globals['_RELEASEREPLY']._serialized_end=1266
+  _globals['_CLAIMREQUEST']._serialized_start=1268
+  _globals['_CLAIMREQUEST']._serialized_end=1350
+  _globals['_CLAIMREPLY']._serialized_start=1352
+  _globals['_CLAIMREPLY']._serialized_end=1441
+  _globals['_BLOCKLIST']._serialized_start=1443
+  _globals['_BLOCKLIST']._serialized_end=1493
+  _globals['_WATCHPARTITIONREQUEST']._serialized_start=1495
+  _globals['_WATCHPARTITIONREQUEST']._serialized_end=1538
+  _globals['_GETSTATSREQUEST']._serialized_start=1540
+  _globals['_GETSTATSREQUEST']._serialized_end=1557
+  _globals['_AGENTSTATS']._serialized_start=1560
+  _globals['_AGENTSTATS']._serialized_end=1885
+  _globals['_MODELKV']._serialized_start=1888
+  _globals['_MODELKV']._serialized_end=2023
+  _globals['_QUEUEDPREFILL']._serialized_start=2025
+  _globals['_QUEUEDPREFILL']._serialized_end=2131
+  _globals['_PHASELOAD']._serialized_start=2134
+  _globals['_PHASELOAD']._serialized_end=2631
+  _globals['_PROMPTSTEPTIMING']._serialized_start=2633
+  _globals['_PROMPTSTEPTIMING']._serialized_end=2741
+  _globals['_PREFILLBATCHINFLIGHT']._serialized_start=2744
+  _globals['_PREFILLBATCHINFLIGHT']._serialized_end=2878
+  _globals['_REPORTLOADREPLY']._serialized_start=2880
+  _globals['_REPORTLOADREPLY']._serialized_end=2938
+  _globals['_GPUAGENT']._serialized_start=3006
+  _globals['_GPUAGENT']._serialized_end=3594
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class KVPoolInfo(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format", "model", "cuda_weights", "cuda_kv", "scratch_block", "aggregated_only")
+    __slots__ = ("cell_id", "model_dir", "weights_shm_name", "kv_pool", "partition", "dtype", "weight_format", "model", "cuda_weights", "cuda_kv", "scratch_block", "aggregated_only", "skip_prompt_timings")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class RegisterReply(_message.Message):
     CUDA_KV_FIELD_NUMBER: _ClassVar[int]
     SCRATCH_BLOCK_FIELD_NUMBER: _ClassVar[int]
     AGGREGATED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PROMPT_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     model_dir: str
     weights_shm_name: str
@@ -78,7 +79,8 @@ class RegisterReply(_message.Message):
     cuda_kv: bytes
     scratch_block: int
     aggregated_only: bool
-    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., model: _Optional[str] = ..., cuda_weights: _Optional[bytes] = ..., cuda_kv: _Optional[bytes] = ..., scratch_block: _Optional[int] = ..., aggregated_only: _Optional[bool] = ...) -> None: ...
+    skip_prompt_timings: bool
+    def __init__(self, cell_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., weights_shm_name: _Optional[str] = ..., kv_pool: _Optional[_Union[KVPoolInfo, _Mapping]] = ..., partition: _Optional[_Union[_common_pb2.Partition, _Mapping]] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., model: _Optional[str] = ..., cuda_weights: _Optional[bytes] = ..., cuda_kv: _Optional[bytes] = ..., scratch_block: _Optional[int] = ..., aggregated_only: _Optional[bool] = ..., skip_prompt_timings: _Optional[bool] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_extra_tokens", "owner", "readmit")
