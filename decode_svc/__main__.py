@@ -60,7 +60,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     try:
         async with announce(config.redis_url, "decode", member.cell_id, config.announced_address, config.service_id,
                             extra={"model": member.model}):
-            serving(log)
+            serving()
             log.info("decode_svc %s ready at %s (pid %d), cell %s, cores %s, weights %s (private copy %.0f MiB)",
                      config.service_id, address, os.getpid(), member.cell_id, member.units,
                      runner.model.weight_format.value, runner.model.derived_weight_bytes / 2**20)

@@ -107,7 +107,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
     tasks.start(policy_ticks(policy, partition), "policy loop")
     try:
         async with announce(config.redis_url, "agent", config.cell_id, address, f"agent-{config.cell_id}"):
-            serving(log)
+            serving()
             log.info(
                 "gpu_agent %s ready at %s (pid %d): %s, %s, loaded in %.1fs, %s",
                 config.cell_id, address, os.getpid(), ", ".join(cell.models), _describe_kv(cell),

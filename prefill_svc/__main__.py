@@ -46,7 +46,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
             weights = (f"weights {runner.model.weight_format.value} (private copy "
                        f"{runner.model.derived_weight_bytes / 2**20:.0f} MiB)" if member.computes else
                        "no weight copy of its own (the cell's policy never splits: decode computes every prompt)")
-            serving(log)
+            serving()
             log.info("prefill_svc %s ready at %s (pid %d), cell %s, cores %s, %s", config.service_id, address,
                      os.getpid(), member.cell_id, member.units, weights)
             await stop.wait()

@@ -254,7 +254,7 @@ async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:
         async with announce(config.redis_url, "router", config.cell_id, running.address,
                             service_id=config.router_id):
             http = f"HTTP at http://{running.http.address}; " if running.http is not None else ""
-            serving(log)
+            serving()
             log.info("router %s ready at %s (pid %d): %smodel %s, context %d, upstreams from %s, started in %.1fs",
                      config.router_id, running.address, os.getpid(), http, ", ".join(running.models.names),
                      running.core.context_length, "flags" if config.static_upstreams else "registry",

@@ -29,6 +29,7 @@ stops every process, newest first, with exit code 0; a stack that cannot start e
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import secrets
@@ -363,12 +364,18 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 class StartIdleness:
-    """Whether a starting process has computed nothing lately: less than START_IDLE_CPU_S of CPU
-    over the last START_IDLE_WINDOW_S, from samples taken at each ``idle`` call. Never idle
-    before a whole window is sampled, nor where its CPU time cannot be read."""
+    """Whether a starting process looks wedged: it has computed nothing lately (less than
+    START_IDLE_CPU_S of CPU over the last START_IDLE_WINDOW_S, from samples taken at each
+    ``idle`` call) while the stack's Redis answered all along (``redis_answers``, asked at most
+    once a second: a process starting again waits for Redis, up to TANDEM_REDIS_WAIT_S,
+    computing nothing, and that wait is not a wedge). Never idle before a whole window is
+    sampled, nor where its CPU time cannot be read."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_answers: Callable[[], bool]) -> None:
         self._samples: deque[tuple[float, float]] = deque()
+        self._redis_answers = redis_answers
+        self._redis_asked_s = -math.inf
+        self._redis_up_since_s: float | None = None  # Redis has answered at every ask since then
 
     def idle(self, pid: int, now_s: float) -> bool:
         cpu_s = process_cpu_s(pid)
@@ -378,7 +385,15 @@ class StartIdleness:
         while len(self._samples) > 1 and self._samples[1][0] <= now_s - START_IDLE_WINDOW_S:
             self._samples.popleft()
         then_s, then_cpu_s = self._samples[0]
-        return then_s <= now_s - START_IDLE_WINDOW_S and cpu_s - then_cpu_s < START_IDLE_CPU_S
+        if then_s > now_s - START_IDLE_WINDOW_S or cpu_s - then_cpu_s >= START_IDLE_CPU_S:
+            return False
+        if now_s - self._redis_asked_s >= 1.0:
+            self._redis_asked_s = now_s
+            if not self._redis_answers():
+                self._redis_up_since_s = None
+            elif self._redis_up_since_s is None:
+                self._redis_up_since_s = now_s
+        return self._redis_up_since_s is not None and now_s - self._redis_up_since_s >= START_IDLE_WINDOW_S
 
 
 def process_stopped(pid: int) -> bool:
@@ -547,7 +562,6 @@ class Supervisor:
         self.stopping = False
         self.redis_server = redis_server  # the private one, which is restarted too; None: REDIS_URL's
         self.redis_url = redis_url
-        self._redis_asked: tuple[float, bool] = (-1e9, False)  # when Redis was last pinged, and its answer
         self.redis_budget = self._budget()
         self.redis_up_since_s = time.monotonic()  # the private Redis's current incarnation came up
         self.redis_restarts = 0
@@ -651,20 +665,17 @@ class Supervisor:
 
             # a service waits for its agent: it has as long as its agent has, if that is longer
             limit_s = max(limits_s[child.name], limits_s.get(needs.name, 0.0) if needs is not None else 0.0)
-            idleness = StartIdleness()
-            redis_up_since: list[float | None] = [None]  # Redis has answered all along since then
+            idleness = StartIdleness(self._redis_answers)
 
             def stopping(needs: Child | None = needs, child: Child = child, limit_s: float = limit_s,
-                         idleness: StartIdleness = idleness, redis_up_since: list[float | None] = redis_up_since
-                         ) -> bool:
+                         idleness: StartIdleness = idleness) -> bool:
                 self.watch_liveness()  # a frozen agent (or Redis) must not hold the wait to its deadline
                 if needs is not None and not needs.alive():
                     raise RuntimeError(f"{child.name} cannot register: {needs.name} exited with code "
                                        f"{needs.returncode}")
                 now_s = time.monotonic()
                 if (limit_s < self.args.ready_timeout_s and child.proc is not None and now_s - started_s >= limit_s
-                        and idleness.idle(child.proc.pid, now_s)
-                        and self._redis_up_for(redis_up_since, now_s) >= START_IDLE_WINDOW_S):
+                        and idleness.idle(child.proc.pid, now_s)):
                     raise RuntimeError(f"{child.name} did not come up at {child.address} within {limit_s:.0f} s "
                                        f"and computed nothing for the last {START_IDLE_WINDOW_S:g} s: taken as "
                                        "wedged (--restart-ready-timeout-s)")
@@ -706,26 +717,14 @@ class Supervisor:
         """A round of the liveness watch (none with --liveness-timeout-s 0): from the supervisor's
         loop and from its waits within a restart, so that a process frozen meanwhile (the new
         agent a restarting cell's services wait for, Redis) is killed in time, not at the wait's
-        deadline. What it kills is restarted by the supervisor's next round."""
+        deadline. What it kills is restarted by the supervisor's next round, except the private
+        Redis, which ``revive_redis`` restarts here."""
         if self.liveness is not None:
             self.liveness.check(self.children, self.redis_server)
         self.revive_redis()
 
-    def _redis_up_for(self, since: list[float | None], now_s: float) -> float:
-        """How long the stack's Redis has answered PING at every ask (at most one a second),
-        ``since[0]`` keeping when that began: a process starting again waits for Redis (up to
-        TANDEM_REDIS_WAIT_S), computing nothing, and that wait is not a wedge."""
-        asked_s, answered = self._redis_asked
-        if now_s - asked_s >= 1.0:
-            answered = self._redis_answers()
-            self._redis_asked = (now_s, answered)
-        if not answered:
-            since[0] = None
-            return 0.0
-        began_s = since[0] = now_s if since[0] is None else since[0]
-        return now_s - began_s
-
     def _redis_answers(self) -> bool:
+        """Whether the stack's Redis (the private one, or REDIS_URL's) answers PING now."""
         if not self.redis_url:  # none to wait for
             return True
         if self.redis_server is not None:

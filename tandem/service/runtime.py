@@ -59,16 +59,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def serving(log: logging.Logger) -> None:
+def serving() -> None:
     """What every service does once it is ready to serve, just before it says so: freeze its
     start-up heap (``freeze_startup_heap``) and start the watchdog of its event loop
     (``watch_event_loop``)."""
     freeze_startup_heap()
-    watch_event_loop(log)
+    watch_event_loop()
 
 
-def watch_event_loop(log: logging.Logger, limit_s: float | None = None,
-                     ping_s: float = 1.0) -> threading.Thread | None:
+def watch_event_loop(limit_s: float | None = None, ping_s: float = 1.0) -> threading.Thread | None:
     """A daemon thread that pings the calling event loop every ``ping_s`` (``call_soon_threadsafe``)
     and, once the loop has answered none for ``limit_s`` (``TANDEM_LOOP_WATCHDOG_S``,
     :data:`LOOP_WATCHDOG_S`; 0: no watchdog), exits the process with :data:`EXIT_LOOP_FAILED` and
@@ -102,13 +101,11 @@ def watch_event_loop(log: logging.Logger, limit_s: float | None = None,
             if answered[0] >= silent_since:
                 silent_since = now
             elif now - silent_since >= limit_s:
-                # writing the stacks could block too (the loop may hold the log's lock, or
-                # stderr be a full pipe): exit regardless a little later
+                # writing the stacks and flushing the logs could block too (the loop may hold a
+                # log handler's lock, or stderr be a full pipe): exit regardless a little later
                 backstop = threading.Timer(10.0, os._exit, args=(EXIT_LOOP_FAILED,))
                 backstop.daemon = True
                 backstop.start()
-                log.critical("the event loop has answered nothing for %.0f s (TANDEM_LOOP_WATCHDOG_S)",
-                             now - silent_since)
                 exit_now(EXIT_LOOP_FAILED, f"the event loop blocked for {now - silent_since:.0f} s", loop)
             try:
                 loop.call_soon_threadsafe(answer)

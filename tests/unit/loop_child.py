@@ -2,7 +2,7 @@
 watchdog ``serving`` starts): ``python -m tests.unit.loop_child MODE LIMIT_S``. It prints
 ``serving`` once the watchdog runs, then, by MODE: ``block`` blocks its event loop for good (a
 synchronous sleep on the loop: the wedge the watchdog is for); ``block_log`` the same while
-holding the log handler's lock (the watchdog's own log line then blocks); ``short`` blocks it for half the
+holding the log handler's lock (the watchdog's flush of the logs then blocks); ``short`` blocks it for half the
 limit at a time, with answers between, for four limits, then exits 0; ``idle`` serves (an idle
 loop) for four limits, then exits 0 (the test stops and resumes it meanwhile)."""
 
@@ -19,15 +19,14 @@ from tandem.service.runtime import run_service, watch_event_loop
 def main() -> None:
     mode, limit_s = sys.argv[1], float(sys.argv[2])
     logging.basicConfig()
-    log = logging.getLogger("loop_child")
 
     async def serve(stop: asyncio.Event) -> None:
-        watch_event_loop(log, limit_s, ping_s=0.2)
+        watch_event_loop(limit_s, ping_s=0.2)
         print("serving", flush=True)
         end = time.monotonic() + 4 * limit_s
         if mode == "block":
             time.sleep(600)
-        if mode == "block_log":  # blocked holding the log handler's lock: the watchdog cannot log
+        if mode == "block_log":  # blocked holding the log handler's lock: the watchdog cannot flush
             handler = logging.getLogger().handlers[0]
             handler.acquire()
             time.sleep(600)

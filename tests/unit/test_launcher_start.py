@@ -35,7 +35,6 @@ def _supervisor(cells: list[CellProcs], router: Child) -> Supervisor:
     sup.liveness = None
     sup.redis_server = None
     sup.redis_url = ""
-    sup._redis_asked = (-1e9, False)
     sup.cells = cells
     sup.router = router
     sup.children = [*(c for cell in cells for c in cell.children), router]

@@ -54,7 +54,8 @@ def test_a_loop_blocked_for_good_exits_with_its_stacks(seed: int) -> None:
 
 
 def test_a_loop_blocked_holding_the_log_lock_still_exits() -> None:
-    """Writing the stacks can block too (here the loop holds the log handler's lock): the
+    """Exiting can block too (here the loop holds the log handler's lock, which flushing the logs
+    takes): the
     process exits EXIT_LOOP_FAILED regardless, 10 s after the limit."""
     limit_s = random.uniform(1.0, 2.0)
     code, took_s, _ = _exit_of_blocked("block_log", limit_s, limit_s + 30)
