@@ -4,8 +4,9 @@
 # eight files; the rest in $OUT/extra.tgz).
 #   bash bench/gpu_run.sh [STAGE ...]   stages: tests live stack (default: these three), flashinfer, wait,
 #                                       fiwarm, cell
-#     fiwarm in the background: JIT-build flashinfer's decode kernels of the 8B shape and the tests' tiny
-#            model, so that the stages after it find them built
+#     fiwarm in the background: JIT-build flashinfer's kernels (graph decode, and the paged prefill of the
+#            steps run op by op) of the 8B shape and the tests' tiny model (bench/fi_warm.py), so that the
+#            stages after it find them built
 #     tests  the graph, engine, partition and IPC GPU tests (on past a failure, up to three: one
 #            device call is too dear to learn only the first); TANDEM_TESTS_K picks them (pytest -k)
 #     flashinfer  in the background: flashinfer's paged attention (JIT-built with the machine's nvcc)
@@ -47,17 +48,9 @@ for stage in ${stages[@]}; do
             -o addopts="" -rs > "$OUT/gpu-flashinfer.log" 2>&1; echo "flashinfer rc=$?" >> "$OUT/gpu-flashinfer.log" ) &
         echo "flashinfer: started in the background" ;;
     fiwarm)
-        for shape in "bfloat16 32 8 128" "float16 4 2 64"; do  # (dtype, heads, kv heads, head dim)
-            # shellcheck disable=SC2086
-            ( set -- $shape; timeout 300 python3 -c "
-import sys, time, torch, flashinfer
-t = time.perf_counter()
-dtype, dev = getattr(torch, sys.argv[1]), 'cuda'
-w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 27, dtype=torch.uint8, device=dev), 'NHD')
-i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)
-w.plan(i32(0, 1), i32(0), i32(1), *map(int, sys.argv[2:5]), 16, q_data_type=dtype, kv_data_type=dtype)
-print('decode kernels of', sys.argv[1:], 'built in', round(time.perf_counter() - t, 1), 's')
-" "$@" >> "$work/fi-warm.log" 2>&1 ) &
+        # the 8B shape, the stack test's flashinfer model and the GPU tests' fp16 one, side by side
+        for shape in bfloat16:32:8:128 bfloat16:4:2:64 float16:4:2:64; do
+            ( timeout 300 python3 -m bench.fi_warm "$shape" >> "$work/fi-warm.log" 2>&1 ) &
         done
         echo "fiwarm: started in the background" ;;
     cell)
@@ -66,7 +59,7 @@ print('decode kernels of', sys.argv[1:], 'built in', round(time.perf_counter() -
         echo "cell rc=$?"; grep -a "graph attention\|held-out\|failed\|Error" "$work/cuda-cell.log" | tail -30
         cp "$work/profile-gpu.json" "$OUT/" 2>/dev/null ;;
     wait)
-        wait; tail -4 "$OUT/gpu-flashinfer.log" 2>/dev/null ;;
+        wait; tail -4 "$OUT/gpu-flashinfer.log" 2>/dev/null; cat "$work/fi-warm.log" 2>/dev/null ;;
     live)
         variants=()  # TANDEM_LIVE_VARIANTS="chunked-eager=chunked:TANDEM_CUDA_GRAPHS=off ..."
         for v in ${TANDEM_LIVE_VARIANTS:-}; do variants+=(--variant "$v"); done
