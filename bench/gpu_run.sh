@@ -50,7 +50,7 @@ for stage in ${stages[@]}; do
     fiwarm)
         # the 8B shape, the stack test's flashinfer model and the GPU tests' fp16 one, side by side
         for shape in bfloat16:32:8:128 bfloat16:4:2:64 float16:4:2:64; do
-            ( timeout 300 python3 -m bench.fi_warm "$shape" >> "$work/fi-warm.log" 2>&1 ) &
+            ( timeout 200 python3 -m bench.fi_warm "$shape" >> "$work/fi-warm.log" 2>&1 ) &
         done
         echo "fiwarm: started in the background" ;;
     cell)
