@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -74,6 +75,7 @@ GGML_X8_MAX_ROWS = 16
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
+_WARNING_FILTERS_LOCK = threading.Lock()
 
 # Picks the ggml format's wide copy (``ggml_wide_format``): auto, fp16 or bf16. Read when a model loads.
 GGML_WIDE_ENV = "TANDEM_GGML_WIDE"
@@ -256,7 +258,9 @@ class Linear:
                 derived = derived / out_divisor[:, None]
                 self.bias = bias = None if bias is None else bias / out_divisor
             q, scale = quantize_per_channel_int8(derived)
-            with warnings.catch_warnings():
+            # catch_warnings swaps the process's filters: layers built on several threads
+            # (LlamaModel) take turns here, or one could restore another's "ignore" for good
+            with _WARNING_FILTERS_LOCK, warnings.catch_warnings():
                 # quantized tensors are deprecated as a user-facing type; fbgemm's packing still
                 # takes one, and nothing else of it outlives this constructor.
                 warnings.simplefilter("ignore", UserWarning)
