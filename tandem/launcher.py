@@ -389,10 +389,14 @@ class StartIdleness:
             return False
         if now_s - self._redis_asked_s >= 1.0:
             self._redis_asked_s = now_s
-            if not self._redis_answers():
+            asked_s = time.monotonic()
+            answers = self._redis_answers()
+            if not answers:
                 self._redis_up_since_s = None
             elif self._redis_up_since_s is None:
-                self._redis_up_since_s = now_s
+                # from when the answer came: a PING sent to a stopped Redis waits in its socket
+                # and is answered when it resumes, up to the ask's 1 s timeout after ``now_s``
+                self._redis_up_since_s = now_s + (time.monotonic() - asked_s)
         return self._redis_up_since_s is not None and now_s - self._redis_up_since_s >= START_IDLE_WINDOW_S
 
 

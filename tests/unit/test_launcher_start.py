@@ -529,3 +529,37 @@ def test_a_restart_waiting_for_a_redis_that_does_not_answer_is_not_taken_as_wedg
                 os.kill(redis.pid, signal.SIGCONT)
             for child in (worker, sup.router):
                 child.stop(5)
+
+
+@pytest.mark.parametrize("held_s", [0.0, 0.3, 0.8])
+def test_redis_counts_as_answering_from_when_its_answer_came(held_s: float) -> None:
+    """A PING sent to a stopped Redis is answered once it resumes, up to the ask's timeout
+    later: the idle window that lets a quiet start be taken for wedged counts from that answer,
+    not from the ask (CI once stopped a start 4.3 s after Redis resumed, inside the 5 s window).
+    A real sleeping process; the window on a given clock; the answer held by a real wait."""
+    import subprocess
+
+    from tandem.launcher import START_IDLE_WINDOW_S, StartIdleness
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        asks: list[bool] = []
+
+        def redis_answers() -> bool:
+            up = len(asks) >= 7  # stopped for the first seven asks, then answering
+            if up and not any(asks):
+                time.sleep(held_s)  # the first answer comes when Redis resumes
+            asks.append(up)
+            return up
+
+        idle, now = StartIdleness(redis_answers), 1000.0
+        while not any(asks):  # a second apart (Redis is asked once a whole window is sampled)
+            now += 1.0
+            assert not idle.idle(proc.pid, now)
+        answered = now + held_s
+        assert not idle.idle(proc.pid, answered + START_IDLE_WINDOW_S - 0.05)
+        assert idle.idle(proc.pid, answered + START_IDLE_WINDOW_S + 0.5)
+        assert asks[:7] == [False] * 7 and all(asks[7:])
+    finally:
+        proc.kill()
+        proc.wait()
