@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_agent.blocks import PROMPT_GRANT_KEEP_S, BlockLedger, NotOwnerError
+from gpu_agent.blocks import PROMPT_GRANT_KEEP_S, WANT_HOLD_S, BlockLedger, NotOwnerError
 from gpu_agent.leases import Leases
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.kv_slab import KVSlabPool
@@ -361,3 +361,125 @@ def _check_grant_history(ops: list[tuple[str, int, float]], kept: int) -> None:
             now += dt
         live = [rid for rid, at in grants if rid in owners and at > now - PROMPT_GRANT_KEEP_S]
         assert ledger.kv_load(now).granted_prompts == tuple(reversed(live[-kept:]))
+
+
+def _slab_pair(guarantee: bool) -> tuple[KVSlabPool, BlockLedger, BlockLedger]:
+    """Two models on one slab pool of 8 slabs (a slab holds 2 blocks of a, 4 of b; 4 tokens a
+    block), each owed 4 slabs when ``guarantee``."""
+    pool = KVSlabPool(32, {"a": 2, "b": 1}, slab_multiple=2)
+    a, b = BlockLedger(pool.view("a", 4)), BlockLedger(pool.view("b", 4))
+    a.peers, b.peers = [b], [a]
+    a.guarantee_share = b.guarantee_share = guarantee
+    return pool, a, b
+
+
+@pytest.mark.parametrize("guarantee", [True, False])
+def test_a_model_over_its_share_leaves_free_slabs_to_another_models_waiting_prompt(guarantee: bool) -> None:
+    """a borrows 6 of the 8 slabs while b asks for none; b's prompt then wants 3 slabs and finds
+    2. With guaranteed shares a's next prompt is refused those 2 (and the router's figures say
+    so) until b's want is met or ends; a's running streams and readmissions still get them. First
+    come, first served (--kv-split slab, the default), a takes them."""
+    pool, a, b = _slab_pair(guarantee)
+    assert a.share_slabs == b.share_slabs == 4
+    a.allocate("a1", list(range(24)), owner="pa", now_s=0.0)  # 6 blocks: 3 slabs
+    a.allocate("a2", list(range(24)), owner="pa", now_s=0.0)  # 3 more: over its share, b asks for none
+    assert pool.num_free_slabs == 2 and a.allocator.num_slabs_held == 6
+    with pytest.raises(OutOfBlocksError, match="exhausted"):
+        b.allocate("b1", list(range(48)), owner="pb", now_s=1.0)  # 12 blocks: 3 slabs, 2 free
+    assert b.wanted_slabs(1.0) == (3 if guarantee else 0)
+    assert a.kv_load(1.0).held_back_blocks == (4 if guarantee else 0)  # both free slabs, in a's blocks
+    if guarantee:
+        with pytest.raises(OutOfBlocksError, match="other models' waiting prompts first"):
+            a.allocate("a3", list(range(4)), owner="pa", now_s=1.1)
+        assert a.num_share_refusals == 1
+        a.extend("a1", 28, owner="pa")  # a running stream grows into a free slab all the same
+        a.release("a2")  # preempted: 3 slabs free
+        assert a.allocate("a2", list(range(24)), owner="da", readmit=True, now_s=1.2).block_ids
+        with pytest.raises(OutOfBlocksError):
+            b.allocate("b1", list(range(48)), owner="pb", now_s=1.3)  # 1 free slab: asks again
+        a.release("a1")  # 4 slabs free
+        assert a.kv_load(1.35).held_back_blocks == 6  # b's 3 slabs of the 4
+        assert len(b.allocate("b1", list(range(48)), owner="pb", now_s=1.4).block_ids) == 12
+        assert b.wanted_slabs(1.4) == 0 and a.kv_load(1.4).held_back_blocks == 0
+        a.allocate("a3", list(range(4)), owner="pa", now_s=1.5)  # the want met: a borrows again
+    else:
+        a.allocate("a3", list(range(4)), owner="pa", now_s=1.1)
+        assert a.num_share_refusals == 0
+    for ledger in (a, b):
+        for owner in ("pa", "da", "pb"):
+            ledger.reclaim(owner)
+    pool.check()
+    assert pool.num_free_slabs == 8
+
+
+def test_a_want_ends_when_its_prompt_stops_asking_and_counts_only_what_the_share_owes() -> None:
+    pool, a, b = _slab_pair(True)
+    b.allocate("b0", list(range(48)), owner="pb", now_s=0.0)  # 3 slabs of b's 4
+    a.allocate("a1", list(range(40)), owner="pa", now_s=0.0)  # 10 blocks: a's 5 slabs
+    with pytest.raises(OutOfBlocksError):
+        b.allocate("b1", list(range(64)), owner="pb", now_s=1.0)  # 4 slabs wanted, the share owes 1
+    assert b.wanted_slabs(1.0) == 1
+    assert b.wanted_slabs(1.0 + WANT_HOLD_S) == 0  # it stopped asking
+    with pytest.raises(OutOfBlocksError):  # asks again (the pool is full anyway)
+        b.allocate("b1", list(range(64)), owner="pb", now_s=2.0)
+    a.release("a1")  # 5 free: b is owed 1, a (holding none) 4 of its own share
+    a.allocate("a2", list(range(32)), owner="pa", now_s=2.1)  # 4 slabs: within its share
+    with pytest.raises(OutOfBlocksError, match="waiting prompts first"):
+        a.allocate("a3", list(range(4)), owner="pa", now_s=2.2)  # the last free slab is b's
+    b.release("b1")  # b's prompt went away (cancelled): its want goes with it
+    assert b.wanted_slabs(2.3) == 0
+    a.allocate("a3", list(range(4)), owner="pa", now_s=2.3)
+    for ledger, owner in ((a, "pa"), (b, "pb")):
+        ledger.reclaim(owner)
+    pool.check()
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "new", "extend", "readmit", "release", "wait"]),
+                              st.sampled_from("ab"), st.integers(1, 24), st.floats(0.0, 0.6)), max_size=50))
+@settings(max_examples=300, deadline=None)
+def test_with_guaranteed_shares_a_model_borrows_only_what_the_other_models_wants_leave(
+        ops: list[tuple[str, str, int, float]]) -> None:
+    """Random histories of two models on one slab pool with guaranteed shares: a new prompt that
+    takes a model past its share never takes free slabs the other model's standing want needs
+    (counted before the grant); a new prompt refused while the pool had room beyond the holds
+    and wants is never seen; a prompt the admission figures (``kv_load``) say fits is granted;
+    every block and slab comes back."""
+    pool = KVSlabPool(24, {"a": 2, "b": 1}, slab_multiple=2)  # 6 slabs: 2 blocks of a or 4 of b each
+    ledgers = {"a": BlockLedger(pool.view("a", 4)), "b": BlockLedger(pool.view("b", 4))}
+    ledgers["a"].peers, ledgers["b"].peers = [ledgers["b"]], [ledgers["a"]]
+    for ledger in ledgers.values():
+        ledger.guarantee_share = True
+    now, held, ids = 0.0, {"a": [], "b": []}, iter(range(10**6))  # type: dict[str, list[str]]
+    for op, model, n, dt in ops:
+        ledger, other = ledgers[model], ledgers["b" if model == "a" else "a"]
+        if op in ("new", "readmit"):
+            rid = f"{model}{next(ids)}"
+            kv = ledger.kv_load(now)
+            fits = kv.free_blocks - kv.held_back_blocks >= ledger.allocator.num_blocks_for(n)
+            wanted, free_before = other.wanted_slabs(now), pool.num_free_slabs
+            slabs_held_before = ledger.allocator.num_slabs_held
+            try:
+                ledger.allocate(rid, list(range(n)), owner=model, readmit=op == "readmit", now_s=now)
+            except OutOfBlocksError:
+                assert not (op == "new" and fits), (kv, n)
+                continue
+            held[model].append(rid)
+            taken = free_before - pool.num_free_slabs
+            if op == "new" and taken and ledger.allocator.num_slabs_held > ledger.share_slabs:
+                beyond = ledger.allocator.num_slabs_held - max(ledger.share_slabs, slabs_held_before)
+                assert beyond <= 0 or free_before - taken >= wanted, (free_before, taken, wanted)
+        elif op == "extend" and held[model]:
+            rid = held[model][n % len(held[model])]
+            try:
+                ledger.extend(rid, len(ledger.blocks_of(rid) or []) * 4 + n)
+            except OutOfBlocksError:
+                assert pool.num_free_slabs == 0 or ledger.allocator.num_free_blocks < n
+        elif op == "release" and held[model]:
+            ledger.release(held[model].pop(n % len(held[model])))
+        elif op == "wait":
+            now += dt
+        assert 0 <= other.wanted_slabs(now) <= max(0, other.share_slabs - other.allocator.num_slabs_held)
+    for model, ledger in ledgers.items():
+        ledger.reclaim(model)
+    pool.check()
+    assert pool.num_free_slabs == 6
