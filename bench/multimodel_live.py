@@ -12,10 +12,6 @@ every 0.2 s: blocks held × block size / pool MiB; mean and peak), with its phas
 alternate within a repeat on the same requests (new requests per repeat), and the summary gives
 each figure as mean ± 95 % interval and the paired slab − static difference.
 
-``--compare guarantee`` runs three: the slab pool first come, first served (``--kv-split
-slab``, the default), the slab pool keeping each model's equal share for its waiting prompts
-(``slab-guaranteed``), and static.
-
 ``--compare admission`` runs the slab pool with the router's admission on and off instead (the
 router's defaults, its wait for each model's KV blocks included), and counts, besides, the
 requests refused (429 / RESOURCE_EXHAUSTED) and the admitted ones that missed the SLO.
@@ -175,29 +171,24 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(48, 160), metavar=("LO", "HI"))
     parser.add_argument("--hogs", type=int, default=0, help="busy loops beside the stack during each run")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="each request's gRPC deadline")
-    parser.add_argument("--compare", choices=("split", "guarantee", "admission"), default="split",
-                        help="split: slab against static (admission off); guarantee: slab against slab-guaranteed "
-                             "and static; admission: the slab pool with the router's admission "
-                             "on against off (the stack's SLOs set to the benchmark's)")
+    parser.add_argument("--compare", choices=("split", "admission"), default="split",
+                        help="split: slab against static (admission off); admission: the slab pool with the "
+                             "router's admission on against off (the stack's SLOs set to the benchmark's)")
     parser.add_argument("--out", type=Path, default=Path("multimodel-live.json"))
     args = parser.parse_args()
     slo = SloSpec(args.ttft_slo_ms / 1000, args.tbt_slo_ms / 1000, args.ttft_slo_ms_per_1k / 1000)
     runs: list[dict[str, Any]] = []
     logs = Path(f"/tmp/multimodel-live-{os.getpid()}")
     logs.mkdir(exist_ok=True)
-    # (label, KV split, admission) of the variants compared, the first minus each other.
-    variants = {"split": [("slab", "slab", "off"), ("static", "static", "off")],
-                "guarantee": [("slab", "slab", "off"), ("slab-guaranteed", "slab-guaranteed", "off"),
-                              ("static", "static", "off")],
-                "admission": [("admission", "slab", "on"), ("admission-off", "slab", "off")]}[args.compare]
+    # (label, KV split, admission) of the two variants compared, the first minus the second.
+    variants = ([("slab", "slab", "off"), ("static", "static", "off")] if args.compare == "split" else
+                [("admission", "slab", "on"), ("admission-off", "slab", "off")])
     slo_args = ("--ttft-slo-ms", str(args.ttft_slo_ms), "--ttft-slo-ms-per-1k", str(args.ttft_slo_ms_per_1k),
                 "--tbt-slo-ms", str(args.tbt_slo_ms)) if args.compare == "admission" else ()
     for repeat in range(args.repeats):
         jobs = make_requests(args.seed + repeat, args.requests, args.rate, args.skew, args.prompt_tokens,
                              args.output_tokens)
-        shift = repeat % len(variants)  # each variant first in turn
-        order = variants[shift:] + variants[:shift]
-        for label, split, admission in order:
+        for label, split, admission in (variants if repeat % 2 == 0 else variants[::-1]):
             proc, address, agent = start_stack(split, args.kv_cache_gb, logs / f"{label}-{repeat}.log", admission,
                                                slo_args)
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
@@ -226,9 +217,7 @@ def main() -> None:
                   f"{summary['num_admitted_missed']} of {len(records) - summary['num_refused']}, "
                   f"{stalls} stall reports", flush=True)
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "models": MODELS, "runs": runs,
-              "summary": {k: v for other in variants[1:] for k, v in summarize_runs(runs, variants[0][0],
-                                                                                   other[0]).items()}}
+              "models": MODELS, "runs": runs, "summary": summarize_runs(runs, variants[0][0], variants[1][0])}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
 

@@ -19,16 +19,6 @@ it and for every hold. Before, new prompts took blocks as they came free and a p
 request, whose client already had tokens, could wait until decode's 30 s limit failed it. In a
 slab pool the holds of every model count (``peers``): a new prompt of one model is refused the
 free slabs another model's preempted requests wait for.
-
-Guaranteed shares (a slab pool with ``guarantee_share``, ``--kv-split slab-guaranteed``): each model is
-owed an equal share of the slabs (``share_slabs``) while it asks for them. A new prompt that the
-pool refuses stands as a *want* for WANT_HOLD_S (prefill's first waiting prompt asks again
-every 50 ms, renewing it), counted up to what its model lacks of its share. While another
-model's want stands, a model's new prompt may take free slabs only within its own share or from
-the free slabs the wants leave. So a model borrows what the others do not ask for, and one
-model's burst no longer keeps the others' prompts waiting for its streams to end: what it
-borrowed comes back to them as its requests finish, before its next prompts. Running streams
-(``extend``) and preempted requests (readmission) are never refused for a want.
 """
 
 from __future__ import annotations
@@ -43,7 +33,6 @@ from tandem.engine.kv_slab import SlabBlockAllocator
 from tandem.protocol import ModelKVLoad
 
 READMIT_HOLD_S = 1.0
-WANT_HOLD_S = 1.0  # how long a refused new prompt's want stands unless it asks again
 # A new prompt given blocks is named in the load report (``ModelKVLoad.granted_prompts``) this
 # long, while it holds them, and no more than the most recent PROMPT_GRANTS_KEPT of them: long
 # enough for its first token in any wait a router admits (its TTFT deadline), short enough to
@@ -73,11 +62,6 @@ class BlockLedger:
         # A slab pool: the other models' ledgers, whose readmission holds keep free slabs from
         # this model's new prompts (set by the cell).
         self.peers: Sequence[BlockLedger] = ()
-        # A slab pool with guaranteed shares (set by the cell): refused new prompts
-        # (request id -> blocks needed, monotonic time the want ends).
-        self.guarantee_share = False
-        self._wants: dict[str, tuple[int, float]] = {}
-        self.num_share_refusals = 0  # new prompts refused slabs the other models' wants needed
 
     @property
     def num_requests(self) -> int:
@@ -108,38 +92,6 @@ class BlockLedger:
             return 0
         return self.allocator.free_slabs_needed(held)
 
-    @property
-    def share_slabs(self) -> int:
-        """A slab pool: the slabs this model is owed while it asks (an equal share of the pool)."""
-        if not isinstance(self.allocator, SlabBlockAllocator):
-            return 0
-        return self.allocator.pool.num_slabs // (1 + len(self.peers))
-
-    def wanted_slabs(self, now_s: float | None = None) -> int:
-        """Guaranteed shares: the free slabs this model's refused new prompts want, as far as its
-        share still owes them (0 without guaranteed shares, or without a standing want)."""
-        if not self.guarantee_share or not isinstance(self.allocator, SlabBlockAllocator):
-            return 0
-        now_s = time.monotonic() if now_s is None else now_s
-        for rid in [rid for rid, (_, until) in self._wants.items() if until <= now_s]:
-            del self._wants[rid]
-        if not self._wants:
-            return 0
-        need = self.allocator.free_slabs_needed(sum(need for need, _ in self._wants.values()))
-        return min(need, max(0, self.share_slabs - self.allocator.num_slabs_held))
-
-    def slabs_lent_back(self, now_s: float | None = None) -> int:
-        """Guaranteed shares: the free slabs this model's new prompts must leave to the other
-        models' wants (what is free beyond both this model's unused share and the wants)."""
-        if not self.guarantee_share or not isinstance(self.allocator, SlabBlockAllocator):
-            return 0
-        wanted = sum(peer.wanted_slabs(now_s) for peer in self.peers)
-        if not wanted:
-            return 0
-        free = self.allocator.pool.num_free_slabs
-        own = max(0, self.share_slabs - self.allocator.num_slabs_held)
-        return max(0, free - max(own, free - wanted))
-
     def kv_load(self, now_s: float | None = None) -> ModelKVLoad:
         """What admission needs of this model's pool, in its blocks: what is free, what new
         prompts must leave to preempted requests (in a slab pool the other models' holds on free
@@ -147,8 +99,7 @@ class BlockLedger:
         now_s = time.monotonic() if now_s is None else now_s
         held = self.held_for_readmission(now_s)
         if isinstance(self.allocator, SlabBlockAllocator):
-            held += (sum(peer.slabs_held_back(now_s) for peer in self.peers)
-                     + self.slabs_lent_back(now_s)) * self.allocator.blocks_per_slab
+            held += sum(peer.slabs_held_back(now_s) for peer in self.peers) * self.allocator.blocks_per_slab
         return ModelKVLoad(block_size=self.allocator.block_size, free_blocks=self.allocator.num_free_blocks,
                            held_back_blocks=held, prompt_blocks_granted=self.num_prompt_blocks_granted,
                            granted_prompts=self.recent_prompt_grants(now_s))
@@ -177,11 +128,16 @@ class BlockLedger:
         now_s = time.monotonic() if now_s is None else now_s
         need = self.allocator.num_blocks_for(len(token_ids) + num_extra_tokens)
         if not readmit:
-            try:
-                self._check_new_prompt(need, now_s)
-            except OutOfBlocksError:
-                self._want(request_id, need, now_s)
-                raise
+            held = self.held_for_readmission(now_s)
+            if held and self.allocator.num_free_blocks < held + need:
+                raise OutOfBlocksError(f"{held} blocks are held back for {len(self._readmits)} preempted "
+                                       f"request(s) waiting to resume; {self.allocator.num_free_blocks} free")
+            others = sum(peer.slabs_held_back(now_s) for peer in self.peers)
+            if others and isinstance(self.allocator, SlabBlockAllocator):
+                slabs = self.allocator.free_slabs_needed(need)
+                if slabs and self.allocator.pool.num_free_slabs < others + slabs:
+                    raise OutOfBlocksError(f"{others} free slab(s) are held back for preempted requests of other "
+                                           f"models waiting to resume; {self.allocator.pool.num_free_slabs} free")
         try:
             alloc = self.allocator.allocate(token_ids)
             blocks = list(alloc.block_ids)
@@ -194,45 +150,14 @@ class BlockLedger:
         except OutOfBlocksError:
             if readmit:
                 self._readmits[request_id] = (need, now_s + READMIT_HOLD_S)
-            else:
-                self._want(request_id, need, now_s)
             raise
         self._readmits.pop(request_id, None)
-        self._wants.pop(request_id, None)
         if not readmit:
             self.num_prompt_blocks_granted += len(blocks)
             self._prompt_grants[request_id] = now_s
         self._held[request_id] = blocks
         self._owner[request_id] = owner
         return Allocation(tuple(blocks), alloc.num_cached_tokens)
-
-    def _check_new_prompt(self, need: int, now_s: float) -> None:
-        """Refuse a new prompt of ``need`` blocks what preempted requests and, with guaranteed
-        shares, the other models' wants must keep (OutOfBlocksError)."""
-        held = self.held_for_readmission(now_s)
-        if held and self.allocator.num_free_blocks < held + need:
-            raise OutOfBlocksError(f"{held} blocks are held back for {len(self._readmits)} preempted "
-                                   f"request(s) waiting to resume; {self.allocator.num_free_blocks} free")
-        if not isinstance(self.allocator, SlabBlockAllocator):
-            return
-        slabs = self.allocator.free_slabs_needed(need)
-        if not slabs:
-            return
-        free = self.allocator.pool.num_free_slabs
-        others = sum(peer.slabs_held_back(now_s) for peer in self.peers)
-        if others and free < others + slabs:
-            raise OutOfBlocksError(f"{others} free slab(s) are held back for preempted requests of other "
-                                   f"models waiting to resume; {free} free")
-        lent = self.slabs_lent_back(now_s)
-        if lent and free - lent < slabs:
-            self.num_share_refusals += 1
-            raise OutOfBlocksError(
-                f"{lent} of the {free} free slab(s) go to other models' waiting prompts first: this model holds "
-                f"{self.allocator.num_slabs_held} slabs, its share is {self.share_slabs}")
-
-    def _want(self, request_id: str, need: int, now_s: float) -> None:
-        if self.guarantee_share:
-            self._wants[request_id] = (need, now_s + WANT_HOLD_S)
 
     def extend(self, request_id: str, num_tokens: int, owner: str | None = None) -> list[int]:
         blocks = self._require(request_id, owner)
@@ -251,7 +176,6 @@ class BlockLedger:
         blocks = self._held.pop(request_id, None)
         self._owner.pop(request_id, None)
         self._prompt_grants.pop(request_id, None)
-        self._wants.pop(request_id, None)
         if blocks is None:
             return 0
         if token_ids:

@@ -36,9 +36,8 @@ class AgentConfig:
         choices=["cpu", "cuda"]))
     kv_cache_gb: float = field(metadata=flag("--kv-cache-gb", 1.0, "KV pool size in GiB", type=float))
     kv_split: str = field(metadata=flag(
-        "--kv-split", "slab", "how several models share the KV pool: slab (FineServe's slabs, on demand, first "
-        "come, first served), slab-guaranteed (the same, each model's equal share kept for its waiting prompts) "
-        "or static (an equal range each; the baseline)", choices=["slab", "slab-guaranteed", "static"]))
+        "--kv-split", "slab", "how several models share the KV pool: slab (FineServe's slabs, on demand) or "
+        "static (an equal range each; the baseline)", choices=["slab", "static"]))
     num_blocks: int = field(metadata=flag(  # 0: derived from kv_cache_gb
         "--num-blocks", 0, "KV pool blocks (overrides --kv-cache-gb)", type=int))
     block_size: int = field(metadata=flag("--block-size", 16, "tokens per KV block", type=int))

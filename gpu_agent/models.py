@@ -136,7 +136,7 @@ class CellLedgers:
         return requests, blocks
 
 
-KV_SPLITS = ("slab", "slab-guaranteed", "static")
+KV_SPLITS = ("slab", "static")
 
 
 def build_cuda_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, block_size: int, kv_cache_bytes: int,
@@ -173,10 +173,9 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
     """Load every model's weights into shared memory and create the KV pool (the slow part).
 
     ``num_blocks`` (if not 0) sizes the pool in blocks of the first model; else ``kv_cache_bytes``.
-    With several models, ``kv_split`` "slab" shares the pool through slabs, first come, first
-    served; "slab-guaranteed" the same with each model's equal share guaranteed while it asks for
-    it (``BlockLedger.guarantee_share``); "static" gives each model an equal range of its own (the
-    baseline FineServe compares against), with a plain allocator over it.
+    With several models, ``kv_split`` "slab" shares the pool through slabs; "static" gives each
+    model an equal range of its own (the baseline FineServe compares against), with a plain
+    allocator over it.
     """
     if kv_split not in KV_SPLITS:
         raise ValueError(f"--kv-split must be one of {KV_SPLITS}, got {kv_split!r}")
@@ -235,6 +234,5 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
     if slabs is not None:  # each model's new prompts leave the slabs the others' preempted requests wait for
         for model in models.values():
             model.ledger.peers = [other.ledger for other in models.values() if other is not model]
-            model.ledger.guarantee_share = kv_split == "slab-guaranteed"
     return Cell(models, kv_store, slabs)
 

@@ -194,9 +194,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--dtype", "float32", "weight and KV dtype the agent loads (bfloat16 halves the bytes; "
              "a GPU's tensor cores want it)", choices=["float32", "bfloat16"])
     add_flag(parser, "--kv-cache-gb", 1.0, "KV pool size in GiB", type=float)
-    add_flag(parser, "--kv-split", "slab", "with several --model: share the KV pool by slabs, first come, first "
-             "served (slab), by slabs keeping each model's equal share for its waiting prompts (slab-guaranteed), "
-             "or give each model an equal range (static)", choices=["slab", "slab-guaranteed", "static"])
+    add_flag(parser, "--kv-split", "slab", "with several --model: share the KV pool by slabs (slab) or give each "
+             "model an equal range (static)", choices=["slab", "static"])
     add_flag(parser, "--prefill-cores", "", "cores for prefill (default: first half)")
     add_flag(parser, "--decode-cores", "", "cores for decode (default: the rest)")
     add_flag(parser, "--ready-timeout-s", 300.0, "how long to wait for the stack to come up", type=float)
