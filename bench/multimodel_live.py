@@ -3,8 +3,9 @@
 Starts `tandem up --model default --model default:kv=bfloat16 --kv-split {slab,static}` (the
 same SmolLM2 with an fp32 and a bf16 KV cache; a bf16 token takes half the bytes), then sends a
 skewed mix that shifts halfway: for the first half of the requests most go to one model, for the
-second half most go to the other. The KV pool is small on purpose (``--kv-cache-gb``), so that
-how it is shared decides how many requests each model can hold.
+second half most go to the other (``--no-shift``: most go to the first model throughout). The
+KV pool is small on purpose (``--kv-cache-gb``), so that how it is shared decides how many
+requests each model can hold.
 
 Per run and split: SLO attainment and goodput (tandem.bench.metrics, the TTFT SLO scaled by the
 prompt), throughput, and the KV tokens the cell held per MiB of pool (sampled from the agent
@@ -86,14 +87,15 @@ def stop_stack(proc: subprocess.Popen[bytes]) -> None:
 
 
 def make_requests(seed: int, num: int, rate: float, skew: float, prompt_tokens: tuple[int, int] = (32, 320),
-                  output_tokens: tuple[int, int] = (48, 160)) -> list[dict[str, Any]]:
-    """Poisson arrivals; the first half mostly to model 0, the second mostly to model 1."""
+                  output_tokens: tuple[int, int] = (48, 160), shift: bool = True) -> list[dict[str, Any]]:
+    """Poisson arrivals; the first half mostly to model 0, the second mostly to model 1 (without
+    ``shift``, all mostly to model 0)."""
     rng = random.Random(seed)
     t = 0.0
     out = []
     for i in range(num):
         t += rng.expovariate(rate)
-        hot = 0 if i < num // 2 else 1
+        hot = 0 if i < num // 2 or not shift else 1
         model = MODELS[hot] if rng.random() < skew else MODELS[1 - hot]
         out.append({"id": f"r{seed}-{i}", "arrival_s": t, "model": model,
                     "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_tokens))],
@@ -162,6 +164,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60, help="per repeat and split")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--skew", type=float, default=0.85, help="share of requests to the hot model")
+    parser.add_argument("--no-shift", dest="shift", action="store_false",
+                        help="the first model stays the hot one (default: the second is, from halfway)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.05)
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--ttft-slo-ms-per-1k", type=float, default=2000.0)
@@ -187,7 +191,7 @@ def main() -> None:
                 "--tbt-slo-ms", str(args.tbt_slo_ms)) if args.compare == "admission" else ()
     for repeat in range(args.repeats):
         jobs = make_requests(args.seed + repeat, args.requests, args.rate, args.skew, args.prompt_tokens,
-                             args.output_tokens)
+                             args.output_tokens, args.shift)
         for label, split, admission in (variants if repeat % 2 == 0 else variants[::-1]):
             proc, address, agent = start_stack(split, args.kv_cache_gb, logs / f"{label}-{repeat}.log", admission,
                                                slo_args)
