@@ -8,11 +8,13 @@ own ``SlabBlockAllocator`` and ``BlockLedger``, so its block ids, prefix index a
 are those of a cell of its own, while free slabs go to whichever model needs them next.
 
 ``--model`` names the models (``tandem.service.model_spec``), e.g. ``default,default:kv=bfloat16``:
-the default model twice, the second with a bf16 KV cache.
+the default model twice, the second with a bf16 KV cache. Models of one checkpoint map one copy
+of its weights.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,9 @@ from tandem.engine.quant import WeightFormat, effective_format
 from tandem.engine.shm import SharedTensorStore
 from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
 from tandem.service.model_spec import ModelSpec
+
+log = logging.getLogger("tandem.gpu_agent")
+
 
 @dataclass
 class ServedModel:
@@ -222,12 +227,19 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
             views.append(KVPoolSpec.for_model(config, slab_allocator.num_blocks, block_size, parse_dtype(kv), "block"))
     assert kv_store is not None
     models: dict[str, ServedModel] = {}
+    # Models of one checkpoint (the default pair: one model at two KV precisions) map one copy of
+    # its weights: the store is the checkpoint's, whatever KV or format each model runs with.
+    stores: dict[Path, SharedTensorStore] = {}
     for (spec, model_dir, config, kv), name, view, offset, allocator in zip(
             loaded, names, views, offsets, allocators, strict=True):
-        weights = load_checkpoint(model_dir, config, parse_dtype(dtype))
-        part = "weights" if not models else f"weights{len(models)}"  # no "-": shm_files parts are one word
-        store = share_weights(weights, f"{shm_prefix}-{part}", exist_ok=True)
-        del weights
+        store = stores.get(model_dir.resolve())
+        if store is None:
+            weights = load_checkpoint(model_dir, config, parse_dtype(dtype))
+            part = "weights" if not stores else f"weights{len(stores)}"  # no "-": shm_files parts are one word
+            store = stores[model_dir.resolve()] = share_weights(weights, f"{shm_prefix}-{part}", exist_ok=True)
+            del weights
+        else:
+            log.info("%s maps the weights already loaded from %s (%s)", name, model_dir, store.name)
         fmt = effective_format(WeightFormat.parse(spec.quantization or quantization), parse_dtype(dtype))
         models[name] = ServedModel(name, model_dir, config, store, view, offset, dtype, kv, fmt,
                                    BlockLedger(allocator))

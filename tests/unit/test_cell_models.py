@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,6 +78,24 @@ def test_two_models_share_slabs_and_one_byte_pool(tiny: Path, prefix: str) -> No
     a.ledger.release("r1", list(range(9)))  # published: its slabs keep a's cached blocks
     assert cell.slabs.num_free_slabs == cell.slabs.num_slabs
     assert list(a.ledger.peers) == [b.ledger] and list(b.ledger.peers) == [a.ledger]  # holds count across models
+
+
+@pytest.mark.parametrize("split", ["slab", "static"])
+def test_models_of_one_checkpoint_map_one_copy_of_its_weights(tiny: Path, tmp_path: Path, prefix: str,
+                                                              split: str) -> None:
+    """The same checkpoint at two KV precisions (and a format of its own) is one weight store in
+    shared memory, holding that checkpoint's tensors; another checkpoint gets a store of its own."""
+    other = write_tiny_model(tmp_path / "other", "llama", seed=1)
+    cell = _cell(tiny, prefix, "{m},{m}:kv=bfloat16:quant=fp32-packed," + str(other), split=split)
+    a, b, c = cell.models.values()
+    assert a.weights is not None and b.weights is not None and c.weights is not None
+    assert a.weights is b.weights and a.weights.name == b.weights.name != c.weights.name
+    assert a.kv_dtype != b.kv_dtype and a.weight_format != b.weight_format
+    files = sorted(p.name for p in Path("/dev/shm").glob(f"*{prefix}-weights*"))
+    assert len(files) == 2 * len({a.weights.name, c.weights.name}), files  # data and index of each store
+    mine, theirs = dict(a.weights.tensors), dict(c.weights.tensors)
+    assert mine.keys() == theirs.keys()
+    assert any(not torch.equal(mine[k], theirs[k]) for k in mine)  # c's are its own checkpoint's
 
 
 def test_every_slab_goes_from_one_model_to_the_other_and_back(tiny: Path, prefix: str) -> None:
