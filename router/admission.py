@@ -73,7 +73,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from router.calibration_cache import CalibrationCache, calibration_from_json, calibration_to_json
 from tandem.policy.admission import (
     DEFAULT_COLD_MARGIN,
     DEFAULT_MARGIN,
@@ -98,6 +100,9 @@ ReadAgentLoad = Callable[[], Awaitable[LoadReport | None]]
 WARMUP_BATCHES = 1  # measured batches not folded into the calibration
 STEP_GROUP_S = 0.03  # first tokens from decode's hybrid steps this close after another came from its step
 SUMMARY_INTERVAL_S = 30.0
+# While it follows the agent's load, the router writes a calibration that changed this often
+# (router/calibration_cache.py), and once more when it stops.
+SAVE_INTERVAL_S = 10.0
 _CLOSED_BATCHES_KEPT = 64
 
 
@@ -248,7 +253,8 @@ class AdmissionController:
     def __init__(self, predictor: Predictor, slo: Slo, *, enabled: bool, default_units: int | None = None,
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
                  cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
-                 streams: StreamLimit | None = None, stream_cap: bool = True, model: str = "") -> None:
+                 streams: StreamLimit | None = None, stream_cap: bool = True, model: str = "",
+                 cache: CalibrationCache | None = None) -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         self.predictor = predictor
@@ -298,6 +304,12 @@ class AdmissionController:
         self.stream_cap = stream_cap  # False: the cap is learnt and logged, never applied
         self._in_flight: set[str] = set()
         self._last_end_s: float | None = None
+        # The calibration kept across restarts (router/calibration_cache.py): read back now,
+        # written while following the agent's load and when that stops.
+        self.cache = cache
+        self._saved_samples = 0
+        if cache is not None:
+            self._restore(cache)
         self._end_interval_s = 1.0  # smoothed time between two stream ends
         self.num_tbt_refusals = 0
 
@@ -387,6 +399,51 @@ class AdmissionController:
         self.calibration = self.calibration.observe(measured_s, predicted_s)
         own = self.calibration_by_regime.get(regime) or self._initial_calibration
         self.calibration_by_regime[regime] = own.observe(measured_s, predicted_s)
+
+    def calibration_state(self) -> dict[str, Any]:
+        """What this router has measured, as JSON: the calibration over all batches and each
+        measured regime's (``CalibrationCache``)."""
+        return {"all": calibration_to_json(self.calibration),
+                "regimes": [{"units": r.units, "beside_streams": r.beside_streams, **calibration_to_json(c)}
+                            for r, c in sorted(self.calibration_by_regime.items()) if c.calibrated]}
+
+    def restore_calibration(self, state: dict[str, Any]) -> None:
+        """Start from ``state`` (``calibration_state`` of an earlier router) as if its batches had
+        been measured here: the warm margin applies from the first request, and live batches go
+        on correcting it. ValueError, with nothing changed, when it does not hold a calibration."""
+        base = self._initial_calibration
+        try:
+            overall = calibration_from_json(state["all"], base)
+            regimes = {PromptRegime(int(entry["units"]), bool(entry["beside_streams"])): calibration_from_json(entry, base)
+                       for entry in state["regimes"]}
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a calibration state: {exc!r}") from None
+        if any(regime.units < 1 for regime in regimes):
+            raise ValueError("a regime of no units")
+        self.calibration, self.calibration_by_regime = overall, regimes
+
+    def _restore(self, cache: CalibrationCache) -> None:
+        state = cache.load()
+        if state is None:
+            return
+        try:
+            self.restore_calibration(state)
+        except ValueError as exc:
+            log.warning("admission: ignoring the cached calibration %s: %s", cache.path, exc)
+            return
+        self._saved_samples = self.calibration.num_samples
+        log.info("admission: calibration read from %s: x%.2f over all, %s", cache.path, self.calibration.factor,
+                 ", ".join(f"x{c.factor:.2f} {r}" for r, c in sorted(self.calibration_by_regime.items())) or
+                 "no regime of its own")
+
+    def save_calibration(self) -> bool:
+        """Write the calibration to the cache when batches were measured since it was last
+        written (or read); True when written."""
+        if self.cache is None or self.calibration.num_samples == self._saved_samples:
+            return False
+        self._saved_samples = self.calibration.num_samples
+        self.cache.save(self.calibration_state())
+        return True
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
@@ -625,6 +682,7 @@ class AdmissionController:
         did every ``SUMMARY_INTERVAL_S`` when it changed, and once more when cancelled."""
         logged = self.stats()
         next_summary_s = time.monotonic() + SUMMARY_INTERVAL_S
+        next_save_s = time.monotonic() + SAVE_INTERVAL_S
         try:
             while True:
                 try:
@@ -636,8 +694,12 @@ class AdmissionController:
                     if self.stats() != logged:
                         logged = self.stats()
                         log.info("admission: %s", logged.summary())
+                if self.cache is not None and time.monotonic() >= next_save_s:
+                    next_save_s = time.monotonic() + SAVE_INTERVAL_S
+                    await asyncio.to_thread(self.save_calibration)
                 await asyncio.sleep(interval_s)
         finally:
             with contextlib.suppress(Exception):
                 if self.stats() != logged:
                     log.info("admission: %s", self.stats().summary())
+            self.save_calibration()  # logs its own failure

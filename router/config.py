@@ -112,6 +112,10 @@ class RouterConfig:
         "approach the TBT SLO (refused: 429)", parse=lambda text: text == "on", choices=["on", "off"]))
     profile: str = field(default="", metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
+    admission_cache: str = field(default="", metadata=flag(
+        "--admission-cache", "", "keep admission's prefill calibration in this directory (one JSON file per "
+        "served model), read back at start: a router restarted on the same host admits calibrated from its "
+        "first request ('': not kept; `tandem up` keeps it under its cache root)"))
     # prefill_svc's batch limits, with which admission predicts how it batches its queue: the
     # same flags (and TANDEM_* twins) as prefill_svc's, so that one variable sets both.
     max_batch_tokens: int = field(default=4096, metadata=flag(

@@ -150,6 +150,9 @@ class RunningRouter:
             ended = self.models.in_flight.end_all("the router is shutting down; send the request again")
             log.info("router stopping: %d requests still in flight after %.1f s end with UNAVAILABLE", ended, grace_s)
         await asyncio.gather(*stopping, return_exceptions=True)
+        for core in self.models:  # following the agent's load saved it already, where it ran
+            if core.admission is not None:
+                core.admission.save_calibration()
         if self.agent_load is not None:
             await self.agent_load.close()
         await self.models.close()
@@ -171,7 +174,7 @@ async def start_router(config: RouterConfig, source: UpstreamSource | None = Non
     for index, (name, model_dir) in enumerate(config.served_models):
         tokenizer, model_config = await asyncio.to_thread(_load_tokenizer, model_dir)
         admission = await asyncio.to_thread(_admission_controller, config, model_config,
-                                            name if config.extra_models else "")
+                                            name if config.extra_models else "", name)
         sampling_defaults = await asyncio.to_thread(config.sampling_defaults, model_dir)
         if sampling_defaults.changed():
             log.info("sampling defaults of %s for what requests leave out: %s", name, sampling_defaults.changed())
@@ -229,8 +232,12 @@ def _load_tokenizer(model_dir: Path) -> tuple[Tokenizer, ModelConfig]:
     return tokenizer, ModelConfig.from_dir(model_dir)
 
 
-def _admission_controller(config: RouterConfig, model_config: ModelConfig, model: str) -> AdmissionController:
+def _admission_controller(config: RouterConfig, model_config: ModelConfig, model: str,
+                          served_name: str) -> AdmissionController:
+    """``model``: the name whose KV figures admission reads from the agent's report ("" in a
+    router of one model); ``served_name`` names its calibration file."""
     from router.admission import AdmissionController
+    from router.calibration_cache import CalibrationCache
     from tandem.perf.predictor import cpu_predictor
     from tandem.policy.admission import PrefillBatching
     from tandem.policy.types import Slo
@@ -239,8 +246,13 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
     predictor = cpu_predictor(model_config, num_units, config.profile or None)
     slo = Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000, config.ttft_slo_ms_per_1k / 1000)
     batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
+    cache = None
+    if config.admission_cache:
+        file_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in served_name) or "model"
+        cache = CalibrationCache(Path(config.admission_cache) / f"{file_name}.json")
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
-                               margin=config.admission_margin, stream_cap=config.stream_cap, model=model)
+                               margin=config.admission_margin, stream_cap=config.stream_cap, model=model,
+                               cache=cache)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:

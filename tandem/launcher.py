@@ -29,8 +29,12 @@ stops every process, newest first, with exit code 0; a stack that cannot start e
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import json
 import math
 import os
+import platform
 import re
 import secrets
 import signal
@@ -212,6 +216,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
              "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
+    add_flag(parser, "--admission-cache", "auto", "where the router keeps admission's prefill calibration "
+             "across restarts: auto (under the cache root, one directory per CPU, weight format and models), "
+             "off, or a directory")
     add_flag(parser, "--redis-password", "", "password the private Redis requires (ignored with REDIS_URL: put it "
              "in the URL)")
     add_flag(parser, "--redis-data-dir", "", "persist the private Redis there (append-only file), so request "
@@ -247,6 +254,48 @@ def _fixed(argv: list[str]) -> Callable[[], list[str]]:
 
 def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
+
+
+def admission_cache_dir(root: Path, **key: Any) -> Path:
+    """``root / <hash>``: one directory of admission calibrations per key (with the CPU and its
+    cores added), which says what it is for in its ``key.json`` (router/calibration_cache.py)."""
+    key = {"cpu": _cpu_name(), "cpus": len(os.sched_getaffinity(0)), **key}
+    text = json.dumps(key, sort_keys=True, default=str)
+    directory = root / hashlib.sha256(text.encode()).hexdigest()[:16]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "key.json").write_text(json.dumps(key, sort_keys=True, indent=1, default=str) + "\n")
+    except OSError as exc:
+        say(f"cannot keep admission's calibration in {directory} ({exc}); the router starts uncalibrated", error=True)
+    return directory
+
+
+def _cpu_name() -> str:
+    """This host's CPU model as /proc/cpuinfo names it (else platform's guess)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _admission_cache(args: argparse.Namespace, plans: list[CellPlan]) -> str:
+    """The router's --admission-cache for ``--admission-cache`` (auto, off or a directory)."""
+    if args.admission_cache == "off":
+        return ""
+    if args.admission_cache != "auto":
+        return args.admission_cache
+    from tandem.engine.model_cache import cache_root  # numpy, for GGUF imports: not at start
+
+    profile = ""  # the calibration corrects the perf model: another profile, another key
+    if args.profile:
+        try:
+            profile = hashlib.sha256(Path(args.profile).read_bytes()).hexdigest()
+        except OSError:
+            profile = args.profile
+    return str(admission_cache_dir(
+        cache_root() / "admission", quantization=args.quantization, kv_dtype=args.kv_dtype, device=args.device,
+        dtype=args.dtype, profile=profile, models=[_spec_text(spec) for plan in plans for spec in plan.models]))
 
 
 def _spec_text(spec: ModelSpec) -> str:
@@ -578,7 +627,7 @@ class Supervisor:
                "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
                "TANDEM_ADMISSION": args.admission, "TANDEM_ADMISSION_MARGIN": str(args.admission_margin),
                "TANDEM_STREAM_CAP": args.stream_cap,
-               "TANDEM_PROFILE": args.profile}
+               "TANDEM_PROFILE": args.profile, "TANDEM_ADMISSION_CACHE": _admission_cache(args, plans)}
         many_cells = len(plans) > 1
         self.cells: list[CellProcs] = []
         # An agent per cell, a decode and a prefill per model: one distinct port each

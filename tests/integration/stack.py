@@ -193,6 +193,8 @@ def start_up(args: list[str], log_path: Path, timeout_s: float = 300) -> subproc
     serves; its output goes to ``log_path``. Stop it with :func:`stop_up`."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
+    # Admission starts uncalibrated in each test, not from what an earlier one measured.
+    env.setdefault("TANDEM_ADMISSION_CACHE", str(log_path.parent / "admission-cache"))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", *args], env=env, cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT)

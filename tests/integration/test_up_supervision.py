@@ -113,6 +113,7 @@ def start_up(model_dir: Path, log_path: Path, *flags: str, env_extra: dict[str, 
     grpc_port, http_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # each stack its own Redis
     env.update(PYTHONPATH=str(ROOT), TANDEM_STALL_TIMEOUT_S=str(STALL_TIMEOUT_S))
+    env.setdefault("TANDEM_ADMISSION_CACHE", str(log_path.parent / "admission-cache"))  # not the user's cache
     env.update(env_extra or {})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

@@ -62,11 +62,11 @@ def test_the_admission_margin_reaches_the_controller_and_is_bounded(smollm2_dir:
     monkeypatch.delenv(env_name("--admission-margin"), raising=False)
     base = ["--model", str(smollm2_dir), "--prefill-address", "a:1", "--decode-address", "c:3"]
     model_config = ModelConfig.from_dir(smollm2_dir)
-    assert _admission_controller(parse_args(base), model_config, "").margin == 0.25  # the default
+    assert _admission_controller(parse_args(base), model_config, "", "m").margin == 0.25  # the default
     for margin in (0.0, 0.1, 0.5, 1.0):
         config = parse_args([*base, "--admission-margin", str(margin)])
         assert config.admission_margin == margin
-        assert _admission_controller(config, model_config, "").margin == margin
+        assert _admission_controller(config, model_config, "", "m").margin == margin
     monkeypatch.setenv(env_name("--admission-margin"), "0.15")
     assert parse_args(base).admission_margin == 0.15
     for bad in ("-0.1", "1.5"):
