@@ -142,6 +142,29 @@ class _TorchPlan:
     rows_in_order: bool = False  # c_decode's rows are the batch's rows 0..n-1
 
 
+# A prompt with nothing cached attends in the backend's ``prompt_dtype`` (bf16) from this many
+# tokens, its rows padded with zeros to a multiple of PROMPT_LOW_BUCKET: torch's CPU SDPA in bf16
+# (AMX) sets up its kernels for each new length, a first call 2-4x the next (1-5 ms a layer), so
+# prompts of every length would pay it; zero rows after the last are invisible to the rows
+# before them under the causal mask. Under 256 tokens bf16 was no faster (bench/prompt_attention.py).
+PROMPT_LOW_MIN_TOKENS = 256
+PROMPT_LOW_BUCKET = 64
+
+
+def _low_causal_sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype,
+                     scale: float) -> torch.Tensor:
+    """Causal SDPA of [1, heads, L, d] tensors in ``dtype``, L padded up to PROMPT_LOW_BUCKET;
+    the result [1, H, L, d] in the queries' dtype."""
+    length = queries.shape[2]
+    pad = -length % PROMPT_LOW_BUCKET
+
+    def low(x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x.to(dtype), (0, 0, 0, pad)) if pad else x.to(dtype)
+
+    attn = sdpa(low(queries), low(keys), low(values), is_causal=True, scale=scale, enable_gqa=True)
+    return attn[:, :, :length].to(queries.dtype)
+
+
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
     """Indices of ``lengths`` cut into padded-attention groups: longest first, a group grows
     while its padded size (members x its longest member, in blocks) stays within
@@ -180,6 +203,10 @@ class TorchPagedAttention(AttentionBackend):
             self._kernels = ggml_kernels.own_kernels()
         else:
             self._kernels = ggml_kernels.load() if c_decode else None
+        # fp32 prompts with nothing cached, of PROMPT_LOW_MIN_TOKENS or more, attend in this dtype
+        # when set (``LlamaModel`` sets bf16 where its projections' wide copy is bf16:
+        # ``model.prompt_attention_dtype``); other prompt rows and decode rows never.
+        self.prompt_dtype: torch.dtype | None = None
 
     def _c_kernels(self, pool: KVPool) -> ggml_kernels.Kernels | None:
         if pool.spec.dtype not in ggml_kernels.KV_TYPES or pool.tensor.device.type != "cpu":
@@ -259,6 +286,7 @@ class TorchPagedAttention(AttentionBackend):
         for group in plan.decode:
             attn = self._attend_decode(group, q.index_select(0, group.rows), pool, layer, scale).squeeze(2)
             out.index_copy_(0, group.rows, attn)
+        low = self.prompt_dtype if self.prompt_dtype is not None and q.dtype == torch.float32 else None
         for q_start, q_len, num_cached, blocks, mask in plan.prefill:
             q_end = q_start + q_len
             queries = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
@@ -266,7 +294,10 @@ class TorchPagedAttention(AttentionBackend):
                 # Nothing cached: the new K/V are the whole context, no gather needed.
                 keys = k[q_start:q_end].transpose(0, 1).unsqueeze(0)
                 values = v[q_start:q_end].transpose(0, 1).unsqueeze(0)
-                attn = sdpa(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+                if low is not None and q_len >= PROMPT_LOW_MIN_TOKENS:
+                    attn = _low_causal_sdpa(queries, keys, values, low, scale)
+                else:
+                    attn = sdpa(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kv_len = num_cached + q_len
                 # [2, n_blocks, bs, kvh, d] -> [2, 1, kvh, kv_len, d]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar, cast
@@ -21,11 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import ggml_kernels
-from tandem.engine.attention import AttentionBackend
+from tandem.engine.attention import AttentionBackend, TorchPagedAttention
 from tandem.engine.config import ModelConfig, RopeScaling
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import Linear, WeightFormat, effective_format
 from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_factors
+
+# auto: prompt rows of an fp32 model attend in bf16 where its wide copy is bf16; model: in its dtype
+# (``prompt_attention_dtype``).
+PROMPT_ATTENTION_ENV = "TANDEM_PROMPT_ATTENTION"
 
 # Most decode rows a step of the ggml format runs whole in C (``LlamaModel.decode_layers``); more
 # run op by op, their projections on fbgemm's fp16 (``quant.GGML_MAX_ROWS``). Measured on SmolLM2,
@@ -109,6 +114,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+def prompt_attention_dtype(wide_format: WeightFormat, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype an fp32 model's prompts with nothing cached attend in on the torch backend
+    (``TorchPagedAttention.prompt_dtype``, from ``attention.PROMPT_LOW_MIN_TOKENS`` tokens): bf16
+    where the projections' wide copy is bf16 (the ggml format on a CPU with native bf16 matmuls,
+    where prompt rows are rounded to bf16 at every projection already), so that SDPA runs on the
+    same units: on an AMX Xeon it took 2.2 ms for a 1024-token prompt's layer against 5.9 ms in
+    fp32, where it was 42 % of the prefill; prefills of 320-1984 tokens 1.14-1.43x faster at
+    fp32 attention's perplexity (``bench/prompt_attention.py``). None: in the model's dtype.
+    ``TANDEM_PROMPT_ATTENTION=model`` keeps the model's dtype everywhere."""
+    choice = os.environ.get(PROMPT_ATTENTION_ENV, "auto")
+    if choice not in ("auto", "model"):
+        raise ValueError(f"{PROMPT_ATTENTION_ENV}={choice!r}: choose auto or model")
+    if choice == "model" or dtype != torch.float32 or wide_format != WeightFormat.BF16:
+        return None
+    return torch.bfloat16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
         kernels = ggml_kernels.own_kernels()
@@ -162,6 +184,8 @@ class LlamaModel:
         self._whole_layers = self._c_decode_layers()
         # how the projections run the calls ggml's kernels do not take (quant.ggml_wide_format)
         self.wide_format = self._layers[0].qkv_proj.wide_format if self._layers else self.lm_head.wide_format
+        if isinstance(attention, TorchPagedAttention):
+            attention.prompt_dtype = prompt_attention_dtype(self.wide_format, self.dtype)
 
     def _c_decode_layers(self) -> ggml_kernels.DecodeLayers | None:
         """The ggml format's layers for ``decode_layers`` (one C call per decode step), when every
