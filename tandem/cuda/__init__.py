@@ -11,8 +11,10 @@ what is missing (no device, no cuda-bindings, no triton) in its error.
 # services' --cuda-eager-attention (the steps they run op by op), both resolved by
 # graphs.resolve_graph_attention. Here, where nothing is imported, for the services' flags.
 CUDA_ATTENTION = ("auto", "flashinfer", "torch")
-# torch's by default for the eager steps: flashinfer's agreed with it on an H200
-# (tests/gpu/test_flashinfer.py, a paused batch's plan kept through a preempting one too), but the
-# stack with it has not been measured live (its kernels' JIT build took 86 s of the services'
-# start on a fresh machine, and that call's device time ran out before the first request).
-DEFAULT_EAGER_ATTENTION = "torch"
+# flashinfer's by default for the eager steps where it can serve (fp16/bf16 pool, importable),
+# torch's otherwise. Measured live on an H200 (2026-12-04, Llama-3.1-8B shape, random weights,
+# docs/results/cuda-live-eager-attention-h200-1204-*.json): `chunked` at 6 req/s met both SLOs
+# for 98-100 % of requests against 60-62 % with torch's (goodput 1.87x / 1.75x in two pairs),
+# its hybrid steps' prompt parts no longer gathered row by row; `dynamic` at 12 req/s 1.08x /
+# 1.02x (not separated). Its kernels are JIT-built on a machine's first use (about 2 minutes).
+DEFAULT_EAGER_ATTENTION = "auto"

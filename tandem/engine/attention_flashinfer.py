@@ -10,6 +10,13 @@ wrapper of its own (a batch paused between layer groups keeps its plan while a p
 plans and runs), and goes back to the free ones when its plan is dropped; all share one split-K
 workspace, as their runs never overlap. New K/V go in with ``append_paged_kv_cache``. The
 module is imported only when the backend is chosen, so CPU-only machines never import flashinfer.
+
+Wrappers are built, planned and run in inference mode, whatever mode the caller is in. A wrapper
+allocates its buffers once (``_kv_lens_buffer`` and others, flashinfer 0.5.3) and copies each
+plan's lengths into them. One built by ``ModelRunner.forward`` (inference mode) holds inference
+tensors, and a later plan of prefill_svc's ``begin`` outside inference mode failed its copy
+("Inplace update to inference tensor outside InferenceMode", H200, 2026-12-04): the prefill batch
+failed. Inside inference mode, in-place updates of both kinds of tensor are allowed.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ class FlashInferAttention(AttentionBackend):
         self._fi = flashinfer
         self.num_qo_heads = num_qo_heads
         self.device = torch.device(device)
-        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        with torch.inference_mode():
+            self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._free: list[Any] = []  # wrappers no live plan holds
         self.num_wrappers = 0
 
@@ -57,6 +65,7 @@ class FlashInferAttention(AttentionBackend):
         self.num_wrappers += 1
         return self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
 
+    @torch.inference_mode()
     def plan(self, spans: Sequence[SeqSpan], pool: KVPool) -> Any:
         spec = pool.spec
         layout = PagedLayout.build([s.block_ids for s in spans], [s.kv_len for s in spans], spec.block_size)
@@ -76,6 +85,7 @@ class FlashInferAttention(AttentionBackend):
         weakref.finalize(plan, self._free.append, wrapper)  # the batch is done with it
         return plan
 
+    @torch.inference_mode()
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, pool: KVPool
     ) -> torch.Tensor:

@@ -94,6 +94,7 @@ class ModelRunner:
         return self.config.num_layers
 
     # ---------------------------------------------------------------- layer-group API
+    @torch.inference_mode()  # as forward's: a plan's buffers are of one kind whoever calls (attention_flashinfer)
     def begin(self, batch: Sequence[SeqInput]) -> ForwardState:
         """Validate the batch, embed its tokens and plan attention; runs no layer."""
         if not batch:

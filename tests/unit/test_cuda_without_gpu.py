@@ -364,7 +364,7 @@ def test_both_services_take_the_eager_attention_flag() -> None:
 
     for parse in (decode_args, prefill_args):
         base = ["--decode-address", "127.0.0.1:1"] if parse is prefill_args else []
-        assert parse(base).cuda_eager_attention == "torch"  # until the stack with flashinfer is measured live
+        assert parse(base).cuda_eager_attention == "auto"  # flashinfer where it serves: measured live
         for choice in CUDA_ATTENTION:  # every choice the resolver takes (the graph steps' too)
             assert parse([*base, "--cuda-eager-attention", choice]).cuda_eager_attention == choice
         with pytest.raises(SystemExit):
@@ -427,6 +427,58 @@ def test_each_live_flashinfer_plan_keeps_its_own_wrapper(monkeypatch: pytest.Mon
         for plan, tokens in live:  # every paused batch still runs on its own plan
             assert float(backend.forward(0, q, q, q, plan, pool)[0, 0, 0]) == tokens
     assert backend.num_wrappers == len(live) + len(backend._free)
+
+
+class _BufferedWrapperStandIn(_PrefillWrapperStandIn):
+    """As ``_PrefillWrapperStandIn``, and like flashinfer 0.5.3's wrapper it allocates a buffer
+    once, when built, and copies each plan's lengths into it (``_kv_lens_buffer``): torch's rule on
+    inference tensors is what is under test, and it is the same on CPU and CUDA."""
+
+    def __init__(self, workspace: torch.Tensor, layout: str) -> None:
+        super().__init__(workspace, layout)
+        self._kv_lens_buffer = torch.zeros(64, dtype=torch.int32)
+
+    def plan(self, qo_indptr: torch.Tensor, *args: object, **kwargs: object) -> None:
+        super().plan(qo_indptr)
+        lens = qo_indptr[1:] - qo_indptr[:-1]
+        self._kv_lens_buffer[: len(lens)].copy_(lens)
+
+
+def test_flashinfer_plans_in_and_out_of_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper first planned by ``ModelRunner.forward`` (inference mode) and planned again by
+    prefill_svc's ``begin`` (which ran outside it) failed its copy on an H200 ("Inplace update to
+    inference tensor outside InferenceMode"): plans in either mode, in random order, on recycled
+    wrappers, all plan, and ``ModelRunner.begin`` runs in inference mode as ``forward`` does."""
+    import gc
+    import sys
+    import types
+
+    from tandem.engine.attention import SeqSpan
+    from tandem.engine.attention_flashinfer import FlashInferAttention
+    from tandem.engine.runner import ModelRunner
+
+    stand_in = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_BufferedWrapperStandIn,
+        get_batch_indices_positions=lambda qo, lens, n: (torch.zeros(n, dtype=torch.int32),) * 2,
+        append_paged_kv_cache=lambda *args, **kwargs: None)
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    config = tiny_config()
+    pool = KVPool.create(KVPoolSpec.for_model(config, 32, 16, torch.bfloat16))
+    backend = FlashInferAttention(config.num_heads, device="cpu")
+    rng = random.Random(11)
+    for _ in range(30):
+        tokens = rng.randrange(1, 200)
+        spans = [SeqSpan(0, tokens, 0, rng.sample(range(32), -(-tokens // 16)))]
+        if rng.random() < 0.5:
+            with torch.inference_mode():
+                plan = backend.plan(spans, pool)
+        else:
+            plan = backend.plan(spans, pool)
+        assert plan.wrapper.planned == [0, tokens]
+        del plan
+        gc.collect()  # the wrapper goes back to the free ones, to be planned in the other mode next
+    assert backend.num_wrappers == 1
+    assert getattr(ModelRunner.begin, "__wrapped__", None) is not None  # torch.inference_mode's decorator
 
 
 class _PagedDecodeReference:
