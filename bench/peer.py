@@ -59,6 +59,7 @@ from tandem.bench.client import PromptBuilder
 from tandem.bench.report import write_json
 from tandem.bench.workload import RequestSpec
 from tandem.engine.ggml_kernels import LLAMA_CPP_REQUIREMENT, cmake_binary, llama_cpp_source, run_logged
+from tandem.hostinfo import CPUINFO, cpu_flags, cpuinfo_field, machine_facts
 from tandem.engine.model_cache import (
     DEFAULT_GGUF_NAME,
     DEFAULT_MODEL_NAME,
@@ -87,28 +88,20 @@ def peer_dir() -> Path:
 # llama-server ------------------------------------------------------------------------------------
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+def cpu_model(cpuinfo: Path = CPUINFO) -> dict[str, Any]:
     """The CPU's model name and the vector extensions both servers' kernels may use."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
+    if cpuinfo_field("model name", cpuinfo) is None and not cpu_flags(cpuinfo):
         return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile")
-    return {"cpu_model": name, "cpu_flags": [f for f in wanted if f in flags]}
+    facts = machine_facts(cpuinfo)
+    return {"cpu_model": facts["cpu_model"], "cpu_flags": facts["cpu_flags"]}
 
 
-def no_amx_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+def no_amx_flags(cpuinfo: Path = CPUINFO) -> list[str]:
     """cmake flags that keep AMX out of a ``-march=native`` build on a CPU that has it. llama.cpp's
     AMX kernels (Q4_1 weights) die with SIGILL on ``tilezero`` on such a host (2026-12-01, a Xeon
     with AMX whose kernel grants the tile state): the server exits as it loads the model. Its
     AVX-512 kernels stay."""
-    try:
-        has_amx = "amx_tile" in cpuinfo.read_text().split()
-    except OSError:
-        return []
-    if not has_amx:
+    if "amx_tile" not in cpu_flags(cpuinfo):
         return []
     flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # gcc keeps them over -march=native's
     return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -35,8 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.abba import abba_pairs, ratio_quartiles  # noqa: E402
 from bench.quant import text_windows  # noqa: E402
 from tandem.engine.attention import TorchPagedAttention  # noqa: E402
+from tandem.hostinfo import machine_facts  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
@@ -106,24 +106,22 @@ def main(argv: list[str] | None = None) -> int:
             warm = batch()
             for low in (False, True):
                 _time(runner, warm, low)
-        fp32: list[float] = []
-        bf16: list[float] = []
-        for i in range(args.pairs):
-            order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
-            times = {False: 0.0, True: 0.0}
-            lengths = [batch(), batch()]
-            for j, low in enumerate(order):
-                times[low] += _time(runner, lengths[j // 2], low) / 2  # A on L0, B on L0, B on L1, A on L1
-            fp32.append(times[False])
-            bf16.append(times[True])
-        ratios = sorted(a / b for a, b in zip(fp32, bf16, strict=True))
-        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        current: dict[int, list[SeqInput]] = {}  # each half of a pair on a new length: A/B on L0, B/A on L1
+
+        def time_side(low: bool, half: int) -> float:
+            if half not in current:
+                current.clear()
+                current[half] = batch()
+            return _time(runner, current[half], low)
+
+        fp32, bf16 = abba_pairs(time_side, args.pairs)
+        ratio = ratio_quartiles(fp32, bf16)
         row = {"new_tokens": new, "new_tokens_spread": SPREAD, "cached_tokens": cached, "fp32_ms_median": round(statistics.median(fp32), 1),
-               "bf16_ms_median": round(statistics.median(bf16), 1),
-               "ratio_fp32_over_bf16": {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}}
+               "bf16_ms_median": round(statistics.median(bf16), 1), "ratio_fp32_over_bf16": ratio}
         speed.append(row)
         print(f"prefill of {new} +- {SPREAD} tokens after {cached} cached: fp32 {row['fp32_ms_median']} ms, bf16 "
-              f"{row['bf16_ms_median']} ms, ratio {median:.3f} [{q1:.3f}, {q3:.3f}]", flush=True)
+              f"{row['bf16_ms_median']} ms, ratio {ratio['median']:.3f} [{ratio['q1']:.3f}, {ratio['q3']:.3f}]",
+              flush=True)
     reference = LLMEngine.from_dir(model_dir, kv_cache_bytes=1 << 28, weight_format=WeightFormat.FP32).runner
     windows = text_windows(Tokenizer.from_dir(model_dir), args.windows, args.window_len)
     ppl: dict[str, list[float]] = {"fp32 model": [], "ggml, fp32 attention": [], "ggml, bf16 attention": []}
@@ -152,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "config": {"pairs": args.pairs, "weight_format": "ggml", "wide_format": runner.model.wide_format.value},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if line.startswith("model name")), platform.processor())},
+        "machine": machine_facts(),
         "speed": speed, "accuracy": accuracy}, indent=2) + "\n")
     print(f"results: {out}")
     return 0

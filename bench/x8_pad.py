@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,10 +29,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.abba import abba_pairs, ratio_quartiles  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.runner import ModelRunner, SeqInput  # noqa: E402
 from tandem.engine.weight_format import WeightFormat  # noqa: E402
+from tandem.hostinfo import machine_facts  # noqa: E402
 
 DECODE_ROWS = (3, 4, 6, 7, 8, 10, 11, 14, 15, 16)
 CHUNK_TOKENS = (22, 30, 31, 33, 46, 63)  # plus one decode row: 23, 31, 32, 34, 47, 64 rows
@@ -81,30 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, batch in _shapes(runner).items():
         for pad in (False, True, False, True):  # warm both sides
             _time(runner, batch, pad)
-        gemv: list[float] = []
-        padded: list[float] = []
-        for i in range(args.pairs):
-            order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
-            times = {False: 0.0, True: 0.0}
-            for pad in order:
-                times[pad] += _time(runner, batch, pad) / 2
-            gemv.append(times[False])
-            padded.append(times[True])
-        ratios = sorted(g / p for g, p in zip(gemv, padded, strict=True))
-        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        gemv, padded = abba_pairs(lambda pad, _half: _time(runner, batch, pad), args.pairs)
+        ratio = ratio_quartiles(gemv, padded)
         row = {"shape": name, "rows": sum(len(s.token_ids) for s in batch),
                "gemv_ms_median": round(statistics.median(gemv), 2),
-               "padded_ms_median": round(statistics.median(padded), 2),
-               "ratio_gemv_over_padded": {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}}
+               "padded_ms_median": round(statistics.median(padded), 2), "ratio_gemv_over_padded": ratio}
         rows.append(row)
         print(f"{name:40s} gemv {row['gemv_ms_median']:7.2f} ms  padded {row['padded_ms_median']:7.2f} ms  "
-              f"ratio {median:.3f} [{q1:.3f}, {q3:.3f}]", flush=True)
+              f"ratio {ratio['median']:.3f} [{ratio['q1']:.3f}, {ratio['q3']:.3f}]", flush=True)
     os.environ.pop("TANDEM_X8_PAD", None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "config": {"pairs": args.pairs, "context": CONTEXT, "weight_format": "ggml"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_facts(),
         "rows": rows}, indent=2) + "\n")
     print(f"results: {out}")
     return 0

