@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import ggml_kernels
+from tandem.engine.allocator import tune_malloc
 from tandem.engine.attention import AttentionBackend, TorchPagedAttention
 from tandem.engine.config import ModelConfig, RopeScaling
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
@@ -163,6 +164,8 @@ class LlamaModel:
         self.attention = attention
         self.dtype = weights["embed_tokens"].dtype
         self.device = weights["embed_tokens"].device  # every weight and the pool live there
+        if self.device.type == "cpu":
+            tune_malloc()  # a prompt step's activations, freed and faulted in again layer after layer
         self.rotary = RotaryCache(config, self.dtype, self.device)
         if effective_format(weight_format, self.dtype, self.device) != WeightFormat.INT8:
             act_absmax = None
