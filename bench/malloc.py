@@ -11,7 +11,8 @@
 
 Writes JSON (default bench/results/malloc.json).
 
-Usage: python bench/malloc.py [--repeats 4] [--stack-repeats 4] [--input-len 100] [--out FILE]
+Usage: python bench/malloc.py [--repeats 4] [--stack-repeats 4] [--input-len 100] [--output-len 16]
+                              [--num-requests 48] [--out FILE] [--tandem-args --admission off]
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ def _vm_hwm_mb(pid: int) -> float | None:
     return None
 
 
-def stack(side: str, input_len: int, log_dir: Path) -> dict[str, Any]:
+def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     saved = os.environ.get("TANDEM_MALLOC")
     os.environ.update(_env(side))
     if side != "default":
         os.environ.pop("TANDEM_MALLOC", None)
     try:
-        server = tandem_up(side, f"malloc-{side}-{os.getpid()}", [], log_dir / f"malloc-{side}.log")
+        server = tandem_up(side, f"malloc-{side}-{os.getpid()}", args.tandem_args, log_dir / f"malloc-{side}.log")
     finally:
         if saved is None:
             os.environ.pop("TANDEM_MALLOC", None)
@@ -101,14 +102,16 @@ def stack(side: str, input_len: int, log_dir: Path) -> dict[str, Any]:
         time.sleep(2.0)
         assert server.proc is not None
         result = run_bench(["--base-url", server.base_url, "--endpoint", "chat", "--workload", "fixed",
-                            "--input-len", str(input_len), "--output-len", "16", "--concurrency", "16",
-                            "--num-requests", "48", "--no-progress"])
+                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                            "--concurrency", "16", "--num-requests", str(args.num_requests), "--no-progress"])
         decode = [p.pid for p in stack_processes(server.proc.pid) if p.role == "decode_svc" and not p.zombie]
         rss = _vm_hwm_mb(decode[0]) if decode else None
     (run,) = result["runs"]
     ttfts = [r["ttft_s"] for r in sorted(run["requests"], key=lambda r: r["arrival_s"]) if r.get("ttft_s") is not None]
     return {"first_16_ttft_mean_s": statistics.fmean(ttfts[:16]), "first_16_ttft_max_s": max(ttfts[:16]),
-            "later_ttft_mean_s": statistics.fmean(ttfts[16:]), "output_tok_s": run["summary"].get("output_token_throughput"),
+            "later_ttft_mean_s": statistics.fmean(ttfts[16:]), "ttft_mean_s": statistics.fmean(ttfts),
+            "output_tok_s": run["summary"].get("output_token_throughput"),
+            "goodput_req_s": run["summary"].get("request_goodput"), "slo_attainment": run["summary"].get("slo_attainment"),
             "decode_svc_peak_rss_mb": rss, "requests_ok": len(ttfts)}
 
 
@@ -125,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--stack-repeats", type=int, default=4)
-    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=100, help="stack: words a chat")
+    parser.add_argument("--output-len", type=int, default=16, help="stack: tokens a chat")
+    parser.add_argument("--num-requests", type=int, default=48, help="stack: chats a run (16 at a time)")
+    parser.add_argument("--tandem-args", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "malloc.json"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_rows: list[dict[str, Any]] = []
     for i in range(args.stack_repeats):
         for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
-            row = {"repeat": i, "side": side, **stack(side, args.input_len, out.parent)}
+            row = {"repeat": i, "side": side, **stack(side, args, out.parent)}
             print(f"stack, {side}: {row}", flush=True)
             stack_rows.append(row)
     write_json({"benchmark": "malloc", "machine": machine_facts(), "config": vars(args),
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": {"first_wave": _paired(process_rows, "first_wave_s"),
                             "decode_step": _paired(process_rows, "decode_step_ms"),
                             "stack_first_16_ttft_mean": _paired(stack_rows, "first_16_ttft_mean_s"),
-                            "stack_later_ttft_mean": _paired(stack_rows, "later_ttft_mean_s")}}, out)
+                            "stack_later_ttft_mean": _paired(stack_rows, "later_ttft_mean_s"),
+                            "stack_ttft_mean": _paired(stack_rows, "ttft_mean_s")}}, out)
     print(f"results: {out}")
     return 0
 
