@@ -84,7 +84,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),
                             calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free,
-                            predicted_model=cell.first.name)
+                            predicted_model=cell.first.name, stats_s=config.step_stats_s)
     servicer = GpuAgentServicer(config, cell, partition, policy)
     server = new_server(service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)

@@ -72,6 +72,9 @@ class AgentConfig:
         "--chunk-ttft-deadlines", True, "chunked: when the TBT-bounded budget would make more waiting prompts "
         "miss their TTFT deadlines than streams are decoding, give enough prompt tokens a step to keep "
         "them (a closed loop's wave of prompts beside the one stream that came first)", type=parse_bool))
+    step_stats_s: float = field(metadata=flag(
+        "--step-stats-s", 30.0, "log a summary of the policy's decisions (how many of each kind, their prompt "
+        "tokens) every this many seconds; decode_svc's flag of the same name summarizes its steps", type=float))
     ttft_slo_ms: float = field(metadata=flag("--ttft-slo-ms", 2000.0, "time-to-first-token SLO", type=float))
     tbt_slo_ms: float = field(metadata=flag("--tbt-slo-ms", 200.0, "time-between-tokens SLO", type=float))
     ttft_slo_ms_per_1k: float = field(metadata=flag(
@@ -105,6 +108,8 @@ class AgentConfig:
         WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
         if not 0 < self.chunk_tbt_target <= 1:
             raise ValueError(f"--chunk-tbt-target must be in (0, 1], got {self.chunk_tbt_target}")
+        if self.step_stats_s <= 0:
+            raise ValueError(f"--step-stats-s must be positive, got {self.step_stats_s}")
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:
             raise ValueError("--ttft-slo-ms and --tbt-slo-ms must be positive, --ttft-slo-ms-per-1k not negative")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

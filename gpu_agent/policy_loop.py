@@ -40,6 +40,7 @@ feed neither.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -94,13 +95,44 @@ def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, de
     return cores[: len(cores) - num_decode], cores[len(cores) - num_decode :]
 
 
+class DecisionStats:
+    """The policy's decisions over a window, for one log line every ``every_s``: how many of each
+    kind (the reason with its numbers taken out) and the mean prompt tokens of the aggregated
+    ones. The agent logs a partition only when it changes, so a run of one kind of decision (a
+    TBT budget that fits no chunk while prompts wait, the TTFT rule's large steps) shows here."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self.since: float | None = None
+        self.kinds: dict[str, list[int]] = {}  # kind -> [decisions, prompt tokens summed]
+
+    def add(self, reason: str, chunk_tokens: int, now_s: float) -> str:
+        """Count one decision; the summary line when the window is over, else ""."""
+        if self.since is None:
+            self.since = now_s
+        kind = self.kinds.setdefault(re.sub(r"\d+(?:\.\d+)?", "N", reason), [0, 0])
+        kind[0] += 1
+        kind[1] += chunk_tokens
+        if now_s - self.since < self.every_s:
+            return ""
+        total = sum(n for n, _ in self.kinds.values())
+        parts = [f'{n} x "{name}"' + (f" (mean {tokens / n:.0f} prompt tokens)" if tokens else "")
+                 for name, (n, tokens) in sorted(self.kinds.items(), key=lambda item: -item[1][0])]
+        line = f"decisions: {total} in {now_s - self.since:.0f} s; " + "; ".join(parts)
+        self.since, self.kinds = now_s, {}
+        return line
+
+
 class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
                  num_layers: int, slo: Slo, calibrate_split: bool = True,
-                 kv_blocks: Callable[[], tuple[int, int]] | None = None, predicted_model: str = "") -> None:
+                 kv_blocks: Callable[[], tuple[int, int]] | None = None, predicted_model: str = "",
+                 stats_s: float = 30.0) -> None:
         """``kv_blocks`` says the pool's (free, total) blocks for the snapshot; None: unknown.
         ``predicted_model``: the model ``predictor`` is of, whose decode services' start-up
-        timings anchor the live predictor ("": any decode service's)."""
+        timings anchor the live predictor ("": any decode service's). ``stats_s``: how often
+        the decisions' summary is logged (``DecisionStats``)."""
+        self.stats = DecisionStats(stats_s)
         self.policy_name = policy_name
         self.kv_blocks = kv_blocks
         self.calibrate_split = calibrate_split
@@ -254,6 +286,10 @@ class PolicyLoop:
             predictor = CoLocatedSteps(self.predictor, len(busy_models) - 1)
         decision = self.policy(snapshot, predictor)
         self.num_decisions += 1
+        summary = self.stats.add(decision.reason, sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
+                                 snapshot.now_s)
+        if summary:
+            log.info("%s", summary)
         prefill_cores, decode_cores = split_cores(self.cores, decision, prefill_busy, decode_busy)
         preempt = "" if decision.aggregated else (decision.preempt or "")
         applied = Applied(prefill_cores, decode_cores, decision.aggregated,

@@ -4,8 +4,13 @@ decides reaches the partition it publishes."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_agent.policy_loop import PolicyLoop
 from tandem.policy.policies import POLICIES, ChunkedConfig
@@ -286,3 +291,48 @@ def test_calibration_folds_a_steps_compute_not_its_wait_for_the_cores() -> None:
             measured = compute_ns if with_compute else wall_ns
             want = measured / 1e9 / LinearPredictor().predict_decode(contexts, 2)
             assert abs(loop.predictor.factor - min(10.0, max(0.1, want))) < 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["chunked: {} prefill tokens fit TBT",
+                                           "chunked: no prompt chunk fits the TBT SLO beside the streams; prompts wait",
+                                           "chunked: {} prefill tokens keep more waiting prompts' TTFT deadlines ({} fit TBT)"]),
+                          st.integers(0, 4096), st.floats(0.0, 0.5)), min_size=1, max_size=80),
+       st.floats(0.5, 5.0))
+def test_decision_stats_count_each_kind_over_its_window(decisions: list[tuple[str, int, float]], every_s: float) -> None:
+    """Each summary counts every decision since the last one by kind (numbers taken out), with
+    the mean prompt tokens of those that gave any; nothing is lost or counted twice."""
+    from gpu_agent.policy_loop import DecisionStats
+
+    stats = DecisionStats(every_s)
+    now, counted, pending, since = 100.0, 0, 0, None
+    for template, tokens, gap in decisions:
+        now += gap
+        since = now if since is None else since
+        chunk = tokens if "{}" in template.split(";")[0] else 0
+        line = stats.add(template.format(tokens, tokens // 2), chunk, now)
+        pending += 1
+        if now - since < every_s:
+            assert line == ""
+            continue
+        assert line.startswith(f"decisions: {pending} in ")
+        kinds = line.split('"')[1::2]
+        numbers = [int(part.rsplit(" x ", 1)[0].rsplit(" ", 1)[-1]) for part in line.split('"')[0::2][:-1]]
+        assert sum(numbers) == pending
+        assert len(kinds) == len(numbers) and not any(ch.isdigit() for kind in kinds for ch in kind)
+        counted, pending, since = counted + pending, 0, now
+    assert counted + pending == len(decisions)
+
+
+def test_the_loop_logs_its_decisions_summary(caplog: pytest.LogCaptureFixture) -> None:
+    loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO, stats_s=0.001)
+    now_ns = time.time_ns()
+    loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=[10, 20],
+                                    queued=[_q("a", 300, now_ns)], last_step_ns=20_000_000,
+                                    last_step_end_unix_ns=now_ns))
+    with caplog.at_level(logging.INFO, logger="tandem.gpu_agent.policy"):
+        for _ in range(3):
+            loop.decide()
+            time.sleep(0.002)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decisions: ")]
+    assert lines and all('x "chunked: ' in line for line in lines)
