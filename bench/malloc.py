@@ -86,18 +86,19 @@ def _vm_hwm_mb(pid: int) -> float | None:
     return None
 
 
-def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    saved = os.environ.get("TANDEM_MALLOC")
-    os.environ.update(_env(side))
-    if side != "default":
-        os.environ.pop("TANDEM_MALLOC", None)
+def _environ_value(pid: int, name: str) -> str | None:
+    """``name`` in process ``pid``'s environment (Linux /proc), None where unset or unreadable."""
     try:
-        server = tandem_up(side, f"malloc-{side}-{os.getpid()}", args.tandem_args, log_dir / f"malloc-{side}.log")
-    finally:
-        if saved is None:
-            os.environ.pop("TANDEM_MALLOC", None)
-        else:
-            os.environ["TANDEM_MALLOC"] = saved
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{name}=".encode()
+    return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), None)
+
+
+def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    server = tandem_up(side, f"malloc-{side}-{os.getpid()}", args.tandem_args, log_dir / f"malloc-{side}.log")
+    server.env = _env(side)  # the stack's processes inherit it (the process starts in running())
     with running(server, 300.0):
         time.sleep(2.0)
         assert server.proc is not None
@@ -106,13 +107,16 @@ def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                             "--concurrency", "16", "--num-requests", str(args.num_requests), "--no-progress"])
         decode = [p.pid for p in stack_processes(server.proc.pid) if p.role == "decode_svc" and not p.zombie]
         rss = _vm_hwm_mb(decode[0]) if decode else None
+        seen = _environ_value(decode[0], "TANDEM_MALLOC") if decode else None
+    if seen != _env(side).get("TANDEM_MALLOC"):  # the side under test is the one decode_svc ran
+        raise RuntimeError(f"{side}: decode_svc ran with TANDEM_MALLOC={seen!r}")
     (run,) = result["runs"]
     ttfts = [r["ttft_s"] for r in sorted(run["requests"], key=lambda r: r["arrival_s"]) if r.get("ttft_s") is not None]
     return {"first_16_ttft_mean_s": statistics.fmean(ttfts[:16]), "first_16_ttft_max_s": max(ttfts[:16]),
-            "later_ttft_mean_s": statistics.fmean(ttfts[16:]), "ttft_mean_s": statistics.fmean(ttfts),
+            "later_ttft_mean_s": statistics.fmean(ttfts[16:]) if ttfts[16:] else None, "ttft_mean_s": statistics.fmean(ttfts),
             "output_tok_s": run["summary"].get("output_token_throughput"),
             "goodput_req_s": run["summary"].get("request_goodput"), "slo_attainment": run["summary"].get("slo_attainment"),
-            "decode_svc_peak_rss_mb": rss, "requests_ok": len(ttfts)}
+            "decode_svc_peak_rss_mb": rss, "decode_svc_tandem_malloc": seen, "requests_ok": len(ttfts)}
 
 
 def _paired(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:

@@ -161,11 +161,13 @@ class Server:
     ready_path: str   # answers 200 once the server can serve
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None  # the server's whole environment (None: this process's)
 
     def start(self) -> None:
         print(f"peer: starting {self.label}: {shlex.join(self.cmd)}  (log: {self.log_path})", flush=True)
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=self.env)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
