@@ -55,6 +55,10 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
 # one's before the pair is taken as disturbed (``plausible_anchors``).
 ANCHOR_GROWTH_SLACK = 1.5
 
+# A live hybrid step whose base prompt part is more than this many times the largest anchor's
+# tells the prompt part's per-token cost, not its fixed one (``LiveStepPredictor._fit_prompt``).
+FAR_STEP = 2.0
+
 
 def plausible_anchors(anchors: Sequence[tuple[float, float]]) -> bool:
     """Whether prompt parts timed at start-up, each (base model's prompt part, measured), can be
@@ -99,8 +103,8 @@ class LiveStepPredictor:
     wave at twice what it took, and chunked's TTFT rule (``ttft_token_budget``) never gave it
     one. The line is a least-squares fit on the relative error. Given ``anchor`` steps (prompts
     of a few sizes decode_svc times at start-up), it goes through them, and the live hybrid
-    steps' median excess over it lifts its fixed part (a live step pays what the start-up did
-    not). Without, it is fitted on the last ``window`` hybrid steps (each step's prompt part:
+    steps move it (a live step pays what the start-up did not): those of about the anchors'
+    sizes lift its fixed part, far larger ones set its slope (``_fit_prompt``). Without, it is fitted on the last ``window`` hybrid steps (each step's prompt part:
     what it took beyond its decode part at ``factor``); with fewer than three steps, or sizes
     within 1.5x of each other, it is one factor (their median ratio). Fitted on a narrow range
     of sizes the slope is loose, so it is then kept at least half that median ratio: a larger
@@ -185,8 +189,7 @@ class LiveStepPredictor:
         contexts decoded beside it, units). decode_svc times a few prompt sizes at start-up
         (``tandem.engine.runner.warm_up``): live chunks all have about the TBT
         budget's size, too narrow a range to tell a step's fixed cost from its per-token one.
-        The live steps then only move the fixed part (their median excess over the anchors'
-        line) and the margin. Until the first live decode-only step, the decode parts measured
+        The live steps then move the line (``_fit_prompt``) and the margin. Until the first live decode-only step, the decode parts measured
         set ``factor`` (their median ratio to the base model; the live step replaces it).
         Replaces earlier anchors, unless the new prompt parts are implausible
         (``plausible_anchors``: timed while other processes held the cores), which are left
@@ -212,15 +215,42 @@ class LiveStepPredictor:
         return True
 
     def _fit_prompt(self) -> None:
-        """``prompt_fixed_s`` and ``prompt_factor``: the anchors' line, lifted by the live
-        steps' median excess over it; without anchors, fitted on the live steps."""
+        """``prompt_fixed_s`` and ``prompt_factor``: the anchors' line, moved by the live steps;
+        without anchors, fitted on the live steps.
+
+        A live step near the anchors' sizes (up to ``FAR_STEP`` x the largest) tells the line's
+        level there; one far larger tells its per-token cost and little of its fixed one, a small
+        share of it. With three or more of each, the line goes through each group's median size
+        and time; with near steps alone, their median excess over the anchors' line lifts its
+        fixed part; with far steps alone, their median ratio to it scales the whole line.
+        Lifting the fixed part by a far step's excess put a live per-token cost above the
+        start-up's on every small chunk: one wave of 16 prompts in steps of 980 tokens at 2.3x the
+        line lifted its 28 ms to 159 ms on the 2-core host, no chunk fitted the TBT SLO beside 9
+        streams, and prompts waited for the streams to end; the steps they then ran whole were far
+        ones again (docs/results/chunked-slow-mode-1204.log)."""
         # each live step's prompt part: what it took beyond its decode part, at least the floor
         live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
-        if self._anchor_line is None and not live:
+        if self._anchor_line is None:
+            if live:
+                fixed, slope = self._affine(live, narrow_guard=True)
+                self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
             return
-        fixed, slope = self._anchor_line or self._affine(live, narrow_guard=True)
-        if self._anchor_line is not None and len(live) >= 3:  # a live step or two may still be building kernels
-            fixed += statistics.median(y - fixed - slope * x for x, y in live)
+        fixed, slope = self._anchor_line
+        largest = max(x for x, _ in self._anchors)
+        near = [(x, y) for x, y in live if x <= FAR_STEP * largest]
+        far = [(x, y) for x, y in live if x > FAR_STEP * largest]
+        # three or more of a kind: a live step or two may still be building kernels
+        (x_near, y_near), (x_far, y_far) = (
+            (statistics.median(x for x, _ in group), statistics.median(y for _, y in group)) if len(group) >= 3
+            else (0.0, 0.0) for group in (near, far))
+        if x_near and x_far >= 1.5 * x_near:
+            slope = self._clamp((y_far - y_near) / (x_far - x_near))
+            fixed = y_near - slope * x_near
+        elif x_near:
+            fixed += statistics.median(y - fixed - slope * x for x, y in near)
+        elif x_far:
+            scale = self._clamp(statistics.median(y / (fixed + slope * x) for x, y in far))
+            fixed, slope = scale * fixed, min(scale * slope, self.max_factor)
         self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
 
     def _affine(self, points: Sequence[tuple[float, float]], narrow_guard: bool) -> tuple[float, float]:

@@ -445,3 +445,67 @@ def test_a_decode_service_times_prompts_at_start_up_only_while_the_agent_needs_t
     assert loop.wants_prompt_timings("m")
     loop.report(load_with(60.0, 300.0, "d2"), "m")
     assert not loop.wants_prompt_timings("m") and not loop.wants_prompt_timings("")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_live_steps_far_larger_than_the_anchors_set_the_slope_not_the_fixed_part(seed: int) -> None:
+    """Live steps may cost more per token than the start-up's (the 2-core host: prompt steps of
+    980-2048 tokens at 0.6 ms a token, its start-up prompts of 32 and 256 at 0.25). Such steps
+    tell the slope, not the fixed part: with steps of about the anchors' sizes as well, the line
+    goes through both groups; with far ones alone, it is scaled. Either way a small chunk is
+    predicted near its time, where lifting the fixed part by the far steps' excess predicted it
+    at several times that."""
+    rng = random.Random(seed)
+    base = LinearPredictor()
+    fixed_s, per_token = rng.uniform(0.005, 0.04), rng.uniform(0.3, 1.5)
+    live_fixed_s, live_scale, sigma = fixed_s + rng.uniform(0.0, 0.02), rng.uniform(1.3, 3.0), rng.uniform(0.0, 0.05)
+    with_near = bool(seed % 2)
+    live = LiveStepPredictor(base)
+    ctx0 = [65]
+    live.anchor([(fixed_s + per_token * _parts(base, n, ctx0)[1], base.predict_decode(ctx0, 2), [(n, 0)], ctx0, 2)
+                 for n in (32, 256)])
+
+    def true_prompt_s(tokens: int) -> float:
+        return live_fixed_s + live_scale * per_token * _parts(base, tokens, [])[1]
+
+    for _ in range(40):
+        ctx = [rng.randint(100, 600) for _ in range(rng.randint(0, 8))]
+        chunk = rng.randint(900, 2048) if not with_near or rng.random() < 0.4 else rng.randint(30, 120)
+        measured = (base.predict_decode(ctx, 2) if ctx else 0.0) + true_prompt_s(chunk) * math.exp(rng.gauss(0, sigma))
+        live.observe(measured, chunk, ctx, 2)
+    for tokens in (64, 1500):
+        error = (live.predict_hybrid([(tokens, 0)], [], 2) / live.prompt_margin) / true_prompt_s(tokens)
+        # near steps fix the level: the line fits both ends; far ones alone scale the start-up's
+        # line, which puts some of the live per-token excess on its fixed part
+        bound = 0.1 + 2 * sigma if with_near or tokens > 1000 else math.log(live_scale) + 2 * sigma
+        assert abs(math.log(error)) < bound, (tokens, error)
+    assert live.prompt_fixed_s < live_fixed_s * live_scale + 0.01
+
+
+def test_a_wave_run_in_far_larger_steps_leaves_room_for_a_chunk_beside_the_streams() -> None:
+    """The slow mode of docs/results/chunked-slow-mode-1204.log, as the agent saw it: start-up
+    prompts of 32 and 256 tokens at 34 and 90 ms, then the first wave in steps of about 980
+    tokens at 630 ms. Lifting the fixed part by their excess predicted any chunk past the TBT
+    SLO beside 9 streams, so queued prompts waited for the streams to end. The far steps now
+    scale the line, and a chunk fits."""
+    base = LinearPredictor()
+    slo = Slo(ttft_s=2.0, tbt_s=0.2)
+    policy = ChunkedPolicy(ChunkedConfig(tbt_target=0.9, floor_within_slo=True))
+    loop = PolicyLoop("chunked", policy, base, [0, 1], 32, slo, predicted_model="m")
+    load = _decode_load([], 0.0, 0, 0)
+    load.prompt_step_timings.extend(
+        agent_pb2.PromptStepTiming(prompt_tokens=n, decode_context_lens=[65], prompt_ns=int(ms * 1e6), decode_ns=10**7)
+        for n, ms in ((32, 34.0), (256, 90.0)))
+    loop.report(load, "m")
+    assert loop.anchored_from == "d"
+    now_ns = time.time_ns()
+    loop.decide()
+    for i, (tokens, ms) in enumerate(((978, 631.0), (1024, 652.0), (930, 611.0), (1100, 690.0))):
+        loop.report(_decode_load([], ms / 1e3, now_ns + i * 10**6, tokens), "m")
+    assert loop.predictor.num_prompt_samples == 4
+    streams = [400 + 7 * i for i in range(9)]
+    loop.report(_decode_load(streams, 0.0, now_ns + 10**8, 0), "m")
+    decided = loop.decide()
+    assert decided is not None and decided[0].aggregated
+    assert not decided[0].prefill_held and decided[0].prefill_token_budget > 0
+    assert loop.predictor.predict_hybrid([(decided[0].prefill_token_budget, 0)], streams, 2) <= slo.tbt_s
