@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.peer import run_bench, running, tandem_up  # noqa: E402
-from bench.stack_cpu import stack_processes  # noqa: E402
+from bench.stack_cpu import environ_value, stack_processes  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
 from tandem.hostinfo import machine_facts  # noqa: E402
 
@@ -86,16 +86,6 @@ def _vm_hwm_mb(pid: int) -> float | None:
     return None
 
 
-def _environ_value(pid: int, name: str) -> str | None:
-    """``name`` in process ``pid``'s environment (Linux /proc), None where unset or unreadable."""
-    try:
-        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    prefix = f"{name}=".encode()
-    return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), None)
-
-
 def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     server = tandem_up(side, f"malloc-{side}-{os.getpid()}", args.tandem_args, log_dir / f"malloc-{side}.log")
     server.env = _env(side)  # the stack's processes inherit it (the process starts in running())
@@ -107,7 +97,7 @@ def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                             "--concurrency", "16", "--num-requests", str(args.num_requests), "--no-progress"])
         decode = [p.pid for p in stack_processes(server.proc.pid) if p.role == "decode_svc" and not p.zombie]
         rss = _vm_hwm_mb(decode[0]) if decode else None
-        seen = _environ_value(decode[0], "TANDEM_MALLOC") if decode else None
+        seen = environ_value(decode[0], "TANDEM_MALLOC") if decode else None
     if seen != _env(side).get("TANDEM_MALLOC"):  # the side under test is the one decode_svc ran
         raise RuntimeError(f"{side}: decode_svc ran with TANDEM_MALLOC={seen!r}")
     (run,) = result["runs"]

@@ -37,6 +37,16 @@ class StackProcess(NamedTuple):
     ppid: int
 
 
+def environ_value(pid: int, name: str) -> str | None:
+    """``name`` in process ``pid``'s environment (Linux /proc), None where unset or unreadable."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{name}=".encode()
+    return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), None)
+
+
 def stack_processes(root_pid: int) -> list[StackProcess]:
     """``root_pid``'s descendants (Linux ``/proc``), each with its role and CPU seconds."""
     tick = os.sysconf("SC_CLK_TCK")

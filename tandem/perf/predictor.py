@@ -55,8 +55,9 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
 # one's before the pair is taken as disturbed (``plausible_anchors``).
 ANCHOR_GROWTH_SLACK = 1.5
 
-# A live hybrid step whose base prompt part is more than this many times the largest anchor's
-# tells the prompt part's per-token cost, not its fixed one (``LiveStepPredictor._fit_prompt``).
+# Live hybrid steps of about one size whose base prompt part is more than this many times the
+# largest anchor's tell the prompt part's per-token cost, not its fixed one
+# (``LiveStepPredictor._fit_prompt``).
 FAR_STEP = 2.0
 
 
@@ -103,8 +104,8 @@ class LiveStepPredictor:
     wave at twice what it took, and chunked's TTFT rule (``ttft_token_budget``) never gave it
     one. The line is a least-squares fit on the relative error. Given ``anchor`` steps (prompts
     of a few sizes decode_svc times at start-up), it goes through them, and the live hybrid
-    steps move it (a live step pays what the start-up did not): those of about the anchors'
-    sizes lift its fixed part, far larger ones set its slope (``_fit_prompt``). Without, it is fitted on the last ``window`` hybrid steps (each step's prompt part:
+    steps move it (a live step pays what the start-up did not), or replace it once they span
+    sizes (``_fit_prompt``). Without, it is fitted on the last ``window`` hybrid steps (each step's prompt part:
     what it took beyond its decode part at ``factor``); with fewer than three steps, or sizes
     within 1.5x of each other, it is one factor (their median ratio). Fitted on a narrow range
     of sizes the slope is loose, so it is then kept at least half that median ratio: a larger
@@ -218,16 +219,19 @@ class LiveStepPredictor:
         """``prompt_fixed_s`` and ``prompt_factor``: the anchors' line, moved by the live steps;
         without anchors, fitted on the live steps.
 
-        A live step near the anchors' sizes (up to ``FAR_STEP`` x the largest) tells the line's
-        level there; one far larger tells its per-token cost and little of its fixed one, a small
-        share of it. With three or more of each, the line goes through each group's median size
-        and time; with near steps alone, their median excess over the anchors' line lifts its
-        fixed part; with far steps alone, their median ratio to it scales the whole line.
-        Lifting the fixed part by a far step's excess put a live per-token cost above the
-        start-up's on every small chunk: one wave of 16 prompts in steps of 980 tokens at 2.3x the
-        line lifted its 28 ms to 159 ms on the 2-core host, no chunk fitted the TBT SLO beside 9
-        streams, and prompts waited for the streams to end; the steps they then ran whole were far
-        ones again (docs/results/chunked-slow-mode-1204.log)."""
+        Live steps that span sizes (six or more, with as many pairs twice apart in size) give the
+        line themselves, a Theil-Sen fit (robust to the steps a kernel build or a burst slowed): on
+        the 2-core host, prompt steps of 460-2048 tokens ran at 1.3-1.5x their in-process time
+        and about 0.6 ms a token, against 0.38 at start-up (the router and the clients share the
+        cores while a wave arrives), which no lift of the start-up line's fixed part fits. Of
+        about one size, three or more move the anchors' line: near the anchors' sizes (up to
+        ``FAR_STEP`` x the largest) their median excess lifts its fixed part (a live step pays
+        what the start-up did not); far larger, their median ratio scales the whole line (they
+        tell the per-token cost, little of the fixed one). Lifting the fixed part by far steps'
+        excess put their per-token excess on every small chunk: one wave of 16 prompts in steps
+        of about 980 tokens lifted 28 ms to 159 ms, no chunk fitted the TBT SLO beside 9
+        streams, and prompts waited for the streams to end, then ran whole in far steps again
+        (docs/results/chunked-slow-mode-1204.log)."""
         # each live step's prompt part: what it took beyond its decode part, at least the floor
         live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
         if self._anchor_line is None:
@@ -236,21 +240,20 @@ class LiveStepPredictor:
                 self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
             return
         fixed, slope = self._anchor_line
-        largest = max(x for x, _ in self._anchors)
-        near = [(x, y) for x, y in live if x <= FAR_STEP * largest]
-        far = [(x, y) for x, y in live if x > FAR_STEP * largest]
-        # three or more of a kind: a live step or two may still be building kernels
-        (x_near, y_near), (x_far, y_far) = (
-            (statistics.median(x for x, _ in group), statistics.median(y for _, y in group)) if len(group) >= 3
-            else (0.0, 0.0) for group in (near, far))
-        if x_near and x_far >= 1.5 * x_near:
-            slope = self._clamp((y_far - y_near) / (x_far - x_near))
-            fixed = y_near - slope * x_near
-        elif x_near:
-            fixed += statistics.median(y - fixed - slope * x for x, y in near)
-        elif x_far:
-            scale = self._clamp(statistics.median(y / (fixed + slope * x) for x, y in far))
-            fixed, slope = scale * fixed, min(scale * slope, self.max_factor)
+        ordered = sorted(live)
+        # Theil-Sen: the median slope over pairs of steps twice apart in size or more (a mixture
+        # of many chunks and a few whole waves splits no better at any one size)
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(ordered) for x2, y2 in ordered[i + 1:]
+                  if x2 >= 2 * x1]
+        if len(live) >= 6 and len(slopes) >= len(live):
+            slope = self._clamp(statistics.median(slopes))
+            fixed = statistics.median(y - slope * x for x, y in live)
+        elif len(live) >= 3:  # fewer: a live step or two may still be building kernels
+            if statistics.median(x for x, _ in live) <= FAR_STEP * max(x for x, _ in self._anchors):
+                fixed += statistics.median(y - fixed - slope * x for x, y in live)
+            else:
+                scale = self._clamp(statistics.median(y / (fixed + slope * x) for x, y in live))
+                fixed, slope = scale * fixed, min(scale * slope, self.max_factor)
         self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
 
     def _affine(self, points: Sequence[tuple[float, float]], narrow_guard: bool) -> tuple[float, float]:
