@@ -55,11 +55,6 @@ def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str |
 # one's before the pair is taken as disturbed (``plausible_anchors``).
 ANCHOR_GROWTH_SLACK = 1.5
 
-# Live hybrid steps of about one size whose base prompt part is more than this many times the
-# largest anchor's tell the prompt part's per-token cost, not its fixed one
-# (``LiveStepPredictor._fit_prompt``).
-FAR_STEP = 2.0
-
 
 def plausible_anchors(anchors: Sequence[tuple[float, float]]) -> bool:
     """Whether prompt parts timed at start-up, each (base model's prompt part, measured), can be
@@ -224,13 +219,13 @@ class LiveStepPredictor:
         the 2-core host, prompt steps of 460-2048 tokens ran at 1.3-1.5x their in-process time
         and about 0.6 ms a token, against 0.38 at start-up (the router and the clients share the
         cores while a wave arrives), which no lift of the start-up line's fixed part fits. Of
-        about one size, three or more move the anchors' line: near the anchors' sizes (up to
-        ``FAR_STEP`` x the largest) their median excess lifts its fixed part (a live step pays
-        what the start-up did not); far larger, their median ratio scales the whole line (they
-        tell the per-token cost, little of the fixed one). Lifting the fixed part by far steps'
-        excess put their per-token excess on every small chunk: one wave of 16 prompts in steps
-        of about 980 tokens lifted 28 ms to 159 ms, no chunk fitted the TBT SLO beside 9
-        streams, and prompts waited for the streams to end, then ran whole in far steps again
+        about one size, three or more move the anchors' line: within the anchors' sizes their
+        median excess lifts its fixed part (a live step pays what the start-up did not); larger,
+        their median ratio scales the whole line (contention slows every token; they tell little
+        of the fixed part). Lifting the fixed part by larger steps' excess put their per-token
+        excess on every small chunk: the first wave of 16 prompts of 400 tokens in steps of
+        400-980 lifted 28 ms to 153-159 ms, no chunk fitted the TBT SLO beside 9 streams, and
+        prompts waited for the streams to end, then ran whole in 2048-token steps again
         (docs/results/chunked-slow-mode-1204.log)."""
         # each live step's prompt part: what it took beyond its decode part, at least the floor
         live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
@@ -249,7 +244,7 @@ class LiveStepPredictor:
             slope = self._clamp(statistics.median(slopes))
             fixed = statistics.median(y - slope * x for x, y in live)
         elif len(live) >= 3:  # fewer: a live step or two may still be building kernels
-            if statistics.median(x for x, _ in live) <= FAR_STEP * max(x for x, _ in self._anchors):
+            if statistics.median(x for x, _ in live) <= max(x for x, _ in self._anchors):
                 fixed += statistics.median(y - fixed - slope * x for x, y in live)
             else:
                 scale = self._clamp(statistics.median(y / (fixed + slope * x) for x, y in live))

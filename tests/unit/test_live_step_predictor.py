@@ -487,10 +487,10 @@ def test_live_steps_of_many_sizes_give_the_line_and_far_larger_ones_alone_scale_
 
 def test_a_wave_run_in_far_larger_steps_leaves_room_for_a_chunk_beside_the_streams() -> None:
     """The slow mode of docs/results/chunked-slow-mode-1204.log, as the agent saw it: start-up
-    prompts of 32 and 256 tokens at 34 and 90 ms, then the first wave in steps of about 980
-    tokens at 630 ms. Lifting the fixed part by their excess predicted any chunk past the TBT
-    SLO beside 9 streams, so queued prompts waited for the streams to end. The far steps now
-    scale the line, and a chunk fits."""
+    prompts of 32 and 256 tokens at 34 and 90 ms, then the first wave in steps of 400-980 tokens
+    at about 0.65 ms a token. Lifting the fixed part by their excess predicted any chunk past
+    the TBT SLO beside 9 streams, so queued prompts waited for the streams to end. Steps larger
+    than the anchors now scale the line, and a chunk fits."""
     base = LinearPredictor()
     slo = Slo(ttft_s=2.0, tbt_s=0.2)
     policy = ChunkedPolicy(ChunkedConfig(tbt_target=0.9, floor_within_slo=True))
@@ -503,7 +503,7 @@ def test_a_wave_run_in_far_larger_steps_leaves_room_for_a_chunk_beside_the_strea
     assert loop.anchored_from == "d"
     now_ns = time.time_ns()
     loop.decide()
-    for i, (tokens, ms) in enumerate(((978, 631.0), (1024, 652.0), (930, 611.0), (1100, 690.0))):
+    for i, (tokens, ms) in enumerate(((46, 50.0), (400, 290.0), (420, 300.0), (978, 631.0))):
         loop.report(_decode_load([], ms / 1e3, now_ns + i * 10**6, tokens), "m")
     assert loop.predictor.num_prompt_samples == 4
     streams = [400 + 7 * i for i in range(9)]
