@@ -238,6 +238,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
     router of one model); ``served_name`` names its calibration file."""
     from router.admission import AdmissionController
     from router.calibration_cache import CalibrationCache
+    from tandem.engine.model_cache import cache_file_stem
     from tandem.perf.predictor import cpu_predictor
     from tandem.policy.admission import PrefillBatching
     from tandem.policy.types import Slo
@@ -248,8 +249,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
     batching = PrefillBatching(config.max_batch_tokens, config.max_batch_requests)
     cache = None
     if config.admission_cache:
-        file_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in served_name) or "model"
-        cache = CalibrationCache(Path(config.admission_cache) / f"{file_name}.json")
+        cache = CalibrationCache(Path(config.admission_cache) / f"{cache_file_stem(served_name)}.json")
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
                                margin=config.admission_margin, stream_cap=config.stream_cap, model=model,
                                cache=cache)

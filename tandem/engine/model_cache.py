@@ -48,6 +48,12 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else DEFAULT_CACHE_ROOT.expanduser()
 
 
+def cache_file_stem(name: str) -> str:
+    """``name`` as a file name in the cache: runs of anything but ASCII letters, digits, ``.``,
+    ``_`` and ``-`` become one ``_`` (a model name may hold ``/``, a host name anything)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "_"
+
+
 def default_model_dir() -> Path:
     """Where the imported default model lives (whether or not it has been pulled yet)."""
     return cache_root() / "models" / DEFAULT_MODEL_NAME

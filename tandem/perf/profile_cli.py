@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import socket
 import sys
 import time
@@ -73,10 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def default_profile_path(model_name: str) -> Path:
-    from tandem.engine.model_cache import cache_root
+    from tandem.engine.model_cache import cache_file_stem, cache_root
 
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{socket.gethostname()}-{model_name}")
-    return cache_root() / "profiles" / f"{safe}.json"
+    return cache_root() / "profiles" / f"{cache_file_stem(f'{socket.gethostname()}-{model_name}')}.json"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from router.admission import AdmissionController, PromptRegime
 from router.calibration_cache import RESTORED_SAMPLES_MAX, CalibrationCache
+from tandem.engine.model_cache import cache_file_stem
 from tandem.launcher import _admission_cache, admission_cache_dir
 from tandem.policy.types import Slo
 from tests.unit.test_admission import TokenPredictor
@@ -130,3 +131,16 @@ def test_tandem_up_keys_the_directory_by_what_the_calibration_depends_on(tmp_pat
     assert Path(_admission_cache(args, [])) not in (placeholder, one)
     profile.write_text('{"other": 1}')  # another profile at the same path: another calibration
     assert len({Path(_admission_cache(args, [])), placeholder}) == 2 and len(list((tmp_path / "root" / "admission").iterdir())) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_a_served_name_becomes_one_plain_file_name(name: str) -> None:
+    """The router's cache file and the profile's are named by ``cache_file_stem``: any served
+    name (a slash, unicode, nothing at all) gives a plain ASCII name inside the directory, and a
+    name that is one already is kept."""
+    stem = cache_file_stem(name)
+    assert stem and all(c.isascii() and (c.isalnum() or c in "._-") for c in stem)
+    assert cache_file_stem(stem) == stem and Path(f"{stem}.json").name == f"{stem}.json"
+    if name and all(c.isascii() and (c.isalnum() or c in "._-") for c in name):
+        assert stem == name
