@@ -5,7 +5,8 @@ alike; the figure is the median of the per-pair ratios with its quartiles."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def abba_pairs(time_side: Callable[[bool, int], float], pairs: int) -> tuple[list[float], list[float]]:
@@ -29,3 +30,14 @@ def ratio_quartiles(numerators: list[float], denominators: list[float]) -> dict[
     ratios = sorted(n / d for n, d in zip(numerators, denominators, strict=True))
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
+
+
+def paired_values(rows: Sequence[dict[str, Any]], key: str, numerator: str, denominator: str) -> tuple[list[float], list[float]]:
+    """From rows of ``{"repeat", "side", key}``, the ``key`` values of ``numerator``'s and
+    ``denominator``'s side in each repeat where both ran, the numerator's is known and the
+    denominator's is non-zero (for ratios), in repeat order."""
+    by_pair: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_pair.setdefault(row["repeat"], {})[row["side"]] = row[key]
+    kept = [p for _, p in sorted(by_pair.items()) if p.get(numerator) is not None and p.get(denominator)]
+    return [p[numerator] for p in kept], [p[denominator] for p in kept]

@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.abba import ratio_quartiles  # noqa: E402
+from bench.abba import paired_values, ratio_quartiles  # noqa: E402
 from bench.peer import run_bench, running, tandem_up  # noqa: E402
 from bench.stack_cpu import environ_value, stack_processes  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
@@ -78,11 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, dict[str, Any]] = {}
     for load in rows[0]["loads"]:
         for key in ("request_goodput", "mean_ttft_ms", "p99_itl_ms", "output_throughput"):
-            pairs: dict[int, dict[str, float]] = {}
-            for row in rows:
-                pairs.setdefault(row["repeat"], {})[row["side"]] = row["loads"][load][key]
-            this = [p["this"] for p in pairs.values() if p.get("base") and p.get("this") is not None]
-            base = [p["base"] for p in pairs.values() if p.get("base") and p.get("this") is not None]
+            this, base = paired_values([{"repeat": row["repeat"], "side": row["side"], key: row["loads"][load][key]}
+                                        for row in rows], key, "this", "base")
             if this:
                 ratios.setdefault(load, {})[f"{key}_this_over_base"] = ratio_quartiles(this, base)
     out = {"machine": machine_facts(), "bench_args": args.bench_args, "tandem_args": args.tandem_args,

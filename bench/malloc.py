@@ -30,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.abba import paired_values  # noqa: E402
 from bench.peer import run_bench, running, tandem_up  # noqa: E402
 from bench.stack_cpu import environ_value, stack_processes  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
@@ -110,10 +111,7 @@ def stack(side: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 
 def _paired(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    by_pair: dict[int, dict[str, float]] = {}
-    for row in rows:
-        by_pair.setdefault(row["repeat"], {})[row["side"]] = row[key]
-    ratios = [p["default"] / p["tuned"] for p in by_pair.values() if len(p) == 2 and p["tuned"]]
+    ratios = [d / t for d, t in zip(*paired_values(rows, key, "default", "tuned"), strict=True)]
     return {"default_over_tuned": [round(r, 3) for r in ratios],
             "median": round(statistics.median(ratios), 3) if ratios else None}
 
