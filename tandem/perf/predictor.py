@@ -14,7 +14,7 @@ from tandem.perf.hardware import hardware_preset
 from tandem.perf.model import PerfModel
 from tandem.perf.model_shape import ModelShape
 from tandem.perf.profile import load_profile
-from tandem.policy.types import Predictor, log_step
+from tandem.policy.types import Predictor, log_step, spread_pair_slopes
 
 
 class PerfPredictor:
@@ -235,11 +235,9 @@ class LiveStepPredictor:
                 self.prompt_fixed_s, self.prompt_factor = max(0.0, fixed), slope
             return
         fixed, slope = self._anchor_line
-        ordered = sorted(live)
         # Theil-Sen: the median slope over pairs of steps twice apart in size or more (a mixture
         # of many chunks and a few whole waves splits no better at any one size)
-        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(ordered) for x2, y2 in ordered[i + 1:]
-                  if x2 >= 2 * x1]
+        slopes = [slope for slope, _ in spread_pair_slopes(live, 2.0)]
         if len(live) >= 6 and len(slopes) >= len(live):
             slope = self._clamp(statistics.median(slopes))
             fixed = statistics.median(y - slope * x for x, y in live)

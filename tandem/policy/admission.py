@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step
+from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step, spread_pair_slopes
 
 # The router refuses only a predicted TTFT over (1 + margin) x the SLO (``admit_one``): over 1.25x
 # once a batch has been measured, over 2x before (the model uncalibrated).

@@ -20,6 +20,14 @@ def log_step(factor: float, toward: float, weight: float) -> float:
     return math.exp((1 - weight) * math.log(factor) + weight * math.log(toward))
 
 
+def spread_pair_slopes(points: Sequence[tuple[float, float]], min_spread: float) -> list[tuple[float, float]]:
+    """(slope, distance in x) of every pair of ``points`` (x > 0) whose larger x is at least
+    ``min_spread`` times the smaller: the pairs a Theil-Sen fit takes its slope from, leaving
+    out those too close in size for their noise to tell a slope."""
+    return [((yj - yi) / (xj - xi), abs(xj - xi)) for i, (xi, yi) in enumerate(points)
+            for xj, yj in points[i + 1:] if max(xi, xj) >= min_spread * min(xi, xj)]
+
+
 class Predictor(Protocol):
     """Latency model the policies consult (implemented by `tandem.perf`).
 
