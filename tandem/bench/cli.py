@@ -35,9 +35,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p = parser.add_argument
     p("--base-url", required=True, help="the server under test, e.g. http://127.0.0.1:8000")
-    p("--base-url-b", default=None, help="a second server: same requests, alternating per rate, B/A ratios")
+    p("--base-url-b", default=None, help="a second server: the same requests, one server at a time, B/A ratios")
     p("--label-a", default="A", help="name of --base-url in the report")
     p("--label-b", default="B", help="name of --base-url-b in the report")
+    p("--first", choices=FIRST_CHOICES, default="alternate",
+      help="with --base-url-b, which server runs a load first: 'alternate' (A at the first, third, ... load, B "
+           "at the others; a sweep of one load runs A first), or always 'a' / 'b'")
     p("--endpoint", choices=("completions", "chat"), default="completions",
       help="/v1/completions (exact token-id prompts on Tandem) or /v1/chat/completions (text prompts)")
     p("--model", default=None, help="model name to request (default: the first one /v1/models lists)")
@@ -78,6 +81,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p("--plots", default=None, help="directory for PNG plots (CDFs per load, goodput vs rate)")
     parser.set_defaults(func=run)
     return parser
+
+
+FIRST_CHOICES = ("alternate", "a", "b")
+
+
+def first_runs(first: str, load_index: int) -> int:
+    """Which of two servers runs load ``load_index`` (0-based) first: 0 (A) or 1 (B), by ``--first``.
+    A server that runs second meets the state the first left (a host warmed or heated by the
+    load, a page cache, the other stack's tail of work), so a sweep that always ran A first
+    carried that into every B/A ratio; alternating spreads it over both."""
+    if first not in FIRST_CHOICES:
+        raise ValueError(f"--first must be one of {', '.join(FIRST_CHOICES)}, got {first!r}")
+    if first == "alternate":
+        return load_index % 2
+    return 0 if first == "a" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +272,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             specs = build_requests(spec)
         summaries: dict[str, dict[str, Any]] = {}
         records_by_label: dict[str, list[RequestRecord]] = {}
-        for system in systems:
+        lead = first_runs(args.first, load_index)
+        for system in systems[lead:] + systems[:lead]:
             label = system.target.label
             limit = system.info.max_model_len
             if limit is not None:
@@ -276,12 +295,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             summaries[label] = summary
             records_by_label[label] = result.records
             runs.append({"label": label, "load": load.name, "rate_rps": _json_safe(load.rate_rps),
-                         "concurrency": load.concurrency, "summary": summary,
+                         "concurrency": load.concurrency, "summary": summary, "ran_first": len(summaries) == 1,
                          "requests": request_rows(specs, result.records)})
-            table.append({"label": label, "load": load.name, "summary": summary})
             errors = summary["errors"]
             if errors:
                 print(f"{label} {load.name}: {summary['num_failed']} failed: {errors}", file=sys.stderr)
+        table += [{"label": s.target.label, "load": load.name, "summary": summaries[s.target.label]} for s in systems]
         if len(systems) == 2:
             a, b = (s.target.label for s in systems)
             ratio_rows.append({"load": load.name, **ratios(summaries[a], summaries[b])})

@@ -40,8 +40,9 @@ def test_ab_sweep_over_the_real_stack(stack: Stack, tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["systems"]["one"]["is_tandem"] and result["systems"]["one"]["prompt"] == "token_ids"
     runs = result["runs"]
-    assert [(r["label"], r["load"]) for r in runs] == [("one", "8 req/s"), ("two", "8 req/s"),
-                                                       ("one", "inf req/s"), ("two", "inf req/s")]
+    # Alternated: A runs the first load first, B the second.
+    assert [(r["label"], r["load"], r["ran_first"]) for r in runs] == [
+        ("one", "8 req/s", True), ("two", "8 req/s", False), ("two", "inf req/s", True), ("one", "inf req/s", False)]
     for run in runs:
         assert run["summary"]["num_ok"] == 3 and run["summary"]["num_failed"] == 0
         for row in run["requests"]:
