@@ -19,7 +19,14 @@ counts the wait. Requests are paired by their index in the load:
   prediction was wrong).
 Both are reported per load, as shares of all requests and of the refused / admitted ones.
 
-Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4] [--sharegpt-concurrency 8]
+One run of a load near overload says little: the same requests on two stacks that both admitted
+everything met 41 and 30 of 60 at 6 req/s, the first stack ahead, and which stack runs second
+meets what the first left. ``--repeats N`` runs every load N times, A first in even repeats and
+B first in odd ones (``tandem bench --first``), each pair of repeats on the same requests and the
+next pair on new ones (seed + 1000 per pair), and reports each share per load as a mean with its
+95 % interval over the repeats, and its mean by which stack ran first.
+
+Usage: python bench/admission.py [--rate 0.5 1 2] [--num-requests 60] [--rounds 4] [--sharegpt-concurrency 8] [--repeats 4]
                                  [--out bench/results/admission.json] [--tandem-args ARG...]
        python bench/admission.py --judge EARLIER.json --out NEW.json   (judge again, run nothing)
 """
@@ -31,6 +38,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -40,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.peer import CHAT_INPUT_LEN, CHAT_OUTPUT_LEN, Server, run_bench, running, tandem_up  # noqa: E402
-from tandem.bench.metrics import RequestRecord, SloSpec, meets_slo, meets_ttft  # noqa: E402
+from tandem.bench.metrics import RequestRecord, SloSpec, mean_ci95, meets_slo, meets_ttft  # noqa: E402
 from tandem.bench.report import write_json  # noqa: E402
 
 LABEL_ON = "admission"
@@ -110,11 +118,55 @@ def _by_reason(records: list[RequestRecord], indices: list[int]) -> dict[str, in
 
 
 def judge_result(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each load of one ``tandem bench`` result judged; ``repeat`` and ``first`` (the label that
+    ran the load first, None in a result that did not say) are copied from the result's own."""
     slo = SloSpec(**result["slo"])
     by_load: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    first: dict[str, str | None] = {}
     for run in result["runs"]:
         by_load.setdefault(run["load"], {})[run["label"]] = run["requests"]
-    return [{"load": load, **judge(rows[LABEL_ON], rows[LABEL_OFF], slo)} for load, rows in by_load.items()]
+        if run.get("ran_first"):
+            first[run["load"]] = run["label"]
+    extra = {"repeat": result["repeat"]} if "repeat" in result else {}
+    return [{"load": load, **extra, "first": first.get(load), **judge(rows[LABEL_ON], rows[LABEL_OFF], slo)}
+            for load, rows in by_load.items()]
+
+
+# The shares summarized over repeats (``over_repeats``).
+SHARES = ("false_refusals_of_all", "admitted_missed_of_admitted", "admitted_missed_last_attempt_of_admitted")
+
+
+def over_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load, each of ``SHARES`` over the judged rows of every repeat: mean, 95 % half-width
+    (Student t; None from one repeat) and its mean by the stack that ran the load first.
+    A share that is undefined in a repeat (no admitted request) is left out of that repeat."""
+    out = []
+    for load in dict.fromkeys(r["load"] for r in rows):
+        mine = [r for r in rows if r["load"] == load]
+        summary: dict[str, Any] = {"load": load, "repeats": len(mine)}
+        for key in SHARES:
+            values = [float(r[key]) for r in mine if r.get(key) is not None]
+            mean, half = mean_ci95(values) if values else (None, None)
+            summary[key] = {"mean": mean, "ci95_half": half if len(values) > 1 else None, "n": len(values),
+                            "by_first": {label: statistics.fmean(v) for label in (LABEL_ON, LABEL_OFF)
+                                         if (v := [float(r[key]) for r in mine
+                                                   if r.get("first") == label and r.get(key) is not None])}}
+        out.append(summary)
+    return out
+
+
+def markdown_over_repeats(summaries: list[dict[str, Any]]) -> str:
+    def cell(share: dict[str, Any]) -> str:
+        if share["mean"] is None:
+            return "-"
+        half = "" if share["ci95_half"] is None else f" ± {100 * share['ci95_half']:.0f}"
+        firsts = ", ".join(f"{label} first {100 * v:.0f}%" for label, v in share["by_first"].items())
+        return f"{100 * share['mean']:.0f}%{half}" + (f" ({firsts})" if firsts else "")
+    lines = ["| load | repeats | false refusals (of all) | admitted missed (of admitted) | "
+             "admitted missed, from the attempt answered |", "|---|---|---|---|---|"]
+    lines += [f"| {s['load']} | {s['repeats']} | " + " | ".join(cell(s[key]) for key in SHARES) + " |"
+              for s in summaries]
+    return "\n".join(lines)
 
 
 def _pct(value: float | None) -> str:
@@ -131,7 +183,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                f"{r['admitted_missed_retried']} / {r['admitted_missed_ttft']} / {r['admitted_missed_tbt_only']}")
         attempt = ("-" if r.get("admitted_missed_last_attempt") is None else
                    f"{r['admitted_missed_last_attempt']} ({_pct(r['admitted_missed_last_attempt_of_admitted'])})")
-        lines.append(f"| {r['load']} | {r['num_refused']}/{r['num_requests']} | {r['num_false_refusals']} "
+        load = r["load"] + (f" #{r['repeat']}" if r.get("repeat") is not None else "") + (
+            f" ({r['first']} first)" if r.get("first") else "")
+        lines.append(f"| {load} | {r['num_refused']}/{r['num_requests']} | {r['num_false_refusals']} "
                      f"({_pct(r['false_refusals_of_all'])} / {_pct(r['false_refusals_of_refused'])}) | "
                      f"{r['num_admitted_missed']}/{r['num_admitted']} ({_pct(r['admitted_missed_of_admitted'])}) | "
                      f"{how} | {attempt} | {r['met_with_admission']} / {r['met_without_admission']} |")
@@ -154,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p("--retries-429", type=int, default=2,
       help="the client retries a 429 this many times after its Retry-After (the openai client's default: 2)")
     p("--seed", type=int, default=0)
+    p("--repeats", type=int, default=1,
+      help="run every load this many times, alternating which stack runs it first; each pair of repeats on the "
+           "same requests, the next pair on new ones")
     p("--ready-timeout-s", type=float, default=300.0)
     p("--out", default="bench/results/admission.json")
     p("--judge", default=None, help="judge the runs of an earlier --out JSON again (no stacks started)")
@@ -163,12 +220,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if args.judge:
         earlier = json.loads(Path(args.judge).read_text())
         rows = [row for result in earlier["bench"] for row in judge_result(result)]
-        earlier.update(judged=rows, markdown=markdown(rows))
+        summaries = over_repeats(rows)
+        earlier.update(judged=rows, markdown=markdown(rows), over_repeats=summaries,
+                       markdown_over_repeats=markdown_over_repeats(summaries))
         write_json(earlier, args.out)
         print(earlier["markdown"])
+        print(earlier["markdown_over_repeats"])
         return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log_dir = Path(args.out).with_suffix("")
@@ -184,27 +246,36 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--base-url", on.base_url, "--label-a", LABEL_ON, "--base-url-b", off.base_url, "--label-b", LABEL_OFF,
               "--endpoint", "chat", "--retries-429", str(args.retries_429), "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
     started = time.time()
+    results: list[dict[str, Any]] = []
     with ExitStack() as es:
         for server in (on, off):
             es.enter_context(running(server, args.ready_timeout_s))
         sharegpt = ["--workload", "sharegpt", "--max-input-len", "512", "--max-output-len", "128"]
-        results = [run_bench([*common, *sharegpt, "--concurrency", str(c), "--num-requests", str(args.rounds * c),
-                              "--seed", str(args.seed + 100 + i)])
-                   for i, c in enumerate(args.sharegpt_concurrency)]
-        results += [run_bench([*common, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
-                              "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
-                              "--num-requests", str(args.rounds * c), "--seed", str(args.seed + 1 + i)])
-                   for i, c in enumerate(args.concurrency)]
-        if args.rate:
-            results.append(run_bench([*common, *sharegpt, "--rate", *map(str, args.rate),
-                                      "--num-requests", str(args.num_requests), "--seed", str(args.seed)]))
+        for repeat in range(args.repeats):
+            # A first in even repeats, B in odd ones; each pair on the same requests.
+            seed = args.seed + 1000 * (repeat // 2)
+            order = ["--first", "a" if repeat % 2 == 0 else "b"]
+            batch = [run_bench([*common, *order, *sharegpt, "--concurrency", str(c),
+                                "--num-requests", str(args.rounds * c), "--seed", str(seed + 100 + i)])
+                     for i, c in enumerate(args.sharegpt_concurrency)]
+            batch += [run_bench([*common, *order, "--workload", "fixed", "--input-len", str(CHAT_INPUT_LEN),
+                                 "--output-len", str(CHAT_OUTPUT_LEN), "--concurrency", str(c),
+                                 "--num-requests", str(args.rounds * c), "--seed", str(seed + 1 + i)])
+                      for i, c in enumerate(args.concurrency)]
+            if args.rate:
+                batch.append(run_bench([*common, *order, *sharegpt, "--rate", *map(str, args.rate),
+                                        "--num-requests", str(args.num_requests), "--seed", str(seed)]))
+            results += [{**result, "repeat": repeat} for result in batch]
     rows = [row for result in results for row in judge_result(result)]
     table = markdown(rows)
+    summaries = over_repeats(rows)
     out = write_json({"config": dict(vars(args)), "duration_s": time.time() - started,
                       "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
                       "commands": {LABEL_ON: on.cmd, LABEL_OFF: off.cmd},
-                      "judged": rows, "bench": results, "markdown": table}, args.out)
+                      "judged": rows, "bench": results, "markdown": table, "over_repeats": summaries,
+                      "markdown_over_repeats": markdown_over_repeats(summaries)}, args.out)
     print(table)
+    print(markdown_over_repeats(summaries))
     print(f"\nresults: {out}; server logs: {log_dir}")
     return 0
 

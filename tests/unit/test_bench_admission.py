@@ -97,3 +97,46 @@ def test_runs_of_different_lengths_are_an_error() -> None:
         assert "3 and 2" in str(exc)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_shares_over_repeats_by_load_and_by_the_stack_that_ran_first() -> None:
+    """``over_repeats`` on random judged rows of several loads and repeats (order alternated):
+    each share's mean, its interval and its mean by the stack that ran first, against the rows;
+    a share undefined in a repeat (nothing admitted) left out."""
+    admission = _admission()
+    rng = random.Random(11)
+    for _ in range(30):
+        loads = [f"{rng.choice([1, 2, 6])} req/s #{k}" for k in range(rng.randint(1, 3))]
+        repeats = rng.randint(1, 6)
+        rows = []
+        for repeat in range(repeats):
+            for load in loads:
+                row = {"load": load, "repeat": repeat,
+                       "first": admission.LABEL_ON if repeat % 2 == 0 else admission.LABEL_OFF}
+                for key in admission.SHARES:
+                    row[key] = None if rng.random() < 0.15 else rng.random()
+                rows.append(row)
+        summaries = admission.over_repeats(rows)
+        assert [s["load"] for s in summaries] == loads
+        for summary in summaries:
+            mine = [r for r in rows if r["load"] == summary["load"]]
+            assert summary["repeats"] == repeats
+            for key in admission.SHARES:
+                values = [r[key] for r in mine if r[key] is not None]
+                share = summary[key]
+                assert share["n"] == len(values)
+                if not values:
+                    assert share["mean"] is None and share["by_first"] == {}
+                    continue
+                assert abs(share["mean"] - sum(values) / len(values)) < 1e-12
+                assert (share["ci95_half"] is None) == (len(values) == 1)
+                if share["ci95_half"] is not None:
+                    assert share["ci95_half"] >= 0
+                for label, mean in share["by_first"].items():
+                    of_label = [r[key] for r in mine if r["first"] == label and r[key] is not None]
+                    assert abs(mean - sum(of_label) / len(of_label)) < 1e-12
+                assert set(share["by_first"]) == {r["first"] for r in mine if r[key] is not None}
+        table = admission.markdown_over_repeats(summaries)
+        assert table.count("\n") == len(loads) + 1
+        shown = admission.markdown([{**rows[0], **admission.judge([], [], SLO)}])
+        assert f"#{rows[0]['repeat']} ({rows[0]['first']} first)" in shown
