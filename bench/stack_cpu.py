@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         after, wall_s = stack_cpu_s(server.proc.pid), time.monotonic() - start
     (run,) = result["runs"]
     tokens = sum(len(r["token_times_s"]) for r in run["requests"])
-    per_token: dict[str, Any] = {role: round(1000.0 * (after.get(role, 0.0) - before.get(role, 0.0)) / tokens, 2)
+    per_token: dict[str, Any] = {role: round(1000.0 * (after.get(role, 0.0) - before.get(role, 0.0)) / tokens, 3)
                                  for role in sorted(set(after) | set(before))} if tokens else {}
     write_json({"config": vars(args), "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
                 "wall_s": wall_s, "output_tokens": tokens, "cpu_ms_per_token": per_token,
