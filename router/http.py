@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -34,6 +33,7 @@ from starlette.routing import Route
 
 from router.auth import bearer_matches
 from router.choices import FINISH_REASON, Choices, ChoiceState, TokenTexts, absorb
+from router.config import http_parser
 from router.core import RouterCore, brief
 from router.metrics import RouterMetrics
 from router.models import ServedModels
@@ -841,20 +841,6 @@ class HttpServer:
         left ``HTTP_SHUTDOWN_S`` after this call)."""
         self.server.should_exit = True
         await asyncio.gather(self.task, return_exceptions=True)
-
-
-# uvicorn's HTTP/1.1 parser: "auto" takes httptools (C, a dependency) when it imports, else h11
-# (pure Python). ``TANDEM_HTTP_PARSER=h11`` forces the pure one, for an A/B: on 16 streamed chats
-# the router spent 173-194 us of CPU per output token with httptools against 202-208 with h11.
-HTTP_PARSERS = ("auto", "httptools", "h11")
-
-
-def http_parser() -> str:
-    """The parser ``TANDEM_HTTP_PARSER`` names (default "auto"); ValueError for another name."""
-    name = os.environ.get("TANDEM_HTTP_PARSER", "auto")
-    if name not in HTTP_PARSERS:
-        raise ValueError(f"TANDEM_HTTP_PARSER must be one of {', '.join(HTTP_PARSERS)}, got {name!r}")
-    return name
 
 
 async def start_http(gateway: Gateway, host: str, port: int) -> HttpServer:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from router.http import HTTP_PARSERS, http_parser, start_http
+from router.config import HTTP_PARSERS, http_parser, parse_args
+from router.http import start_http
+from router.server import serve
+from tandem.service.runtime import service_main
 
 
 class _App:
@@ -64,9 +68,19 @@ def test_each_parser_streams_events_and_echoes_bodies(parser: str, monkeypatch: 
     asyncio.run(run())
 
 
-def test_the_parser_defaults_to_auto_and_another_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_parser_defaults_to_auto_and_another_name_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("TANDEM_HTTP_PARSER", raising=False)
     assert http_parser() == "auto"
     monkeypatch.setenv("TANDEM_HTTP_PARSER", "fast")
     with pytest.raises(ValueError, match="TANDEM_HTTP_PARSER"):
         http_parser()
+    # The router refuses it at its flags, exit 2 with one line, before it serves anything.
+    with pytest.raises(SystemExit) as exited:
+        for name in ("config.json", "tokenizer.json"):
+            (tmp_path / name).write_text("{}")
+        service_main("router", parse_args, serve, ["--model", str(tmp_path), "--prefill-address", "a:1",
+                                                   "--decode-address", "c:3", "--http-port", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("router: error: TANDEM_HTTP_PARSER must be one of") and "\n" not in err
