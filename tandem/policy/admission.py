@@ -446,9 +446,7 @@ class PrefillCalibration:
         if len(recent) < self.min_fit_points:
             return 1.0, 0.0
         points = [(1.0 / p, min(self.max_factor, max(self.min_factor, m / p)), m) for p, m in recent]
-        slopes = [((yj - yi) / (xj - xi), abs(xj - xi)) for i, (xi, yi, _) in enumerate(points)
-                  for xj, yj, _ in points[i + 1:]
-                  if max(xi, xj) >= self.min_spread * min(xi, xj)]
+        slopes = spread_pair_slopes([(x, y) for x, y, _ in points], self.min_spread)
         if not slopes:
             return 1.0, 0.0
         overhead_s = min(_weighted_median(slopes), min(m for _, _, m in points))
