@@ -170,9 +170,9 @@ class RouterConfig:
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.http_port is not None:
+            if not 0 <= self.http_port <= 65535:
+                raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
             http_parser()  # a bad TANDEM_HTTP_PARSER fails here, one clear line, not at the HTTP start
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         for flag_name, addresses in (("--prefill-address", self.prefill_addresses),
                                      ("--decode-address", self.decode_addresses)):
             for address in addresses:

@@ -272,7 +272,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             specs = build_requests(spec)
         summaries: dict[str, dict[str, Any]] = {}
         records_by_label: dict[str, list[RequestRecord]] = {}
-        lead = first_runs(args.first, load_index)
+        lead = first_runs(args.first, load_index) if len(systems) == 2 else 0
         for system in systems[lead:] + systems[:lead]:
             label = system.target.label
             limit = system.info.max_model_len
@@ -295,7 +295,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             summaries[label] = summary
             records_by_label[label] = result.records
             runs.append({"label": label, "load": load.name, "rate_rps": _json_safe(load.rate_rps),
-                         "concurrency": load.concurrency, "summary": summary, "ran_first": len(summaries) == 1,
+                         "concurrency": load.concurrency, "summary": summary, "ran_first": system is systems[lead],
                          "requests": request_rows(specs, result.records)})
             errors = summary["errors"]
             if errors:
