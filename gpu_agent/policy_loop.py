@@ -57,9 +57,10 @@ Policy = Callable[[ClusterSnapshot, Predictor], Decision]
 
 def live_dynamic(rate_check: bool, chunked: ChunkedConfig = ChunkedConfig()) -> DynamicPolicy:
     """The agent's ``dynamic``: its aggregated steps are ``chunked``'s (the agent's --chunk-*
-    flags), in deadline order, and a split batch prefill launched stays split to its end
-    (``hold_launched``: prefill_svc finishes every batch it launched)."""
-    return DynamicPolicy(DynamicConfig(rate_check=rate_check, hold_launched=True), chunked)
+    flags), in deadline order. A split batch prefill launched may still go to those steps while it
+    has no layer group done (``hold_launched`` off, as in the simulator): prefill_svc gives it back
+    at its first boundary (``PrefillWorker._give_back``)."""
+    return DynamicPolicy(DynamicConfig(rate_check=rate_check, hold_launched=False), chunked)
 
 
 class Applied(NamedTuple):

@@ -5,7 +5,9 @@ Between layer groups the event loop runs: new submissions queue up, cancellation
 and a new partition is applied before the next group. A request's blocks are released on every
 path that does not end in an accepted handoff (cancelled, finished at the first token, refused).
 In aggregated mode a prompt is forwarded uncomputed, and forwarded again (on the blocks taken
-back) when its decode_svc dies before the first token.
+back) when its decode_svc dies before the first token. A batch that finds the cell aggregated at
+its first layer-group boundary (the agent chose decode's steps once it had launched) is given
+back: its prompts are forwarded, on the blocks they have, for decode to compute in chunks.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class PrefillWorker:
         self._in_flight: list[_InFlight] = []
         self._preempt_epoch = 0  # the last partition whose preemption was carried out
         self.num_preemptions = 0
+        self.num_given_back = 0  # batches handed to decode's chunks at their first boundary
         self.forwarded: dict[str, _Pending] = {}  # aggregated mode: prompts decode computes
         # Forwarded prompts that found the KV pool full ask the agent again one at a time, in
         # arrival order; each polling on its own sent the agent a refused Allocate every
@@ -206,7 +209,7 @@ class PrefillWorker:
             self.config.service_id, self.member.cell_id, "prefill", self.member.partition, spec.num_blocks,
             num_queued_requests=len(self.queue), num_queued_tokens=queued, num_running=len(self.running),
             batch_size=len(self.running), predicted_ttft_ms=1000.0 * queued / self.tokens_per_s,
-            num_dropped=self.num_dropped, num_preemptions=self.num_preemptions,
+            num_dropped=self.num_dropped, num_preemptions=self.num_preemptions, num_given_back=self.num_given_back,
             model=self.member.model,
         )
 
@@ -286,24 +289,28 @@ class PrefillWorker:
         """Aggregated mode: hand every queued request to decode_svc, which computes the prompt
         in chunks inside its steps; each waits there for its first token on its own task."""
         while self.queue:
-            pending = self.queue.popleft()
-            self.forwarded[pending.msg.request_id] = pending
-            task = asyncio.get_running_loop().create_task(self._forward(pending))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start_forward(self.queue.popleft())
         self._report_load()
 
-    async def _forward(self, pending: _Pending) -> None:
+    def _start_forward(self, pending: _Pending, req: Request | None = None) -> None:
+        """Forward ``pending`` on its own task: on ``req``'s blocks when it has them (a batch
+        given back), else on blocks allocated first."""
+        self.forwarded[pending.msg.request_id] = pending
+        task = asyncio.get_running_loop().create_task(self._forward(pending, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forward(self, pending: _Pending, req: Request | None = None) -> None:
         # Its own task: the request's trace context made current here joins the Handoff call
         # (and decode's span) to the request's trace.
         with _in_trace(pending):
-            await self._forward_traced(pending)
+            await self._forward_traced(pending, req)
 
-    async def _forward_traced(self, pending: _Pending) -> None:
+    async def _forward_traced(self, pending: _Pending, given: Request | None = None) -> None:
         rid = pending.msg.request_id
         breaks = _HandoffBreaks()
         try:
-            req = await self._allocate_waiting(pending)
+            req = given if given is not None else await self._allocate_waiting(pending)
             while True:
                 if req is None:
                     return
@@ -540,6 +547,9 @@ class PrefillWorker:
                 )
                 child.end()
             flight.layers_done = state.next_layer
+            if first == 0 and state.next_layer < runner.num_layers and self.member.partition.aggregated:
+                self._give_back(flight, live, spans)
+                return
             if state.next_layer < runner.num_layers:
                 self._report_load()
                 await self._yield_if_preempted(flight)
@@ -557,6 +567,34 @@ class PrefillWorker:
             self._finish_one(p, r, out.finish_reason, started_ns - p.enqueued_ns, prefill_ns)
             for (p, r), out in zip(live, outputs, strict=True)
         ))
+
+    def _give_back(self, flight: _InFlight, live: list[tuple[_Pending, Request]], spans: list[trace.Span]) -> None:
+        """The agent chose aggregated steps after this batch was launched (DynamicPolicy with
+        ``hold_launched`` off: a split batch with no layer group done goes to decode's chunks):
+        at its first boundary it stops, and each prompt is forwarded, on the blocks it has, for
+        decode to compute in chunks from its cached prefix (the group's K/V written meanwhile is
+        computed again there). Finished, the batch ran on beside decode's hybrid steps, on the
+        same cores, while those steps' chunks went to other prompts (a live burst's TBT p99
+        1.8-2.2 s). A cancelled request fails here, as at the end of a batch."""
+        self.num_given_back += 1
+        log.info("%s: aggregated steps from epoch %d: gave back a batch of %d prompts after %d of %d layers",
+                 self.config.service_id, self.member.partition.epoch, len(live), flight.layers_done,
+                 self.runner.num_layers)
+        for span in spans:
+            span.add_event("prefill.given_back", {"tandem.layers_done": flight.layers_done})
+            span.end()
+        for pending, req in live:
+            self.running.pop(pending.msg.request_id, None)
+            if pending.cancelled or pending.future.done():  # a cancelled Submit cancels its future
+                _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")
+                self._spawn_release(pending.msg.request_id)
+                continue
+            self._start_forward(pending, req)
+
+    def _spawn_release(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.member.release(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _request_spans(self, live: list[tuple[_Pending, Request]], started_ns: int) -> list[trace.Span]:
         """A finished queueing span and an open forward span per request, in its own trace."""

@@ -9,8 +9,10 @@ gauges (KV cache use, partition) are read from the agent's entry on the Redis lo
 scrape time, and the SLO scheduler's counts from prefill's and decode's entries:
 ``num_preemptions_total`` (vLLM's: decode freed a request's KV blocks because the pool was
 full), ``num_prefill_pauses_total`` (a prefill batch paused between layer groups for a shorter
-prompt, MuxWise's preemption) and ``num_requests_dropped_total`` (prompts prefill dropped
-because they could not meet their TTFT deadline even alone).
+prompt, MuxWise's preemption), ``num_prefill_given_back_total`` (a prefill batch handed to
+decode's chunks at its first layer-group boundary, the cell gone aggregated since its launch) and
+``num_requests_dropped_total`` (prompts prefill dropped because they could not meet their TTFT
+deadline even alone).
 
 Every metric carries vLLM's ``model_name`` label (the served name; a router may serve several
 models); the core of each model observes through its ``ModelMetrics`` view. The scheduler's
@@ -95,6 +97,9 @@ class RouterMetrics:
             registry=r)
         self.num_prefill_pauses = Counter(
             f"{PREFIX}num_prefill_pauses", "Prefill batches paused for a shorter prompt (MuxWise).", model, registry=r)
+        self.num_prefill_given_back = Counter(
+            f"{PREFIX}num_prefill_given_back", "Prefill batches handed to decode's chunks at their first layer-group "
+            "boundary: the cell went aggregated once they were launched.", model, registry=r)
         self.num_requests_dropped = Counter(
             f"{PREFIX}num_requests_dropped", "Prompts dropped before prefill: their TTFT deadline was out of reach.",
             model, registry=r)
@@ -129,8 +134,8 @@ class RouterMetrics:
         """The request metrics of one served model (the first model asked for is the primary)."""
         if model_name not in self._names:
             self._names.append(model_name)
-            for counter in (self.num_preemptions, self.num_prefill_pauses, self.num_requests_dropped,
-                            self.num_prefill_resends):
+            for counter in (self.num_preemptions, self.num_prefill_pauses, self.num_prefill_given_back,
+                            self.num_requests_dropped, self.num_prefill_resends):
                 counter.labels(model_name=model_name)  # the series exists, at 0, from the start
         return ModelMetrics(self, model_name)
 
@@ -173,7 +178,8 @@ class RouterMetrics:
             model_name = self.label(report.model)
             for name, counter in (("num_dropped", self.num_requests_dropped),
                                   ("num_preemptions", self.num_prefill_pauses if report.role == "prefill"
-                                   else self.num_preemptions)):
+                                   else self.num_preemptions),
+                                  ("num_given_back", self.num_prefill_given_back)):
                 self._fold(counter.labels(model_name=model_name), ("service", report.service_id, name),
                            getattr(report, name))
 

@@ -387,7 +387,9 @@ class LoadReport:
     ``num_dropped`` and ``num_preemptions`` count, since this service process started, the
     requests it dropped as unable to meet their deadline (prefill's early drop) and its
     preemptions (prefill: a batch paused for a shorter prompt; decode: a request whose KV blocks
-    were freed when the pool was full). A count a role does not keep is 0.
+    were freed when the pool was full). A count a role does not keep is 0. ``num_given_back``
+    (prefill) counts batches handed to decode's chunks at their first layer-group boundary, the
+    cell having gone aggregated once they were launched.
 
     ``model`` is the served name of the model a prefill or decode service computes ("" for the
     agent, or a writer that predates it: the cell's first model). ``kv_used_by_model`` (the
@@ -419,6 +421,7 @@ class LoadReport:
     last_step_ms: float = 0.0
     num_dropped: int = 0
     num_preemptions: int = 0
+    num_given_back: int = 0
     model: str = ""
     kv_used_by_model: dict[str, float] = field(default_factory=dict)
     aggregated: bool = False
@@ -443,7 +446,8 @@ class LoadReport:
             raise ValueError(f"LoadReport.role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("num_queued_requests", "num_queued_tokens", "num_running", "batch_size",
                      "partition_epoch", "kv_free_blocks", "kv_total_blocks", "updated_unix_ns", "num_dropped",
-                     "num_preemptions", "kv_block_size", "kv_held_back_blocks", "kv_prompt_blocks_granted"):
+                     "num_preemptions", "num_given_back", "kv_block_size", "kv_held_back_blocks",
+                     "kv_prompt_blocks_granted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         # Read back from JSON, each model's figures are a plain object (keys a newer agent adds

@@ -4,11 +4,13 @@ MuxWise preemption: a long prompt is paused between layer groups for a short one
 it would make it miss, and both complete with the in-process engine's greedy output. Deadlines
 grow with the prompt (TANDEM_TTFT_SLO_MS_PER_1K), so the short prompt's is far earlier than the
 long one's. Early drop: prompts that cannot make their deadline even alone fail at once with the
-documented error while the others are served. Both are counted on the router's /metrics."""
+documented error while the others are served. Both are counted on the router's /metrics. A
+batch launched just before the agent chose decode's aggregated steps is given back to them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -113,3 +115,53 @@ def test_prompts_that_cannot_make_their_deadline_are_dropped_and_the_rest_served
         logged = sum(stack.logs(name).count(" prompt tokens): predicted") for name in ("prefill_svc", "decode_svc"))
         assert logged == dropped
         assert _metric(stack, "tandem:num_requests_dropped_total", dropped) == dropped
+
+
+def test_a_batch_launched_just_before_aggregated_steps_is_given_back_and_served_exactly(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    """dynamic with its rate check: a burst of prompts beside running streams is split to prefill,
+    and once launched the agent prefers decode's aggregated steps (the streams came back, or the
+    chunks prefill faster): prefill_svc gives the batch back at its first layer-group boundary and
+    decode computes the prompts in chunks. Rounds of streams and bursts, random lengths, one burst
+    request cancelled at a random moment each round, until a batch was given back: every request
+    served has the in-process engine's greedy output, the cancelled ones end, every block comes
+    back, and the router's counter is the count prefill logged."""
+    rng = random.Random()
+    stream_params = SamplingParams(temperature=0.0, max_tokens=rng.randint(24, 48), ignore_eos=True)
+    burst_params = SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 6), ignore_eos=True)
+    env = {"TANDEM_POLICY": "dynamic", "TANDEM_SPLIT_RATE_CHECK": "on"}
+    served: list[tuple[list[int], SamplingParams, list[int]]] = []
+    with Stack(smollm2_dir, tmp_path, num_blocks=1024, extra_env=env) as stack:
+        async def cancelled_after(ids: list[int], delay_s: float) -> None:
+            task = asyncio.create_task(generate(stack.address("router"), ids, burst_params))
+            await asyncio.sleep(delay_s)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await task
+
+        async def one_round() -> None:
+            address = stack.address("router")
+            streams = [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 40))] for _ in range(rng.randint(2, 4))]
+            burst = [[rng.randrange(100, 40000) for _ in range(rng.randint(40, 400))] for _ in range(rng.randint(3, 8))]
+            running = [asyncio.create_task(generate(address, ids, stream_params)) for ids in streams]
+            await asyncio.sleep(rng.uniform(0.2, 0.6))
+            doomed = [rng.randrange(100, 40000) for _ in range(rng.randint(40, 400))]
+            cancel = asyncio.create_task(cancelled_after(doomed, rng.uniform(0.0, 0.4)))
+            outs = await asyncio.gather(*(generate(address, ids, burst_params) for ids in burst))
+            await cancel
+            served.extend((ids, burst_params, out[0]) for ids, out in zip(burst, outs, strict=True))
+            for ids, task in zip(streams, running, strict=True):
+                served.append((ids, stream_params, (await task)[0]))
+            stats = await wait_all_blocks_free(stack)
+            assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0, stats
+
+        for _ in range(6):
+            asyncio.run(one_round())
+            if "gave back" in stack.logs("prefill_svc"):
+                break
+        given_back = stack.logs("prefill_svc").count("gave back")
+        assert given_back, stack.logs("gpu_agent")[-3000:]
+        assert _metric(stack, "tandem:num_prefill_given_back_total", given_back) == given_back
+    engine = LLMEngine.from_dir(smollm2_dir, num_blocks=512)
+    for ids, params, got in served:
+        assert got == engine.generate([ids], params)[0].token_ids

@@ -433,10 +433,11 @@ def test_dynamic_split_only_when_it_prefills_at_least_as_fast(tokens: int, extra
 
 
 @pytest.mark.parametrize("layers_done", [0, 1, 8])
-def test_a_live_dynamic_never_leaves_a_launched_split_batch_for_chunks(layers_done: int) -> None:
-    """Live, prefill_svc finishes the batch it launched whatever the partition says: chunks for
-    it would go to a prompt decode does not hold, beside it on the same cores (the live agent
-    sets hold_launched). The simulator's default hands a batch with no layer group done over."""
+def test_a_held_dynamic_never_leaves_a_launched_split_batch_for_chunks(layers_done: int) -> None:
+    """With hold_launched a launched split batch stays split to its end, for a prefill that
+    finishes what it launched. Without it (the simulator's default, and the live agent's since
+    prefill_svc gives such a batch back at its first boundary) a batch with no layer group done
+    goes to the chunks."""
     held_rate_check = DynamicPolicy(DynamicConfig(hold_launched=True))
     held = split_policy(hold_launched=True)
     running = rp("a", LONG, deadline_s=NOW + 30, layers_done=layers_done)
@@ -987,3 +988,15 @@ def test_ttft_deadlines_grow_the_budget_only_when_more_prompts_miss_than_streams
         if _edf_misses(s, need) == 0:
             near = range(max(max(tbt, 1), need - max(1, need // 8)), need)
             assert any(_edf_misses(s, tokens) > 0 for tokens in near)
+
+
+def test_the_live_agents_dynamic_hands_a_just_launched_batch_to_the_chunks() -> None:
+    """The agent's dynamic, with and without its rate check, does not hold a launched batch: it
+    decides as the simulator does, for a prefill_svc that gives the batch back."""
+    from gpu_agent.policy_loop import live_dynamic
+
+    for rate_check in (False, True):
+        policy = live_dynamic(rate_check)
+        assert not policy.config.hold_launched and policy.config.rate_check == rate_check
+    running = rp("a", LONG, deadline_s=NOW + 30, layers_done=0)
+    assert live_dynamic(True)(snap(running=running), P).aggregated == RATE_CHECK(snap(running=running), P).aggregated
