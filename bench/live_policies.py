@@ -42,7 +42,8 @@ BIN = Path(sys.executable).parent
 # The SLO scheduler's counters on /metrics, by the name reported here.
 SCHEDULER_COUNTERS = {"preemptions": "tandem:num_preemptions_total",
                       "prefill_pauses": "tandem:num_prefill_pauses_total",
-                      "drops": "tandem:num_requests_dropped_total"}
+                      "drops": "tandem:num_requests_dropped_total",
+                      "given_back": "tandem:num_prefill_given_back_total"}
 
 
 def scheduler_counts(url: str) -> dict[str, float]:
