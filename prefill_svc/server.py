@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -548,6 +549,9 @@ class PrefillWorker:
                 child.end()
             flight.layers_done = state.next_layer
             if first == 0 and state.next_layer < runner.num_layers and self.member.partition.aggregated:
+                if runner.pool.tensor.device.type == "cuda":
+                    # The group's kernels write these blocks: done before decode writes them.
+                    await self.member.run(lambda: torch.cuda.current_stream().synchronize())
                 self._give_back(flight, live, spans)
                 return
             if state.next_layer < runner.num_layers:
