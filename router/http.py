@@ -567,6 +567,8 @@ class Gateway:
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
+            # SageMaker's (and vLLM's) probe: 200 once the router can serve, as /ready.
+            Route("/ping", self.ready, methods=["GET", "POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ]

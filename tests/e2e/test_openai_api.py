@@ -380,6 +380,7 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         assert "127.0.0.1" in http.get(f"{base}/ready", headers=auth).text
         _assert_grpc_needs_the_key(smol.address("router"))
         assert http.get(f"{base}/ready").status_code == 200
+        assert http.get(f"{base}/ping").status_code == 200 and http.post(f"{base}/ping").status_code == 200
         for name in ("gpu_agent", "prefill_svc", "decode_svc", "router"):  # a container's healthcheck
             assert _probe(smol.address(name)) == (0, "SERVING"), name
         assert _probe(smol.address("router"), "--ready") == (0, "ready")
@@ -387,6 +388,7 @@ def test_api_key_admission_and_not_ready(smol: Stack) -> None:
         smol.kill("prefill_svc")
         smol.kill("decode_svc")
         _assert_error(http.get(f"{base}/ready", headers=auth), 503, "prefill")
+        assert http.get(f"{base}/ping").status_code == 503 and http.post(f"{base}/ping").status_code == 503
         _assert_error(http.post(chat, json=body, headers=auth), 503)
         assert http.get(f"{base}/health").status_code == 200
         code, said = _probe(smol.address("router"), "--ready")
