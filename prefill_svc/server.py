@@ -17,8 +17,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -297,7 +298,11 @@ class PrefillWorker:
         """Forward ``pending`` on its own task: on ``req``'s blocks when it has them (a batch
         given back), else on blocks allocated first."""
         self.forwarded[pending.msg.request_id] = pending
-        task = asyncio.get_running_loop().create_task(self._forward(pending, req))
+        self._spawn(self._forward(pending, req))
+
+    def _spawn(self, call: Coroutine[Any, Any, None]) -> None:
+        """``call`` on a task of its own, kept in ``_tasks`` (cancelled at shutdown) while it runs."""
+        task = asyncio.get_running_loop().create_task(call)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -548,13 +553,13 @@ class PrefillWorker:
                 )
                 child.end()
             flight.layers_done = state.next_layer
-            if first == 0 and state.next_layer < runner.num_layers and self.member.partition.aggregated:
-                if runner.pool.tensor.device.type == "cuda":
-                    # The group's kernels write these blocks: done before decode writes them.
-                    await self.member.run(lambda: torch.cuda.current_stream().synchronize())
-                self._give_back(flight, live, spans)
-                return
             if state.next_layer < runner.num_layers:
+                if first == 0 and self.member.partition.aggregated:
+                    if runner.pool.tensor.device.type == "cuda":
+                        # The group's kernels write these blocks: done before decode writes them.
+                        await self.member.run(lambda: torch.cuda.current_stream().synchronize())
+                    self._give_back(flight, live, spans)
+                    return
                 self._report_load()
                 await self._yield_if_preempted(flight)
         outputs = await self.member.run(
@@ -591,14 +596,9 @@ class PrefillWorker:
             self.running.pop(pending.msg.request_id, None)
             if pending.cancelled or pending.future.done():  # a cancelled Submit cancels its future
                 _fail(pending, grpc.StatusCode.CANCELLED, "cancelled during prefill")
-                self._spawn_release(pending.msg.request_id)
+                self._spawn(self.member.release(pending.msg.request_id))
                 continue
             self._start_forward(pending, req)
-
-    def _spawn_release(self, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.member.release(request_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _request_spans(self, live: list[tuple[_Pending, Request]], started_ns: int) -> list[trace.Span]:
         """A finished queueing span and an open forward span per request, in its own trace."""

@@ -488,13 +488,14 @@ class DynamicConfig:
     of the SMs and leaves prefill slower than chunked's steps. Chunked with its chunks by
     deadline alone does as well (1.64x / 1.36x, 1.74x / 1.38x): in this model the gain is the
     order, not the split.
-    `hold_launched`: a split batch prefill has launched stays split until it ends, for a prefill
-    that finishes what it launched; off (the default, the simulator's and since 2026-12-05 the
-    live agent's), a batch with no layer group done goes to the chunks, and prefill_svc gives it
-    back at its first layer-group boundary (the simulator hands it over at once, the group in
-    flight not charged). With it on, the rate-checked dynamic's capacity on Azure code fell to
-    0.80x / 1.20x chunked's (A100 / H100, 100 ms, five seeds): the simulated gain of the check
-    rests on that hand-over (docs/results/sim-policies.md)."""
+    `hold_launched`: a running prefill job stays split until it ends, whether or not a layer
+    group is done; off (the default, and since 2026-12-05 the live agent's), one with no layer
+    group done may go to the chunks, and prefill_svc gives such a batch back at its first
+    layer-group boundary. With it on, the rate-checked dynamic's simulated capacity on Azure code
+    fell to 0.80x / 1.20x chunked's (A100 / H100, 100 ms, five seeds), but not for launched
+    batches: every decision the hold changed saw a prompt the simulator's hybrid steps had begun
+    in chunks, which it keeps as the running job (live, decode's queued work), and the hold froze
+    it into split prefill (bench/sim_hold.py, docs/results/sim-policies.md)."""
 
     layer_group: int | None = None
     max_layer_group: int = 8
@@ -543,11 +544,10 @@ def _kv_short(snapshot: ClusterSnapshot, reserve: float) -> bool:
 
 def _split_launched(snapshot: ClusterSnapshot, hold_launched: bool) -> bool:
     """A split batch that aggregated steps would not take over: one with layer groups done (they
-    would be computed again), or with `hold_launched` any batch prefill is computing. A batch
-    with none done is taken over: the simulator hands it to the chunks, and prefill_svc gives it
-    back at its first boundary. (Before it did, prefill finished such a batch beside decode's
-    hybrid steps on the same cores while the steps' chunks went to prompts decode did not hold: a live
-    burst's TBT p99 1.8-2.2 s.)"""
+    would be computed again), or with `hold_launched` any running job. One with none done is
+    taken over: live, prefill_svc gives its batch back at its first boundary. (Before it did,
+    prefill finished such a batch beside decode's hybrid steps on the same cores while the steps'
+    chunks went to prompts decode did not hold: a live burst's TBT p99 1.8-2.2 s.)"""
     running, paused = snapshot.running_prefill, snapshot.paused_prefill
     if running is not None and (hold_launched or running.layers_done > 0):
         return True
