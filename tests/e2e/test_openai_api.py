@@ -92,17 +92,24 @@ async def _wait_all_blocks_free(stack: Stack, timeout_s: float) -> agent_pb2.Age
 
 async def _leave_mid_stream(stack: Stack, path: str, body: dict[str, Any],
                             leave_after: int) -> tuple[agent_pb2.AgentStats, agent_pb2.AgentStats]:
-    """Stream ``body`` to ``path`` and leave after ``leave_after`` events: the agent's stats then,
-    and once every block is free again (or a minute passed)."""
+    """Stream ``body`` to ``path`` and leave after ``leave_after`` events: the agent's stats while
+    the stream is still open, and once every block is free again (or a minute passed)."""
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", f"{stack.http_address()}{path}", json=body) as response:
             assert response.status_code == 200
-            events = 0
-            async for line in response.aiter_lines():
-                events += line.startswith("data: ")
-                if events >= leave_after:
+            events: list[str] = []
+            # Held, not left to the loop: a generator left by ``break`` is closed at the next await
+            # (asyncio finalizes it), and closing httpcore's closes the connection: the request
+            # would be cancelled while the stats are being read.
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[:100])
+                if len(events) >= leave_after:
                     break
+            assert len(events) == leave_after, events  # the stream did not end by itself
             during = await _agent_stats(stack)
+            del lines
     return during, await _wait_all_blocks_free(stack, timeout_s=60)
 
 
@@ -419,12 +426,14 @@ def test_disconnect_mid_stream_cancels_upstream_and_frees_every_block(tiny: Stac
         async with httpx.AsyncClient(timeout=60) as http:
             async with http.stream("POST", f"{tiny.http_address()}/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()  # held: see _leave_mid_stream
+                async for line in lines:
                     if line.startswith("data: "):
                         event_times_s.append(time.monotonic())
                     if len(event_times_s) >= 8:  # early: a tiny model streams 1900 tokens in about a second
                         break
                 during = await _agent_stats(tiny)
+                del lines
         left_s = time.monotonic()
         after = await _wait_all_blocks_free(tiny, timeout_s=60)
         tokens_per_s = (len(event_times_s) - 1) / (event_times_s[-1] - event_times_s[0])
