@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from decode_svc.config import MAX_LOOKAHEAD, DecodeConfig
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import Grammars
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, check_stop, generator_state, restore_generator
 from tandem.engine.step import Request, StepOutput, hybrid_step, sample_step, step_inputs
@@ -176,7 +177,9 @@ class DecodeWorker:
         self.member = member
         self.runner = runner
         self.records = records
-        self.sampler = Sampler()
+        # structured output's matchers: the model's tokenizer is read on the first request with a grammar
+        self.sampler = Sampler(Grammars.for_model_dir(member.model_dir, runner.config.vocab_size,
+                                                      runner.config.eos_token_ids))
         # the prompt steps timed at attach, for the agent's predictor (every load report repeats them)
         self._prompt_step_timings = [
             agent_pb2.PromptStepTiming(prompt_tokens=t.prompt_tokens, decode_context_lens=t.decode_context_lens,

@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from prefill_svc.config import PrefillConfig
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import Grammars
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, generator_state, make_generator
 from tandem.engine.step import Request, sample_step, step_inputs
@@ -116,7 +117,9 @@ class PrefillWorker:
         self.config = config
         self.member = member
         self.runner = runner
-        self.sampler = Sampler()
+        # structured output's matchers: the model's tokenizer is read on the first request with a grammar
+        self.sampler = Sampler(Grammars.for_model_dir(member.model_dir, runner.config.vocab_size,
+                                                      runner.config.eos_token_ids))
         self.eos_token_ids = runner.config.eos_token_ids
         self.decode_address = decode_address
         self.queue: deque[_Pending] = deque()

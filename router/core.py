@@ -43,6 +43,7 @@ from router.metrics import ModelMetrics
 from router.upstream import PrefillLost, Upstream
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import Grammars
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from tandem.engine.stop_strings import StopFeed, StopStringMatcher
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer, check_template_variables
@@ -270,6 +271,10 @@ class RouterCore:
         self.metrics = metrics
         self.tokenizer = tokenizer
         self._model_config = model_config
+        # structured output: requests' grammars are checked against this tokenizer (read by
+        # llguidance on the first request with one)
+        self.grammars = Grammars(lambda: tokenizer.backend.to_str(), model_config.vocab_size,
+                                 model_config.eos_token_ids)
         self.model_id = model_id or config.primary_model_name
         # The primary model also answers to "" and "default" (and the default model's aliases).
         names = {self.model_id}
@@ -476,6 +481,12 @@ class RouterCore:
             StopStringMatcher(request.stop)
         except InvalidRequestError as exc:
             raise _invalid("stop", str(exc)) from None
+        if params.grammar:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.grammars.check,
+                                                                 params.grammar)
+            except InvalidRequestError as exc:
+                raise _invalid("grammar", str(exc)) from None
         prompt_ids = await self.prompt_ids(request)
         # The context bounds prompt + output; a shorter max_tokens is fine and finishes with
         # LENGTH when the context is full, as the FinishReason proto documents.

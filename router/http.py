@@ -75,6 +75,7 @@ from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import KINDS, grammar_for
 from tandem.engine.tokenizer import check_template_variables
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -114,7 +115,7 @@ T = TypeVar("T")
 # The OpenAI parameter behind each GenerateRequest field a RequestError names.
 _PARAM_OF_FIELD = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt", "messages": "messages",
                    "stop": "stop", "model": "model", "logit_bias": "logit_bias",
-                   "tokens": "tokens"}
+                   "tokens": "tokens", "grammar": "response_format"}
 
 
 class HTTPError(Exception):
@@ -179,24 +180,64 @@ _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(Complet
 
 # OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement
 # are refused with a 400 naming them rather than ignored, so that no client gets an answer it did
-# not ask for; the values that ask for nothing (``{"type": "text"}``, ``tool_choice: "none"``,
-# ``best_of: 1``...) are accepted. vLLM's guided decoding parameters:
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# not ask for; the values that ask for nothing (``tool_choice: "none"``, ``best_of: 1``...) are
+# accepted. Structured output is implemented (``_structured_output``).
+
+# vLLM's older guided decoding parameters, each the structured output kind it asks for
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_output(body: dict[str, Any]) -> str:
+    """The llguidance grammar (``tandem.engine.grammar``) of the structured output ``body`` asks
+    for, "" for none: OpenAI's ``response_format`` (``json_object``, or ``json_schema`` with its
+    ``json_schema.schema``), vLLM's ``structured_outputs`` (one of ``json``, ``json_object``,
+    ``regex``, ``choice``, ``grammar``) or its older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``. At most one of them; HTTPError(400) naming the
+    parameter for anything else."""
+    asked: list[tuple[str, str, Any]] = []  # (parameter, kind, spec)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", None))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise HTTPError(400, "response_format.json_schema must be an object with the schema in its "
+                                     "\"schema\"", param="response_format")
+            asked.append(("response_format", "json", spec["schema"]))
+        elif kind != "text":
+            raise HTTPError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                 f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {brief(response_format)}",
+                            param="response_format")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        named = {k: v for k, v in outputs.items() if k in KINDS and v not in (None, False)} if isinstance(
+            outputs, dict) else {}
+        if len(named) != 1:
+            raise HTTPError(400, f"structured_outputs must name exactly one of {', '.join(KINDS)}, got "
+                                 f"{brief(outputs)}", param="structured_outputs")
+        [(kind, spec)] = named.items()
+        asked.append(("structured_outputs", kind, spec))
+    asked.extend((param, kind, body[param]) for param, kind in _GUIDED.items() if body.get(param) is not None)
+    if not asked:
+        return ""
+    if len(asked) > 1:
+        raise HTTPError(400, f"{asked[0][0]} and {asked[1][0]} both ask for structured output; send one",
+                        param=asked[1][0])
+    param, kind, spec = asked[0]
+    try:
+        return grammar_for(kind, spec)
+    except InvalidRequestError as exc:
+        raise HTTPError(400, f"{param}: {exc}", param=param) from None
 
 
 def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
-    """400 for a parameter that asks for what Tandem does not do (structured output, tool calls,
+    """400 for a parameter that asks for what Tandem does not do (tool calls,
     several candidates per choice, an inserted suffix, prompt logprobs, audio)."""
     def refuse(param: str, what: str) -> HTTPError:
         return HTTPError(400, f"{param}: {what} is not supported by this server", param=param)
 
-    response_format = body.get("response_format")
-    if response_format is not None and not (isinstance(response_format, dict)
-                                            and response_format.get("type") == "text"):
-        raise refuse("response_format", "structured output (JSON mode, JSON schema; only {\"type\": \"text\"})")
-    for param in _GUIDED:
-        if body.get(param) is not None:
-            raise refuse(param, "guided decoding")
     choice = body.get("tool_choice", body.get("function_call"))
     asks_tools = bool(body.get("tools") or body.get("functions")) and choice != "none"
     if asks_tools or choice not in (None, "none", "auto"):
@@ -349,6 +390,7 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
         min_tokens=value(req.min_tokens, 0),
         ignore_eos=req.ignore_eos,
         stop_token_ids=req.stop_token_ids or [],
+        grammar=_structured_output(body) if isinstance(body, dict) else "",
     )
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
@@ -415,6 +457,8 @@ def parse_responses_request(body: Any, context_length: int, request_id: str,
     except HTTPError as exc:
         if exc.param == "messages":  # the chat request's messages are the body's input
             exc.param = "input"
+        elif exc.param == "response_format":  # the chat request's response_format is the body's text.format
+            raise HTTPError(400, f"text.format: {exc.message}", param="text") from None
         raise
 
 

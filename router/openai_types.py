@@ -87,6 +87,15 @@ class _Request(BaseModel):
     user: str | None = None
     stream: bool | None = None  # server-sent events, ending with "data: [DONE]"
     stream_options: StreamOptions | None = None
+    # Structured output (one of these; read from the body by the router's _structured_output):
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
+    # vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar (Lark or GBNF)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class TextPart(BaseModel):
@@ -217,6 +226,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None  # an input past the context is refused either way
     include: list[str] | None = None  # "message.output_text.logprobs": the answer's logprobs
     top_logprobs: NumLogprobs | None = None  # alternatives per token, with those logprobs
+    text: dict[str, Any] | None = None  # {"format": ...}: text, json_object or json_schema (structured output)
 
 
 class OutputText(BaseModel):

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 # vLLM's sampling extras, passed on to the chat request as they were sent (it validates them)
 _CHAT_EXTRAS = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
                 "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
-                "skip_special_tokens", "chat_template_kwargs")
+                "skip_special_tokens", "chat_template_kwargs", "structured_outputs")
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 LOGPROBS = "message.output_text.logprobs"  # the include entry that asks for logprobs
 
@@ -61,8 +61,9 @@ def refuse_unsupported(body: dict[str, Any]) -> tuple[str, str] | None:
     if tool_choice not in (None, "none", "auto"):
         return "tool_choice", "tool calling"
     text = body.get("text")
-    if isinstance(text, dict) and text.get("format") is not None and text.get("format") != {"type": "text"}:
-        return "text", "structured output (text.format other than {\"type\": \"text\"})"
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        return "text", "text.format other than text, json_object and json_schema"
     for param, what in (("previous_response_id", "continuing a stored response (nothing is stored)"),
                         ("conversation", "conversations (nothing is stored)"),
                         ("prompt", "reusable prompts")):
@@ -99,6 +100,12 @@ def chat_body(request: ResponsesRequest, body: dict[str, Any], context_length: i
         if value is not None:
             chat[name] = value
     chat.update((name, body[name]) for name in _CHAT_EXTRAS if name in body)
+    fmt = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        # the Responses API flattens what chat nests under json_schema
+        chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     if wants_logprobs(request):
         chat.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     return chat
@@ -167,7 +174,7 @@ class ResponsesRenderer:
             max_output_tokens=request.max_output_tokens, model=self.model, output=output,
             parallel_tool_calls=request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
             temperature=self._temperature, top_p=self._top_p, tool_choice="auto", tools=[],
-            text={"format": {"type": "text"}}, truncation=request.truncation or "disabled", store=False,
+            text={"format": (request.text or {}).get("format") or {"type": "text"}}, truncation=request.truncation or "disabled", store=False,
             metadata=request.metadata or {}, user=request.user, usage=usage))
 
     def _event(self, kind: str, **fields: Any) -> bytes:

@@ -129,6 +129,9 @@ class SamplingParams:
     # (token id, bias) pairs in token order, each bias added to that token's logit before the
     # penalties (OpenAI's logit_bias; the raw logprobs returned do not see it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: an llguidance grammar (``tandem.engine.grammar.grammar_for``) every token
+    # must keep to; "" = none
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -162,6 +165,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be a list of token ids >= 0, got {bad[0]!r} in it")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if not isinstance(self.grammar, str):
+            raise InvalidRequestError(f"grammar must be a string, got {type(self.grammar).__name__}")
 
     def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
         value = getattr(self, name)

@@ -20,6 +20,7 @@ from tandem.client.types import (
     TopLogprob,
     Usage,
 )
+from tandem.engine.grammar import KINDS, grammar_for
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
 
@@ -108,6 +109,9 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool  # keep generating past EOS
     logprobs: int  # number of top logprobs per token (and the chosen token's); unset returns none
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit (OpenAI's)
+    # structured output, as vLLM's structured_outputs: exactly one of {"json": schema},
+    # {"json_object": True}, {"regex": r"..."}, {"choice": [...]}, {"grammar": lark or GBNF text}
+    structured_outputs: Mapping[str, Any]
     request_id: str  # the client's id for the request; the router makes one when absent
     include_stop_str: bool  # the stop string that matched ends the text (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool  # special tokens left out of the text (the default)
@@ -136,6 +140,7 @@ def generate_request(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    structured_outputs: Mapping[str, Any] | None = None,
     request_id: str | None = None,
     include_stop_str: bool = False,
     skip_special_tokens: bool | None = None,
@@ -166,6 +171,12 @@ def generate_request(
         sampling.seed = seed % (1 << 64)  # the wire type is uint64; negative seeds wrap
     if logit_bias:
         sampling.logit_bias.update(logit_bias)
+    if structured_outputs is not None:
+        asked = {k: v for k, v in structured_outputs.items() if v not in (None, False)}
+        if len(asked) != 1:
+            raise ValueError(f"structured_outputs must name exactly one of {', '.join(KINDS)}, got {dict(structured_outputs)}")
+        [(kind, spec)] = asked.items()
+        sampling.grammar = grammar_for(kind, spec)  # InvalidRequestError when the spec is wrong
     request = router_pb2.GenerateRequest(
         model=model, sampling=sampling, request_id=request_id or "",
         stop=[stop] if isinstance(stop, str) else list(stop or ()), include_stop_str_in_output=include_stop_str,

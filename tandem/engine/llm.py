@@ -20,6 +20,7 @@ import torch
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import Grammars
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, num_blocks_for_budget
 from tandem.engine.quant import WeightFormat, best_format
 from tandem.engine.runner import ModelRunner
@@ -46,6 +47,7 @@ class LLMEngine:
         eos_token_ids: Sequence[int],
         max_num_seqs: int = 256,
         max_prefill_tokens: int = 8192,
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -53,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.sampler = Sampler()
+        self.sampler = Sampler(grammars)  # grammars: structured output (None: refused)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -82,7 +84,8 @@ class LLMEngine:
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, kv_dtype))
         runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype,
                                       weight_format=best_format() if weight_format is None else weight_format)
-        return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, **kwargs)
+        grammars = Grammars.for_model_dir(model_dir, config.vocab_size, config.eos_token_ids)
+        return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, grammars=grammars, **kwargs)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -107,6 +110,10 @@ class LLMEngine:
                 f"prompt of {len(prompt)} tokens does not fit the KV pool "
                 f"({self.allocator.num_blocks * self.allocator.block_size} tokens)"
             )
+        if params.grammar:
+            if self.sampler.grammars is None:
+                raise InvalidRequestError("structured output (a grammar) is not available in this engine")
+            self.sampler.grammars.check(params.grammar)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")

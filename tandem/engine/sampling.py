@@ -10,6 +10,8 @@ vectorized over the batch:
 3. repetition penalty (HF semantics, over prompt + output tokens);
 4. frequency then presence penalty (OpenAI / vLLM semantics, over output tokens only);
 5. ``min_tokens`` masking: eos (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``;
+   then a structured output's grammar: every token it does not allow next gets ``-inf``
+   (``tandem.engine.grammar``; where ``min_tokens`` left a row no token, the grammar wins);
 6. greedy rows take the argmax here, so top-k / top-p / min-p can never change them;
 7. random rows: temperature, then top-k, top-p and min-p from one sort (HF order: top-p sees the
    top-k-truncated distribution; min-p is a ratio to the most likely token, which no filter
@@ -23,11 +25,13 @@ other requests share the batch, or where it sits in it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.grammar import Grammars
 from tandem.protocol import (  # noqa: F401  (re-exported: the engine's callers import them from here)
     GREEDY_TEMPERATURE_EPS,
     MAX_NUM_LOGPROBS,
@@ -120,6 +124,8 @@ class SamplingBatch:
     generators: tuple[torch.Generator | None, ...]  # per row; None = shared default generator
     num_logprobs: tuple[int | None, ...]  # per row, from params.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # per row (grammar, output token ids) when a row has a structured output's grammar ("" = none)
+    grammar_rows: tuple[tuple[str, Sequence[int]], ...] | None = None
 
     @classmethod
     def build(
@@ -226,16 +232,34 @@ class SamplingBatch:
             generators=tuple(generators),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
+            grammar_rows=(tuple((p.grammar, out) for p, out in zip(params, output_token_ids))
+                          if any(p.grammar for p in params) else None),
         )
 
 
 class Sampler:
-    """Turns a batch of logits into one token per row; holds no state of its own.
+    """Turns a batch of logits into one token per row. Its one state is ``grammars``, the model's
+    structured-output matchers (None: a row with a grammar is refused); that state is a cache,
+    rebuilt from a request's output wherever it is missing.
 
     Randomness comes from each row's generator in ``SamplingBatch.generators`` (advanced by one
     draw of ``vocab_size`` numbers per random step) or, for unseeded rows, torch's default
     generator. Greedy rows never draw.
     """
+
+    def __init__(self, grammars: Grammars | None = None) -> None:
+        self.grammars = grammars
+
+    def allowed(self, batch: SamplingBatch) -> torch.Tensor | None:
+        """[batch_size, vocab_size] bool of the tokens each row's grammar allows, or None when no
+        row has one."""
+        if batch.grammar_rows is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("structured output (a grammar) is not available in this engine")
+        if self.grammars.vocab_size != batch.vocab_size:
+            raise ValueError(f"grammar masks of {self.grammars.vocab_size} tokens for logits of {batch.vocab_size}")
+        return self.grammars.allowed(batch.grammar_rows)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Choose one token per row of ``logits`` ([batch_size, vocab_size], fp32 or bf16).
@@ -247,7 +271,7 @@ class Sampler:
                 f"logits shape {tuple(logits.shape)} does not match the batch "
                 f"({batch.batch_size}, {batch.vocab_size})")
         raw = logits.float()  # [batch_size, vocab_size]
-        x = self.process_logits(raw, batch)  # [batch_size, vocab_size]
+        x = self.process_logits(raw, batch, self.allowed(batch))  # [batch_size, vocab_size]
         token_ids = x.argmax(dim=-1)  # [batch_size]
         if not batch.all_greedy:
             sampled = self._sample_random(x, batch)  # [batch_size]
@@ -268,8 +292,9 @@ class Sampler:
                             top_logprobs=top_logprobs)
 
     @staticmethod
-    def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Biased, penalized and ``min_tokens``-masked fp32 copy of ``logits`` ([batch_size, vocab_size]).
+    def process_logits(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Biased, penalized, ``min_tokens``-masked and grammar-masked (``allowed``, [batch_size,
+        vocab_size] bool, None = every token) fp32 copy of ``logits`` ([batch_size, vocab_size]).
 
         This is what greedy rows take the argmax of, before temperature and filters.
         """
@@ -297,6 +322,12 @@ class Sampler:
             x -= batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
         if batch.masked_rows is not None:
             x[batch.masked_rows, batch.masked_token_ids] = float("-inf")
+        if allowed is not None:
+            x.masked_fill_(~allowed, float("-inf"))
+            # A completed grammar allows EOS alone, which min_tokens may have masked: the grammar wins.
+            dead = torch.isneginf(x).all(dim=-1)  # [batch_size]
+            if bool(dead.any()):
+                x[dead] = logits[dead].float().masked_fill(~allowed[dead], float("-inf"))
         return x
 
     @staticmethod

@@ -26,6 +26,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logit_bias=dict(p.logit_bias),
+        grammar=p.grammar,
     )
     if p.seed is not None:
         msg.seed = p.seed % (1 << 64)
@@ -43,7 +44,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty, max_tokens=msg.max_tokens, min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        logit_bias=tuple(msg.logit_bias.items()),
+        logit_bias=tuple(msg.logit_bias.items()), grammar=msg.grammar,
     )
 
 

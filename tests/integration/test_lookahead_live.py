@@ -4,7 +4,7 @@ for token whatever the run lengths (requests of mixed lengths finishing mid-run,
 ids, arriving while others decode), a request cancelled mid-run must return its blocks, the step
 log must show runs of more than one step, and a decode_svc killed mid-run must resume from its
 Redis records (a run's tokens and seeded generator states, written once a run) without a token
-lost or repeated."""
+lost or repeated. Some requests keep to a grammar (structured output) throughout."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.engine.grammar import grammar_for
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.rpc.convert import finish_to_proto
@@ -48,12 +49,25 @@ def engine(smollm2_dir: Path) -> LLMEngine:
     return LLMEngine.from_dir(smollm2_dir, num_blocks=256)  # the weight format the stack runs (auto)
 
 
+# Structured outputs a request may keep to: its matcher is rebuilt from the output wherever the
+# request goes (prefill's first token, decode, a restarted decode resuming it).
+GRAMMARS = [
+    grammar_for("json", {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                                          "tags": {"type": "array", "items": {"type": "string"}}},
+                         "required": ["name", "tags"]}),
+    grammar_for("json_object", None),
+    grammar_for("regex", r"([a-z]+ ){1,40}[0-9]{1,4}"),
+    grammar_for("choice", ["yes", "no", "it depends"]),
+]
+
+
 def _params(rng: random.Random, max_tokens: tuple[int, int]) -> SamplingParams:
-    """Greedy or seeded sampling, a random length, maybe EOS and stop ids."""
+    """Greedy or seeded sampling, a random length, maybe EOS and stop ids, maybe a grammar."""
     sampled = rng.random() < 0.5
     return SamplingParams(temperature=0.8 if sampled else 0.0, seed=rng.randrange(1, 2**31) if sampled else None,
                           max_tokens=rng.randint(*max_tokens), ignore_eos=rng.random() < 0.5,
-                          stop_token_ids=tuple(rng.randrange(100, 40000) for _ in range(rng.randint(0, 3))))
+                          stop_token_ids=tuple(rng.randrange(100, 40000) for _ in range(rng.randint(0, 3))),
+                          grammar=rng.choice(GRAMMARS) if rng.random() < 0.4 else "")
 
 
 def _check(engine: LLMEngine, results: list[tuple[list[int], int]], prompts: list[list[int]],

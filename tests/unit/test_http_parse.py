@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from router.http import HTTPError, parse_request
 from router.openai_types import MAX_BATCH_PROMPTS, MAX_CHOICES, MAX_N
+from tandem.engine.grammar import grammar_for
 from tandem.protocol import MAX_LOGIT_BIAS_TOKENS, MAX_MESSAGES, RequestError, Status
 
 CONTEXT = 2048
@@ -112,15 +113,11 @@ def test_a_batch_of_prompts_is_n_choices_each_numbered_as_openai_does(
 
 
 @pytest.mark.parametrize("body", [
-    {"response_format": {"type": "json_object"}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
     {"tools": [{"type": "function", "function": {"name": "f"}}]},
     {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
     {"tool_choice": "required"},
     {"tool_choice": {"type": "function", "function": {"name": "f"}}},
     {"functions": [{"name": "f"}]},
-    {"guided_json": {"type": "object"}},
-    {"guided_choice": ["a", "b"]},
     {"best_of": 2},
     {"suffix": "end"},
     {"prompt_logprobs": 1},
@@ -134,6 +131,55 @@ def test_what_would_change_the_output_and_is_not_implemented_is_refused(body: di
     error = _error(kind, full)
     assert error.status == 400 and error.param is not None and "not supported" in error.message
     assert error.param in body or (error.param == "modalities" and "audio" in str(body))
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("body", "kind", "spec"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json", SCHEMA),
+    ({"structured_outputs": {"json": SCHEMA}}, "json", SCHEMA),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json", SCHEMA),
+    ({"structured_outputs": {"json_object": True, "regex": None}}, "json_object", None),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "[a-z]+"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+    ({"structured_outputs": {"grammar": 'start: "a"+'}}, "grammar", 'start: "a"+'),
+    ({"guided_json": SCHEMA}, "json", SCHEMA),
+    ({"guided_regex": "[0-9]{2}"}, "regex", "[0-9]{2}"),
+    ({"guided_choice": ["a", "b"]}, "choice", ["a", "b"]),
+    ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"'),
+])
+@pytest.mark.parametrize("kind_of_request", ["chat", "completion"])
+def test_structured_output_asks_become_the_grammar_of_every_choice(body: dict[str, Any], kind: str, spec: Any,
+                                                                  kind_of_request: str) -> None:
+    prompt = {"messages": MESSAGES} if kind_of_request == "chat" else {"prompt": ["a", "b"]}
+    parsed = parse_request(kind_of_request, {**body, **prompt, "n": 2}, CONTEXT, "r")  # type: ignore[arg-type]
+    assert {r.sampling.grammar for r in parsed.requests} == {grammar_for(kind, spec)}
+    plain = parse_request(kind_of_request, {**prompt, "response_format": {"type": "text"}}, CONTEXT, "r")  # type: ignore[arg-type]
+    assert all(r.sampling.grammar == "" for r in plain.requests)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "grammar"}}, "response_format"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"structured_outputs": ["json"]}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"guided_json": "{nope"}, "guided_json"),
+    ({"guided_regex": "(ab"}, "guided_regex"),
+    ({"guided_grammar": 'start: a\na: b'}, "guided_grammar"),
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+])
+def test_bad_or_doubled_structured_output_asks_are_refused_naming_the_parameter(body: dict[str, Any],
+                                                                                 param: str) -> None:
+    error = _error("chat", {**body, "messages": MESSAGES})
+    assert error.status == 400 and error.param == param, error.message
 
 
 @pytest.mark.parametrize("body", [

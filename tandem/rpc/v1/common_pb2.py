@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xa7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"q\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"\xaf\x03\n\tPartition\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x15\n\rprefill_units\x18\x02 \x03(\r\x12\x14\n\x0c\x64\x65\x63ode_units\x18\x03 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_lookahead\x18\x04 \x01(\r\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x12\n\naggregated\x18\x06 \x01(\x08\x12\x1c\n\x14prefill_token_budget\x18\x07 \x01(\r\x12\x16\n\x0eprefill_layers\x18\x08 \x01(\r\x12\x0f\n\x07preempt\x18\t \x01(\t\x12\x15\n\rprefill_first\x18\n \x03(\t\x12\x14\n\x0cprefill_held\x18\x0b \x01(\x08\x12H\n\x13model_token_budgets\x18\x0c \x03(\x0b\x32+.tandem.v1.Partition.ModelTokenBudgetsEntry\x12\x18\n\x10streams_decoding\x18\r \x01(\x08\x12\x16\n\x0e\x64\x65\x63ode_streams\x18\x0e \x01(\r\x1a\x38\n\x16ModelTokenBudgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xb8\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"q\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"\xaf\x03\n\tPartition\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x15\n\rprefill_units\x18\x02 \x03(\r\x12\x14\n\x0c\x64\x65\x63ode_units\x18\x03 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_lookahead\x18\x04 \x01(\r\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x12\n\naggregated\x18\x06 \x01(\x08\x12\x1c\n\x14prefill_token_budget\x18\x07 \x01(\r\x12\x16\n\x0eprefill_layers\x18\x08 \x01(\r\x12\x0f\n\x07preempt\x18\t \x01(\t\x12\x15\n\rprefill_first\x18\n \x03(\t\x12\x14\n\x0cprefill_held\x18\x0b \x01(\x08\x12H\n\x13model_token_budgets\x18\x0c \x03(\x0b\x32+.tandem.v1.Partition.ModelTokenBudgetsEntry\x12\x18\n\x10streams_decoding\x18\r \x01(\x08\x12\x16\n\x0e\x64\x65\x63ode_streams\x18\x0e \x01(\r\x1a\x38\n\x16ModelTokenBudgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,18 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._loaded_options = None
   _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1062
-  _globals['_FINISHREASON']._serialized_end=1207
+  _globals['_FINISHREASON']._serialized_start=1079
+  _globals['_FINISHREASON']._serialized_end=1224
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=461
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=391
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=439
-  _globals['_TOPLOGPROB']._serialized_start=463
-  _globals['_TOPLOGPROB']._serialized_end=510
-  _globals['_GENERATEDTOKEN']._serialized_start=512
-  _globals['_GENERATEDTOKEN']._serialized_end=625
-  _globals['_PARTITION']._serialized_start=628
-  _globals['_PARTITION']._serialized_end=1059
-  _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._serialized_start=1003
-  _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._serialized_end=1059
+  _globals['_SAMPLINGPARAMS']._serialized_end=478
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=408
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=456
+  _globals['_TOPLOGPROB']._serialized_start=480
+  _globals['_TOPLOGPROB']._serialized_end=527
+  _globals['_GENERATEDTOKEN']._serialized_start=529
+  _globals['_GENERATEDTOKEN']._serialized_end=642
+  _globals['_PARTITION']._serialized_start=645
+  _globals['_PARTITION']._serialized_end=1076
+  _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._serialized_start=1020
+  _globals['_PARTITION_MODELTOKENBUDGETSENTRY']._serialized_end=1076
 # @@protoc_insertion_point(module_scope)
