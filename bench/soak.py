@@ -11,6 +11,8 @@ Request kinds, drawn at random per request (``--seed``):
   grpc          router gRPC Generate, read to the end
   grpc-cancel   gRPC Generate cancelled after 0-5 responses or a random 0-200 ms
   bad           an invalid request (negative max_tokens, unknown model, empty messages): must be 4xx
+  json          OpenAI chat completion with a JSON schema (structured output), not streamed: the
+                answer must end by itself in JSON that has the schema's keys and types
 Every outcome is counted; an unexpected one (a 5xx, a completed request with no tokens, a bad
 request that was served) is a failure the JSON lists.
 
@@ -54,7 +56,11 @@ from tandem.rpc.convert import retry_after_from
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from tandem.service.runtime import EXIT_SHUTDOWN_OVERDUE, free_port
 
-KINDS = {"http-stream": 3, "http": 2, "http-abort": 2, "grpc": 2, "grpc-cancel": 2, "bad": 1}
+KINDS = {"http-stream": 3, "http": 2, "http-abort": 2, "grpc": 2, "grpc-cancel": 2, "bad": 1, "json": 1}
+# The structured output a "json" request asks for: every value bounded, so it ends within its budget.
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count", "ok"],
+               "properties": {"name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"},
+                              "count": {"type": "integer", "minimum": 0, "maximum": 9999}}}
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
          "bank clerk in paris rome tokyo and lima because numbers like 42 and 1024 matter").split()
 
@@ -127,6 +133,23 @@ async def _http(client: httpx.AsyncClient, rng: random.Random, kind: str, faults
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         r = await client.post(path, json=body)
         return f"http {r.status_code}" if 400 <= r.status_code < 500 else f"UNEXPECTED bad request got {r.status_code}"
+    if kind == "json":
+        r = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": f"As JSON: {_prompt(rng)}"}], "max_tokens": 160,
+            "temperature": rng.choice((0, 0.7)), "seed": rng.randrange(1000),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": JSON_SCHEMA}}})
+        if r.status_code != 200:
+            if r.status_code >= 500 and faults is not None:
+                return _clear_5xx(r.status_code, r.text)
+            return _refused(r) if r.status_code < 500 else f"UNEXPECTED http {r.status_code}: {r.text[:200]}"
+        choice = r.json()["choices"][0]
+        try:
+            value = json.loads(choice["message"]["content"])
+        except ValueError:
+            value = None
+        shaped = (isinstance(value, dict) and set(value) == {"name", "count", "ok"} and isinstance(value["ok"], bool)
+                  and isinstance(value["count"], int) and isinstance(value["name"], str))
+        return "ok" if shaped and choice["finish_reason"] == "stop" else f"UNEXPECTED not the schema: {r.text[:200]}"
     if kind == "http":
         r = await client.post("/v1/completions", json={"model": model, "prompt": _prompt(rng),
                                                        "max_tokens": max_tokens, "temperature": 0})

@@ -64,6 +64,9 @@ MAX_STOP_TOKEN_IDS: Final = 256
 # OpenAI's logit_bias: each bias in [-100, 100] is added to its token's logit before sampling (-100
 # all but bans a token, +100 all but forces it). The count bound keeps one step's scatter cheap.
 MAX_LOGIT_BIAS_TOKENS: Final = 1024
+# A structured output's grammar (llguidance's JSON or Lark text) longer than this is refused: a
+# schema of that size is a mistake, and each process a request reaches compiles it.
+MAX_GRAMMAR_CHARS: Final = 1 << 17
 LOGIT_BIAS_LIMIT: Final = 100.0
 MIN_SEED: Final = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 MAX_SEED: Final = 2**64 - 1
@@ -167,6 +170,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if not isinstance(self.grammar, str):
             raise InvalidRequestError(f"grammar must be a string, got {type(self.grammar).__name__}")
+        if len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"grammar has {len(self.grammar)} characters; at most {MAX_GRAMMAR_CHARS}")
 
     def _check_real(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
         value = getattr(self, name)

@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 
 import grpc
 
-from tandem.client.errors import ServerError
+from tandem.client.errors import InvalidRequest, ServerError
 from tandem.client.types import (
     Chunk,
     Completion,
@@ -20,6 +20,7 @@ from tandem.client.types import (
     TopLogprob,
     Usage,
 )
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import KINDS, grammar_for
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
@@ -176,7 +177,10 @@ def generate_request(
         if len(asked) != 1:
             raise ValueError(f"structured_outputs must name exactly one of {', '.join(KINDS)}, got {dict(structured_outputs)}")
         [(kind, spec)] = asked.items()
-        sampling.grammar = grammar_for(kind, spec)  # InvalidRequestError when the spec is wrong
+        try:
+            sampling.grammar = grammar_for(kind, spec)
+        except InvalidRequestError as exc:  # the same error the router gives a bad spec
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"structured_outputs: {exc}") from None
     request = router_pb2.GenerateRequest(
         model=model, sampling=sampling, request_id=request_id or "",
         stop=[stop] if isinstance(stop, str) else list(stop or ()), include_stop_str_in_output=include_stop_str,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.protocol import MAX_GRAMMAR_CHARS
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +43,6 @@ MAX_JSON_WHITESPACE = 16
 # Matchers kept between steps (one per request decoding with a grammar); an evicted one is built
 # again from the request's output.
 MATCHER_CACHE_SIZE = 1024
-# A grammar longer than this is refused (a schema of that size is a mistake, and every step of
-# a process that has not seen the request compiles it).
-MAX_GRAMMAR_CHARS = 1 << 17
 # Any valid JSON within the schema (\u escapes of any character included), whitespace bounded.
 _JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}",
                  "json_allow_general_unicode_escapes": True}

@@ -286,6 +286,21 @@ def test_text_and_chat_options_reach_the_wire() -> None:
         generate_request("text", continue_final_message=True)
 
 
+def test_structured_outputs_reach_the_wire_as_the_router_would_compile_them() -> None:
+    from tandem.client.protocol import generate_request
+    from tandem.engine.grammar import grammar_for
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert not generate_request("text").sampling.grammar
+    assert generate_request("text", structured_outputs={"json": schema}).sampling.grammar == grammar_for("json", schema)
+    assert generate_request("text", structured_outputs={"choice": ["x", "y"], "regex": None}).sampling.grammar == \
+        grammar_for("choice", ["x", "y"])
+    with pytest.raises(InvalidRequest, match="nonsense"):
+        generate_request("text", structured_outputs={"json": {"type": "nonsense"}})
+    with pytest.raises(ValueError, match="exactly one"):
+        generate_request("text", structured_outputs={"json": schema, "regex": "a"})
+
+
 # --- retries -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

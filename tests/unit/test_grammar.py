@@ -20,6 +20,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import MAX_JSON_WHITESPACE, Grammars, grammar_for
 from tandem.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from tandem.engine.tokenizer import Tokenizer
+from tandem.protocol import MAX_GRAMMAR_CHARS
 
 MAX_STEPS = 1500
 
@@ -194,6 +195,14 @@ def test_a_completed_grammar_allows_eos_alone_even_past_min_tokens_and_with_igno
 def test_bad_specs_are_refused_naming_what_is_wrong(kind: str, spec: Any, words: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(words)):
         grammar_for(kind, spec)
+
+
+def test_a_grammar_past_the_limit_is_refused_wherever_it_comes_from() -> None:
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(6000)}}
+    with pytest.raises(InvalidRequestError, match="at most"):
+        grammar_for("json", big)
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SamplingParams(grammar="x" * (MAX_GRAMMAR_CHARS + 1))  # as the gRPC API may send it
 
 
 def test_a_grammar_reaching_a_sampler_without_grammars_is_a_clear_error(tokenizer: Tokenizer) -> None:
