@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.protocol import MAX_GRAMMAR_CHARS
@@ -130,7 +130,7 @@ class Grammars:
         self.num_built = 0  # matchers built from a whole output (not found by the step before's)
 
     @classmethod
-    def for_model_dir(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammars:
+    def for_model_dir(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Self:
         from tandem.engine.tokenizer import Tokenizer
 
         return cls(lambda: Tokenizer.from_dir(model_dir).backend.to_str(), vocab_size, eos_token_ids)
