@@ -184,7 +184,8 @@ class Grammars:
                 key = (grammar, tuple(output))
                 matcher = self._matcher(grammar, key[1])
                 if matcher.is_error():
-                    log.warning("a grammar's matcher failed (%s): the request may only end now", matcher.get_error())
+                    log.warning("a grammar's matcher failed (%s): the request may only end now",
+                                matcher.get_error()[:200])
                     mask[i] = False
                     mask[i, [t for t in self.eos_token_ids if 0 <= t < self.vocab_size]] = True
                 else:
