@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.engine.grammar import grammar_for
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tests.integration.mesh_client import agent_stats, generate, wait_all_blocks_free
@@ -30,7 +31,11 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
                   extra_env={"TANDEM_POLICY": policy, "TANDEM_CELL_ID": cell_id, "TANDEM_STEP_LOG": str(step_log)})
     # Prompts longer than the default chunk budget, so some take several hybrid steps.
     prompts = _prompts(6, 24, seed=3) + _prompts(2, 600, seed=4)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # every other request keeps to a JSON schema: its first token comes from a hybrid step's chunk
+    schema = {"type": "object", "properties": {"word": {"type": "string"}, "n": {"type": "integer"}}}
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    shaped = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, grammar=grammar_for("json", schema))
+    params = [shaped if i % 2 else plain for i in range(len(prompts))]
     try:
         stack.start()
 
@@ -38,13 +43,13 @@ def test_hybrid_batches_equal_the_engine_and_free_every_block(policy: str, smoll
             address = stack.address("router")
             # decoding streams first, then long prompts that join while they decode
             first = asyncio.Event()
-            early = [asyncio.create_task(generate(address, p, params, first)) for p in prompts[:6]]
+            early = [asyncio.create_task(generate(address, p, q, first)) for p, q in zip(prompts[:6], params[:6])]
             await asyncio.wait_for(first.wait(), 60)
-            late = [asyncio.create_task(generate(address, p, params)) for p in prompts[6:]]
+            late = [asyncio.create_task(generate(address, p, q)) for p, q in zip(prompts[6:], params[6:])]
             stats = await agent_stats(stack)
             results = await asyncio.gather(*early, *late)
             # the same long prompt again: its blocks come from the prefix cache
-            again, _ = await generate(address, prompts[7], params)
+            again, _ = await generate(address, prompts[7], params[7])
             return list(results), stats, again
 
         results, stats_during, again = asyncio.run(run())
