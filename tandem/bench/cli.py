@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -75,6 +76,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
       help="retry a refused (429) request this many times after its Retry-After, as the openai client does "
            "(TTFT counts from the first send); 0: a 429 fails it")
     p("--warmup", type=int, default=1, help="short unrecorded requests per server before the first run")
+    p("--response-format", default=None, metavar="JSON|@FILE",
+      help="structured output for every request, as OpenAI's response_format (e.g. '{\"type\": \"json_object\"}', "
+           "or @schema.json holding a JSON schema, sent as json_schema); with ignore_eos a request goes on past "
+           "its JSON with EOS tokens")
     p("--no-logprobs", action="store_true", help="do not ask for logprobs (then a chunk counts as one token)")
     p("--no-progress", action="store_true", help="no progress bar")
     p("--out", default="bench-results.json", help="JSON result")
@@ -84,6 +89,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 FIRST_CHOICES = ("alternate", "a", "b")
+
+
+def response_format_from(value: str | None) -> dict[str, Any] | None:
+    """``--response-format``: a response_format object as JSON, or ``@FILE`` holding a JSON schema
+    (sent as ``{"type": "json_schema", ...}``); None for none. ValueError for anything else."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--response-format: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--response-format must be a JSON object, got {type(parsed).__name__}")
+    if value.startswith("@"):
+        return {"type": "json_schema", "json_schema": {"name": Path(value[1:]).stem, "schema": parsed}}
+    if parsed.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"--response-format: type must be text, json_object or json_schema, got {parsed.get('type')!r}")
+    return parsed
 
 
 def first_runs(first: str, load_index: int) -> int:
@@ -252,7 +275,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     systems = []
     for label, url in urls:
         target = Target(label, url.rstrip("/").removesuffix("/v1"), args.endpoint, args.api_key, args.model,
-                        args.timeout_s, not args.no_logprobs, args.retries_429)
+                        args.timeout_s, not args.no_logprobs, args.retries_429, response_format_from(args.response_format))
         systems.append(await prepare(target, args.tokenizer, args.seed))
     # The dataset first: a bad --dataset fails before the servers are warmed.
     conversations = dataset_conversations(args, systems[0].info.model, len(loads)) if args.dataset else []

@@ -81,6 +81,9 @@ class Target:
     # 429s a request retries after the server's Retry-After (as the openai client does, max_retries
     # 2): its TTFT still counts from the first send. 0: a 429 fails the request.
     retries_429: int = 0
+    # Sent as every request's response_format (structured output: json_object or json_schema);
+    # None: plain text. With ignore_eos a request goes on past its JSON with EOS tokens.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -175,6 +178,8 @@ def request_body(target: Target, model: str, spec: RequestSpec, prompt: list[int
         "model": model, "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": spec.output_len, "ignore_eos": True, "temperature": 0.0,
     }
+    if target.response_format is not None:
+        body["response_format"] = target.response_format
     if target.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         body["messages"] = [{"role": "user", "content": text}]

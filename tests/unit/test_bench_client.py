@@ -125,6 +125,28 @@ def test_chat_body_and_text_prompts() -> None:
     assert len(body["messages"][0]["content"].split()) == 7
 
 
+def test_response_format_reaches_every_request(tmp_path: Any) -> None:
+    from tandem.bench.cli import response_format_from
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "thing.json").write_text(json.dumps(schema))
+    from_file = response_format_from(f"@{tmp_path / 'thing.json'}")
+    assert from_file == {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    assert response_format_from('{"type": "json_object"}') == {"type": "json_object"}
+    assert response_format_from(None) is None
+    for bad in ('{"type": "xml"}', "[1]", "{nope", f"@{tmp_path / 'missing.json'}"):
+        with pytest.raises(ValueError, match="--response-format"):
+            response_format_from(bad)
+    server = FakeServer()
+    specs = [RequestSpec("r0", 0.0, 7, 2), RequestSpec("r1", 0.0, 5, 2)]
+    for endpoint in ("chat", "completions"):
+        target = Target("fake", "http://fake", endpoint, response_format=from_file)
+        builder = PromptBuilder(0)
+        asyncio.run(run_workload(target, "m", specs, [builder.prompt(s) for s in specs],
+                                 transport=httpx.MockTransport(server)))
+    assert len(server.bodies) == 4 and all(body["response_format"] == from_file for body in server.bodies)
+
+
 def test_prompts_are_deterministic_and_sessions_share_prefixes_in_any_order() -> None:
     turns = [RequestSpec("a", 0.0, 300, 5, 3, 0), RequestSpec("b", 1.0, 700, 5, 3, 305)]
     forward = PromptBuilder(5, token_ids=list(range(50000)))
