@@ -117,9 +117,10 @@ class PrefillWorker:
         self.config = config
         self.member = member
         self.runner = runner
-        # structured output's matchers: the model's tokenizer is read on the first request with a grammar
+        # structured output's matchers: the model's tokenizer is read on the first request with a
+        # grammar; none is kept, since prefill samples a request's first token only
         self.sampler = Sampler(Grammars.for_model_dir(member.model_dir, runner.config.vocab_size,
-                                                      runner.config.eos_token_ids))
+                                                      runner.config.eos_token_ids, cache_size=0))
         self.eos_token_ids = runner.config.eos_token_ids
         self.decode_address = decode_address
         self.queue: deque[_Pending] = deque()

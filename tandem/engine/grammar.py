@@ -40,9 +40,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_JSON_WHITESPACE = 16
-# Matchers kept between steps (one per request decoding with a grammar); an evicted one is built
-# again from the request's output.
-MATCHER_CACHE_SIZE = 1024
+# Matchers kept between steps (one per request decoding with a grammar), at most this many and
+# only those used in the last MATCHER_KEEP_STEPS masks; an evicted one is built again from the
+# request's output. A matcher holds about 200 kB, so a finished request's must not linger.
+MATCHER_CACHE_SIZE = 512
+MATCHER_KEEP_STEPS = 32
 # Any valid JSON within the schema (\u escapes of any character included), whitespace bounded.
 _JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}",
                  "json_allow_general_unicode_escapes": True}
@@ -126,14 +128,17 @@ class Grammars:
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer: Any = None
         self._lock = threading.Lock()
-        self._matchers: OrderedDict[tuple[str, tuple[int, ...]], Any] = OrderedDict()
+        # (grammar, output) -> (matcher, the step it was last used in), least recently used first
+        self._matchers: OrderedDict[tuple[str, tuple[int, ...]], tuple[Any, int]] = OrderedDict()
+        self._step = 0  # masks computed (``allowed`` calls) and steps without any (``tick``)
         self.num_built = 0  # matchers built from a whole output (not found by the step before's)
 
     @classmethod
-    def for_model_dir(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Self:
+    def for_model_dir(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
+                      cache_size: int = MATCHER_CACHE_SIZE) -> Self:
         from tandem.engine.tokenizer import Tokenizer
 
-        return cls(lambda: Tokenizer.from_dir(model_dir).backend.to_str(), vocab_size, eos_token_ids)
+        return cls(lambda: Tokenizer.from_dir(model_dir).backend.to_str(), vocab_size, eos_token_ids, cache_size)
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -155,13 +160,13 @@ class Grammars:
         """A matcher that has consumed ``output`` (from the cache when it holds the one for
         ``output`` less its last token, or ``output`` itself)."""
         llg = _llguidance()
-        matcher = self._matchers.pop((grammar, output[:-1]), None) if output else None
-        if matcher is not None:
-            matcher.consume_token(output[-1])
-            return matcher
-        matcher = self._matchers.pop((grammar, output), None)
-        if matcher is not None:
-            return matcher
+        before = self._matchers.pop((grammar, output[:-1]), None) if output else None
+        if before is not None:
+            before[0].consume_token(output[-1])
+            return before[0]
+        same = self._matchers.pop((grammar, output), None)
+        if same is not None:
+            return same[0]
         self.num_built += 1
         matcher = llg.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if output:
@@ -193,7 +198,23 @@ class Grammars:
                     row = ((bits.unsqueeze(1) >> shifts) & 1).flatten()[: self.vocab_size].bool()
                     mask[i, : row.numel()] = row
                     mask[i, row.numel():] = False
-                self._matchers[key] = matcher
-                while len(self._matchers) > self.cache_size:
-                    self._matchers.popitem(last=False)
+                self._matchers[key] = (matcher, self._step)
+            self._expire()
         return mask
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._matchers)
+
+    def tick(self) -> None:
+        """A step without any grammar: matchers unused for MATCHER_KEEP_STEPS steps go."""
+        if self._matchers:
+            with self._lock:
+                self._expire()
+
+    def _expire(self) -> None:
+        self._step += 1
+        oldest = self._step - MATCHER_KEEP_STEPS
+        while self._matchers and (len(self._matchers) > self.cache_size
+                                  or next(iter(self._matchers.values()))[1] < oldest):
+            self._matchers.popitem(last=False)

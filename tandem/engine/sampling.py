@@ -254,6 +254,8 @@ class Sampler:
         """[batch_size, vocab_size] bool of the tokens each row's grammar allows, or None when no
         row has one."""
         if batch.grammar_rows is None:
+            if self.grammars is not None:
+                self.grammars.tick()
             return None
         if self.grammars is None:
             raise InvalidRequestError("structured output (a grammar) is not available in this engine")

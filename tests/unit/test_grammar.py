@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.grammar import MAX_JSON_WHITESPACE, Grammars, grammar_for
+from tandem.engine.grammar import MATCHER_KEEP_STEPS, MAX_JSON_WHITESPACE, Grammars, grammar_for
 from tandem.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from tandem.engine.tokenizer import Tokenizer
 from tandem.protocol import MAX_GRAMMAR_CHARS
@@ -178,6 +178,36 @@ def test_a_completed_grammar_allows_eos_alone_even_past_min_tokens_and_with_igno
         text_tokens = [t for t in output if t not in eos]
         assert tokenizer.decode(text_tokens) == "done"
         assert all(t in eos for t in output[len(text_tokens):]) and len(output) == 10
+
+
+def test_matchers_of_requests_that_ended_do_not_linger(grammars: Grammars, tokenizer: Tokenizer) -> None:
+    """A finished request's matcher (about 200 kB) goes within MATCHER_KEEP_STEPS steps, with or
+    without grammars in them; a running request's stays and is never built again."""
+    eos = tokenizer.eos_token_ids
+    local = Grammars(grammars._tokenizer_json, grammars.vocab_size, eos, cache_size=8)
+    grammar = grammar_for("regex", r"[a-z ]{0,400}")
+    rng = random.Random(11)
+    allowed = local.allowed([(grammar, [])])[0].nonzero().flatten().tolist()
+    ended = [[rng.choice(allowed)] for _ in range(20)]
+    local.allowed([(grammar, out) for out in ended])
+    assert local.num_cached == 8  # the cap
+    running: list[int] = []
+    for step in range(MATCHER_KEEP_STEPS + 2):
+        rows = [(grammar, running)] if step % 2 else [("", [])]  # steps without grammars count too
+        if rows[0][0]:
+            mask = local.allowed(rows)
+            running.append(rng.choice(mask[0].nonzero().flatten().tolist()))
+        else:
+            local.tick()
+    assert local.num_cached == 1  # the running request's alone
+    built = local.num_built
+    local.allowed([(grammar, running)])
+    assert local.num_built == built
+    Sampler(local).sample(torch.zeros(1, local.vocab_size), SamplingBatch.build(
+        [SamplingParams()], [[1]], [[]], [None], eos, local.vocab_size))  # a step with no grammar ticks
+    never = Grammars(grammars._tokenizer_json, grammars.vocab_size, eos, cache_size=0)
+    never.allowed([(grammar, out) for out in ended[:3]])
+    assert never.num_cached == 0
 
 
 @pytest.mark.parametrize(("kind", "spec", "words"), [
