@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tandem.client import TandemClient
 from tandem.engine.grammar import grammar_for
@@ -318,6 +319,25 @@ def test_structured_output_through_every_endpoint(tiny: Stack) -> None:
         jsonschema.validate(json.loads(response.output_text), schema)
         assert response.text is not None and response.text.format is not None
         assert response.text.format.type == "json_schema"
+
+    # the openai client's own helpers: a pydantic model as the schema, the answer parsed back
+    class Thing(BaseModel):
+        ok: bool
+        color: Literal["red", "blue"]
+        n: int = Field(ge=0, le=99)
+        tags: list[Literal["a", "b"]] = Field(max_length=2)
+
+    parsed = client.chat.completions.parse(model="default", messages=HELLO, max_tokens=300, temperature=0,
+                                           response_format=Thing).choices[0]
+    assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, Thing), parsed
+    answered = client.responses.parse(model="default", input="hi", max_output_tokens=300, temperature=0.0,
+                                      text_format=Thing)
+    assert answered.status == "completed" and isinstance(answered.output_parsed, Thing)
+    with client.chat.completions.stream(model="default", messages=HELLO, max_tokens=300, temperature=0,
+                                        response_format=Thing) as stream:
+        for _ in stream:
+            pass
+        assert stream.get_final_completion().choices[0].message.parsed == parsed.message.parsed
 
     choices = ["alpha", "beta gamma", "δ"]
     picked = client.completions.create(model="default", prompt="Pick one:", max_tokens=20, temperature=1.0,
