@@ -75,7 +75,7 @@ from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.grammar import KINDS, grammar_for
+from tandem.engine.grammar import grammar_for, structured_output_of
 from tandem.engine.tokenizer import check_template_variables
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -212,13 +212,10 @@ def _structured_output(body: dict[str, Any]) -> str:
                             param="response_format")
     outputs = body.get("structured_outputs")
     if outputs is not None:
-        named = {k: v for k, v in outputs.items() if k in KINDS and v not in (None, False)} if isinstance(
-            outputs, dict) else {}
-        if len(named) != 1:
-            raise HTTPError(400, f"structured_outputs must name exactly one of {', '.join(KINDS)}, got "
-                                 f"{brief(outputs)}", param="structured_outputs")
-        [(kind, spec)] = named.items()
-        asked.append(("structured_outputs", kind, spec))
+        try:
+            asked.append(("structured_outputs", *structured_output_of(outputs)))
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc), param="structured_outputs") from None
     asked.extend((param, kind, body[param]) for param, kind in _GUIDED.items() if body.get(param) is not None)
     if not asked:
         return ""

@@ -60,8 +60,7 @@ def refuse_unsupported(body: dict[str, Any]) -> tuple[str, str] | None:
         return "tools", "tools (built-in or functions; leave them out, or send tool_choice \"none\")"
     if tool_choice not in (None, "none", "auto"):
         return "tool_choice", "tool calling"
-    text = body.get("text")
-    fmt = text.get("format") if isinstance(text, dict) else None
+    fmt = _text_format(body)
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
         return "text", "text.format other than text, json_object and json_schema"
     for param, what in (("previous_response_id", "continuing a stored response (nothing is stored)"),
@@ -72,6 +71,12 @@ def refuse_unsupported(body: dict[str, Any]) -> tuple[str, str] | None:
     if body.get("background") not in (None, False):
         return "background", "background responses"
     return None
+
+
+def _text_format(body: dict[str, Any]) -> Any:
+    """The body's ``text.format`` as sent (None when absent)."""
+    text = body.get("text")
+    return text.get("format") if isinstance(text, dict) else None
 
 
 def wants_logprobs(request: ResponsesRequest) -> bool:
@@ -100,7 +105,7 @@ def chat_body(request: ResponsesRequest, body: dict[str, Any], context_length: i
         if value is not None:
             chat[name] = value
     chat.update((name, body[name]) for name in _CHAT_EXTRAS if name in body)
-    fmt = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    fmt = _text_format(body)
     if isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":

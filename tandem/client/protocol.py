@@ -21,7 +21,7 @@ from tandem.client.types import (
     Usage,
 )
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.grammar import KINDS, grammar_for
+from tandem.engine.grammar import grammar_for, structured_output_of
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
 
@@ -173,10 +173,10 @@ def generate_request(
     if logit_bias:
         sampling.logit_bias.update(logit_bias)
     if structured_outputs is not None:
-        asked = {k: v for k, v in structured_outputs.items() if v not in (None, False)}
-        if len(asked) != 1:
-            raise ValueError(f"structured_outputs must name exactly one of {', '.join(KINDS)}, got {dict(structured_outputs)}")
-        [(kind, spec)] = asked.items()
+        try:
+            kind, spec = structured_output_of(structured_outputs)
+        except InvalidRequestError as exc:  # a mistake in the call, as a second prompt form is
+            raise ValueError(str(exc)) from None
         try:
             sampling.grammar = grammar_for(kind, spec)
         except InvalidRequestError as exc:  # the same error the router gives a bad spec

@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -61,6 +61,19 @@ def _llguidance() -> Any:
     import llguidance
 
     return llguidance
+
+
+def structured_output_of(outputs: Any) -> tuple[str, Any]:
+    """The (kind, spec) that vLLM's ``structured_outputs`` object asks for: exactly one of ``KINDS``
+    set to something other than None or False (other keys, such as vLLM's whitespace options, are
+    left out). InvalidRequestError otherwise."""
+    named = ({k: v for k, v in outputs.items() if k in KINDS and v not in (None, False)}
+             if isinstance(outputs, Mapping) else {})
+    if len(named) != 1:
+        raise InvalidRequestError(f"structured_outputs must name exactly one of {', '.join(KINDS)}, "
+                                  f"got {str(outputs)[:200]}")
+    [(kind, spec)] = named.items()
+    return kind, spec
 
 
 def grammar_for(kind: str, spec: Any) -> str:

@@ -111,9 +111,7 @@ class LLMEngine:
                 f"({self.allocator.num_blocks * self.allocator.block_size} tokens)"
             )
         if params.grammar:
-            if self.sampler.grammars is None:
-                raise InvalidRequestError("structured output (a grammar) is not available in this engine")
-            self.sampler.grammars.check(params.grammar)
+            self.sampler.check_grammar(params.grammar)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")

@@ -250,6 +250,15 @@ class Sampler:
     def __init__(self, grammars: Grammars | None = None) -> None:
         self.grammars = grammars
 
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            raise InvalidRequestError("structured output (a grammar) is not available in this engine")
+        return self.grammars
+
+    def check_grammar(self, grammar: str) -> None:
+        """InvalidRequestError unless ``grammar`` compiles for this model (and grammars are on)."""
+        self._grammars().check(grammar)
+
     def allowed(self, batch: SamplingBatch) -> torch.Tensor | None:
         """[batch_size, vocab_size] bool of the tokens each row's grammar allows, or None when no
         row has one."""
@@ -257,11 +266,10 @@ class Sampler:
             if self.grammars is not None:
                 self.grammars.tick()
             return None
-        if self.grammars is None:
-            raise InvalidRequestError("structured output (a grammar) is not available in this engine")
-        if self.grammars.vocab_size != batch.vocab_size:
-            raise ValueError(f"grammar masks of {self.grammars.vocab_size} tokens for logits of {batch.vocab_size}")
-        return self.grammars.allowed(batch.grammar_rows)
+        grammars = self._grammars()
+        if grammars.vocab_size != batch.vocab_size:
+            raise ValueError(f"grammar masks of {grammars.vocab_size} tokens for logits of {batch.vocab_size}")
+        return grammars.allowed(batch.grammar_rows)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Choose one token per row of ``logits`` ([batch_size, vocab_size], fp32 or bf16).
