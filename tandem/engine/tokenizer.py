@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -281,6 +282,12 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         continue_final_message=continue_final_message, **extra)
         return self.encode(text, add_special_tokens=False)
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template used with tools reads its ``tools`` variable (Qwen's,
+        Hermes', Llama 3.1's do; SmolLM2's does not: a chat with tools then needs them told some
+        other way, ``tandem.engine.tool_calls``). InvalidRequestError without a chat template."""
+        return "tools" in _template_reads(self._select_template(tools=[]))
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
         template = self._chat_template
@@ -550,7 +557,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     # Chat templates come with downloaded models: untrusted code, hence the immutable sandbox.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
@@ -562,8 +569,23 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """The template compiled once per source (a compiled template renders concurrently)."""
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from None
+
+
+@lru_cache(maxsize=16)
+def _template_reads(source: str) -> frozenset[str]:
+    """The variables a template reads that it does not set itself (jinja2's own analysis)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
     except jinja2.TemplateSyntaxError as exc:
         raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from None
 
