@@ -47,6 +47,7 @@ from tandem.engine.grammar import Grammars
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from tandem.engine.stop_strings import StopFeed, StopStringMatcher
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer, check_template_variables
+from tandem.engine.tool_calls import arguments_object, chat_with_tools, check_tools
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -533,8 +534,9 @@ class RouterCore:
         if kind == "text":
             num_chars = len(request.text)
         elif kind == "messages":
-            num_chars = (sum(len(m.content) + len(m.role) for m in request.messages.messages)
-                         + len(request.messages.chat_template_kwargs))
+            num_chars = (sum(len(m.content) + len(m.role) + sum(len(c.arguments) for c in m.tool_calls)
+                             for m in request.messages.messages)
+                         + len(request.messages.chat_template_kwargs) + len(request.messages.tools))
         else:
             raise _invalid("prompt", "the request has no prompt: set text, token_ids or messages")
         max_bytes = self.tokenizer.max_text_bytes(context - 1)
@@ -564,10 +566,10 @@ class RouterCore:
         tokenizer = self.tokenizer
         if request.WhichOneof("prompt") == "messages":
             chat = request.messages
-            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+            messages, tools = chat_of(chat, tokenizer)
             add_generation_prompt = not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt,
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 continue_final_message=chat.continue_final_message, **template_variables(chat.chat_template_kwargs))
             add_special_tokens = False  # the template writes every special token it wants
         else:
@@ -581,6 +583,37 @@ class RouterCore:
         if release_gil:
             return tokenizer.encode_releasing_gil(text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_of(chat: router_pb2.ChatMessages, tokenizer: Tokenizer) -> tuple[list[dict[str, Any]],
+                                                                        list[dict[str, Any]] | None]:
+    """The messages and tools ``chat`` gives its model's chat template (``tandem.engine.tool_calls``:
+    tools and calls the template itself renders, or told in a system message when it does not);
+    InvalidRequestError for tools or calls that are not well formed."""
+    messages: list[dict[str, Any]] = []
+    with_tools = bool(chat.tools)
+    for i, m in enumerate(chat.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": json.dumps(arguments_object(
+                        c.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"), ensure_ascii=False)}}
+                for j, c in enumerate(m.tool_calls)]
+            with_tools = True
+        if m.tool_call_id or m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            with_tools = True
+        messages.append(message)
+    if not with_tools:
+        return messages, None
+    tools = None
+    if chat.tools:
+        try:
+            tools = check_tools(json.loads(chat.tools))
+        except ValueError:
+            raise InvalidRequestError("tools is not valid JSON") from None
+    return chat_with_tools(messages, tools, native=tokenizer.renders_tools())
 
 
 def template_variables(kwargs_json: str) -> dict[str, Any]:

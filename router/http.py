@@ -56,6 +56,9 @@ from router.openai_types import (
     DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
+    FinishReasonName,
+    FunctionCallDelta,
+    FunctionCallOut,
     InputMessage,
     InputText,
     ModelCard,
@@ -66,6 +69,8 @@ from router.openai_types import (
     TextPart,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
     openapi_schema,
     to_json,
@@ -73,10 +78,12 @@ from router.openai_types import (
 from router.responses import ResponsesRenderer
 from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
+from router.tools import ToolAnswer, ToolRequestError, ToolsAsked, tools_asked
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
 from tandem.engine.tokenizer import check_template_variables
+from tandem.engine.tool_calls import arguments_object, check_tools
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     LoadReport,
@@ -230,16 +237,15 @@ def _structured_output(body: dict[str, Any]) -> str:
 
 
 def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
-    """400 for a parameter that asks for what Tandem does not do (tool calls,
+    """400 for a parameter that asks for what Tandem does not do (tool calls outside chat,
     several candidates per choice, an inserted suffix, prompt logprobs, audio)."""
     def refuse(param: str, what: str) -> HTTPError:
         return HTTPError(400, f"{param}: {what} is not supported by this server", param=param)
 
-    choice = body.get("tool_choice", body.get("function_call"))
-    asks_tools = bool(body.get("tools") or body.get("functions")) and choice != "none"
-    if asks_tools or choice not in (None, "none", "auto"):
-        raise refuse(("tools" if body.get("tools") else "functions") if asks_tools else "tool_choice",
-                     "tool calling (leave tools out, or send tool_choice \"none\")")
+    if kind == "completion":
+        for param in ("tools", "tool_choice", "functions", "function_call"):
+            if body.get(param) is not None:
+                raise refuse(param, "tool calling on /v1/completions (it is a /v1/chat/completions parameter)")
     if body.get("best_of") not in (None, 1):
         raise refuse("best_of", "best_of above 1 (use n)")
     if body.get("suffix") not in (None, ""):
@@ -262,7 +268,14 @@ def _set_chat(request: router_pb2.GenerateRequest, messages: list[ChatMessage],
         raise HTTPError(400, "continue_final_message and add_generation_prompt exclude each other: "
                              "send add_generation_prompt false", param="continue_final_message")
     chat = request.messages
-    chat.messages.extend(router_pb2.ChatMessage(role=m.role, content=m.text()) for m in messages)
+    for i, m in enumerate(messages):
+        message = chat.messages.add(role=m.role, content=m.text(), tool_call_id=m.tool_call_id or "")
+        for j, call in enumerate(m.tool_calls or ()):
+            try:
+                arguments_object(call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")
+            except InvalidRequestError as exc:
+                raise HTTPError(400, str(exc), param="messages") from None
+            message.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
     chat.add_generation_prompt = options.add_generation_prompt
     chat.continue_final_message = options.continue_final_message
     if options.chat_template_kwargs:
@@ -294,6 +307,7 @@ class ParsedRequest:
     prompt_of: list[int] = field(default_factory=list)
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False  # each completion's text starts with its prompt's
+    tools: ToolsAsked | None = None  # chat: the tools the model may call (router.tools)
 
 
 def _reject_lone_surrogates(value: Any, where: str) -> None:
@@ -343,8 +357,14 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     ``max_tokens`` may not exceed the context length; a shorter one that does not fit after the
     prompt is capped by the router (the choice finishes with ``length``).
     """
+    tools: ToolsAsked | None = None
     if isinstance(body, dict):
         _refuse_unsupported(kind, body)
+        if kind == "chat":
+            try:
+                tools = tools_asked(body)
+            except ToolRequestError as exc:
+                raise HTTPError(400, str(exc), param=exc.param) from None
     req: ChatCompletionRequest | CompletionRequest = (
         _validated(ChatCompletionRequest, body) if kind == "chat" else _validated(CompletionRequest, body))
     max_tokens_name = "max_tokens"
@@ -389,6 +409,14 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
         stop_token_ids=req.stop_token_ids or [],
         grammar=_structured_output(body) if isinstance(body, dict) else "",
     )
+    if tools is not None and tools.mode != "auto":
+        if sampling.grammar:
+            raise HTTPError(400, "tool_choice forces a tool call, whose arguments keep to the tool's schema; "
+                                 "send no response_format (or structured output) with it", param="tool_choice")
+        try:
+            sampling.grammar = tools.grammar()
+        except ToolRequestError as exc:
+            raise HTTPError(400, str(exc), param=exc.param) from None
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
     for key, bias in (req.logit_bias or {}).items():
@@ -400,7 +428,7 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompts = [] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
     parsed = ParsedRequest(kind, req.model, bool(req.stream), include_usage, num_logprobs, prompts=prompts,
-                           echo=isinstance(req, CompletionRequest) and req.echo)
+                           echo=isinstance(req, CompletionRequest) and req.echo, tools=tools)
     n = value(req.n, 1)
     if len(prompts) * n > MAX_CHOICES:  # a batch of prompts (chat's n alone is at most MAX_N)
         raise HTTPError(400, f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} generations; a request "
@@ -411,6 +439,8 @@ def parse_request(kind: Kind, body: Any, context_length: int, request_id: str,
     base.add_special_tokens = req.add_special_tokens
     if isinstance(req, ChatCompletionRequest):
         _set_chat(base, req.messages, req)
+        if tools is not None:
+            base.messages.tools = json.dumps(tools.tools, ensure_ascii=False)
         bases = [base]
     else:
         bases = []
@@ -471,6 +501,7 @@ class Renderer:
         self.created = int(time.time())
         self.model = parsed.model or core.model_id
         self._texts = TokenTexts(core.tokenizer)
+        self._answers: dict[int, ToolAnswer] = {}  # each choice's, when the request has tools
 
     def chat_logprobs(self, tokens: list[common_pb2.GeneratedToken]) -> ChatLogprobs | None:
         if self.parsed.num_logprobs is None:
@@ -517,9 +548,7 @@ class Renderer:
         reply: ChatCompletion | Completion
         if self.parsed.kind == "chat":
             reply = ChatCompletion(object="chat.completion", **head, choices=[
-                ChatChoice(index=i, message=AssistantMessage(role="assistant", content="".join(s.text)),
-                           logprobs=self.chat_logprobs(s.tokens), finish_reason=s.finish_reason)
-                for i, s in enumerate(states)])
+                self._chat_choice(i, s) for i, s in enumerate(states)])
         else:
             reply = Completion(object="text_completion", **head, choices=[
                 CompletionChoice(index=i, text=self.echoed(i) + "".join(s.text),
@@ -527,6 +556,44 @@ class Renderer:
                                  finish_reason=s.finish_reason)
                 for i, s in enumerate(states)])
         return to_json(reply)
+
+    def _chat_choice(self, index: int, state: ChoiceState) -> ChatChoice:
+        text, finish = "".join(state.text), state.finish_reason
+        message = AssistantMessage(role="assistant", content=text)
+        if self.parsed.tools is not None:
+            answer = ToolAnswer(self.parsed.tools)
+            content, calls = answer.feed(text, last=True)
+            finish = answer.finish_reason(finish)
+            message = AssistantMessage(role="assistant", content=content)
+            if calls:
+                whole: dict[int, ToolCallOut] = {}
+                for call in calls:
+                    if call.index in whole:
+                        whole[call.index].function.arguments += call.arguments
+                    else:
+                        whole[call.index] = ToolCallOut(id=call.id or "", type="function", function=FunctionCallOut(
+                            name=call.name or "", arguments=call.arguments))
+                message = AssistantMessage(role="assistant", content=content or None, tool_calls=list(whole.values()))
+        return ChatChoice(index=index, message=message, logprobs=self.chat_logprobs(state.tokens), finish_reason=finish)
+
+    def _chat_delta(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse,
+                    finish: FinishReasonName | None) -> tuple[ChatDelta, FinishReasonName | None]:
+        """The delta of a chat chunk, and its finish reason (``tool_calls`` once a call was made)."""
+        role: dict[str, Any] = {} if state.started else {"role": "assistant"}
+        if self.parsed.tools is None:
+            return ChatDelta(**role, content=response.text), finish
+        answer = self._answers.get(index)
+        if answer is None:
+            answer = self._answers[index] = ToolAnswer(self.parsed.tools)
+        content, calls = answer.feed(response.text, last=finish is not None)
+        finish = answer.finish_reason(finish)
+        if not calls:
+            return ChatDelta(**role, content=content), finish
+        pieces = [ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments)) if c.id is None
+                  else ToolCallDelta(index=c.index, id=c.id, type="function",
+                                     function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                  for c in calls]
+        return ChatDelta(**role, content=content or None, tool_calls=pieces), finish
 
     def chunk(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse) -> dict[str, Any]:
         tokens = list(response.tokens)
@@ -536,8 +603,7 @@ class Renderer:
             head["usage"] = None
         event: ChatCompletionChunk | Completion
         if self.parsed.kind == "chat":
-            delta = ChatDelta(content=response.text) if state.started else ChatDelta(role="assistant",
-                                                                                        content=response.text)
+            delta, finish = self._chat_delta(index, state, response, finish)
             event = ChatCompletionChunk(object="chat.completion.chunk", **head, choices=[ChatChunkChoice(
                 index=index, delta=delta, logprobs=self.chat_logprobs(tokens), finish_reason=finish)])
         else:
@@ -669,6 +735,12 @@ class Gateway:
             generate.text = body.prompt
         else:
             _set_chat(generate, body.messages or [], body)
+            if body.tools:
+                try:
+                    tools = check_tools([tool.model_dump(exclude_none=True) for tool in body.tools])
+                except InvalidRequestError as exc:
+                    raise HTTPError(400, str(exc), param="tools") from None
+                generate.messages.tools = json.dumps(tools, ensure_ascii=False)
         if body.add_special_tokens is not None:
             generate.add_special_tokens = body.add_special_tokens
         ids = await core.prompt_ids(generate)

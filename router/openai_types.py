@@ -98,6 +98,28 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str  # 1-64 letters, digits, _ or -
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -105,11 +127,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # a JSON object as text
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant turn made (its ``tool_calls``)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Annotated[str, Field(min_length=1)]  # system, user, assistant, or what the template knows
+    role: Annotated[str, Field(min_length=1)]  # system, user, assistant, tool, or what the template knows
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -140,6 +181,10 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False  # generation continues the last message (not with the above)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     add_special_tokens: bool = False  # BOS and the like on top of what the template writes
+    # Tool calling (router.tools): the functions the model may call, and whether it must
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
 
 
 class CompletionRequest(_Request):
@@ -178,6 +223,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None  # messages: told as generation tells them
 
 
 class InputText(BaseModel):
@@ -304,7 +350,7 @@ class DetokenizeRequest(BaseModel):
 # The shapes OpenAI's API answers with; the router builds these and nothing else, so the OpenAPI
 # schema below describes what is sent.
 
-FinishReasonName = Literal["stop", "length", "abort"]
+FinishReasonName = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -339,9 +385,33 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None  # sent only when the model called tools
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in the call's first chunk
+    arguments: str  # the next piece of the arguments' text
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None  # in the call's first chunk, with type and the function's name
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(BaseModel):
@@ -362,7 +432,8 @@ class ChatCompletion(BaseModel):
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # in a choice's first chunk only
-    content: str
+    content: str | None  # null in a chunk that only carries tool calls
+    tool_calls: list[ToolCallDelta] | None = None  # sent only when the chunk carries calls
 
 
 class ChatChunkChoice(BaseModel):

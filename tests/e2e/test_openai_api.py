@@ -32,6 +32,7 @@ from tandem.engine.grammar import grammar_for
 from tandem.engine.llm import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tool_calls import chat_with_tools, check_tools, split_tool_calls
 from tandem.rpc.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.stack import Stack, metric_value, write_tiny_chat_model
 
@@ -632,6 +633,146 @@ def test_models_health_ready_metrics_openapi(tiny: Stack) -> None:
         assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
                 "/detokenize"} <= set(schema["paths"])
         assert http.get(f"{base}/version").json()["version"]
+
+
+def _tools(rng: random.Random) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": name, "description": f"does {name}",
+                                              "parameters": _bounded_schema(rng)}}
+            for name in rng.sample(["get_weather", "add", "look-up", "send_mail"], rng.randint(1, 3))]
+
+
+def _schema_of(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+
+
+def test_tool_calls_through_the_openai_client(tiny: Stack) -> None:
+    """Random weights, random tools with bounded schemas: a forced call (named or required, whole
+    and streamed, n choices) names a tool and keeps to its schema; in auto mode the answer is
+    what the model's raw text reads as (the same prompt through /tokenize and /v1/completions),
+    and a block forced by a regex comes back as a call; earlier calls and tool answers render;
+    bad asks are 400s naming the parameter."""
+    client, base = _client(tiny), tiny.http_address()
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    for _ in range(3):
+        tools = _tools(rng)
+        named = rng.choice(tools)["function"]["name"]
+        choice: Any = {"type": "function", "function": {"name": named}}
+        whole = client.chat.completions.create(model="default", messages=HELLO, max_tokens=600, temperature=0,
+                                               tools=tools, tool_choice=choice)  # type: ignore[arg-type]
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "stop" and message.content is None, (seed, message)
+        [call] = message.tool_calls or []
+        assert call.type == "function" and call.function.name == named and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), _schema_of(tools, named))
+        with client.chat.completions.stream(model="default", messages=HELLO, max_tokens=600, temperature=0,
+                                            tools=tools, tool_choice=choice) as stream:  # type: ignore[arg-type]
+            for _ in stream:
+                pass
+            [again] = stream.get_final_completion().choices[0].message.tool_calls or []
+        assert (again.function.name, again.function.arguments) == (named, call.function.arguments), seed
+
+        parallel = rng.choice([True, False])
+        forced = client.chat.completions.create(model="default", messages=HELLO, max_tokens=900, temperature=1.0,
+                                                seed=seed, n=2, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+                                                parallel_tool_calls=parallel)
+        for answer in forced.choices:
+            assert answer.finish_reason == "tool_calls", (seed, answer)
+            calls = answer.message.tool_calls or []
+            assert calls and (parallel or len(calls) == 1) and len({c.id for c in calls}) == len(calls)
+            for made in calls:
+                jsonschema.validate(json.loads(made.function.arguments), _schema_of(tools, made.function.name))
+        streamed = client.chat.completions.create(model="default", messages=HELLO, max_tokens=900, temperature=1.0,
+                                                  seed=seed, n=2, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+                                                  parallel_tool_calls=parallel, stream=True)
+        pieces: dict[int, list[Any]] = {0: [], 1: []}
+        for chunk in streamed:
+            for c in chunk.choices:
+                pieces[c.index].extend(c.delta.tool_calls or [])
+        for i, answer in enumerate(forced.choices):
+            assert [(p.function.name, p.function.arguments) for p in pieces[i]] == [
+                (c.function.name, c.function.arguments) for c in answer.message.tool_calls or []], seed
+
+        # auto: the answer is what the raw text of the same prompt reads as
+        counted = httpx.post(f"{base}/tokenize", json={"messages": HELLO, "tools": tools}, timeout=30).json()
+        plain = httpx.post(f"{base}/tokenize", json={"messages": HELLO}, timeout=30).json()
+        assert counted["count"] > plain["count"]
+        raw = client.completions.create(model="default", prompt=counted["tokens"], max_tokens=40, temperature=0)
+        auto = client.chat.completions.create(model="default", messages=HELLO, max_tokens=40, temperature=0,
+                                              tools=tools)  # type: ignore[arg-type]
+        assert auto.usage is not None and auto.usage.prompt_tokens == counted["count"]
+        content, calls = split_tool_calls(raw.choices[0].text, frozenset(t["function"]["name"] for t in tools))
+        assert (auto.choices[0].message.content or "", [(c.name, c.arguments) for c in calls]) == (
+            content, [(c.function.name, c.function.arguments) for c in auto.choices[0].message.tool_calls or []])
+
+        # auto, with the model's answer held to a block by a regex: read back as a call
+        number = rng.randint(0, 99)
+        block = r"Sure\.\n<tool_call>\n\{\"name\": \"" + re.escape(named) + r'\", \"arguments\": \{\"n\": ' + \
+            str(number) + r"\}\}\n</tool_call>"
+        held = client.chat.completions.create(model="default", messages=HELLO, max_tokens=80, temperature=1.0,
+                                              tools=tools, extra_body={"structured_outputs": {"regex": block}})  # type: ignore[arg-type]
+        assert held.choices[0].finish_reason == "tool_calls" and held.choices[0].message.content == "Sure."
+        [got] = held.choices[0].message.tool_calls or []
+        assert (got.function.name, json.loads(got.function.arguments)) == (named, {"n": number})
+        chunks = list(client.chat.completions.create(
+            model="default", messages=HELLO, max_tokens=80, temperature=1.0, tools=tools, stream=True,  # type: ignore[arg-type]
+            extra_body={"structured_outputs": {"regex": block}}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+        # the call and its answer go back to the model as history
+        history: list[Any] = [*HELLO, message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id, "content": "it is done"}]
+        rendered = httpx.post(f"{base}/tokenize", json={"messages": history, "tools": tools}, timeout=30).json()
+        text = httpx.post(f"{base}/detokenize", json={"tokens": rendered["tokens"]}, timeout=30).json()["prompt"]
+        assert f'"name": "{named}"' in text and "<tool_response>\nit is done\n</tool_response>" in text
+        after = client.chat.completions.create(model="default", messages=history, max_tokens=5, tools=tools)  # type: ignore[arg-type]
+        assert after.usage is not None and after.usage.prompt_tokens == rendered["count"]
+
+    chat = f"{base}/v1/chat/completions"
+    tool = {"type": "function", "function": {"name": "f"}}
+    with httpx.Client(timeout=30) as http:
+        bad: list[tuple[dict[str, Any], str, str]] = [
+            ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "letters"),
+            ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among"),
+            ({"tool_choice": "required"}, "tool_choice", "no tools"),
+            ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+             "response_format"),
+            ({"functions": [{"name": "f"}]}, "functions", "tools"),
+            ({"tools": [tool], "messages": [*HELLO, {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "nope"}}]}]}, "messages", "JSON"),
+        ]
+        for body, param, words in bad:
+            error = _assert_error(http.post(chat, json={"model": "default", "messages": HELLO, **body}), 400, words)
+            assert error["param"] == param, error
+        _assert_error(http.post(f"{base}/v1/completions", json={"prompt": "a", "tools": [tool]}), 400, "chat")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+
+
+def test_a_forced_tool_call_of_the_real_model_equals_the_engine(smol: Stack, smollm2_dir: Path,
+                                                                smol_engine: LLMEngine) -> None:
+    """SmolLM2 (whose template does not render tools: they are told in a system message) made
+    to call get_weather: the stack's arguments equal the in-process engine's under the same
+    grammar and prompt, and name the city asked about."""
+    messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    answer = _client(smol, API_KEY).chat.completions.create(
+        model="default", messages=messages, max_tokens=60, temperature=0, tools=WEATHER,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = answer.choices[0].message.tool_calls or []
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    chat, tools = chat_with_tools(messages, check_tools(WEATHER), native=False)
+    prompt = tokenizer.encode_chat(chat, tools=tools)
+    [want] = smol_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar_for(
+        "json", WEATHER[0]["function"]["parameters"])))
+    assert call.function.arguments == tokenizer.decode(want.token_ids)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+    assert "Paris" in json.loads(call.function.arguments)["city"]
 
 
 def test_retrieve_a_model_and_tokenize_as_generation_does(tiny: Stack) -> None:

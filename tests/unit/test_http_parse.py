@@ -113,11 +113,8 @@ def test_a_batch_of_prompts_is_n_choices_each_numbered_as_openai_does(
 
 
 @pytest.mark.parametrize("body", [
-    {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-    {"tool_choice": "required"},
-    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
-    {"functions": [{"name": "f"}]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "prompt": "a"},
+    {"tool_choice": "auto", "prompt": "a"},
     {"best_of": 2},
     {"suffix": "end"},
     {"prompt_logprobs": 1},
@@ -126,7 +123,7 @@ def test_a_batch_of_prompts_is_n_choices_each_numbered_as_openai_does(
     {"chat_template": "{{ messages }}"},
 ])
 def test_what_would_change_the_output_and_is_not_implemented_is_refused(body: dict[str, Any]) -> None:
-    kind = "completion" if set(body) & {"best_of", "suffix"} else "chat"
+    kind = "completion" if set(body) & {"best_of", "suffix", "prompt"} else "chat"
     full = {**body, **({"prompt": "a"} if kind == "completion" else {"messages": MESSAGES})}
     error = _error(kind, full)
     assert error.status == 400 and error.param is not None and "not supported" in error.message
@@ -134,6 +131,52 @@ def test_what_would_change_the_output_and_is_not_implemented_is_refused(body: di
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "g", "description": "no arguments"}}]
+
+
+@pytest.mark.parametrize(("choice", "forced"), [
+    (None, False), ("auto", False), ("required", True), ({"type": "function", "function": {"name": "g"}}, True)])
+def test_tools_reach_the_template_and_a_forced_choice_its_grammar(choice: Any, forced: bool) -> None:
+    body = {"messages": MESSAGES, "tools": TOOLS, "n": 2, **({"tool_choice": choice} if choice else {})}
+    parsed = parse_request("chat", body, CONTEXT, "r")
+    assert parsed.tools is not None and parsed.tools.names == {"f", "g"}
+    for request in parsed.requests:
+        told = json.loads(request.messages.tools)
+        assert [t["function"]["name"] for t in told] == ["f", "g"]
+        assert told[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+        assert bool(request.sampling.grammar) == forced
+        assert request.sampling.grammar == parsed.tools.grammar()
+    none = parse_request("chat", {**body, "tool_choice": "none"}, CONTEXT, "r")
+    assert none.tools is None and not none.requests[0].messages.tools
+
+
+def test_earlier_calls_and_tool_answers_reach_the_core_and_bad_arguments_are_refused() -> None:
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    [request] = parse_request("chat", {"messages": history, "tools": TOOLS}, CONTEXT, "r").requests
+    assistant, tool = request.messages.messages[1:]
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_1", "f", '{"a": 1}')]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "2")
+    history[1]["tool_calls"][0]["function"]["arguments"] = "[1]"  # type: ignore[index]
+    error = _error("chat", {"messages": history})
+    assert error.param == "messages" and "JSON object" in error.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "h"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_bad_tool_asks_are_refused_naming_the_parameter(body: dict[str, Any], param: str) -> None:
+    error = _error("chat", {**body, "messages": MESSAGES})
+    assert error.status == 400 and error.param == param, error.message
 
 
 @pytest.mark.parametrize(("body", "kind", "spec"), [

@@ -1,0 +1,269 @@
+"""Tool calls: a chat with tools as the prompt the model reads, and its answer as content and calls.
+
+The answer's format is Hermes' (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3 write it): each call is a block
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text, any whitespace around the
+JSON. A model whose chat template renders ``tools`` is told of them by its own template; one whose
+template does not (SmolLM2's) is told in a system message that asks for that format (llama.cpp
+and vLLM do the same for templates without tools, each with its own wording).
+
+``ToolCallParser`` splits text into content and calls as it streams, holding back only what
+could still become a block; ``split_tool_calls`` is the same parser over a whole text, so a
+streamed answer and the same answer whole agree. Text that does not parse as a call of a known
+tool stays content, as written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.errors import InvalidRequestError
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+# OpenAI's rule for function names
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: the function's name and its arguments (a JSON object's text)."""
+
+    name: str
+    arguments: str
+
+
+def check_tools(tools: Any, where: str = "tools") -> list[dict[str, Any]]:
+    """``tools`` (OpenAI's list of ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``) checked, each with its ``parameters`` (default: an object with no
+    properties); InvalidRequestError naming what is wrong."""
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequestError(f"{where} must be a non-empty list of tool objects")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"{where} has {len(tools)} tools; at most {MAX_TOOLS}")
+    checked: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise InvalidRequestError(f"{at} must be {{\"type\": \"function\", \"function\": {{...}}}} "
+                                      "(function tools are the only kind)")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{at}.function must be an object with the function's name")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequestError(f"{at}.function.name must be 1-64 letters, digits, _ or -, got {name!r}"[:300])
+        if name in names:
+            raise InvalidRequestError(f"{at}.function.name {name!r} names two tools")
+        names.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise InvalidRequestError(f"{at}.function.description must be a string")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, Mapping):
+            raise InvalidRequestError(f"{at}.function.parameters must be a JSON schema object")
+        spec: dict[str, Any] = {"name": name}
+        if description is not None:
+            spec["description"] = description
+        spec["parameters"] = dict(parameters)
+        checked.append({"type": "function", "function": spec})
+    return checked
+
+
+def tool_names(tools: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    return frozenset(str(tool["function"]["name"]) for tool in tools)
+
+
+def arguments_object(arguments: str, where: str) -> dict[str, Any]:
+    """A call's arguments text as the object it holds; InvalidRequestError otherwise."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where} must be a JSON object as text, got {arguments[:80]!r}")
+    return value
+
+
+def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The system text that tells a model whose template does not render tools what it may call
+    and how (Hermes' format, which ``ToolCallParser`` reads)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You may call one or more functions to help with the user's request. The functions, as JSON "
+            f"schemas:\n<tools>\n{listed}\n</tools>\n\nTo call a function, answer with a JSON object of its name "
+            f"and arguments in {TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} tags, one block per call:\n{TOOL_CALL_OPEN}\n"
+            f"{{\"name\": <function-name>, \"arguments\": <arguments-json-object>}}\n{TOOL_CALL_CLOSE}")
+
+
+def _call_block(name: str, arguments: str) -> str:
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': json.loads(arguments)}, ensure_ascii=False)}" \
+           f"\n{TOOL_CALL_CLOSE}"
+
+
+def chat_with_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                    native: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and ``tools`` argument a chat template renders, from a chat whose messages may
+    carry ``tool_calls`` (``[{"id", "type", "function": {"name", "arguments"}}]``, arguments as
+    JSON text) and ``tool_call_id``.
+
+    ``native`` (the template renders tools): the tools go to the template, and each call's
+    arguments as an object, as transformers' templates expect. Otherwise the tools are told in
+    a system message (before the chat's own system text, if it has one), an assistant's calls
+    become ``<tool_call>`` blocks in its text and a tool's answer a user turn in
+    ``<tool_response>`` tags (Qwen2.5's rendering of them)."""
+    if native:
+        chat = []
+        for message in messages:
+            copy = dict(message)
+            if copy.get("tool_calls"):
+                copy["tool_calls"] = [
+                    {**call, "function": {**call["function"],
+                                          "arguments": json.loads(call["function"]["arguments"])}}
+                    for call in copy["tool_calls"]]
+            chat.append(copy)
+        return chat, [dict(tool) for tool in tools] if tools else None
+    chat = []
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "tool":
+            chat.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        elif message.get("tool_calls"):
+            blocks = [_call_block(call["function"]["name"], call["function"]["arguments"])
+                      for call in message["tool_calls"]]
+            chat.append({"role": role, "content": "\n".join([content, *blocks] if content else blocks)})
+        else:
+            chat.append({key: value for key, value in message.items() if key not in ("tool_calls", "tool_call_id")})
+    if tools:
+        told = tools_prompt(tools)
+        if chat and chat[0].get("role") == "system":
+            chat[0] = {**chat[0], "content": f"{chat[0].get('content') or ''}\n\n{told}".lstrip()}
+        else:
+            chat.insert(0, {"role": "system", "content": told})
+    return chat, None
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``TOOL_CALL_OPEN``."""
+    for keep in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+def parse_call(body: str, names: frozenset[str] | None) -> ToolCall | None:
+    """The call a block's JSON holds (``{"name", "arguments"}``; Llama's ``parameters`` for
+    ``arguments`` is read too, and arguments sent as JSON text), or None when it holds none of
+    a tool in ``names`` (None: any name)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or (names is not None and name not in names) or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolCallParser:
+    """An answer's text, fed as it streams, split into content (str) and calls (ToolCall).
+
+    Content goes out as soon as it cannot be the start of a ``<tool_call>`` block; whitespace
+    goes out with the next content, and whitespace next to a call is dropped (so an answer
+    without calls comes out exactly as written, and content around calls without their line
+    breaks). A block that does not parse as a call
+    of one of ``names`` is content, tags and all; an unclosed block at the end is a call when
+    its text parses as one. ``max_calls`` bounds the calls (later blocks are dropped: OpenAI's
+    ``parallel_tool_calls: false``)."""
+
+    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        self._names = names
+        self._max_calls = max_calls
+        self._pending = ""
+        self._in_call = False
+        self._blank = ""  # whitespace held until content follows it
+        self._after_call = False  # a call came last: the whitespace that follows it goes
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        searched = max(0, len(self._pending) - len(TOOL_CALL_CLOSE) + 1) if self._in_call else 0
+        self._pending += text
+        while True:
+            if self._in_call:
+                end = self._pending.find(TOOL_CALL_CLOSE, searched)
+                searched = 0
+                if end < 0:
+                    return out
+                body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
+                self._in_call = False
+                self._block(body, TOOL_CALL_CLOSE, out)
+            else:
+                start = self._pending.find(TOOL_CALL_OPEN)
+                if start < 0:
+                    keep = _held_back(self._pending)
+                    cut = len(self._pending) - keep
+                    self._content(self._pending[:cut], out)
+                    self._pending = self._pending[cut:]
+                    return out
+                self._content(self._pending[:start], out)
+                self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
+                self._in_call = True
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end of the answer."""
+        out: list[str | ToolCall] = []
+        if self._in_call:
+            self._in_call = False
+            self._block(self._pending, "", out)
+        else:
+            self._content(self._pending, out)
+        self._pending = ""
+        if self._blank and not self.num_calls:
+            out.append(self._blank)
+        self._blank = ""
+        return out
+
+    def _block(self, body: str, close: str, out: list[str | ToolCall]) -> None:
+        call = parse_call(body, self._names)
+        if call is None:
+            self._content(TOOL_CALL_OPEN + body + close, out)
+            return
+        self._blank = ""
+        self._after_call = True
+        if self._max_calls is None or self.num_calls < self._max_calls:
+            out.append(call)
+        self.num_calls += 1
+
+    def _content(self, text: str, out: list[str | ToolCall]) -> None:
+        if self._after_call:
+            text = text.lstrip()
+        if not text:
+            return
+        self._after_call = False
+        kept = text.rstrip()
+        if not kept:
+            self._blank += text
+            return
+        out.append(self._blank + kept)
+        self._blank = text[len(kept):]
+
+
+def split_tool_calls(text: str, names: frozenset[str] | None = None,
+                     max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
+    """A whole answer's content and calls, as ``ToolCallParser`` gives them streamed."""
+    parser = ToolCallParser(names, max_calls)
+    parts = [*parser.feed(text), *parser.finish()]
+    return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ToolCall)]
