@@ -58,7 +58,9 @@ from router.openai_types import (
     ErrorResponse,
     FinishReasonName,
     FunctionCallDelta,
+    FunctionCallItem,
     FunctionCallOut,
+    FunctionCallOutputItem,
     InputMessage,
     InputText,
     ModelCard,
@@ -182,7 +184,8 @@ def _first_error(exc: ValidationError) -> HTTPError:
 _FIELD_NAMES = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | frozenset(
     ChatMessage.model_fields) | frozenset(TextPart.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
     DetokenizeRequest.model_fields) | frozenset(ResponsesRequest.model_fields) | frozenset(
-    InputMessage.model_fields) | frozenset(InputText.model_fields)
+    InputMessage.model_fields) | frozenset(InputText.model_fields) | frozenset(FunctionCallItem.model_fields) | frozenset(
+    FunctionCallOutputItem.model_fields)
 
 
 # OpenAI (and vLLM) parameters that change what is generated and that Tandem does not implement

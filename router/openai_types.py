@@ -246,6 +246,33 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(BaseModel):
+    """An item of a Responses ``input``: a call an earlier answer made."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # a JSON object as text
+
+
+class FunctionCallOutputItem(BaseModel):
+    """An item of a Responses ``input``: what a call's function gave back."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` (OpenAI's Responses API, ``client.responses.create``), run as the chat
     request it means: ``instructions`` as a system message, then ``input``. Nothing is stored.
@@ -259,7 +286,7 @@ class ResponsesRequest(BaseModel):
     ]})
 
     model: str = ""
-    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None  # at most the context length
     temperature: Temperature | None = None
@@ -273,6 +300,9 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "message.output_text.logprobs": the answer's logprobs
     top_logprobs: NumLogprobs | None = None  # alternatives per token, with those logprobs
     text: dict[str, Any] | None = None  # {"format": ...}: text, json_object or json_schema (structured output)
+    # function tools ({"type": "function", "name", "description", "parameters"}) and how they may be called
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class OutputText(BaseModel):
@@ -288,6 +318,17 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    """A call the answer made (an item of a response's ``output``)."""
+
+    type: Literal["function_call"]
+    id: str
+    call_id: str  # what the function's output names in the next request's input
+    name: str
+    arguments: str  # a JSON object as text
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(BaseModel):
@@ -323,11 +364,11 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool
     temperature: float
     top_p: float
-    tool_choice: Literal["none", "auto"]
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any]
     tools: list[Any]
     text: dict[str, Any]
     truncation: Literal["auto", "disabled"]

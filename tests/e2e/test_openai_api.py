@@ -749,6 +749,82 @@ def test_tool_calls_through_the_openai_client(tiny: Stack) -> None:
         _assert_error(http.post(f"{base}/v1/completions", json={"prompt": "a", "tools": [tool]}), 400, "chat")
 
 
+def test_function_tools_through_the_responses_api(tiny: Stack) -> None:
+    """The Responses API's function tools on random weights: forced calls are function_call
+    items keeping to their tool's schema, whole and through the openai client's stream helper
+    (which rebuilds the response from the events); a regex-held auto answer gives a message and
+    a call; function_call and function_call_output input items render as the chat's history;
+    built-in tools are refused."""
+    client = _client(tiny)
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    for _ in range(2):
+        tools = [{"type": "function", **t["function"]} for t in _tools(rng)]
+        named = rng.choice(tools)["name"]
+        for choice in ({"type": "function", "name": named}, "required"):
+            whole = client.responses.create(model="default", input="hi", tools=tools, tool_choice=choice,  # type: ignore[arg-type]
+                                            temperature=0.0, max_output_tokens=900, parallel_tool_calls=False)
+            assert whole.status == "completed", (seed, whole.output)
+            [call] = whole.output
+            assert call.type == "function_call" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+            assert choice == "required" or call.name == named
+            schema = next(t["parameters"] for t in tools if t["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), schema)
+            with client.responses.stream(model="default", input="hi", tools=tools, tool_choice=choice,  # type: ignore[arg-type]
+                                         temperature=0.0, max_output_tokens=900, parallel_tool_calls=False) as stream:
+                events = list(stream)
+                final = stream.get_final_response()
+            [again] = final.output
+            assert again.type == "function_call" and (again.name, again.arguments) == (call.name, call.arguments)
+            deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+            done = [e for e in events if e.type == "response.function_call_arguments.done"]
+            assert deltas == call.arguments and [e.arguments for e in done] == [call.arguments]
+            added = [e.item for e in events if e.type == "response.output_item.added"]
+            assert [(i.type, i.id) for i in added] == [("function_call", again.id)]
+
+        number = rng.randint(0, 99)
+        block = r"Sure\.\n<tool_call>\n\{\"name\": \"" + re.escape(named) + r'\", \"arguments\": \{\"n\": ' + \
+            str(number) + r"\}\}\n</tool_call>"
+        held = client.responses.create(model="default", input="hi", tools=tools, temperature=1.0,  # type: ignore[arg-type]
+                                       max_output_tokens=80, extra_body={"structured_outputs": {"regex": block}})
+        with client.responses.stream(model="default", input="hi", tools=tools, temperature=1.0,  # type: ignore[arg-type]
+                                     max_output_tokens=80, extra_body={"structured_outputs": {"regex": block}}) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_response()
+        for answer in (held, streamed):
+            assert [o.type for o in answer.output] == ["message", "function_call"], (seed, answer.output)
+            assert answer.output_text == "Sure."
+            assert (answer.output[1].name, json.loads(answer.output[1].arguments)) == (named, {"n": number})  # type: ignore[union-attr]
+
+        items: list[Any] = [{"role": "user", "content": "hi"},
+                            {"type": "function_call", "call_id": "call_7", "name": named, "arguments": '{"n": 1}'},
+                            {"type": "function_call_output", "call_id": "call_7", "output": "done"}]
+        after = client.responses.create(model="default", input=items, tools=tools, max_output_tokens=4)  # type: ignore[arg-type]
+        chat = client.chat.completions.create(model="default", max_tokens=4, tools=[  # type: ignore[arg-type]
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools], messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "call_7", "type": "function",
+                                                  "function": {"name": named, "arguments": '{"n": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": "done"}])
+        assert after.usage is not None and chat.usage is not None
+        assert after.usage.input_tokens == chat.usage.prompt_tokens, seed
+
+    with httpx.Client(timeout=30) as http:
+        url = f"{tiny.http_address()}/v1/responses"
+        for body, param, words in [
+            ({"tools": [{"type": "web_search"}]}, "tools", "built-in"),
+            ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice",
+             "file_search"),
+            ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+             "tool_choice", "not among"),
+            ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]}, "input", "JSON"),
+        ]:
+            error = _assert_error(http.post(url, json={"model": "default", "input": "hi", **body}), 400, words)
+            assert error["param"] == param, error
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
