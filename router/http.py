@@ -80,12 +80,18 @@ from router.openai_types import (
 from router.responses import ResponsesRenderer
 from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
-from router.tools import ToolAnswer, ToolRequestError, ToolsAsked, tools_asked
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
 from tandem.engine.tokenizer import check_template_variables
-from tandem.engine.tool_calls import arguments_object, check_tools
+from tandem.engine.tool_calls import (
+    ToolAnswer,
+    ToolRequestError,
+    ToolsAsked,
+    arguments_object,
+    check_tools,
+    tools_asked,
+)
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     LoadReport,
@@ -566,7 +572,7 @@ class Renderer:
         if self.parsed.tools is not None:
             answer = ToolAnswer(self.parsed.tools)
             content, calls = answer.feed(text, last=True)
-            finish = answer.finish_reason(finish)
+            finish = "tool_calls" if answer.ends_in_calls(finish) else finish
             message = AssistantMessage(role="assistant", content=content)
             if calls:
                 whole: dict[int, ToolCallOut] = {}
@@ -589,7 +595,7 @@ class Renderer:
         if answer is None:
             answer = self._answers[index] = ToolAnswer(self.parsed.tools)
         content, calls = answer.feed(response.text, last=finish is not None)
-        finish = answer.finish_reason(finish)
+        finish = "tool_calls" if answer.ends_in_calls(finish) else finish
         if not calls:
             return ChatDelta(**role, content=content), finish
         pieces = [ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments)) if c.id is None

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from router.choices import Choices, ChoiceState, TokenTexts, absorb
-from router.tools import ToolAnswer
+from tandem.engine.tool_calls import ToolAnswer
 from router.openai_types import (
     ErrorDetail,
     FunctionCallItem,
