@@ -27,6 +27,7 @@ from tandem.client.types import (
     Health,
     ModelInfo,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ServerError",
     "TandemClient",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "Unavailable",
     "Usage",

@@ -15,6 +15,7 @@ from tandem.client.protocol import (
     CompletionBuilder,
     GenerateOptions,
     RetryPolicy,
+    ToolChunks,
     call_metadata,
     chunk_from_response,
     generate_request,
@@ -87,27 +88,30 @@ class AsyncTandemClient:
         """Like generate, as an async iterator of Chunks (``async for chunk in client.stream(...)``)."""
         return self._stream(generate_request(prompt, **options), timeout_s)
 
-    async def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+    async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None,
                    **options: Unpack[GenerateOptions]) -> Completion:
         """The assistant's reply to ``messages``, rendered with the model's chat template by the router."""
-        return await self._complete(generate_request(messages=messages, **options), timeout_s)
+        return await self._complete(generate_request(messages=messages, **options), timeout_s, ToolChunks.of(options))
 
-    def chat_stream(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None,
                     **options: Unpack[GenerateOptions]) -> AsyncGenerator[Chunk, None]:
         """Like chat, as an async iterator of Chunks."""
-        return self._stream(generate_request(messages=messages, **options), timeout_s)
+        return self._stream(generate_request(messages=messages, **options), timeout_s, ToolChunks.of(options))
 
-    async def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Completion:
+    async def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
+                        tools: ToolChunks | None = None) -> Completion:
         builder = CompletionBuilder()
-        async for chunk in self._stream(request, timeout_s):
+        async for chunk in self._stream(request, timeout_s, tools):
             builder.add(chunk)
         return builder.build()
 
-    async def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> AsyncGenerator[Chunk, None]:
+    async def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
+                      tools: ToolChunks | None = None) -> AsyncGenerator[Chunk, None]:
         call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             async for response in call:
-                yield chunk_from_response(response)
+                chunk = chunk_from_response(response)
+                yield chunk if tools is None else tools.apply(chunk)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc
         finally:

@@ -3,6 +3,7 @@ assembly and the retry policy. No I/O here; the clients own the channels and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from tandem.client.types import (
     Health,
     ModelInfo,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
+from tandem.engine.tool_calls import ToolAnswer, ToolRequestError, ToolsAsked, tools_asked
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
 
@@ -121,11 +124,17 @@ class GenerateOptions(TypedDict, total=False):
     add_generation_prompt: bool  # the prompt ends with the assistant turn's opening (the default)
     continue_final_message: bool  # continue the last message's text (with add_generation_prompt=False)
     chat_template_kwargs: Mapping[str, Any]  # extra variables for the chat template
+    # tool calling, as OpenAI's chat API: the functions the model may call ({"type": "function",
+    # "function": {"name", "description", "parameters"}}), "auto" (the default with tools),
+    # "required", "none" or {"type": "function", "function": {"name": ...}}, and false for at most one call
+    tools: Sequence[Mapping[str, Any]]
+    tool_choice: str | Mapping[str, Any]
+    parallel_tool_calls: bool
 
 
 def generate_request(
     prompt: str | Sequence[int] | None = None,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     *,
     model: str = "",
     max_tokens: int | None = None,
@@ -149,6 +158,9 @@ def generate_request(
     add_generation_prompt: bool | None = None,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> router_pb2.GenerateRequest:
     """The GenerateRequest for a prompt (text or token ids) or chat messages (exactly one).
 
@@ -158,9 +170,10 @@ def generate_request(
     """
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt and messages")
-    if messages is None and (add_generation_prompt is not None or continue_final_message or chat_template_kwargs):
-        raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs are chat options: "
-                         "pass messages")
+    if messages is None and (add_generation_prompt is not None or continue_final_message or chat_template_kwargs
+                             or tools is not None or tool_choice is not None or parallel_tool_calls is not None):
+        raise ValueError("add_generation_prompt, continue_final_message, chat_template_kwargs and the tool options "
+                         "are chat options: pass messages")
     sampling = common_pb2.SamplingParams(ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("min_p", min_p), ("presence_penalty", presence_penalty),
@@ -181,6 +194,12 @@ def generate_request(
             sampling.grammar = grammar_for(kind, spec)
         except InvalidRequestError as exc:  # the same error the router gives a bad spec
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"structured_outputs: {exc}") from None
+    asked = tools_of(tools, tool_choice, parallel_tool_calls)
+    if asked is not None and asked.mode != "auto":
+        if sampling.grammar:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice forces a tool call, whose arguments "
+                                 "keep to the tool's schema; send no structured_outputs with it")
+        sampling.grammar = asked.grammar()
     request = router_pb2.GenerateRequest(
         model=model, sampling=sampling, request_id=request_id or "",
         stop=[stop] if isinstance(stop, str) else list(stop or ()), include_stop_str_in_output=include_stop_str,
@@ -190,10 +209,10 @@ def generate_request(
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     if messages is not None:
-        request.messages.CopyFrom(router_pb2.ChatMessages(messages=[
-            router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        ], continue_final_message=continue_final_message,
-            chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else ""))
+        request.messages.CopyFrom(router_pb2.ChatMessages(
+            messages=[chat_message(m) for m in messages], continue_final_message=continue_final_message,
+            chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else "",
+            tools=json.dumps(asked.tools, ensure_ascii=False) if asked is not None else ""))
         if add_generation_prompt is not None:
             request.messages.add_generation_prompt = add_generation_prompt
     elif isinstance(prompt, str):
@@ -202,6 +221,48 @@ def generate_request(
         assert prompt is not None
         request.token_ids.CopyFrom(router_pb2.TokenIds(ids=list(prompt)))
     return request
+
+
+def chat_message(message: Mapping[str, Any]) -> router_pb2.ChatMessage:
+    """A message dict as the proto's: ``role`` and ``content`` (None for an assistant turn that only
+    calls tools), an assistant's ``tool_calls`` in OpenAI's shape, a tool answer's ``tool_call_id``."""
+    calls = [router_pb2.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=c["function"]["arguments"])
+             for c in message.get("tool_calls") or ()]
+    return router_pb2.ChatMessage(role=message["role"], content=message.get("content") or "", tool_calls=calls,
+                                  tool_call_id=message.get("tool_call_id") or "")
+
+
+def tools_of(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None,
+             parallel_tool_calls: bool | None) -> ToolsAsked | None:
+    """The tools a chat call lets the model call (None: none), checked as the router checks
+    them; InvalidRequest naming the option that is not well formed."""
+    body = {name: value for name, value in (("tools", list(tools) if tools is not None else None),
+                                            ("tool_choice", tool_choice), ("parallel_tool_calls", parallel_tool_calls))
+            if value is not None}
+    try:
+        return tools_asked(body)
+    except ToolRequestError as exc:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}") from None
+
+
+class ToolChunks:
+    """A chat stream's chunks with tools: each chunk's text split into content (its ``text``)
+    and calls (its ``tool_calls``), and ``tool_calls`` as the finish reason of an answer that
+    ended having called tools (``tandem.engine.tool_calls.ToolAnswer``)."""
+
+    def __init__(self, asked: ToolsAsked) -> None:
+        self._answer = ToolAnswer(asked)
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> ToolChunks | None:
+        asked = tools_of(options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls"))
+        return None if asked is None else cls(asked)
+
+    def apply(self, chunk: Chunk) -> Chunk:
+        content, pieces = self._answer.feed(chunk.text, last=chunk.finish_reason is not None)
+        finish = "tool_calls" if self._answer.ends_in_calls(chunk.finish_reason) else chunk.finish_reason
+        return dataclasses.replace(chunk, text=content, finish_reason=finish, tool_calls=tuple(
+            ToolCall(p.index, p.id or "", p.name or "", p.arguments) for p in pieces))
 
 
 def finish_reason_name(value: int) -> str | None:
@@ -252,6 +313,7 @@ class CompletionBuilder:
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
         self._ttft_s: float | None = None
+        self._calls: dict[int, ToolCall] = {}
 
     def add(self, chunk: Chunk) -> None:
         self._request_id = self._request_id or chunk.request_id
@@ -264,6 +326,10 @@ class CompletionBuilder:
             self._finish_reason = chunk.finish_reason
         if chunk.usage is not None:
             self._usage = chunk.usage
+        for piece in chunk.tool_calls:
+            known = self._calls.get(piece.index)
+            self._calls[piece.index] = piece if known is None else dataclasses.replace(
+                known, arguments=known.arguments + piece.arguments)
 
     def build(self) -> Completion:
         if self._finish_reason is None:
@@ -274,6 +340,7 @@ class CompletionBuilder:
             request_id=self._request_id, text="".join(self._texts), token_ids=tuple(self._token_ids),
             finish_reason=self._finish_reason, usage=self._usage, ttft_s=self._ttft_s,
             logprobs=tuple(self._logprobs) if any(lp.logprob is not None for lp in self._logprobs) else (),
+            tool_calls=tuple(self._calls[i] for i in sorted(self._calls)),
         )
 
 

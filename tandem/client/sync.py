@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Self, TypeVar, Unpack
+from typing import Any, Self, TypeVar, Unpack
 
 import grpc
 
@@ -14,6 +14,7 @@ from tandem.client.protocol import (
     CompletionBuilder,
     GenerateOptions,
     RetryPolicy,
+    ToolChunks,
     call_metadata,
     chunk_from_response,
     generate_request,
@@ -89,28 +90,31 @@ class TandemClient:
         the finish reason and usage."""
         return self._stream(generate_request(prompt, **options), timeout_s)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None,
              **options: Unpack[GenerateOptions]) -> Completion:
         """Generate the assistant's reply to ``messages`` (dicts with "role" and "content",
         oldest first), rendered with the model's chat template by the router."""
-        return self._complete(generate_request(messages=messages, **options), timeout_s)
+        return self._complete(generate_request(messages=messages, **options), timeout_s, ToolChunks.of(options))
 
-    def chat_stream(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None,
                     **options: Unpack[GenerateOptions]) -> Generator[Chunk, None, None]:
         """Like chat, streaming Chunks."""
-        return self._stream(generate_request(messages=messages, **options), timeout_s)
+        return self._stream(generate_request(messages=messages, **options), timeout_s, ToolChunks.of(options))
 
-    def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Completion:
+    def _complete(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
+                  tools: ToolChunks | None = None) -> Completion:
         builder = CompletionBuilder()
-        for chunk in self._stream(request, timeout_s):
+        for chunk in self._stream(request, timeout_s, tools):
             builder.add(chunk)
         return builder.build()
 
-    def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None) -> Generator[Chunk, None, None]:
+    def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
+                tools: ToolChunks | None = None) -> Generator[Chunk, None, None]:
         call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             for response in call:
-                yield chunk_from_response(response)
+                chunk = chunk_from_response(response)
+                yield chunk if tools is None else tools.apply(chunk)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from exc
         finally:

@@ -40,6 +40,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool (a function) the model made, when the chat request offered ``tools``.
+
+    In a Completion each call is whole. In a Chunk it may be a piece: the call's first piece has
+    its ``id`` and ``name``, later pieces of the same ``index`` only more ``arguments`` text (a
+    named ``tool_choice`` streams its arguments as they come)."""
+
+    index: int  # its place among the answer's calls
+    id: str  # "call_...", which the tool's answer names (tool_call_id); "" in a later piece
+    name: str  # the function's name; "" in a later piece
+    arguments: str  # a JSON object as text (a piece of it in a later piece)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response: the tokens and text that are new since the previous chunk.
 
@@ -54,9 +68,10 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk
+    finish_reason: str | None = None  # "stop", "length", "tool_calls", "abort" or "error" on the last chunk
     usage: Usage | None = None
     ttft_s: float | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: calls (or pieces of them) this chunk completes
 
 
 @dataclass(frozen=True)
@@ -64,7 +79,8 @@ class Completion:
     """A whole generation: the chunks of one stream joined.
 
     ``finish_reason`` is "stop" (EOS, a stop token or a stop string) or "length" (max_tokens or
-    the context length), or "abort" / "error" as the router reports them.
+    the context length), "tool_calls" (the answer ended having called tools), or "abort" /
+    "error" as the router reports them.
     """
 
     request_id: str
@@ -74,6 +90,7 @@ class Completion:
     usage: Usage
     ttft_s: float | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls the answer made (its text is the rest)
 
 
 @dataclass(frozen=True)

@@ -835,7 +835,7 @@ def test_a_forced_tool_call_of_the_real_model_equals_the_engine(smol: Stack, smo
                                                                 smol_engine: LLMEngine) -> None:
     """SmolLM2 (whose template does not render tools: they are told in a system message) made
     to call get_weather: the stack's arguments equal the in-process engine's under the same
-    grammar and prompt, and name the city asked about."""
+    grammar and prompt, and name the city asked about; the gRPC SDK gets the same call."""
     messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     answer = _client(smol, API_KEY).chat.completions.create(
         model="default", messages=messages, max_tokens=60, temperature=0, tools=WEATHER,  # type: ignore[arg-type]
@@ -849,6 +849,10 @@ def test_a_forced_tool_call_of_the_real_model_equals_the_engine(smol: Stack, smo
     assert call.function.arguments == tokenizer.decode(want.token_ids)
     assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
     assert "Paris" in json.loads(call.function.arguments)["city"]
+    with TandemClient(smol.address("router"), timeout_s=60, max_retries=0, api_key=API_KEY) as client:
+        sdk = client.chat(messages, max_tokens=60, temperature=0.0, tools=WEATHER,
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [(c.name, c.arguments) for c in sdk.tool_calls] == [("get_weather", call.function.arguments)]
 
 
 def test_retrieve_a_model_and_tokenize_as_generation_does(tiny: Stack) -> None:

@@ -248,6 +248,74 @@ def test_chat_sends_messages_for_the_server_side_template(mode: str, method: str
     assert [(m.role, m.content) for m in request.messages.messages] == [("system", "Be brief."), ("user", "Hi")]
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["chat", "chat_stream"])
+def test_chat_with_tools_sends_them_and_reads_the_calls_out_of_the_text(
+        mode: str, method: str, fake: tuple[FakeRouter, str]) -> None:
+    """The answer's <tool_call> block, split across responses, comes back as a call (and the
+    text around it as the text); the tools, an earlier call and its answer go on the wire."""
+    servicer, address = fake
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    servicer.generate_scripts.append([response("Sure.\n" + block[:15], [1]), response(block[15:40], [2]),
+                                      response(block[40:], [3], finish=common_pb2.FINISH_REASON_STOP, usage=(9, 3, 0))])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+               {"role": "user", "content": "And Oslo?"}]
+    result = call(mode, address, method, history, tools=[WEATHER_TOOL])
+    if method == "chat":
+        text, calls, finish = result.text, result.tool_calls, result.finish_reason
+    else:
+        text, finish = "".join(c.text for c in result), result[-1].finish_reason
+        calls = tuple(c for chunk in result for c in chunk.tool_calls)
+    assert (text, finish) == ("Sure.", "tool_calls")
+    [made] = calls
+    assert (made.index, made.name, json.loads(made.arguments)) == (0, "get_weather", {"city": "Oslo"})
+    assert made.id.startswith("call_")
+    request = servicer.requests[0]
+    assert [t["function"]["name"] for t in json.loads(request.messages.tools)] == ["get_weather"]
+    assistant, tool = request.messages.messages[1:3]
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_0", "get_weather", '{"city": "Rome"}')]
+    assert (tool.tool_call_id, tool.content) == ("call_0", "sunny")
+    assert not request.sampling.grammar  # auto: the model chooses
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_named_tool_choice_forces_the_call_and_streams_its_arguments(mode: str, fake: tuple[FakeRouter, str]) -> None:
+    from tandem.engine.tool_calls import tools_asked
+
+    servicer, address = fake
+    servicer.generate_scripts.append([response('{"city"', [1]), response(': "Oslo"}', [2], finish=common_pb2.FINISH_REASON_STOP,
+                                                                          usage=(9, 2, 0))])
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    completion = call(mode, address, "chat", [{"role": "user", "content": "Oslo?"}], tools=[WEATHER_TOOL],
+                      tool_choice=choice)
+    assert (completion.text, completion.finish_reason) == ("", "stop")
+    [made] = completion.tool_calls
+    assert (made.name, made.arguments) == ("get_weather", '{"city": "Oslo"}')
+    asked = tools_asked({"tools": [WEATHER_TOOL], "tool_choice": choice})
+    assert asked is not None and servicer.requests[0].sampling.grammar == asked.grammar()
+
+
+def test_bad_tool_options_are_refused_before_the_call() -> None:
+    from tandem.client.protocol import generate_request
+
+    chat = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequest, match="tool_choice"):
+        generate_request(messages=chat, tool_choice="required")
+    with pytest.raises(InvalidRequest, match="letters"):
+        generate_request(messages=chat, tools=[{"type": "function", "function": {"name": "a b"}}])
+    with pytest.raises(InvalidRequest, match="structured_outputs"):
+        generate_request(messages=chat, tools=[WEATHER_TOOL], tool_choice="required", structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="chat options"):
+        generate_request("text", tools=[WEATHER_TOOL])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_length_finish_and_a_stream_without_a_finish_reason(mode: str, fake: tuple[FakeRouter, str]) -> None:
     servicer, address = fake
