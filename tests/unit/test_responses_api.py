@@ -65,7 +65,7 @@ def test_a_response_is_the_chat_request_it_means(input: Any, instructions: str |
 
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}], "tool_choice": "auto"}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
@@ -76,7 +76,7 @@ def test_a_response_is_the_chat_request_it_means(input: Any, instructions: str |
     ({"background": True}, "background"),
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"max_output_tokens": CONTEXT + 1}, "max_output_tokens"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
@@ -91,7 +91,7 @@ def test_what_is_not_implemented_or_invalid_is_refused_naming_it(body: dict[str,
 
 
 @pytest.mark.parametrize("body", [
-    {"tools": []}, {"tools": [{"type": "web_search"}], "tool_choice": "none"}, {"tool_choice": "auto"},
+    {"tools": []}, {"tools": [{"type": "function", "name": "f"}], "tool_choice": "none"}, {"tool_choice": "auto"},
     {"text": {"format": {"type": "text"}}}, {"top_logprobs": 3}, {"background": False}, {"store": True},
     {"include": ["reasoning.encrypted_content"]}, {"truncation": "auto"}, {"reasoning": {"effort": "low"}},
     {"metadata": {"k": "v"}}, {"user": "u", "parallel_tool_calls": False, "service_tier": "auto"},
