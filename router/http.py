@@ -574,15 +574,10 @@ class Renderer:
             content, calls = answer.feed(text, last=True)
             finish = "tool_calls" if answer.ends_in_calls(finish) else finish
             message = AssistantMessage(role="assistant", content=content)
-            if calls:
-                whole: dict[int, ToolCallOut] = {}
-                for call in calls:
-                    if call.index in whole:
-                        whole[call.index].function.arguments += call.arguments
-                    else:
-                        whole[call.index] = ToolCallOut(id=call.id or "", type="function", function=FunctionCallOut(
-                            name=call.name or "", arguments=call.arguments))
-                message = AssistantMessage(role="assistant", content=content or None, tool_calls=list(whole.values()))
+            if calls:  # a whole answer fed at once: each call whole, with its id and name
+                message = AssistantMessage(role="assistant", content=content or None, tool_calls=[
+                    ToolCallOut(id=c.id or "", type="function",
+                                function=FunctionCallOut(name=c.name or "", arguments=c.arguments)) for c in calls])
         return ChatChoice(index=index, message=message, logprobs=self.chat_logprobs(state.tokens), finish_reason=finish)
 
     def _chat_delta(self, index: int, state: ChoiceState, response: router_pb2.GenerateResponse,

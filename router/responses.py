@@ -187,13 +187,9 @@ class ResponsesRenderer:
         status = self._item_status(state)
         if self._tools is None:
             return [self._message(state, status)]
-        content, pieces = ToolAnswer(self._tools).feed("".join(state.text), last=True)
-        calls: list[OutputFunctionCall] = []
-        for piece in pieces:
-            if piece.id is None:
-                calls[-1].arguments += piece.arguments
-            else:
-                calls.append(self._call_item(piece.id, piece.name or "", piece.arguments, status))
+        # a whole answer fed at once: each call whole, with its id and name
+        content, whole = ToolAnswer(self._tools).feed("".join(state.text), last=True)
+        calls = [self._call_item(c.id or "", c.name or "", c.arguments, status) for c in whole]
         return ([self._message(state, status, content)] if content or not calls else []) + calls
 
     @staticmethod
@@ -245,6 +241,11 @@ class ResponsesRenderer:
         self._sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
+    def _failed(self, error: RequestError) -> list[bytes]:
+        """The events that end a stream whose generation failed midway."""
+        return [self._event("error", code=error.status.grpc_name.lower(), message=error.message, param=None),
+                self._event("response.failed", response=self.response(None, error))]
+
     async def events(self, choices: Choices, state: ChoiceState,
                      buffered: list[tuple[int, router_pb2.GenerateResponse | None]]) -> AsyncIterator[bytes]:
         """The SSE body of a streamed response; when the client goes away Starlette cancels this
@@ -261,14 +262,10 @@ class ResponsesRenderer:
                               item=to_json(self._message(None, "in_progress")))
             yield self._event("response.content_part.added", **where,
                               part={"type": "output_text", "text": "", "annotations": []})
-            pending = [item for _, item in buffered]
-            while True:
-                item = pending.pop(0) if pending else (await choices.get())[1]
-                if item is None:
-                    break
+            async for item in _answer_of(choices, buffered):
                 if isinstance(item, RequestError):
-                    yield self._event("error", code=item.status.grpc_name.lower(), message=item.message, param=None)
-                    yield self._event("response.failed", response=self.response(None, item))
+                    for event in self._failed(item):
+                        yield event
                     return
                 absorb(state, item)
                 if item.text or (self._logprobs and item.tokens):
@@ -316,14 +313,10 @@ class ResponsesRenderer:
         try:
             yield self._event("response.created", response=self.response(None))
             yield self._event("response.in_progress", response=self.response(None))
-            pending = [item for _, item in buffered]
-            while True:
-                item = pending.pop(0) if pending else (await choices.get())[1]
-                if item is None:
-                    break
+            async for item in _answer_of(choices, buffered):
                 if isinstance(item, RequestError):
-                    yield self._event("error", code=item.status.grpc_name.lower(), message=item.message, param=None)
-                    yield self._event("response.failed", response=self.response(None, item))
+                    for event in self._failed(item):
+                        yield event
                     return
                 absorb(state, item)
                 content, pieces = answer.feed(item.text, last=bool(item.finish_reason))
@@ -366,3 +359,17 @@ class ResponsesRenderer:
             yield self._event(f"response.{whole['status']}", response=whole)
         finally:
             choices.cancel()
+
+
+async def _answer_of(choices: Choices, buffered: list[tuple[int, router_pb2.GenerateResponse | None]],
+                     ) -> AsyncIterator[router_pb2.GenerateResponse | RequestError]:
+    """The one choice's responses: those read before the stream began, then the rest as they
+    come, until it ends (or an error, the last item)."""
+    pending = [item for _, item in buffered]
+    while True:
+        item = pending.pop(0) if pending else (await choices.get())[1]
+        if item is None:
+            return
+        yield item
+        if isinstance(item, RequestError):
+            return

@@ -390,7 +390,8 @@ class ToolAnswer:
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[CallDelta]]:
         """The content and pieces of calls that ``text`` (the next of the answer) gives;
-        ``last``: the answer ends with it."""
+        ``last``: the answer ends with it. A whole answer fed at once gives whole calls, each
+        one piece with its id and name."""
         if self.asked.mode == "named":
             first = self.num_calls == 0
             self.num_calls = 1
