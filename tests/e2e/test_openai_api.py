@@ -483,7 +483,32 @@ def _assert_grpc_needs_the_key(address: str) -> None:
         assert client.generate("Hi", max_tokens=2).text is not None
 
 
+def test_a_forced_tool_call_of_the_real_model_equals_the_engine(smol: Stack, smollm2_dir: Path,
+                                                                smol_engine: LLMEngine) -> None:
+    """SmolLM2 (whose template does not render tools: they are told in a system message) made
+    to call get_weather: the stack's arguments equal the in-process engine's under the same
+    grammar and prompt, and name the city asked about; the gRPC SDK gets the same call."""
+    messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    answer = _client(smol, API_KEY).chat.completions.create(
+        model="default", messages=messages, max_tokens=60, temperature=0, tools=WEATHER,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = answer.choices[0].message.tool_calls or []
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    chat, tools = chat_with_tools(messages, check_tools(WEATHER), native=False)
+    prompt = tokenizer.encode_chat(chat, tools=tools)
+    [want] = smol_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar_for(
+        "json", WEATHER[0]["function"]["parameters"])))
+    assert call.function.arguments == tokenizer.decode(want.token_ids)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+    assert "Paris" in json.loads(call.function.arguments)["city"]
+    with TandemClient(smol.address("router"), timeout_s=60, max_retries=0, api_key=API_KEY) as client:
+        sdk = client.chat(messages, max_tokens=60, temperature=0.0, tools=WEATHER,
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [(c.name, c.arguments) for c in sdk.tool_calls] == [("get_weather", call.function.arguments)]
+
+
 def test_api_key_admission_and_not_ready(smol: Stack) -> None:
+    """Runs last of the tests on ``smol``: it kills the stack's prefill and decode."""
     base = smol.http_address()
     chat = f"{base}/v1/chat/completions"
     body = {"model": "default", "messages": HELLO, "max_tokens": 2}
@@ -829,30 +854,6 @@ WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
         "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
-
-
-def test_a_forced_tool_call_of_the_real_model_equals_the_engine(smol: Stack, smollm2_dir: Path,
-                                                                smol_engine: LLMEngine) -> None:
-    """SmolLM2 (whose template does not render tools: they are told in a system message) made
-    to call get_weather: the stack's arguments equal the in-process engine's under the same
-    grammar and prompt, and name the city asked about; the gRPC SDK gets the same call."""
-    messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-    answer = _client(smol, API_KEY).chat.completions.create(
-        model="default", messages=messages, max_tokens=60, temperature=0, tools=WEATHER,  # type: ignore[arg-type]
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    [call] = answer.choices[0].message.tool_calls or []
-    tokenizer = Tokenizer.from_dir(smollm2_dir)
-    chat, tools = chat_with_tools(messages, check_tools(WEATHER), native=False)
-    prompt = tokenizer.encode_chat(chat, tools=tools)
-    [want] = smol_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar_for(
-        "json", WEATHER[0]["function"]["parameters"])))
-    assert call.function.arguments == tokenizer.decode(want.token_ids)
-    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
-    assert "Paris" in json.loads(call.function.arguments)["city"]
-    with TandemClient(smol.address("router"), timeout_s=60, max_retries=0, api_key=API_KEY) as client:
-        sdk = client.chat(messages, max_tokens=60, temperature=0.0, tools=WEATHER,
-                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert [(c.name, c.arguments) for c in sdk.tool_calls] == [("get_weather", call.function.arguments)]
 
 
 def test_retrieve_a_model_and_tokenize_as_generation_does(tiny: Stack) -> None:
