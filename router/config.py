@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.engine.model_cache import resolve_model
+from tandem.engine.tool_calls import TOOL_FORMATS
 from tandem.policy.admission import DEFAULT_COLD_MARGIN, DEFAULT_MARGIN
 from tandem.protocol import InvalidRequestError, SamplingDefaults
 from tandem.service.flags import env_or, flag, parse_config
@@ -152,6 +153,14 @@ class RouterConfig:
         "'{\"temperature\": 0.7, \"top_p\": 0.95}' (keys: temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_new_tokens)"))
 
+    # vLLM's flag: the format in which the answers of a model whose chat template renders tools
+    # are read for calls ("auto": the one its template teaches); a template that does not render
+    # tools gets Hermes' format told in a system message, whatever this says.
+    tool_call_parser: str = field(default="auto", metadata=flag(
+        "--tool-call-parser", "auto", "format of the tool calls in a model's answers when its chat template "
+        "renders tools: 'auto' (the one the template teaches), 'hermes' (<tool_call> blocks), 'llama3_json' "
+        "or 'mistral' ([TOOL_CALLS] lists)", choices=["auto", *TOOL_FORMATS]))
+
     def __post_init__(self) -> None:
         for flag_name, model_dir in (("--model", self.model_dir),
                                      *(("--extra-model", path) for _, path in self.extra_models)):
@@ -183,6 +192,9 @@ class RouterConfig:
             raise ValueError("no upstreams: give --prefill-address and --decode-address, or --redis-url")
         if not self.router_id or any(c.isspace() for c in self.router_id):
             raise ValueError(f"--router-id must be non-empty without spaces, got {self.router_id!r}")
+        if self.tool_call_parser not in ("auto", *TOOL_FORMATS):
+            raise ValueError(f"--tool-call-parser must be one of auto, {', '.join(TOOL_FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"--generation-config must be 'auto' or 'none', got {self.generation_config!r}")
         try:

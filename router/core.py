@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from router.metrics import ModelMetrics
 from router.upstream import PrefillLost, Upstream
@@ -47,7 +47,7 @@ from tandem.engine.grammar import Grammars
 from tandem.engine.model_cache import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from tandem.engine.stop_strings import StopFeed, StopStringMatcher
 from tandem.engine.tokenizer import IncrementalDetokenizer, Tokenizer, check_template_variables
-from tandem.engine.tool_calls import arguments_object, chat_with_tools, check_tools
+from tandem.engine.tool_calls import ToolFormat, arguments_object, chat_with_tools, check_tools, format_of_template
 from tandem.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_MESSAGES,
@@ -284,6 +284,9 @@ class RouterCore:
             if self.model_id == DEFAULT_MODEL_NAME:
                 names |= DEFAULT_MODEL_ALIASES
         self.model_names = frozenset(names)
+        # the format this model's answers are read in for tool calls (the router's HTTP API and
+        # the gRPC SDK alike: each chat with tools says it on its first response)
+        self.tool_format = tool_format_of(tokenizer, config.tool_call_parser)
         self._in_flight: set[str] = set()  # client request ids with a generation running here
         # Long prompts are tokenized here, off the event loop (see prompt_ids).
         self._tokenize_pool = ThreadPoolExecutor(NUM_TOKENIZE_THREADS, thread_name_prefix="router-tokenize")
@@ -390,6 +393,8 @@ class RouterCore:
                 first = generation.advance(0, first_tokens, reply.finish_reason)
                 assert first is not None  # a token or a finish reason: advance always answers
                 first.ttft_ns = time.monotonic_ns() - started_ns
+                if request.WhichOneof("prompt") == "messages" and request.messages.tools:
+                    first.tool_call_format = self.tool_format
                 last_update_s = time.monotonic()
                 yield first
                 while not generation.finished:
@@ -583,6 +588,19 @@ class RouterCore:
         if release_gil:
             return tokenizer.encode_releasing_gil(text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tool_format_of(tokenizer: Tokenizer, parser: str = "auto") -> ToolFormat:
+    """The format a model's answers are read in for tool calls: Hermes' when its chat template
+    does not render tools (the system message chat_with_tools writes asks for it), else
+    ``parser`` (``--tool-call-parser``), or for "auto" the one the template teaches."""
+    try:
+        if not tokenizer.renders_tools():
+            return "hermes"
+        template = tokenizer.tools_template()
+    except InvalidRequestError:
+        return "hermes"  # no chat template: no chat, so no tools either
+    return format_of_template(template) if parser == "auto" else cast(ToolFormat, parser)
 
 
 def chat_of(chat: router_pb2.ChatMessages, tokenizer: Tokenizer) -> tuple[list[dict[str, Any]],

@@ -511,6 +511,7 @@ class Renderer:
         self.model = parsed.model or core.model_id
         self._texts = TokenTexts(core.tokenizer)
         self._answers: dict[int, ToolAnswer] = {}  # each choice's, when the request has tools
+        self._tool_format = core.tool_format
 
     def chat_logprobs(self, tokens: list[common_pb2.GeneratedToken]) -> ChatLogprobs | None:
         if self.parsed.num_logprobs is None:
@@ -570,7 +571,7 @@ class Renderer:
         text, finish = "".join(state.text), state.finish_reason
         message = AssistantMessage(role="assistant", content=text)
         if self.parsed.tools is not None:
-            answer = ToolAnswer(self.parsed.tools)
+            answer = ToolAnswer(self.parsed.tools, self._tool_format)
             content, calls = answer.feed(text, last=True)
             finish = "tool_calls" if answer.ends_in_calls(finish) else finish
             message = AssistantMessage(role="assistant", content=content)
@@ -588,7 +589,7 @@ class Renderer:
             return ChatDelta(**role, content=response.text), finish
         answer = self._answers.get(index)
         if answer is None:
-            answer = self._answers[index] = ToolAnswer(self.parsed.tools)
+            answer = self._answers[index] = ToolAnswer(self.parsed.tools, self._tool_format)
         content, calls = answer.feed(response.text, last=finish is not None)
         finish = "tool_calls" if answer.ends_in_calls(finish) else finish
         if not calls:
@@ -706,7 +707,8 @@ class Gateway:
         body = await self._read_json(request)
         core = self._pick(body)
         asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
-        renderer = ResponsesRenderer(core.model_id, core.tokenizer, asked, parsed, response_id, core.sampling_defaults)
+        renderer = ResponsesRenderer(core.model_id, core.tokenizer, asked, parsed, response_id, core.sampling_defaults,
+                                     core.tool_format)
         return await self._run(request, core, parsed, received_ns, lambda states: renderer.response(states[0]),
                                lambda choices, states, buffered: renderer.events(choices, states[0], buffered))
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from router.choices import Choices, ChoiceState, TokenTexts, absorb
-from tandem.engine.tool_calls import ToolAnswer
+from tandem.engine.tool_calls import ToolAnswer, ToolFormat
 from router.openai_types import (
     ErrorDetail,
     FunctionCallItem,
@@ -149,7 +149,7 @@ class ResponsesRenderer:
     """Builds the Responses API's object and events for one request run as a chat choice."""
 
     def __init__(self, model: str, tokenizer: Tokenizer, request: ResponsesRequest, parsed: ParsedRequest,
-                 response_id: str, defaults: SamplingDefaults) -> None:
+                 response_id: str, defaults: SamplingDefaults, tool_format: ToolFormat = "hermes") -> None:
         self.id = response_id
         self._texts = TokenTexts(tokenizer)
         self._logprobs = wants_logprobs(request)
@@ -162,6 +162,7 @@ class ResponsesRenderer:
         self._top_p = sampling.top_p if sampling.top_p else (defaults.top_p or 1.0)
         self._sequence = 0
         self._tools = parsed.tools
+        self._tool_format = tool_format  # the model's (RouterCore.tool_format)
 
     def _logprobs_of(self, tokens: Sequence[common_pb2.GeneratedToken]) -> list[dict[str, Any]]:
         """What an event carries of ``tokens``' logprobs: nothing unless asked for."""
@@ -188,7 +189,7 @@ class ResponsesRenderer:
         if self._tools is None:
             return [self._message(state, status)]
         # a whole answer fed at once: each call whole, with its id and name
-        content, whole = ToolAnswer(self._tools).feed("".join(state.text), last=True)
+        content, whole = ToolAnswer(self._tools, self._tool_format).feed("".join(state.text), last=True)
         calls = [self._call_item(c.id or "", c.name or "", c.arguments, status) for c in whole]
         return ([self._message(state, status, content)] if content or not calls else []) + calls
 
@@ -287,7 +288,7 @@ class ResponsesRenderer:
         message at its first text, each call when it starts), calls' arguments stream as
         ``response.function_call_arguments.delta``, and every item closes at the end."""
         assert self._tools is not None
-        answer = ToolAnswer(self._tools)
+        answer = ToolAnswer(self._tools, self._tool_format)
         output: list[OutputMessage | OutputFunctionCall] = []
         message_at: int | None = None  # the message item's place in output, once it has text
         call_at: int | None = None  # the call whose arguments may still grow

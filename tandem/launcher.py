@@ -53,6 +53,7 @@ from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
 from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES
+from tandem.engine.tool_calls import TOOL_FORMATS
 from tandem.hostinfo import cpu_name
 from tandem.policy.admission import DEFAULT_MARGIN
 from tandem.policy.policies import CPU_DEFAULT_POLICY
@@ -215,6 +216,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
              "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
+    add_flag(parser, "--tool-call-parser", "auto", "format of the tool calls in the answers of a model whose "
+             "chat template renders tools: auto (the one the template teaches), hermes, llama3_json or mistral",
+             choices=["auto", *TOOL_FORMATS])
     add_flag(parser, "--admission-cache", "auto", "where the router keeps admission's prefill calibration "
              "across restarts: auto (under the cache root, one directory per CPU, weight format and models), "
              "off, or a directory")
@@ -616,7 +620,7 @@ class Supervisor:
                "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
                "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
                "TANDEM_ADMISSION": args.admission, "TANDEM_ADMISSION_MARGIN": str(args.admission_margin),
-               "TANDEM_STREAM_CAP": args.stream_cap,
+               "TANDEM_STREAM_CAP": args.stream_cap, "TANDEM_TOOL_CALL_PARSER": args.tool_call_parser,
                "TANDEM_PROFILE": args.profile, "TANDEM_ADMISSION_CACHE": _admission_cache(args, plans)}
         many_cells = len(plans) > 1
         self.cells: list[CellProcs] = []

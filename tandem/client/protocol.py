@@ -7,7 +7,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import grpc
 
@@ -24,7 +24,7 @@ from tandem.client.types import (
 )
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
-from tandem.engine.tool_calls import ToolAnswer, ToolRequestError, ToolsAsked, tools_asked
+from tandem.engine.tool_calls import TOOL_FORMATS, ToolAnswer, ToolFormat, ToolRequestError, ToolsAsked, tools_asked
 from tandem.rpc.channels import RECONNECT_OPTIONS
 from tandem.rpc.v1 import common_pb2, router_pb2
 
@@ -251,14 +251,20 @@ class ToolChunks:
     ended having called tools (``tandem.engine.tool_calls.ToolAnswer``)."""
 
     def __init__(self, asked: ToolsAsked) -> None:
-        self._answer = ToolAnswer(asked)
+        self._asked = asked
+        self._answer: ToolAnswer | None = None  # made on the first response, which names the format
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> ToolChunks | None:
         asked = tools_of(options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls"))
         return None if asked is None else cls(asked)
 
-    def apply(self, chunk: Chunk) -> Chunk:
+    def apply(self, response: router_pb2.GenerateResponse) -> Chunk:
+        """The chunk of ``response``, its text split."""
+        chunk = chunk_from_response(response)
+        if self._answer is None:  # a router older than the field writes Hermes' format
+            fmt = response.tool_call_format if response.tool_call_format in TOOL_FORMATS else "hermes"
+            self._answer = ToolAnswer(self._asked, cast(ToolFormat, fmt))
         content, pieces = self._answer.feed(chunk.text, last=chunk.finish_reason is not None)
         finish = "tool_calls" if self._answer.ends_in_calls(chunk.finish_reason) else chunk.finish_reason
         return dataclasses.replace(chunk, text=content, finish_reason=finish, tool_calls=tuple(

@@ -113,8 +113,7 @@ class TandemClient:
         call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             for response in call:
-                chunk = chunk_from_response(response)
-                yield chunk if tools is None else tools.apply(chunk)
+                yield chunk_from_response(response) if tools is None else tools.apply(response)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from exc
         finally:

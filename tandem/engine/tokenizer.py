@@ -289,6 +289,10 @@ class Tokenizer:
         other way, ``tandem.engine.tool_calls``). InvalidRequestError without a chat template."""
         return "tools" in _template_reads(self._select_template(tools=[]))
 
+    def tools_template(self) -> str:
+        """The source of the chat template used with tools; InvalidRequestError without one."""
+        return self._select_template(tools=[])
+
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
         template = self._chat_template
         if template is None:

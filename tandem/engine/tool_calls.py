@@ -1,15 +1,26 @@
 """Tool calls: a chat with tools as the prompt the model reads, and its answer as content and calls.
 
-The answer's format is Hermes' (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3 write it): each call is a block
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text, any whitespace around the
-JSON. A model whose chat template renders ``tools`` is told of them by its own template; one whose
-template does not (SmolLM2's) is told in a system message that asks for that format (llama.cpp
-and vLLM do the same for templates without tools, each with its own wording).
+An answer's calls are read in one of three formats (``ToolFormat``, vLLM's tool parser names):
 
-``ToolCallParser`` splits text into content and calls as it streams, holding back only what
-could still become a block; ``split_tool_calls`` is the same parser over a whole text, so a
-streamed answer and the same answer whole agree. Text that does not parse as a call of a known
-tool stays content, as written.
+- ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3 write it): each call is a block
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text, any whitespace around
+  the JSON;
+- ``llama3_json`` (Llama 3.1-3.3's templates ask for it): the answer is the call, a JSON object
+  ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` when that special token is kept),
+  several separated by ``;``;
+- ``mistral`` (Mistral's v3 templates): ``[TOOL_CALLS]`` then a JSON list of ``{"name",
+  "arguments"}`` (the list alone when the special token is skipped from the text, as by default),
+  or ``[TOOL_CALLS]name[ARGS]{...}`` as its later tokenizers write.
+
+A model whose chat template renders ``tools`` is told of them by its own template, and its format
+is the one its template teaches (``format_of_template``); one whose template does not (SmolLM2's)
+is told in a system message that asks for Hermes' blocks (llama.cpp and vLLM do the same for
+templates without tools, each with its own wording).
+
+``tool_call_parser`` gives the parser of a format, which splits text into content and calls as it
+streams, holding back only what could still become a call; ``split_tool_calls`` is the same
+parser over a whole text, so a streamed answer and the same answer whole agree. Text that does
+not parse as calls of known tools stays content, as written.
 
 Requests: ``tools_asked`` reads OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 (the router's chat and Responses endpoints and the gRPC SDK alike), and ``ToolAnswer`` turns one
@@ -38,6 +49,11 @@ from tandem.engine.grammar import grammar_for
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: a call follows (a special token, skipped from text by default)
+MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's: the calls follow (a special token in its tokenizers)
+MISTRAL_ARGS = "[ARGS]"  # Mistral's later tokenizers: name[ARGS]{arguments}
+ToolFormat = Literal["hermes", "llama3_json", "mistral"]
+TOOL_FORMATS: tuple[ToolFormat, ...] = ("hermes", "llama3_json", "mistral")
 # OpenAI's rule for function names
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -161,22 +177,18 @@ def chat_with_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
     return chat, None
 
 
-def _held_back(text: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``TOOL_CALL_OPEN``."""
-    for keep in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-keep:]):
-            return keep
-    return 0
-
-
 def parse_call(body: str, names: frozenset[str] | None) -> ToolCall | None:
     """The call a block's JSON holds (``{"name", "arguments"}``; Llama's ``parameters`` for
     ``arguments`` is read too, and arguments sent as JSON text), or None when it holds none of
     a tool in ``names`` (None: any name)."""
     try:
-        value = json.loads(body)
+        return call_of(json.loads(body), names)
     except ValueError:
         return None
+
+
+def call_of(value: Any, names: frozenset[str] | None) -> ToolCall | None:
+    """``parse_call`` of a decoded JSON value."""
     if not isinstance(value, dict):
         return None
     name = value.get("name")
@@ -191,70 +203,77 @@ def parse_call(body: str, names: frozenset[str] | None) -> ToolCall | None:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-class ToolCallParser:
-    """An answer's text, fed as it streams, split into content (str) and calls (ToolCall).
+_DECODER = json.JSONDecoder()
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})" + re.escape(MISTRAL_ARGS))
 
-    Content goes out as soon as it cannot be the start of a ``<tool_call>`` block; whitespace
-    goes out with the next content, and whitespace next to a call is dropped (so an answer
-    without calls comes out exactly as written, and content around calls without their line
-    breaks). A block that does not parse as a call
-    of one of ``names`` is content, tags and all; an unclosed block at the end is a call when
-    its text parses as one. ``max_calls`` bounds the calls (later blocks are dropped: OpenAI's
-    ``parallel_tool_calls: false``)."""
 
-    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+def parse_calls(text: str, names: frozenset[str] | None) -> list[ToolCall] | None:
+    """The calls of an answer that is nothing but calls in the ``llama3_json`` or ``mistral``
+    format: JSON objects (``parse_call``'s) or lists of them, Mistral's ``name[ARGS]{...}``, each
+    after an optional ``<|python_tag|>`` or ``[TOOL_CALLS]``, separated by whitespace, ``;`` or
+    ``,``. None when any of it is something else (or a call of a tool not in ``names``)."""
+    calls: list[ToolCall] = []
+    at = 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in ";,"):
+            at += 1
+        marker = next((m for m in (PYTHON_TAG, MISTRAL_CALLS) if text.startswith(m, at)), None)
+        if marker is not None:
+            at += len(marker)
+            continue
+        if at == len(text):
+            return calls or None
+        named = _MISTRAL_NAMED.match(text, at)
+        try:
+            if named is not None:
+                arguments, at = _DECODER.raw_decode(text, named.end())
+                values: list[Any] = [{"name": named.group(1), "arguments": arguments}]
+            else:
+                value, at = _DECODER.raw_decode(text, at)
+                values = value if isinstance(value, list) else [value]
+        except ValueError:
+            return None
+        for value in values:
+            call = call_of(value, names)
+            if call is None:
+                return None
+            calls.append(call)
+
+
+def format_of_template(source: str) -> ToolFormat:
+    """The format of calls a chat template that renders tools teaches its model: Mistral's when it
+    writes ``[TOOL_CALLS]``, Hermes' when it writes ``<tool_call>``, Llama 3's JSON when it speaks
+    of ``<|python_tag|>`` or the ``ipython`` role, else Hermes' (the most common)."""
+    if MISTRAL_CALLS in source:
+        return "mistral"
+    if TOOL_CALL_OPEN in source:
+        return "hermes"
+    if PYTHON_TAG in source or "ipython" in source:
+        return "llama3_json"
+    return "hermes"
+
+
+def _tail_of(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for keep in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+class _CallReader:
+    """What every format's parser shares: content and calls out in order, whitespace next to a
+    call dropped (an answer without calls comes out exactly as written), at most ``max_calls``
+    calls (later ones dropped: OpenAI's ``parallel_tool_calls: false``)."""
+
+    def __init__(self, names: frozenset[str] | None, max_calls: int | None) -> None:
         self._names = names
         self._max_calls = max_calls
-        self._pending = ""
-        self._in_call = False
         self._blank = ""  # whitespace held until content follows it
         self._after_call = False  # a call came last: the whitespace that follows it goes
         self.num_calls = 0
 
-    def feed(self, text: str) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
-        searched = max(0, len(self._pending) - len(TOOL_CALL_CLOSE) + 1) if self._in_call else 0
-        self._pending += text
-        while True:
-            if self._in_call:
-                end = self._pending.find(TOOL_CALL_CLOSE, searched)
-                searched = 0
-                if end < 0:
-                    return out
-                body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
-                self._in_call = False
-                self._block(body, TOOL_CALL_CLOSE, out)
-            else:
-                start = self._pending.find(TOOL_CALL_OPEN)
-                if start < 0:
-                    keep = _held_back(self._pending)
-                    cut = len(self._pending) - keep
-                    self._content(self._pending[:cut], out)
-                    self._pending = self._pending[cut:]
-                    return out
-                self._content(self._pending[:start], out)
-                self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
-                self._in_call = True
-
-    def finish(self) -> list[str | ToolCall]:
-        """What is left at the end of the answer."""
-        out: list[str | ToolCall] = []
-        if self._in_call:
-            self._in_call = False
-            self._block(self._pending, "", out)
-        else:
-            self._content(self._pending, out)
-        self._pending = ""
-        if self._blank and not self.num_calls:
-            out.append(self._blank)
-        self._blank = ""
-        return out
-
-    def _block(self, body: str, close: str, out: list[str | ToolCall]) -> None:
-        call = parse_call(body, self._names)
-        if call is None:
-            self._content(TOOL_CALL_OPEN + body + close, out)
-            return
+    def _call(self, call: ToolCall, out: list[str | ToolCall]) -> None:
         self._blank = ""
         self._after_call = True
         if self._max_calls is None or self.num_calls < self._max_calls:
@@ -274,11 +293,137 @@ class ToolCallParser:
         out.append(self._blank + kept)
         self._blank = text[len(kept):]
 
+    def _end(self, out: list[str | ToolCall]) -> list[str | ToolCall]:
+        if self._blank and not self.num_calls:
+            out.append(self._blank)
+        self._blank = ""
+        return out
 
-def split_tool_calls(text: str, names: frozenset[str] | None = None,
-                     max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
-    """A whole answer's content and calls, as ``ToolCallParser`` gives them streamed."""
-    parser = ToolCallParser(names, max_calls)
+
+class ToolCallParser(_CallReader):
+    """An answer's text in Hermes' format, fed as it streams, split into content (str) and calls
+    (ToolCall).
+
+    Content goes out as soon as it cannot be the start of a ``<tool_call>`` block; whitespace
+    goes out with the next content, and whitespace next to a call is dropped (so an answer
+    without calls comes out exactly as written, and content around calls without their line
+    breaks). A block that does not parse as a call of one of ``names`` is content, tags and all;
+    an unclosed block at the end is a call when its text parses as one. ``max_calls`` bounds the
+    calls (later blocks are dropped: OpenAI's ``parallel_tool_calls: false``)."""
+
+    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(names, max_calls)
+        self._pending = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        searched = max(0, len(self._pending) - len(TOOL_CALL_CLOSE) + 1) if self._in_call else 0
+        self._pending += text
+        while True:
+            if self._in_call:
+                end = self._pending.find(TOOL_CALL_CLOSE, searched)
+                searched = 0
+                if end < 0:
+                    return out
+                body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
+                self._in_call = False
+                self._block(body, TOOL_CALL_CLOSE, out)
+            else:
+                start = self._pending.find(TOOL_CALL_OPEN)
+                if start < 0:
+                    cut = len(self._pending) - _tail_of(self._pending, TOOL_CALL_OPEN)
+                    self._content(self._pending[:cut], out)
+                    self._pending = self._pending[cut:]
+                    return out
+                self._content(self._pending[:start], out)
+                self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
+                self._in_call = True
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end of the answer."""
+        out: list[str | ToolCall] = []
+        if self._in_call:
+            self._in_call = False
+            self._block(self._pending, "", out)
+        else:
+            self._content(self._pending, out)
+        self._pending = ""
+        return self._end(out)
+
+    def _block(self, body: str, close: str, out: list[str | ToolCall]) -> None:
+        call = parse_call(body, self._names)
+        if call is None:
+            self._content(TOOL_CALL_OPEN + body + close, out)
+        else:
+            self._call(call, out)
+
+
+class TrailingCallsParser(_CallReader):
+    """An answer in the ``llama3_json`` or ``mistral`` format, fed as it streams: content until
+    the calls begin, then the calls, which run to the answer's end (``parse_calls``).
+
+    The calls begin where the format's marker is (``<|python_tag|>``, ``[TOOL_CALLS]``) or, when
+    that special token was skipped from the text, where the answer itself begins with a JSON
+    object (Llama) or list (Mistral). From there the text is held to the end: if it all parses as
+    calls of ``names`` they are the answer's calls, else it is content as written. Content before
+    goes out as soon as it cannot be the start of the marker."""
+
+    def __init__(self, fmt: ToolFormat, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(names, max_calls)
+        self._marker = PYTHON_TAG if fmt == "llama3_json" else MISTRAL_CALLS
+        self._opening = "{" if fmt == "llama3_json" else "["
+        self._pending = ""
+        self._started = False  # content other than whitespace went out
+        self._in_calls = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        self._pending += text
+        if self._in_calls:
+            return out
+        if not self._started:
+            head = self._pending.lstrip()
+            if head.startswith((self._marker, self._opening)):
+                self._in_calls = True
+                return out
+            if not head or self._marker.startswith(head):
+                return out
+            self._started = True
+        start = self._pending.find(self._marker)
+        if start >= 0:
+            self._content(self._pending[:start], out)
+            self._pending = self._pending[start:]
+            self._in_calls = True
+            return out
+        cut = len(self._pending) - _tail_of(self._pending, self._marker)
+        self._content(self._pending[:cut], out)
+        self._pending = self._pending[cut:]
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        calls = parse_calls(self._pending, self._names) if self._in_calls else None
+        if calls is None:
+            self._content(self._pending, out)
+        for call in calls or ():
+            self._call(call, out)
+        self._pending = ""
+        return self._end(out)
+
+
+def tool_call_parser(fmt: ToolFormat = "hermes", names: frozenset[str] | None = None,
+                     max_calls: int | None = None) -> ToolCallParser | TrailingCallsParser:
+    """The streaming parser of answers in ``fmt``."""
+    if fmt == "hermes":
+        return ToolCallParser(names, max_calls)
+    return TrailingCallsParser(fmt, names, max_calls)
+
+
+def split_tool_calls(text: str, names: frozenset[str] | None = None, max_calls: int | None = None,
+                     fmt: ToolFormat = "hermes") -> tuple[str, list[ToolCall]]:
+    """A whole answer's content and calls, as ``tool_call_parser(fmt)`` gives them streamed."""
+    parser = tool_call_parser(fmt, names, max_calls)
     parts = [*parser.feed(text), *parser.finish()]
     return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ToolCall)]
 
@@ -378,15 +523,17 @@ class CallDelta:
 
 @dataclass
 class ToolAnswer:
-    """One choice's text, as it streams, turned into content and calls (``ToolsAsked.mode``)."""
+    """One choice's text, as it streams, turned into content and calls (``ToolsAsked.mode``;
+    ``fmt``: the format auto mode reads calls in, the model's)."""
 
     asked: ToolsAsked
-    parser: ToolCallParser = field(init=False)
+    fmt: ToolFormat = "hermes"
+    parser: ToolCallParser | TrailingCallsParser = field(init=False)
     num_calls: int = 0
     _text: list[str] = field(default_factory=list)  # required: the whole answer, read at its end
 
     def __post_init__(self) -> None:
-        self.parser = ToolCallParser(self.asked.names, None if self.asked.parallel else 1)
+        self.parser = tool_call_parser(self.fmt, self.asked.names, None if self.asked.parallel else 1)
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[CallDelta]]:
         """The content and pieces of calls that ``text`` (the next of the answer) gives;

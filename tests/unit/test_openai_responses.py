@@ -39,6 +39,7 @@ class _Core:
     tokenizer = _Tokenizer()
     model_id = "SmolLM2-135M-Instruct"
     context_length = 2048
+    tool_format = "hermes"
 
 
 FINISH = [common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH]

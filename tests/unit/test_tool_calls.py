@@ -19,17 +19,23 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import Grammars
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
+from router.core import tool_format_of
 from tandem.engine.tool_calls import (
+    MISTRAL_CALLS,
+    PYTHON_TAG,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ToolAnswer,
     ToolCall,
     ToolCallParser,
+    ToolFormat,
     ToolRequestError,
     ToolsAsked,
     chat_with_tools,
     check_tools,
+    format_of_template,
     split_tool_calls,
+    tool_call_parser,
     tools_asked,
 )
 from tests.unit.test_grammar import _walk
@@ -116,6 +122,109 @@ def test_arguments_as_text_and_llama_parameters_are_read_and_max_calls_keeps_the
             f'{TOOL_CALL_OPEN}{{"name": "get_weather", "parameters": {{"city": "Oslo"}}}}{TOOL_CALL_CLOSE}')
     assert split_tool_calls(text, NAMES)[1] == [ToolCall("add", '{"a": 2}'), ToolCall("get_weather", '{"city": "Oslo"}')]
     assert split_tool_calls(text, NAMES, max_calls=1) == ("", [ToolCall("add", '{"a": 2}')])
+
+
+# --- Llama 3's JSON and Mistral's [TOOL_CALLS]: the calls end the answer ------------------------------
+
+def _call_text(fmt: ToolFormat, calls: list[ToolCall], draw: st.DrawFn) -> str:
+    """``calls`` written as a model of ``fmt`` writes them (each spelling the format allows)."""
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    objects = [json.dumps({"name": c.name, key: json.loads(c.arguments)}, ensure_ascii=False,
+                          indent=draw(st.sampled_from([None, 1]))) for c in calls]
+    if fmt == "llama3_json":
+        return draw(st.sampled_from(["", PYTHON_TAG])) + draw(st.sampled_from(["; ", ";", "\n"])).join(objects)
+    if draw(st.booleans()):  # the later tokenizers' name[ARGS]{...}, each after its marker
+        return "".join(f"{MISTRAL_CALLS}{c.name}[ARGS]{c.arguments}" for c in calls)
+    return draw(st.sampled_from(["", MISTRAL_CALLS])) + "[" + ", ".join(objects) + "]"
+
+
+@st.composite
+def _trailing_answers(draw: st.DrawFn, fmt: ToolFormat) -> tuple[str, str, list[ToolCall]]:
+    """An answer of ``fmt``: whitespace, maybe content, then maybe calls (some not well formed, or
+    of a tool not offered), with what it should read as."""
+    marker = PYTHON_TAG if fmt == "llama3_json" else MISTRAL_CALLS
+    opening = "{" if fmt == "llama3_json" else "["
+    head = draw(_blank) + draw(st.one_of(st.just(""), _content.filter(
+        lambda t: not t.startswith(opening) and marker[:4] not in t)))
+    kind = draw(st.sampled_from(["none", "calls", "calls", "unknown", "cut"]))
+    if kind == "none":
+        return head, head, []
+    calls = [ToolCall(draw(st.sampled_from(sorted(NAMES))), json.dumps(draw(_args), ensure_ascii=False))
+             for _ in range(draw(st.integers(1, 3)))]
+    if kind == "unknown":
+        calls.append(ToolCall("rm", "{}"))
+    written = _call_text(fmt, calls, draw)
+    if head.strip():  # after content, the calls need their marker
+        written = marker + written.removeprefix(marker)
+    if kind == "cut":
+        written = written[:draw(st.integers(1, max(1, len(written) - 1)))]
+    text = head + draw(_blank) + written + draw(_blank)
+    if kind != "calls" or (kind == "calls" and not head.strip() and not written.lstrip().startswith((marker, opening))):
+        return text, text, []
+    return text, head.rstrip(), calls
+
+
+def _streamed_as(fmt: ToolFormat, text: str, rng: random.Random,
+                 max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
+    parser, parts, at = tool_call_parser(fmt, NAMES, max_calls), [], 0
+    while at < len(text):
+        step = rng.randint(1, 9)
+        parts += parser.feed(text[at:at + step])
+        at += step
+    parts += parser.finish()
+    assert all(p for p in parts if isinstance(p, str)), parts
+    return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ToolCall)]
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_trailing_calls_read_whether_whole_or_streamed_and_anything_else_is_content_as_written(
+        fmt: ToolFormat, data: st.DataObject, seed: int) -> None:
+    text, content, calls = data.draw(_trailing_answers(fmt))
+    whole = split_tool_calls(text, NAMES, fmt=fmt)
+    assert whole == (content, calls), text
+    assert _streamed_as(fmt, text, random.Random(seed)) == whole
+    if calls:
+        assert split_tool_calls(text, NAMES, max_calls=1, fmt=fmt) == (content, calls[:1])
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="[]{}\"<|_>;TOLCS:ae \n", max_size=40), seed=st.integers(0, 2**31 - 1))
+def test_any_text_streamed_reads_as_it_does_whole(fmt: ToolFormat, text: str, seed: int) -> None:
+    whole = split_tool_calls(text, NAMES, fmt=fmt)
+    assert _streamed_as(fmt, text, random.Random(seed)) == whole
+    if not whole[1]:
+        assert whole[0] == text
+
+
+def test_content_streams_before_the_calls_and_is_held_only_where_they_may_begin() -> None:
+    parser = tool_call_parser("mistral", NAMES)
+    assert parser.feed("It is sunny. [TOOL") == ["It is sunny."]  # the marker's start is held
+    assert parser.feed('_CALLS][{"name": "add", "arguments": {"a": 1}}]') == []
+    assert parser.finish() == [ToolCall("add", '{"a": 1}')]
+    llama = tool_call_parser("llama3_json", NAMES)
+    assert llama.feed("  {") == [] and llama.feed('"name": "add"}') == []  # an answer opening a JSON object
+    assert llama.finish() == [ToolCall("add", "{}")]
+    prose = tool_call_parser("llama3_json", NAMES)
+    assert prose.feed("Use {braces}") == ["Use {braces}"] and prose.finish() == []
+
+
+@pytest.mark.parametrize(("source", "fmt"), [
+    ("{{ '<tool_call>' }}{% for t in tools %}{{ t | tojson }}{% endfor %}", "hermes"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %}{% if m.role == 'ipython' %}<|python_tag|>{% endif %}",
+     "llama3_json"),
+    ("{% for t in tools %}{{ t.function.name }}{% endfor %}", "hermes"),
+])
+def test_a_template_names_the_format_of_its_calls(source: str, fmt: ToolFormat, smollm2_dir: Path) -> None:
+    assert format_of_template(source) == fmt
+    tok = Tokenizer(BackendTokenizer.from_file(str(smollm2_dir / "tokenizer.json")), chat_template=source)
+    assert tool_format_of(tok) == fmt
+    assert tool_format_of(tok, "mistral") == "mistral"  # --tool-call-parser wins for a template with tools
+    # SmolLM2's template does not render tools: it is told Hermes' format whatever the flag says
+    assert tool_format_of(Tokenizer.from_dir(smollm2_dir), "llama3_json") == "hermes"
 
 
 # --- the chat a template renders ------------------------------------------------------------

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xf6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_add_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc3\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\r\n\x05tools\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.tandem.v1.GeneratedToken\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x0f\n\x07ttft_ns\x18\x06 \x01(\x04\"\x13\n\x11ListModelsRequest\",\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\"7\n\x0fListModelsReply\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x0f\n\rHealthRequest\":\n\x0bHealthReply\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t2\xd3\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x46\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1a.tandem.v1.ListModelsReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xf6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_add_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc3\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\r\n\x05tools\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.tandem.v1.GeneratedToken\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x0f\n\x07ttft_ns\x18\x06 \x01(\x04\x12\x18\n\x10tool_call_format\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\",\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\"7\n\x0fListModelsReply\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x0f\n\rHealthRequest\":\n\x0bHealthReply\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t2\xd3\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x46\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1a.tandem.v1.ListModelsReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,17 +46,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=827
   _globals['_USAGE']._serialized_end=907
   _globals['_GENERATERESPONSE']._serialized_start=910
-  _globals['_GENERATERESPONSE']._serialized_end=1103
-  _globals['_LISTMODELSREQUEST']._serialized_start=1105
-  _globals['_LISTMODELSREQUEST']._serialized_end=1124
-  _globals['_MODELINFO']._serialized_start=1126
-  _globals['_MODELINFO']._serialized_end=1170
-  _globals['_LISTMODELSREPLY']._serialized_start=1172
-  _globals['_LISTMODELSREPLY']._serialized_end=1227
-  _globals['_HEALTHREQUEST']._serialized_start=1229
-  _globals['_HEALTHREQUEST']._serialized_end=1244
-  _globals['_HEALTHREPLY']._serialized_start=1246
-  _globals['_HEALTHREPLY']._serialized_end=1304
-  _globals['_ROUTER']._serialized_start=1307
-  _globals['_ROUTER']._serialized_end=1518
+  _globals['_GENERATERESPONSE']._serialized_end=1129
+  _globals['_LISTMODELSREQUEST']._serialized_start=1131
+  _globals['_LISTMODELSREQUEST']._serialized_end=1150
+  _globals['_MODELINFO']._serialized_start=1152
+  _globals['_MODELINFO']._serialized_end=1196
+  _globals['_LISTMODELSREPLY']._serialized_start=1198
+  _globals['_LISTMODELSREPLY']._serialized_end=1253
+  _globals['_HEALTHREQUEST']._serialized_start=1255
+  _globals['_HEALTHREQUEST']._serialized_end=1270
+  _globals['_HEALTHREPLY']._serialized_start=1272
+  _globals['_HEALTHREPLY']._serialized_end=1330
+  _globals['_ROUTER']._serialized_start=1333
+  _globals['_ROUTER']._serialized_end=1544
 # @@protoc_insertion_point(module_scope)
