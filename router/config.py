@@ -17,7 +17,7 @@ from tandem.service.flags import env_or, flag, parse_config
 
 
 # uvicorn's HTTP/1.1 parser: "auto" takes httptools (C, a dependency) when it imports, else h11
-# (pure Python). ``TANDEM_HTTP_PARSER=h11`` forces the pure one, for an A/B (README: "A C HTTP
+# (pure Python). ``TANDEM_HTTP_PARSER=h11`` forces the pure one, for an A/B (docs/benchmarks.md: "A C HTTP
 # parser, measured": 46-55 against 61-65 us of CPU an SSE chunk in uvicorn alone; not separated
 # in the whole stack).
 HTTP_PARSERS = ("auto", "httptools", "h11")

@@ -89,7 +89,7 @@ class LiveStepPredictor:
     whole in C on the Q4 weights (0.8-0.9x the base model with repacked layers), while prompt
     rows run fbgemm's fp16 (1.5-2x it). Decode-only steps outnumber hybrid ones 10-20 to 1, so
     one shared factor sat at the decode steps' ratio and 85 % of the hybrid steps of a ShareGPT
-    run outran their prediction, past the TBT SLO the chunk budget was sized for (README, "the
+    run outran their prediction, past the TBT SLO the chunk budget was sized for (docs/engine.md, "the
     chunk budget").
 
     The prompt part is affine, not one flat factor, because a hybrid step pays a fixed cost for
@@ -114,7 +114,7 @@ class LiveStepPredictor:
     is high (0.97) because one hybrid step that outruns the TBT SLO costs every stream beside
     it, and a request's TBT p99 over 64-128 gaps is nearly its largest gap: at 0.9, about one
     hybrid step in 30 ran past the SLO at 32 streams and 6 req/s on the 2-core host, and in
-    some runs 18-78 % of the admitted requests missed TBT alone (README, "A hybrid step past the
+    some runs 18-78 % of the admitted requests missed TBT alone (docs/benchmarks.md, "A hybrid step past the
     SLO costs every stream"). Prefill predictions are the base model's (the router calibrates its own).
     Not thread-safe.
     """
