@@ -52,7 +52,7 @@ def _extra_models(text: str) -> tuple[tuple[str, Path], ...]:
     return tuple(models)
 
 
-def _address_list(text: str) -> tuple[str, ...]:
+def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
@@ -72,9 +72,9 @@ class RouterConfig:
     host: str = field(metadata=flag("--host", "127.0.0.1", "address to listen on"))
     grpc_port: int = field(metadata=flag("--grpc-port", 50051, "gRPC port (0: any free port)", type=int))
     prefill_addresses: tuple[str, ...] = field(metadata=flag(
-        "--prefill-address", "", "prefill_svc host:port (comma-separated for several)", parse=_address_list))
+        "--prefill-address", "", "prefill_svc host:port (comma-separated for several)", parse=_comma_list))
     decode_addresses: tuple[str, ...] = field(metadata=flag(
-        "--decode-address", "", "decode_svc host:port (comma-separated for several)", parse=_address_list))
+        "--decode-address", "", "decode_svc host:port (comma-separated for several)", parse=_comma_list))
     redis_url: str = field(metadata=flag(
         "--redis-url", "", "Redis URL for discovery (REDIS_URL also works)", parse=env_or("REDIS_URL")))
     cell_id: str = field(metadata=flag("--cell-id", "cell0", "cell whose services the registry yields ('' for every cell)"))
@@ -110,6 +110,10 @@ class RouterConfig:
         "--http-port", 8000, "OpenAI-compatible HTTP port (0: any free port)", type=int))
     api_key: str = field(default="", metadata=flag(
         "--api-key", "", "if set, HTTP clients must send 'Authorization: Bearer <key>'"))
+    # vLLM's flag (and default): the origins whose pages may call the HTTP API from a browser
+    allowed_origins: tuple[str, ...] = field(default=("*",), metadata=flag(
+        "--allowed-origins", "*", "origins whose web pages may call the HTTP API (CORS), comma-separated; "
+        "'*' any, '' none", parse=_comma_list))
     # admission: a request's deadline is arrival + this
     ttft_slo_ms: float = field(default=DEFAULT_TTFT_SLO_MS, metadata=flag(
         "--ttft-slo-ms", DEFAULT_TTFT_SLO_MS, "time-to-first-token SLO of this model", type=float))

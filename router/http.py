@@ -27,6 +27,8 @@ from typing import Any, Literal, TypeVar
 import uvicorn
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -660,11 +662,15 @@ class Gateway:
     """
 
     def __init__(self, models: ServedModels, metrics: RouterMetrics, api_key: str = "",
-                 read_cell: Callable[[], Awaitable[list[LoadReport]]] | None = None) -> None:
+                 read_cell: Callable[[], Awaitable[list[LoadReport]]] | None = None,
+                 allowed_origins: tuple[str, ...] = ("*",)) -> None:
         self._models = models
         self._metrics = metrics
         self._api_key = api_key
         self._read_cell = read_cell
+        # Browsers' cross-origin calls (CORS), as vLLM's --allowed-origins: "*" lets any page
+        # call the API (its key still needed); none sends no CORS headers, so browsers refuse.
+        self._allowed_origins = allowed_origins
 
     def app(self) -> Starlette:
         routes = [
@@ -687,7 +693,12 @@ class Gateway:
         exception_handlers: dict[Any, Callable[[Request, Exception], Any]] = {
             404: _not_found, 405: _method_not_allowed,
         }
-        return Starlette(routes=routes, exception_handlers=exception_handlers)
+        # Outermost, so that a browser's preflight (OPTIONS, which carries no API key) is answered
+        # before the routes and their key check.
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(self._allowed_origins), allow_methods=["*"],
+                                 allow_headers=["*"], expose_headers=["retry-after", "retry-after-ms"])
+                      ] if self._allowed_origins else []
+        return Starlette(routes=routes, exception_handlers=exception_handlers, middleware=middleware)
 
     # endpoints --------------------------------------------------------------------------------------
 

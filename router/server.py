@@ -120,7 +120,8 @@ class RunningRouter:
             from router.http import Gateway, start_http
 
             read_cell = self.agent_load.read_cell if self.agent_load is not None else None
-            gateway = Gateway(self.models, self.metrics, self.config.api_key, read_cell)
+            gateway = Gateway(self.models, self.metrics, self.config.api_key, read_cell,
+                              self.config.allowed_origins)
             self.http = await start_http(gateway, self.config.host, self.config.http_port)
         await self.server.start()
 
