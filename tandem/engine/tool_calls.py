@@ -10,7 +10,8 @@ An answer's calls are read in one of three formats (``ToolFormat``, vLLM's tool 
   several separated by ``;``;
 - ``mistral`` (Mistral's v3 templates): ``[TOOL_CALLS]`` then a JSON list of ``{"name",
   "arguments"}`` (the list alone when the special token is skipped from the text, as by default),
-  or ``[TOOL_CALLS]name[ARGS]{...}`` as its later tokenizers write.
+  or ``[TOOL_CALLS]name[ARGS]{...}`` as its later tokenizers write (``name{...}`` with both
+  special tokens skipped).
 
 A model whose chat template renders ``tools`` is told of them by its own template, and its format
 is the one its template teaches (``format_of_template``); one whose template does not (SmolLM2's)
@@ -204,12 +205,14 @@ def call_of(value: Any, names: frozenset[str] | None) -> ToolCall | None:
 
 
 _DECODER = json.JSONDecoder()
-_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})" + re.escape(MISTRAL_ARGS))
+# Mistral's later format: name[ARGS]{...}, or name{...} with the special [ARGS] skipped from the text
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})(?:" + re.escape(MISTRAL_ARGS) + r")?(?=\{)")
 
 
 def parse_calls(text: str, names: frozenset[str] | None) -> list[ToolCall] | None:
     """The calls of an answer that is nothing but calls in the ``llama3_json`` or ``mistral``
-    format: JSON objects (``parse_call``'s) or lists of them, Mistral's ``name[ARGS]{...}``, each
+    format: JSON objects (``parse_call``'s) or lists of them, Mistral's ``name[ARGS]{...}`` (or
+    ``name{...}`` with its special ``[ARGS]`` skipped), each
     after an optional ``<|python_tag|>`` or ``[TOOL_CALLS]``, separated by whitespace, ``;`` or
     ``,``. None when any of it is something else (or a call of a tool not in ``names``)."""
     calls: list[ToolCall] = []
@@ -365,14 +368,18 @@ class TrailingCallsParser(_CallReader):
 
     The calls begin where the format's marker is (``<|python_tag|>``, ``[TOOL_CALLS]``) or, when
     that special token was skipped from the text, where the answer itself begins with a JSON
-    object (Llama) or list (Mistral). From there the text is held to the end: if it all parses as
-    calls of ``names`` they are the answer's calls, else it is content as written. Content before
-    goes out as soon as it cannot be the start of the marker."""
+    object (Llama) or list (Mistral), or, for Mistral's later format with ``[TOOL_CALLS]`` and
+    ``[ARGS]`` both skipped, with an offered tool's name and its arguments' ``{``. From there the
+    text is held to the end: if it all parses as calls of ``names`` they are the answer's calls,
+    else it is content as written. Content before goes out as soon as it cannot be the start of
+    the marker."""
 
     def __init__(self, fmt: ToolFormat, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
         super().__init__(names, max_calls)
         self._marker = PYTHON_TAG if fmt == "llama3_json" else MISTRAL_CALLS
-        self._opening = "{" if fmt == "llama3_json" else "["
+        # what an answer that is calls may open with, besides the marker
+        self._openings: tuple[str, ...] = ("{",) if fmt == "llama3_json" else (
+            "[", *(f"{name}{tail}" for name in sorted(names or ()) for tail in (MISTRAL_ARGS, "{")))
         self._pending = ""
         self._started = False  # content other than whitespace went out
         self._in_calls = False
@@ -384,10 +391,10 @@ class TrailingCallsParser(_CallReader):
             return out
         if not self._started:
             head = self._pending.lstrip()
-            if head.startswith((self._marker, self._opening)):
+            if head.startswith((self._marker, *self._openings)):
                 self._in_calls = True
                 return out
-            if not head or self._marker.startswith(head):
+            if not head or any(opening.startswith(head) for opening in (self._marker, *self._openings)):
                 return out
             self._started = True
         start = self._pending.find(self._marker)

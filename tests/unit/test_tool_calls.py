@@ -133,8 +133,11 @@ def _call_text(fmt: ToolFormat, calls: list[ToolCall], draw: st.DrawFn) -> str:
                           indent=draw(st.sampled_from([None, 1]))) for c in calls]
     if fmt == "llama3_json":
         return draw(st.sampled_from(["", PYTHON_TAG])) + draw(st.sampled_from(["; ", ";", "\n"])).join(objects)
-    if draw(st.booleans()):  # the later tokenizers' name[ARGS]{...}, each after its marker
+    spelling = draw(st.sampled_from(["list", "named", "bare"]))
+    if spelling == "named":  # the later tokenizers' name[ARGS]{...}, each after its marker
         return "".join(f"{MISTRAL_CALLS}{c.name}[ARGS]{c.arguments}" for c in calls)
+    if spelling == "bare":  # the same with both special tokens skipped from the text
+        return "".join(f"{c.name}{c.arguments}" for c in calls)
     return draw(st.sampled_from(["", MISTRAL_CALLS])) + "[" + ", ".join(objects) + "]"
 
 
@@ -156,10 +159,10 @@ def _trailing_answers(draw: st.DrawFn, fmt: ToolFormat) -> tuple[str, str, list[
     written = _call_text(fmt, calls, draw)
     if head.strip():  # after content, the calls need their marker
         written = marker + written.removeprefix(marker)
-    if kind == "cut":
-        written = written[:draw(st.integers(1, max(1, len(written) - 1)))]
+    if kind == "cut":  # inside the first call, so that no whole call is left
+        written = written[:draw(st.integers(1, max(1, len(written.split("}")[0]))))]
     text = head + draw(_blank) + written + draw(_blank)
-    if kind != "calls" or (kind == "calls" and not head.strip() and not written.lstrip().startswith((marker, opening))):
+    if kind != "calls":
         return text, text, []
     return text, head.rstrip(), calls
 
@@ -204,6 +207,10 @@ def test_content_streams_before_the_calls_and_is_held_only_where_they_may_begin(
     assert parser.feed("It is sunny. [TOOL") == ["It is sunny."]  # the marker's start is held
     assert parser.feed('_CALLS][{"name": "add", "arguments": {"a": 1}}]') == []
     assert parser.finish() == [ToolCall("add", '{"a": 1}')]
+    bare = tool_call_parser("mistral", NAMES)  # [TOOL_CALLS] and [ARGS] skipped: a tool's name opens it
+    assert bare.feed("ad") == [] and bare.feed('d{"a": 1}') == [] and bare.finish() == [ToolCall("add", '{"a": 1}')]
+    worded = tool_call_parser("mistral", NAMES)
+    assert worded.feed("ad") == [] and worded.feed("d it up") == ["add it up"]
     llama = tool_call_parser("llama3_json", NAMES)
     assert llama.feed("  {") == [] and llama.feed('"name": "add"}') == []  # an answer opening a JSON object
     assert llama.finish() == [ToolCall("add", "{}")]
