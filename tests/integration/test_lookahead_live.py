@@ -2,7 +2,8 @@
 at a time when nothing waits on the loop. The streams must equal the single-process engine token
 for token whatever the run lengths (requests of mixed lengths finishing mid-run, with stop token
 ids, arriving while others decode), a request cancelled mid-run must return its blocks, the step
-log must show runs of more than one step, and a decode_svc killed mid-run must resume from its
+log must show runs of more than one step (on a quiet load of two streams when the random one
+happened to cut every run short), and a decode_svc killed mid-run must resume from its
 Redis records (a run's tokens and seeded generator states, written once a run) without a token
 lost or repeated. Some requests keep to a grammar (structured output) throughout."""
 
@@ -105,7 +106,20 @@ def test_lookahead_runs_equal_the_engine_and_free_every_block(stack: Stack, engi
     stats = asyncio.run(wait_all_blocks_free(stack))
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests == 0, f"seed {seed}"
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
-    assert any(s["steps"] > 1 for s in steps), f"seed {seed}: no run of several steps"
+    if not any(s["steps"] > 1 for s in steps):
+        # Under a loaded host something (an arrival, a request ending, a block to grow) may have
+        # cut every run of that load to one step; a quiet load must then show runs: two greedy
+        # streams together, nothing arriving, nothing ending for dozens of steps.
+        quiet = prompts[:2]
+        quiet_params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True) for _ in quiet]
+
+        async def quiet_run() -> list[tuple[list[int], int]]:
+            return list(await asyncio.gather(*(generate(stack.address("router"), p, q)
+                                               for p, q in zip(quiet, quiet_params, strict=True))))
+
+        _check(engine, asyncio.run(quiet_run()), quiet, quiet_params, seed)
+        steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert any(s["steps"] > 1 for s in steps), f"seed {seed}: no run of several steps, even on a quiet load"
     assert all(s["steps"] == 1 for s in steps if s["chunk_tokens"]), f"seed {seed}"
     assert all(s["policy"] for s in steps), f"seed {seed}: a step without the partition's policy"
     # decode's start-up timings reached the agent's predictor
