@@ -15,6 +15,7 @@ Usage: python bench/mesh_share.py [--max-tokens 64] [--repeats 6] [--out bench/r
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import sys
@@ -52,11 +53,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--quantization", default="ggml", help=f"the engine's weight format ({FORMAT_NAMES})")
     parser.add_argument("--burners", nargs="+", default=MESH_SHARES, help="SHARE:BURST_MS per burning process")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="the burners' niceness (os.nice): what the stack's control processes would run at")
     parser.add_argument("--burn", help=argparse.SUPPRESS)  # SHARE:BURST_MS: be one burner
     parser.add_argument("--out", default="bench/results/mesh-share.json")
     args = parser.parse_args()
     if args.burn:
         share, burst_ms = (float(x) for x in args.burn.split(":"))
+        os.nice(args.nice)
         burn(share, burst_ms)
         return
     model = resolve_model(args.model)
@@ -67,7 +71,7 @@ def main() -> None:
         prompts = [[rng.randint(100, 40000) for _ in range(128)] for _ in range(args.streams)]
         pair = {}
         for beside in ((False, True) if repeat % 2 == 0 else (True, False)):
-            burners = [subprocess.Popen([sys.executable, __file__, "--burn", spec]) for spec in args.burners] \
+            burners = [subprocess.Popen([sys.executable, __file__, "--burn", spec, "--nice", str(args.nice)]) for spec in args.burners] \
                 if beside else []
             try:
                 time.sleep(0.5)
@@ -83,7 +87,7 @@ def main() -> None:
     summary = mean_with_ci95(ratios)
     print(f"engine beside the burners / alone per pair: {ratios} mean {summary['mean']} (95 %: {summary['ci95']})")
     write_json({"model": str(model), "quantization": args.quantization, "streams": args.streams,
-                "max_tokens": args.max_tokens, "burners": args.burners, "runs": runs, "ratios": ratios,
+                "max_tokens": args.max_tokens, "burners": args.burners, "nice": args.nice, "runs": runs, "ratios": ratios,
                 "ratio": summary}, args.out)
 
 
