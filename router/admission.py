@@ -79,8 +79,10 @@ from router.calibration_cache import CalibrationCache, calibration_from_json, ca
 from tandem.policy.admission import (
     DEFAULT_COLD_MARGIN,
     DEFAULT_MARGIN,
+    DEFAULT_MISS_TARGET,
     REASON_KV,
     REASON_TBT,
+    MissGuard,
     PrefillBatching,
     PrefillCalibration,
     PromptBlockRate,
@@ -163,6 +165,9 @@ class AdmissionStats:
     # (units, beside streams, slope, overhead_s) of the regimes whose calibration found a fixed cost
     calibration_fixed_costs: tuple[tuple[int, bool, float, float], ...] = ()
     num_kv_refusals: int = 0  # of num_refused: the KV pool would give the prompt blocks too late (not judged)
+    # The largest TTFT prediction admitted now, as a share of the SLO (1 + the margin, or less
+    # where ``MissGuard`` tightened it).
+    ttft_limit: float = 1.0 + DEFAULT_MARGIN
 
     def summary(self) -> str:
         fits = {(u, beside): describe_scaling(slope, overhead_s)
@@ -175,7 +180,8 @@ class AdmissionStats:
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
                 f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap, "
-                f"{self.num_kv_refusals} for KV blocks; {limit}); "
+                f"{self.num_kv_refusals} for KV blocks; {limit}; predictions admitted up to "
+                f"{self.ttft_limit:.2f}x the TTFT SLO); "
                 f"prefill calibration x{self.calibration_factor:.2f} "
                 f"from {self.num_calibration_batches} measured batches" + (f" ({by_units} units)" if by_units else ""))
 
@@ -254,9 +260,11 @@ class AdmissionController:
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
                  cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
                  streams: StreamLimit | None = None, stream_cap: bool = True, model: str = "",
-                 cache: CalibrationCache | None = None) -> None:
+                 cache: CalibrationCache | None = None, miss_target: float = DEFAULT_MISS_TARGET) -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
+        # How admitted requests turned out tightens the margin past overload (0: never).
+        self.guard = MissGuard(miss_target)
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
@@ -279,6 +287,10 @@ class AdmissionController:
         self._pending: dict[str, QueuedRequest] = {}  # arrival order
         self._regimes: dict[str, PromptRegime] = {}  # the regime each pending request was admitted in
         self._predicted_ttft_s: dict[str, float] = {}  # each pending request's uncalibrated prediction
+        # Each pending request's prediction at admission (calibrated, as admission judged it) over
+        # its SLO, for the guard; and those already counted missed, their deadline past.
+        self._predicted_share: dict[str, float] = {}
+        self._overdue: set[str] = set()
         self._num_measured = 0
         self._default_units = default_units or len(os.sched_getaffinity(0))
         self._agent: LoadReport | None = None
@@ -459,6 +471,7 @@ class AdmissionController:
             num_tbt_refusals=self.num_tbt_refusals,
             stream_limit=self.streams.limit if self.enabled and self.stream_cap else None,  # none enforced: none
             num_kv_refusals=self.num_kv_refusals,
+            ttft_limit=self.ttft_limit(self.margin),
         )
 
     def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
@@ -468,6 +481,19 @@ class AdmissionController:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    def ttft_limit(self, margin: float) -> float:
+        """The largest TTFT prediction to admit, as a share of the SLO: 1 + ``margin``, or less
+        where the guard learnt that predictions that high miss (``MissGuard``)."""
+        return self.guard.limit(1.0 + margin)
+
+    def _note_overdue(self, now_s: float) -> None:
+        """Admitted requests still without a first token past their deadline: missed, told to
+        the guard now rather than when their token comes (seconds later, past overload)."""
+        for request_id, request in self._pending.items():
+            if request_id not in self._overdue and now_s > request.deadline(self.slo):
+                self._overdue.add(request_id)
+                self.guard.observe(self._predicted_share.get(request_id, 0.0), True)
 
     def _queued(self) -> list[QueuedRequest]:
         """Ours still to be prefilled (or being prefilled), in arrival order."""
@@ -487,18 +513,20 @@ class AdmissionController:
             self.num_refused += 1
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
+        calibration = self._calibration_of(regime)
+        scale, overhead_s = calibration.scaling
+        predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
+                                 running_since_s=self._running_since_s, scale=scale, slo=self.slo,
+                                 overhead_s=overhead_s)
+        self._note_overdue(now_s)
         if self.enabled:
-            calibration = self._calibration_of(regime)
-            scale, overhead_s = calibration.scaling
             margin = self.margin if calibration is not self.calibration else self.cold_margin
+            margin = min(margin, self.ttft_limit(margin) - 1.0)
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
-                                  overhead_s=overhead_s)
+                                  overhead_s=overhead_s, predicted=predicted)
             if rejection is not None:
                 self.num_refused += 1
-                predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
-                                         running_since_s=self._running_since_s, scale=scale, slo=self.slo,
-                                         overhead_s=overhead_s)
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
                         _Shadow(request.deadline(self.slo), predicted.marginal_s))
@@ -522,6 +550,7 @@ class AdmissionController:
         self._predicted_ttft_s[request_id] = predict_ttft(
             ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s,
             slo=self.slo).ttft_s
+        self._predicted_share[request_id] = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
         self._pending[request_id] = request
         self._regimes[request_id] = regime
         self._in_flight.add(request_id)
@@ -607,12 +636,18 @@ class AdmissionController:
         self._measuring = _MeasuredBatch(prefill_ns)
 
     def _judge(self, request: QueuedRequest, now_s: float) -> None:
-        """Count ``request``'s first token, at ``now_s``, as met or missed, and judge the
-        refusals that waited on it."""
-        if now_s <= request.deadline(self.slo):
+        """Count ``request``'s first token, at ``now_s``, as met or missed (and tell the guard,
+        unless it was told at the deadline), and judge the refusals that waited on it."""
+        met = now_s <= request.deadline(self.slo)
+        if met:
             self.num_met += 1
         else:
             self.num_missed += 1
+        share = self._predicted_share.pop(request.request_id, None)
+        if request.request_id in self._overdue:
+            self._overdue.discard(request.request_id)
+        elif share is not None:
+            self.guard.observe(share, not met)
         for shadow in self._shadows.pop(request.request_id, ()):
             if now_s + shadow.marginal_s <= shadow.deadline_s:
                 self.num_false_refusals += 1
@@ -626,6 +661,8 @@ class AdmissionController:
             return
         self._regimes.pop(request_id, None)
         self._predicted_ttft_s.pop(request_id, None)
+        self._predicted_share.pop(request_id, None)
+        self._overdue.discard(request_id)
         self._prefilled.discard(request_id)
         self._shadows.pop(request_id, None)
         if not self._queued():

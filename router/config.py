@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.engine.model_cache import resolve_model
 from tandem.engine.tool_calls import TOOL_FORMATS
-from tandem.policy.admission import DEFAULT_COLD_MARGIN, DEFAULT_MARGIN
+from tandem.policy.admission import DEFAULT_COLD_MARGIN, DEFAULT_MARGIN, DEFAULT_MISS_TARGET
 from tandem.protocol import InvalidRequestError, SamplingDefaults
 from tandem.service.flags import env_or, flag, parse_config
 
@@ -129,6 +129,10 @@ class RouterConfig:
         "--admission-margin", DEFAULT_MARGIN, "refuse only a request whose first token is predicted later than "
         f"its deadline by more than this fraction of the TTFT SLO (a prediction is an estimate; {DEFAULT_COLD_MARGIN:g} "
         "until a batch has been measured)", type=float))
+    admission_miss_target: float = field(default=DEFAULT_MISS_TARGET, metadata=flag(
+        "--admission-miss-target", DEFAULT_MISS_TARGET, "the share of admitted requests allowed to miss the TTFT "
+        "SLO: where more of the recent ones missed, admission takes only predictions as low as those that met it "
+        "(never under half the SLO; 0: the margin alone)", type=float))
     stream_cap: bool = field(default=True, metadata=flag(
         "--stream-cap", "on", "with admission on, also cap the streams in flight where their token gaps "
         "approach the TBT SLO (refused: 429)", parse=lambda text: text == "on", choices=["on", "off"]))
@@ -177,6 +181,8 @@ class RouterConfig:
             raise ValueError(f"served model names must be unique, got {names}")
         if self.extra_models and self.static_upstreams:
             raise ValueError("--extra-model needs registry discovery (--redis-url), not fixed addresses")
+        if not 0 <= self.admission_miss_target < 1:
+            raise ValueError(f"--admission-miss-target must be in [0, 1), got {self.admission_miss_target}")
         if not 0 <= self.admission_margin <= DEFAULT_COLD_MARGIN:
             raise ValueError(f"--admission-margin must be in [0, {DEFAULT_COLD_MARGIN:g}] (the cold start's margin), "
                              f"got {self.admission_margin}")

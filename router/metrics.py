@@ -29,7 +29,8 @@ late), ``admission_ttft_total`` by ``outcome`` (the admitted requests' first tok
 the TTFT SLO, as the router measures them), ``admission_refusals_judged_total`` by ``verdict``
 (a TTFT refusal judged once the request admitted before it got its first token: ``false``, it
 would have met the SLO, or ``confirmed``), and the gauges ``admission_stream_cap`` (+Inf: no
-cap) and ``admission_prefill_calibration`` (measured / predicted prefill time).
+cap), ``admission_prefill_calibration`` (measured / predicted prefill time) and
+``admission_ttft_limit`` (the largest prediction admitted, a share of the SLO).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class RouterMetrics:
         self.admission_stream_cap = Gauge(
             f"{PREFIX}admission_stream_cap", "The most streams admission keeps in flight (+Inf: no cap).", model,
             registry=r)
+        self.admission_ttft_limit = Gauge(
+            f"{PREFIX}admission_ttft_limit", "The largest TTFT prediction admission takes now, as a share of the "
+            "SLO (1 + the margin, less where admitted requests missed).", model, registry=r)
         self.admission_prefill_calibration = Gauge(
             f"{PREFIX}admission_prefill_calibration", "Measured / predicted prefill time, the factor admission "
             "scales its TTFT predictions by.", model, registry=r)
@@ -210,6 +214,7 @@ class RouterMetrics:
             self._fold(child, ("admission", model_name, key), value)
         self.admission_stream_cap.labels(**label).set(math.inf if stats.stream_limit is None else stats.stream_limit)
         self.admission_prefill_calibration.labels(**label).set(stats.calibration_factor)
+        self.admission_ttft_limit.labels(**label).set(stats.ttft_limit)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

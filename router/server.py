@@ -253,7 +253,7 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
         cache = CalibrationCache(Path(config.admission_cache) / f"{cache_file_stem(served_name)}.json")
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
                                margin=config.admission_margin, stream_cap=config.stream_cap, model=model,
-                               cache=cache)
+                               cache=cache, miss_target=config.admission_miss_target)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:

@@ -55,7 +55,7 @@ from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES
 from tandem.engine.tool_calls import TOOL_FORMATS
 from tandem.hostinfo import cpu_name
-from tandem.policy.admission import DEFAULT_MARGIN
+from tandem.policy.admission import DEFAULT_MARGIN, DEFAULT_MISS_TARGET
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
 from tandem.service.model_spec import ModelSpec, parse_models
@@ -213,6 +213,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              choices=["on", "off"])
     add_flag(parser, "--admission-margin", DEFAULT_MARGIN, "the router refuses only a request predicted past its TTFT "
              "deadline by more than this fraction of the SLO", type=float)
+    add_flag(parser, "--admission-miss-target", DEFAULT_MISS_TARGET, "the share of admitted requests allowed to "
+             "miss the TTFT SLO: past it the router admits only predictions as low as those that met it (0: the "
+             "margin alone)", type=float)
     add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
              "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
@@ -620,6 +623,7 @@ class Supervisor:
                "TANDEM_TTFT_SLO_MS": str(args.ttft_slo_ms), "TANDEM_TBT_SLO_MS": str(args.tbt_slo_ms),
                "TANDEM_TTFT_SLO_MS_PER_1K": str(args.ttft_slo_ms_per_1k),
                "TANDEM_ADMISSION": args.admission, "TANDEM_ADMISSION_MARGIN": str(args.admission_margin),
+               "TANDEM_ADMISSION_MISS_TARGET": str(args.admission_miss_target),
                "TANDEM_STREAM_CAP": args.stream_cap, "TANDEM_TOOL_CALL_PARSER": args.tool_call_parser,
                "TANDEM_PROFILE": args.profile, "TANDEM_ADMISSION_CACHE": _admission_cache(args, plans)}
         many_cells = len(plans) > 1

@@ -287,8 +287,11 @@ def test_scale_and_margin() -> None:
     assert refused is not None and refused.retry_after_s == pytest.approx(0.96 * 1.5 - 1.2)
     # A lone request on an idle cell is always admitted, however slow the model says it is.
     assert admit_one([], q("lone", 9000, NOW), NOW, B, 1, SLO, batching=PREFILL, scale=20.0) is None
+    # A negative margin (the miss guard's limit) refuses predictions short of the deadline.
+    refused = admit_one(ahead, request, NOW, B, 1, SLO, batching=PREFILL, margin=-0.1)
+    assert refused is not None and refused.retry_after_s == pytest.approx(0.96 - 0.9)
     with pytest.raises(ValueError):
-        admit_one([], request, NOW, B, 1, SLO, margin=-0.1)
+        admit_one([], request, NOW, B, 1, SLO, margin=-1.0)
 
 
 def test_predict_ttft_is_clock_free() -> None:

@@ -1,0 +1,158 @@
+"""Admission's miss guard (``MissGuard``): how admitted requests turned out tightens the largest
+TTFT prediction admitted, to keep their misses near a target share, and loosens it again once
+recent ones meet the SLO; in the router's controller, outcomes come from first tokens and, for
+requests still waiting past their deadline, at the deadline (once each)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.admission import AdmissionController
+from tandem.policy.admission import REASON_QUEUE, REASON_TOO_LONG, MissGuard
+from tandem.policy.types import Slo
+from tests.unit.test_admission import TokenPredictor
+
+CEILING = 1.25  # 1 + the default margin
+
+
+def oracle_limit(outcomes: list[tuple[float, bool]], target: float, floor: float, ceiling: float,
+                 min_outcomes: int) -> float:
+    """The guard's rule, by brute force over every distinct threshold."""
+    if target <= 0 or len(outcomes) < min_outcomes:
+        return ceiling
+    feasible = []
+    for t in sorted({share for share, _ in outcomes}):
+        below = [missed for share, missed in outcomes if share <= t]
+        if (sum(below) + 1) / (len(below) + 1) <= target:
+            feasible.append(t)
+    if feasible and feasible[-1] == max(share for share, _ in outcomes):
+        return ceiling
+    return min(ceiling, max(floor, feasible[-1] if feasible else floor))
+
+
+@settings(max_examples=300, deadline=None)
+@given(outcomes=st.lists(st.tuples(st.integers(0, 150).map(lambda c: c / 100), st.booleans()), max_size=60),
+       target=st.sampled_from([0.0, 0.05, 0.1, 0.25]), window=st.integers(20, 50),
+       min_outcomes=st.integers(1, 20), floor=st.sampled_from([0.3, 0.5, 1.0]))
+def test_the_limit_is_the_largest_prediction_whose_outcomes_keep_the_target(
+        outcomes: list[tuple[float, bool]], target: float, window: int, min_outcomes: int, floor: float) -> None:
+    guard = MissGuard(target, window=window, min_outcomes=min_outcomes, floor=floor)
+    for share, missed in outcomes:
+        guard.observe(share, missed)
+    kept = outcomes[-window:]
+    limit = guard.limit(CEILING)
+    assert limit == pytest.approx(oracle_limit(kept, target, floor, CEILING, min_outcomes))
+    assert min(floor, CEILING) <= limit <= CEILING
+    if floor < limit < CEILING:  # a learnt limit keeps the target among the outcomes it admits
+        below = [missed for share, missed in kept if share <= limit]
+        assert (sum(below) + 1) / (len(below) + 1) <= target
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_misses_at_high_predictions_tighten_the_limit_and_met_ones_loosen_it(seed: int) -> None:
+    rng = random.Random(seed)
+    guard = MissGuard(0.05, window=40, min_outcomes=20)
+    for _ in range(40):
+        guard.observe(rng.uniform(0.0, 1.2), False)
+    assert guard.limit(CEILING) == CEILING  # nothing missed: the margin stands
+    missed = [rng.uniform(0.9, 1.2) for _ in range(4)]
+    for share in missed:
+        guard.observe(share, True)
+    limit = guard.limit(CEILING)
+    assert 0.5 <= limit < min(missed)
+    for _ in range(40):  # the misses leave the window
+        guard.observe(rng.uniform(0.0, 1.2), False)
+    assert guard.limit(CEILING) == CEILING
+
+
+def test_misses_everywhere_hold_the_limit_at_its_floor_and_a_bad_target_is_refused() -> None:
+    guard = MissGuard(0.05, window=40, min_outcomes=20)
+    for i in range(40):
+        guard.observe(i / 40, i % 5 == 0)  # a fifth missed, at every prediction
+    assert guard.limit(CEILING) == 0.5
+    assert MissGuard(0.0).limit(CEILING) == CEILING  # no guard
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError):
+            MissGuard(bad)
+
+
+SLO = Slo(ttft_s=1.0, tbt_s=0.1)
+
+
+def _serve_one(c: AdmissionController, rid: str, tokens: int, t: float, ttft_s: float) -> None:
+    """Admit ``rid`` on an idle cell at ``t``; its first token comes ``ttft_s`` later from a
+    prefill batch that took as long as the model says (the calibration stays near 1: the handoff
+    adds its millisecond)."""
+    assert c.try_admit(rid, tokens, now_s=t) is None
+    c.first_token(rid, prefill_ns=int(tokens * 1e-4 * 1e9), handoff_ns=1_000_000, finished=False, now_s=t + ttft_s)
+    c.ended(rid, now_s=t + ttft_s + 0.1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_router_refuses_what_it_admitted_before_once_predictions_that_high_missed(seed: int) -> None:
+    """Requests predicted over 0.8x the SLO came late (the host slowed past overload), the others
+    in time: a request predicted at 1.0x, admitted by the margin before, is refused after; the
+    limit shows in the stats, and requests that meet again win it back."""
+    rng = random.Random(seed)
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1)
+
+    def probe(t: float) -> bool:
+        """A 0.2 s prompt pending, then one of 8000 tokens behind it: predicted 1.0 s."""
+        assert c.try_admit("ahead", 2000, now_s=t) is None
+        admitted = c.try_admit("probe", 8000, now_s=t) is None
+        for rid in ("ahead", "probe"):
+            c.done(rid)
+            c.ended(rid, now_s=t)
+        return admitted
+
+    t = 100.0
+    for i in range(30):  # a warm-up batch, then calibrated ones that met the SLO
+        _serve_one(c, f"warm{i}", rng.randint(1000, 7000), t, 0.75)
+        t += 10
+    assert probe(t) and c.stats().ttft_limit == pytest.approx(CEILING)
+    t += 10
+    for i in range(40):
+        tokens = rng.randint(1000, 12000)
+        share = tokens * 1e-4
+        _serve_one(c, f"r{i}", tokens, t, 1.5 if share > 0.8 else share)
+        t += 10
+    limit = c.stats().ttft_limit
+    assert 0.5 <= limit <= 0.81 and f"{limit:.2f}x the TTFT SLO" in c.stats().summary()
+    assert not probe(t)
+    refusal = c.try_admit("late", 9000, now_s=t)
+    assert refusal is None  # a lone prompt on an idle cell delays nobody: still admitted
+    c.done("late")
+    c.ended("late", now_s=t)
+    assert c.try_admit("ahead", 2000, now_s=t) is None
+    refusal = c.try_admit("queued", 8000, now_s=t)
+    assert refusal is not None and refusal.reason in (REASON_QUEUE, REASON_TOO_LONG)
+    c.done("ahead")
+    c.ended("ahead", now_s=t)
+    t += 10
+    for i in range(40):
+        _serve_one(c, f"ok{i}", rng.randint(1000, 12000), t, 0.5)
+        t += 10
+    assert c.stats().ttft_limit == pytest.approx(CEILING) and probe(t)
+
+
+def test_a_request_still_waiting_past_its_deadline_counts_once_at_the_deadline() -> None:
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1)
+    t = 100.0
+    for i in range(25):
+        _serve_one(c, f"r{i}", 9000, t, 0.95)
+        t += 10
+    assert len(c.guard.outcomes) == 25  # every admitted request's outcome, the warm-up batch's too
+    assert c.try_admit("slow", 9000, now_s=t) is None  # predicted 0.9 s; its token has not come
+    c.try_admit("probe", 100, now_s=t + 0.5)  # before its deadline: nothing counted yet
+    c.done("probe")
+    assert len(c.guard.outcomes) == 25
+    c.try_admit("probe", 100, now_s=t + 1.2)  # past it: counted missed before its token comes
+    c.done("probe")
+    assert len(c.guard.outcomes) == 26 and c.guard.outcomes[-1] == (pytest.approx(0.9), True)
+    c.first_token("slow", prefill_ns=900_000_000, handoff_ns=1_000_000, finished=False, now_s=t + 3.0)
+    assert len(c.guard.outcomes) == 26  # not counted again
+    assert c.stats().num_missed == 1
