@@ -71,8 +71,8 @@ def main() -> None:
         prompts = [[rng.randint(100, 40000) for _ in range(128)] for _ in range(args.streams)]
         pair = {}
         for beside in ((False, True) if repeat % 2 == 0 else (True, False)):
-            burners = [subprocess.Popen([sys.executable, __file__, "--burn", spec, "--nice", str(args.nice)]) for spec in args.burners] \
-                if beside else []
+            burners = [subprocess.Popen([sys.executable, __file__, "--burn", spec, "--nice", str(args.nice)])
+                       for spec in args.burners] if beside else []
             try:
                 time.sleep(0.5)
                 result = engine_throughput(model, prompts, params, WeightFormat(args.quantization))
@@ -87,8 +87,8 @@ def main() -> None:
     summary = mean_with_ci95(ratios)
     print(f"engine beside the burners / alone per pair: {ratios} mean {summary['mean']} (95 %: {summary['ci95']})")
     write_json({"model": str(model), "quantization": args.quantization, "streams": args.streams,
-                "max_tokens": args.max_tokens, "burners": args.burners, "nice": args.nice, "runs": runs, "ratios": ratios,
-                "ratio": summary}, args.out)
+                "max_tokens": args.max_tokens, "burners": args.burners, "nice": args.nice,
+                "runs": runs, "ratios": ratios, "ratio": summary}, args.out)
 
 
 if __name__ == "__main__":

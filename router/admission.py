@@ -513,13 +513,14 @@ class AdmissionController:
             self.num_refused += 1
             self.num_tbt_refusals += 1
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
-        calibration = self._calibration_of(regime)
-        scale, overhead_s = calibration.scaling
-        predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
-                                 running_since_s=self._running_since_s, scale=scale, slo=self.slo,
-                                 overhead_s=overhead_s)
-        self._note_overdue(now_s)
+        share: float | None = None  # the calibrated prediction over the SLO, for the guard
         if self.enabled:
+            calibration = self._calibration_of(regime)
+            scale, overhead_s = calibration.scaling
+            predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
+                                     running_since_s=self._running_since_s, scale=scale, slo=self.slo,
+                                     overhead_s=overhead_s)
+            self._note_overdue(now_s)
             margin = self.margin if calibration is not self.calibration else self.cold_margin
             margin = min(margin, self.ttft_limit(margin) - 1.0)
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
@@ -542,6 +543,7 @@ class AdmissionController:
                     self.num_kv_refusals += 1
                     return Refusal(REASON_KV, kv_s if math.isfinite(kv_s) else self._end_interval_s,
                                    kv_s + alone_s, self.slo.ttft_for(request.prompt_tokens))
+            share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts
@@ -550,7 +552,8 @@ class AdmissionController:
         self._predicted_ttft_s[request_id] = predict_ttft(
             ahead, request, now_s, self.predictor, units, self.batching, running_since_s=self._running_since_s,
             slo=self.slo).ttft_s
-        self._predicted_share[request_id] = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
+        if share is not None:
+            self._predicted_share[request_id] = share
         self._pending[request_id] = request
         self._regimes[request_id] = regime
         self._in_flight.add(request_id)
