@@ -834,7 +834,7 @@ class DecodeWorker:
         beside the sixteen that joined, a step of 761 prompt tokens cost each of them a 546 ms
         gap). A budget of none is not stale: it gives the progress floor, which fits any batch. Nor
         is one decided for a tenth fewer streams (one fewer, at least): the agent plans a step
-        within 0.9 x the TBT SLO, and waiting for every stream that joins (at 6 req/s, 5-23 ms
+        within 0.8 x the TBT SLO, and waiting for every stream that joins (at 6 req/s, 5-23 ms
         waits before one step in 17) cost more than the few rows the budget did not count."""
         partition = self.member.partition
         if not (partition.aggregated and self.running and self.prefilling):

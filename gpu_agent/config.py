@@ -61,13 +61,18 @@ class AgentConfig:
     policy: str = field(metadata=flag("--policy", CPU_DEFAULT_POLICY, "partition policy: chunked (a CPU cell's "
                                       "default), dynamic, adaptive or static"))
     chunk_tbt_target: float = field(metadata=flag(
-        "--chunk-tbt-target", 0.9, "chunked: plan each hybrid step within this fraction of the TBT SLO (a step's "
-        "tokens reach the client some ms after it ends, and the router's stream cap cuts at 0.9 x the SLO)",
+        "--chunk-tbt-target", 0.8, "chunked: plan each hybrid step within this fraction of the TBT SLO (a step's "
+        "tokens reach the client some ms after it ends, and a step beside many streams runs 20-35 %% over its "
+        "prediction when a wave of them joins; the router's stream cap cuts at 0.9 x the SLO)",
         type=float))
     chunk_floor_within_slo: bool = field(metadata=flag(
         "--chunk-floor-within-slo", True, "chunked: the 32-token progress floor never takes a hybrid step beside "
         "running streams past the TBT SLO (it carries what fits, or the prompts wait); false: the fixed floor",
         type=parse_bool))
+    chunk_floor_tbt_target: float = field(metadata=flag(
+        "--chunk-floor-tbt-target", 0.8, "chunked, with --chunk-floor-within-slo: the progress floor fills a "
+        "hybrid step beside running streams up to this fraction of the TBT SLO at most (1: the SLO itself)",
+        type=float))
     chunk_ttft_deadlines: bool = field(metadata=flag(
         "--chunk-ttft-deadlines", True, "chunked: when the TBT-bounded budget would make more waiting prompts "
         "miss their TTFT deadlines than streams are decoding, give enough prompt tokens a step to keep "
@@ -108,6 +113,8 @@ class AgentConfig:
         WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
         if not 0 < self.chunk_tbt_target <= 1:
             raise ValueError(f"--chunk-tbt-target must be in (0, 1], got {self.chunk_tbt_target}")
+        if not 0 < self.chunk_floor_tbt_target <= 1:
+            raise ValueError(f"--chunk-floor-tbt-target must be in (0, 1], got {self.chunk_floor_tbt_target}")
         if self.step_stats_s <= 0:
             raise ValueError(f"--step-stats-s must be positive, got {self.step_stats_s}")
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0 or self.ttft_slo_ms_per_1k < 0:

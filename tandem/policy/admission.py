@@ -607,13 +607,13 @@ class StreamLimit:
       once it is ``release`` above what is in flight, or nothing is in flight, there is no cap;
     - not over ``high`` x SLO, the cap binding, and ``probe_s`` since it last changed: the cap
       grows by one all the same (a probe; over ``high`` again, the next check cuts it). While
-      prompts keep coming, the agent plans hybrid steps up to 0.9x the SLO whatever the number
+      prompts keep coming, the agent plans hybrid steps up to 0.8x the SLO whatever the number
       of streams, so the gaps' quantile stays between ``low`` and ``high``: a cap cut in a
       passing overload (a fault, a burst) never grew again, and refused 30-78 of the 100
       requests of the soak's phase after its faults, 8 concurrent streams that the stack
       carries within the SLO;
     - a gap that ended with a step whose prompt chunk the agent sized to the TBT target never
-      counts past ``high`` x SLO: the plan is 0.9 x the SLO and the step's noise alone (the same
+      counts past ``high`` x SLO: the plan is at most 0.9 x the SLO and the step's noise alone (the same
       hybrid step took 91 and 214 ms) put the gaps' quantile over it, and at 6 req/s the cap
       cut to 6 and 20 streams refused 26-34 of 60 requests, 12-17 of them served within the SLO
       by a stack without admission. Fewer streams would only have made the next chunk

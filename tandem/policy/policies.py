@@ -145,9 +145,11 @@ class ChunkedConfig:
     `min_chunk_tokens` is a progress floor so prefill never starves behind a long decode;
     `tbt_target` is the fraction of the TBT SLO a hybrid step is planned within (a live cell's
     tokens reach the client some ms after its step ends, which a simulated one does not pay).
-    `floor_within_slo`: the floor never takes a hybrid step beside running streams past the TBT
-    SLO itself (the prediction at 1.0x); what fits there is the floor, and when nothing does
-    the prompts wait for the batch to shrink. Off in the simulator (a GPU's floor chunk is cheap
+    `floor_within_slo`: the floor never takes a hybrid step beside running streams past
+    `floor_tbt_target` x the TBT SLO (1.0: the SLO itself; the live agent's default is 0.8, as
+    its `tbt_target`: steps planned at the SLO ran past it whenever a wave of streams joined, and
+    a stream's TBT p99 over 64-128 gaps does not survive two such steps); what fits there is the
+    floor, and when nothing does the prompts wait for the batch to shrink. Off in the simulator (a GPU's floor chunk is cheap
     beside a decode step); on for a live CPU cell, where a 32-token chunk costs as much as a
     decode step of a dozen streams and the fixed floor broke every running stream's TBT.
     `ttft_deadlines`: when the TBT budget would make more waiting prompts miss their TTFT
@@ -161,11 +163,13 @@ class ChunkedConfig:
     min_chunk_tokens: int = 32
     tbt_target: float = 1.0
     floor_within_slo: bool = False
+    floor_tbt_target: float = 1.0
     ttft_deadlines: bool = False
     order: str = "fcfs"
 
     def __post_init__(self) -> None:
-        if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1:
+        if self.max_budget_tokens < 1 or self.min_chunk_tokens < 0 or not 0 < self.tbt_target <= 1 \
+                or not 0 < self.floor_tbt_target <= 1:
             raise ValueError("bad chunked config")
         if self.order not in ("fcfs", "edf"):
             raise ValueError(f"order must be fcfs or edf, got {self.order!r}")
@@ -371,7 +375,7 @@ class ChunkedPolicy:
         reason = f"chunked: {budget} prefill tokens fit TBT"
         if budget < floor and self.config.floor_within_slo and snapshot.decode_context_lens:
             floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens,
-                                                order=self.config.order))
+                                                self.config.floor_tbt_target, self.config.order))
             if floor == 0:
                 return _aggregated(snapshot, [], "chunked: no prompt chunk fits the TBT SLO beside the streams; "
                                                  "prompts wait")

@@ -603,16 +603,19 @@ def test_chunked_progress_floor() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(num_seqs=st.integers(0, 40), ctx=st.integers(1, 4000), prompts=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
-       floor=st.integers(0, 256), target=st.sampled_from([0.5, 0.8, 0.9, 1.0]), units=st.sampled_from([1, 2, 16]))
+       floor=st.integers(0, 256), target=st.sampled_from([0.5, 0.8, 0.9, 1.0]), units=st.sampled_from([1, 2, 16]),
+       floor_target=st.sampled_from([0.8, 0.9, 1.0]))
 def test_chunked_floor_within_slo_never_plans_past_the_slo(num_seqs: int, ctx: int, prompts: list[int], floor: int,
-                                                           target: float, units: int) -> None:
-    """With the floor bounded, a hybrid step beside streams is never predicted past the TBT SLO:
-    it carries what fits the target, else the floor cut to what fits the SLO itself, else nothing
-    (the prompts wait). Without streams, or where the fixed floor already fits, nothing changes."""
+                                                           target: float, units: int, floor_target: float) -> None:
+    """With the floor bounded, a hybrid step beside streams is never predicted past the TBT SLO
+    (``floor_tbt_target`` of it): it carries what fits the target, else the floor cut to what
+    fits the floor's bound, else nothing (the prompts wait). Without streams, or where the fixed
+    floor already fits, nothing changes."""
     decode = (ctx,) * num_seqs
     s = snap(queue=tuple(q(f"r{i}", n, arrival_s=NOW + i) for i, n in enumerate(prompts)), decode=decode,
              total_units=units)
-    bounded = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=floor, tbt_target=target, floor_within_slo=True))(s, P)
+    bounded = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=floor, tbt_target=target, floor_within_slo=True,
+                                          floor_tbt_target=floor_target))(s, P)
     fixed = ChunkedPolicy(ChunkedConfig(min_chunk_tokens=floor, tbt_target=target))(s, P)
     tokens, fixed_tokens = sum(bounded.prefill_chunk_tokens), sum(fixed.prefill_chunk_tokens)
 
@@ -626,13 +629,14 @@ def test_chunked_floor_within_slo_never_plans_past_the_slo(num_seqs: int, ctx: i
         return P.predict_hybrid(seqs, decode, units)
 
     assert tokens <= fixed_tokens
-    if not decode or step_s(fixed_tokens) <= SLO.tbt_s:
+    if not decode or step_s(fixed_tokens) <= floor_target * SLO.tbt_s:
         assert bounded.prefill_chunk_tokens == fixed.prefill_chunk_tokens
     elif tokens:
-        assert step_s(tokens) <= SLO.tbt_s
-        assert tokens == sum(prompts) or tokens + num_seqs == 2048 or step_s(tokens + 1) > target * SLO.tbt_s
+        assert step_s(tokens) <= max(target, floor_target) * SLO.tbt_s
+        assert tokens == sum(prompts) or tokens + num_seqs == 2048 or \
+            step_s(tokens + 1) > min(target, floor_target) * SLO.tbt_s
     else:
-        assert bounded.prefill_batch == () and step_s(1) > SLO.tbt_s
+        assert bounded.prefill_batch == () and step_s(1) > floor_target * SLO.tbt_s
 
 
 def test_chunked_floor_within_slo_holds_prompts_behind_a_full_decode() -> None:

@@ -132,10 +132,14 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
     assert defaults.prefill_cores and defaults.decode_cores  # split of this process's cores
     with pytest.raises(ValueError, match="--policy"):
         parse_agent(["--policy", "fastest"])
-    assert defaults.chunk_tbt_target == 0.9 and parse_agent(["--chunk-tbt-target", "0.75"]).chunk_tbt_target == 0.75
+    assert defaults.chunk_tbt_target == 0.8 and parse_agent(["--chunk-tbt-target", "0.75"]).chunk_tbt_target == 0.75
+    assert defaults.chunk_floor_tbt_target == 0.8
+    assert parse_agent(["--chunk-floor-tbt-target", "1"]).chunk_floor_tbt_target == 1.0
     for bad in ("0", "1.2"):
         with pytest.raises(ValueError, match="--chunk-tbt-target"):
             parse_agent(["--chunk-tbt-target", bad])
+        with pytest.raises(ValueError, match="--chunk-floor-tbt-target"):
+            parse_agent(["--chunk-floor-tbt-target", bad])
     assert defaults.chunk_floor_within_slo and not parse_agent(["--chunk-floor-within-slo", "false"]).chunk_floor_within_slo
     monkeypatch.setenv(env_name("--split-rate-check"), "on")
     assert not defaults.split_rate_check and parse_agent([]).split_rate_check
