@@ -613,8 +613,8 @@ class StreamLimit:
       requests of the soak's phase after its faults, 8 concurrent streams that the stack
       carries within the SLO;
     - a gap that ended with a step whose prompt chunk the agent sized to the TBT target never
-      counts past ``high`` x SLO: the plan is at most 0.9 x the SLO and the step's noise alone (the same
-      hybrid step took 91 and 214 ms) put the gaps' quantile over it, and at 6 req/s the cap
+      counts past ``high`` x SLO: the plan is at most 0.9 x the SLO and the step's noise alone (the
+      same hybrid step took 91 and 214 ms) put the gaps' quantile over it, and at 6 req/s the cap
       cut to 6 and 20 streams refused 26-34 of 60 requests, 12-17 of them served within the SLO
       by a stack without admission. Fewer streams would only have made the next chunk
       larger; the agent's calibration of hybrid steps answers for those.

@@ -149,9 +149,10 @@ class ChunkedConfig:
     `floor_tbt_target` x the TBT SLO (1.0: the SLO itself; the live agent's default is 0.8, as
     its `tbt_target`: steps planned at the SLO ran past it whenever a wave of streams joined, and
     a stream's TBT p99 over 64-128 gaps does not survive two such steps); what fits there is the
-    floor, and when nothing does the prompts wait for the batch to shrink. Off in the simulator (a GPU's floor chunk is cheap
-    beside a decode step); on for a live CPU cell, where a 32-token chunk costs as much as a
-    decode step of a dozen streams and the fixed floor broke every running stream's TBT.
+    floor, and when nothing does the prompts wait for the batch to shrink. Off in the simulator
+    (a GPU's floor chunk is cheap beside a decode step); on for a live CPU cell, where a 32-token
+    chunk costs as much as a decode step of a dozen streams and the fixed floor broke every
+    running stream's TBT.
     `ttft_deadlines`: when the TBT budget would make more waiting prompts miss their TTFT
     deadlines than there are streams to protect, the budget grows to tokens that keep those
     deadlines (`ttft_token_budget`). A budget sized for one stream's TBT spreads a closed
@@ -374,8 +375,10 @@ class ChunkedPolicy:
         floor = min(self.config.min_chunk_tokens, total)
         reason = f"chunked: {budget} prefill tokens fit TBT"
         if budget < floor and self.config.floor_within_slo and snapshot.decode_context_lens:
-            floor = min(floor, tbt_token_budget(snapshot, predictor, self.config.max_budget_tokens,
-                                                self.config.floor_tbt_target, self.config.order))
+            # at the budget's own target the bound is the budget itself (the live agent's default)
+            bound = budget if self.config.floor_tbt_target == self.config.tbt_target else tbt_token_budget(
+                snapshot, predictor, self.config.max_budget_tokens, self.config.floor_tbt_target, self.config.order)
+            floor = min(floor, bound)
             if floor == 0:
                 return _aggregated(snapshot, [], "chunked: no prompt chunk fits the TBT SLO beside the streams; "
                                                  "prompts wait")
