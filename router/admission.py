@@ -34,6 +34,13 @@ aggregated mode there is no prefill batch to time: the first tokens one of decod
 gave (replies close together) are measured by the request among them predicted last, whose
 prediction counted every prompt the step computed (``_StepGroup``).
 
+Beside many streams (aggregated mode) a prompt gets the few tokens a step the streams' TBT budget
+leaves, the fewer the more streams decode, which one calibration beside streams cannot follow:
+``CrowdBias`` learns, by the streams in flight at admission, the median of each admitted prompt's
+measured TTFT over its calibrated prediction (a prompt decode dropped past its deadline counts
+as at least that late), and the predictions there are stretched by it (``TtftPrediction.stretched``).
+``--admission-log`` writes each decision and each admitted request's first token as a JSON line.
+
 The TBT side: TTFT admission alone let the decode batch grow until every admitted stream
 missed its TBT SLO. ``StreamLimit`` caps the streams this router keeps in flight (admitted and
 not ended), learnt from the gaps between its streams' updates: cut when their 90th percentile
@@ -66,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -73,7 +81,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from router.calibration_cache import CalibrationCache, calibration_from_json, calibration_to_json
 from tandem.policy.admission import (
@@ -82,6 +90,7 @@ from tandem.policy.admission import (
     DEFAULT_MISS_TARGET,
     REASON_KV,
     REASON_TBT,
+    CrowdBias,
     MissGuard,
     PrefillBatching,
     PrefillCalibration,
@@ -168,6 +177,9 @@ class AdmissionStats:
     # The largest TTFT prediction admitted now, as a share of the SLO (1 + the margin, or less
     # where ``MissGuard`` tightened it).
     ttft_limit: float = 1.0 + DEFAULT_MARGIN
+    # (fewest streams in flight of a bucket, factor) where prompts beside that many streams were
+    # predicted ``factor`` times longer (``CrowdBias``), for the buckets where it is over 1
+    crowd_factors: tuple[tuple[int, float], ...] = ()
 
     def summary(self) -> str:
         fits = {(u, beside): describe_scaling(slope, overhead_s)
@@ -181,7 +193,8 @@ class AdmissionStats:
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
                 f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap, "
                 f"{self.num_kv_refusals} for KV blocks; {limit}; predictions admitted up to "
-                f"{self.ttft_limit:.2f}x the TTFT SLO); "
+                f"{self.ttft_limit:.2f}x the TTFT SLO"
+                + "".join(f"; beside {n}+ streams x{f:.2f}" for n, f in self.crowd_factors) + "); "
                 f"prefill calibration x{self.calibration_factor:.2f} "
                 f"from {self.num_calibration_batches} measured batches" + (f" ({by_units} units)" if by_units else ""))
 
@@ -260,11 +273,15 @@ class AdmissionController:
                  batching: PrefillBatching | None = None, margin: float = DEFAULT_MARGIN,
                  cold_margin: float = DEFAULT_COLD_MARGIN, calibration: PrefillCalibration | None = None,
                  streams: StreamLimit | None = None, stream_cap: bool = True, model: str = "",
-                 cache: CalibrationCache | None = None, miss_target: float = DEFAULT_MISS_TARGET) -> None:
+                 cache: CalibrationCache | None = None, miss_target: float = DEFAULT_MISS_TARGET,
+                 decision_log: TextIO | None = None) -> None:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         # How admitted requests turned out tightens the margin past overload (0: never).
         self.guard = MissGuard(miss_target)
+        # How much later than predicted prompts beside many streams got their first token.
+        self.crowd = CrowdBias()
+        self._crowded: dict[str, tuple[int, float]] = {}  # beside streams: (streams in flight, prediction)
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
@@ -324,6 +341,8 @@ class AdmissionController:
             self._restore(cache)
         self._end_interval_s = 1.0  # smoothed time between two stream ends
         self.num_tbt_refusals = 0
+        # One JSON line per decision and per admitted request's first token (``--admission-log``).
+        self.decision_log = decision_log
 
     @property
     def num_pending(self) -> int:
@@ -472,6 +491,7 @@ class AdmissionController:
             stream_limit=self.streams.limit if self.enabled and self.stream_cap else None,  # none enforced: none
             num_kv_refusals=self.num_kv_refusals,
             ttft_limit=self.ttft_limit(self.margin),
+            crowd_factors=tuple((n, round(f, 2)) for n in (1, *CrowdBias.BOUNDS) if (f := self.crowd.factor(n)) > 1.0),
         )
 
     def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
@@ -499,6 +519,28 @@ class AdmissionController:
         """Ours still to be prefilled (or being prefilled), in arrival order."""
         return [r for rid, r in self._pending.items() if rid not in self._prefilled]
 
+    def _log(self, event: str, request: QueuedRequest, now_s: float, **fields: Any) -> None:
+        """One line of the decision log, when there is one: ``event`` for ``request`` at ``now_s``
+        (``time.monotonic``), with the streams in flight, the requests queued and the cap."""
+        if self.decision_log is None:
+            return
+        line = {"event": event, "t": round(now_s, 4), "model": self.model, "admission": self.enabled,
+                "request_id": request.request_id,
+                "prompt_tokens": request.prompt_tokens, "since_arrival_s": round(now_s - request.arrival_s, 4),
+                "ttft_slo_s": self.slo.ttft_for(request.prompt_tokens), "in_flight": len(self._in_flight),
+                "queued": len(self._pending), "stream_limit": self.streams.limit, **fields}
+        try:
+            self.decision_log.write(json.dumps(line) + "\n")
+        except (OSError, ValueError) as exc:  # a full disk or a closed file: stop logging, keep serving
+            log.warning("admission: the decision log failed, no more lines: %s", exc)
+            self.decision_log = None
+
+    def close_log(self) -> None:
+        if self.decision_log is not None:
+            with contextlib.suppress(OSError):
+                self.decision_log.close()
+            self.decision_log = None
+
     def try_admit(self, request_id: str, prompt_tokens: int, now_s: float | None = None,
                   arrival_s: float | None = None) -> Refusal | None:
         """None: admitted; else why not. ``arrival_s`` (``time.monotonic``, at most ``now_s``):
@@ -512,6 +554,7 @@ class AdmissionController:
         if self.enabled and self.stream_cap and not self.streams.admits(len(self._in_flight)):
             self.num_refused += 1
             self.num_tbt_refusals += 1
+            self._log("refused", request, now_s, reason=REASON_TBT)
             return Refusal(REASON_TBT, self._end_interval_s, 0.0, self.slo.ttft_for(request.prompt_tokens))
         share: float | None = None  # the calibrated prediction over the SLO, for the guard
         if self.enabled:
@@ -520,13 +563,23 @@ class AdmissionController:
             predicted = predict_ttft(ahead, request, now_s, self.predictor, units, self.batching,
                                      running_since_s=self._running_since_s, scale=scale, slo=self.slo,
                                      overhead_s=overhead_s)
+            calibrated_s = predicted.ttft_s  # before ``crowd``, which the outcome measures
+            crowd = self.crowd.factor(len(self._in_flight)) if regime.beside_streams else 1.0
+            predicted = predicted.stretched(crowd)
             self._note_overdue(now_s)
             margin = self.margin if calibration is not self.calibration else self.cold_margin
             margin = min(margin, self.ttft_limit(margin) - 1.0)
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
                                   overhead_s=overhead_s, predicted=predicted)
+            limit = 1.0 + margin
+            where = {"units": units, "beside_streams": regime.beside_streams, "scale": round(scale, 4),
+                     "overhead_s": round(overhead_s, 4), "ahead": len(ahead),
+                     "ahead_tokens": sum(r.prompt_tokens for r in ahead),
+                     "predicted_ttft_s": round(predicted.ttft_s, 4), "crowd": round(crowd, 3),
+                     "limit": round(limit, 4)}
             if rejection is not None:
+                self._log("refused", request, now_s, reason=rejection.reason, **where)
                 self.num_refused += 1
                 if ahead:
                     self._shadows.setdefault(ahead[-1].request_id, []).append(
@@ -539,11 +592,17 @@ class AdmissionController:
                 alone_s = overhead_s + scale * self.predictor.predict_prefill([request.seq], units)
                 late_s = now_s + kv_s + alone_s - request.deadline(self.slo) - margin * self.slo.ttft_s
                 if late_s > 0:
+                    self._log("refused", request, now_s, reason=REASON_KV, kv_wait_s=kv_s, **where)
                     self.num_refused += 1
                     self.num_kv_refusals += 1
                     return Refusal(REASON_KV, kv_s if math.isfinite(kv_s) else self._end_interval_s,
                                    kv_s + alone_s, self.slo.ttft_for(request.prompt_tokens))
             share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
+            self._log("admitted", request, now_s, **where)
+            if regime.beside_streams:
+                self._crowded[request_id] = (len(self._in_flight), calibrated_s)
+        else:
+            self._log("admitted", request, now_s)
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts
@@ -642,6 +701,10 @@ class AdmissionController:
         """Count ``request``'s first token, at ``now_s``, as met or missed (and tell the guard,
         unless it was told at the deadline), and judge the refusals that waited on it."""
         met = now_s <= request.deadline(self.slo)
+        crowded = self._crowded.pop(request.request_id, None)
+        if crowded is not None:
+            self.crowd.observe(*crowded, now_s - request.arrival_s)
+        self._log("first_token", request, now_s, met=met, predicted_share=self._predicted_share.get(request.request_id))
         if met:
             self.num_met += 1
         else:
@@ -657,11 +720,18 @@ class AdmissionController:
             else:
                 self.num_confirmed_refusals += 1
 
-    def done(self, request_id: str) -> None:
+    def done(self, request_id: str, now_s: float | None = None) -> None:
         """The request failed or was cancelled (or already has its first token): it no longer
         queues; a refusal judged by it stays unjudged."""
-        if self._pending.pop(request_id, None) is None:
+        request = self._pending.pop(request_id, None)
+        if request is None:
             return
+        crowded = self._crowded.pop(request_id, None)
+        now_s = time.monotonic() if now_s is None else now_s
+        if crowded is not None and now_s > request.deadline(self.slo):
+            # Dropped by decode past its deadline (or given up on by its client): its first token
+            # would have come later still, so this is a bound from below.
+            self.crowd.observe(*crowded, now_s - request.arrival_s)
         self._regimes.pop(request_id, None)
         self._predicted_ttft_s.pop(request_id, None)
         self._predicted_share.pop(request_id, None)

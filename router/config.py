@@ -136,6 +136,10 @@ class RouterConfig:
     stream_cap: bool = field(default=True, metadata=flag(
         "--stream-cap", "on", "with admission on, also cap the streams in flight where their token gaps "
         "approach the TBT SLO (refused: 429)", parse=lambda text: text == "on", choices=["on", "off"]))
+    admission_log: str = field(default="", metadata=flag(
+        "--admission-log", "", "append one JSON line per admission decision and per admitted request's first "
+        "token to this file (prediction, limit, streams in flight, measured TTFT), for finding why requests "
+        "missed or were refused (in a router of several models, one file each: the served name is added)"))
     profile: str = field(default="", metadata=flag(
         "--profile", "", "perf profile from `tandem profile` (default: the CPU placeholder)"))
     admission_cache: str = field(default="", metadata=flag(

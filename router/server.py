@@ -154,6 +154,7 @@ class RunningRouter:
         for core in self.models:  # following the agent's load saved it already, where it ran
             if core.admission is not None:
                 core.admission.save_calibration()
+                core.admission.close_log()
         if self.agent_load is not None:
             await self.agent_load.close()
         await self.models.close()
@@ -251,9 +252,15 @@ def _admission_controller(config: RouterConfig, model_config: ModelConfig, model
     cache = None
     if config.admission_cache:
         cache = CalibrationCache(Path(config.admission_cache) / f"{cache_file_stem(served_name)}.json")
+    decision_log = None
+    if config.admission_log:
+        path = Path(config.admission_log)
+        if model:  # a router of several models: one file each
+            path = path.with_name(f"{path.stem}.{cache_file_stem(served_name)}{path.suffix}")
+        decision_log = open(path, "a", buffering=1)  # noqa: SIM115 (closed with the router)
     return AdmissionController(predictor, slo, enabled=config.admission, default_units=num_units, batching=batching,
                                margin=config.admission_margin, stream_cap=config.stream_cap, model=model,
-                               cache=cache, miss_target=config.admission_miss_target)
+                               cache=cache, miss_target=config.admission_miss_target, decision_log=decision_log)
 
 
 async def serve(config: RouterConfig, stop_event: asyncio.Event) -> None:

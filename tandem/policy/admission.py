@@ -204,6 +204,15 @@ class TtftPrediction(NamedTuple):
     marginal_s: float
     num_batches_ahead: int
 
+    def stretched(self, factor: float) -> TtftPrediction:
+        """This prediction with what is still to come (the wait and the batch) ``factor`` times longer."""
+        if factor == 1.0:
+            return self
+        done_s = self.ttft_s - self.wait_s - self.batch_s  # since arrival, up to now
+        wait_s, batch_s = factor * self.wait_s, factor * self.batch_s
+        return self._replace(ttft_s=done_s + wait_s + batch_s, wait_s=wait_s, batch_s=batch_s,
+                             marginal_s=factor * self.marginal_s)
+
 
 def predict_ttft(
     ahead: Sequence[QueuedRequest],
@@ -681,3 +690,49 @@ class StreamLimit:
                 self._changed_s = now_s
         if self.limit is not None and self.limit >= in_flight + self.release:
             self.limit = None
+
+
+class CrowdBias:
+    """How much later than predicted prompts beside many streams get their first token, by the
+    number of streams in flight when they were admitted (aggregated mode).
+
+    Beside running streams decode computes a prompt in the chunks its TBT budget leaves: every
+    step is planned at the chunk target and the streams' own decode takes more of it the more
+    there are, so the prompt tokens a step carries fall as streams are added, down to the
+    progress floor. One calibration beside streams (``PromptRegime``) mixes every stream count:
+    at 6 req/s on this CPU the admitted prompts' first tokens came a median 1.0x their prediction
+    under 16 streams and 1.8-2.0x over it (the decision log, 2026-12-05), and the prompts admitted at 30-50 streams
+    on predictions of 0.2-0.5x the SLO (under the miss guard's floor, so it could not refuse them)
+    missed it or were dropped by decode.
+
+    Each outcome is an admitted prompt's measured TTFT over its calibrated prediction, kept per
+    bucket of streams in flight (under 8, 8-15, 16-31, 32-63, 64 and more; the last ``window``
+    each). ``factor`` for a stream count is the largest median of its bucket and every bucket
+    below it that holds ``min_outcomes`` outcomes (more streams never make prompts faster), at
+    least 1 (it only undoes the calibration's optimism; the calibration leans to admitting on
+    purpose, and where it over-predicts nothing was missed) and at most ``max_factor``.
+    """
+
+    BOUNDS = (8, 16, 32, 64)
+
+    def __init__(self, window: int = 24, min_outcomes: int = 8, max_factor: float = 8.0) -> None:
+        if not 1 <= min_outcomes <= window or not max_factor >= 1:
+            raise ValueError("need 1 <= min_outcomes <= window and max_factor >= 1")
+        self.min_outcomes = min_outcomes
+        self.max_factor = max_factor
+        self._ratios: list[deque[float]] = [deque(maxlen=window) for _ in range(len(self.BOUNDS) + 1)]
+
+    @classmethod
+    def bucket(cls, in_flight: int) -> int:
+        return sum(in_flight >= bound for bound in cls.BOUNDS)
+
+    def observe(self, in_flight: int, predicted_s: float, measured_s: float) -> None:
+        """A prompt admitted with ``in_flight`` streams, predicted at ``predicted_s`` (calibrated,
+        before this factor), got its first token ``measured_s`` after it arrived."""
+        if predicted_s > 0 and measured_s > 0 and math.isfinite(predicted_s) and math.isfinite(measured_s):
+            self._ratios[self.bucket(in_flight)].append(math.log(measured_s / predicted_s))
+
+    def factor(self, in_flight: int) -> float:
+        medians = [statistics.median(ratios) for ratios in self._ratios[:self.bucket(in_flight) + 1]
+                   if len(ratios) >= self.min_outcomes]
+        return min(self.max_factor, max([1.0, *(math.exp(m) for m in medians)]))

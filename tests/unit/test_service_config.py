@@ -74,6 +74,26 @@ def test_the_admission_margin_reaches_the_controller_and_is_bounded(smollm2_dir:
             parse_args([*base, "--admission-margin", bad])
 
 
+def test_the_admission_log_opens_one_file_per_model(smollm2_dir: Path, tmp_path: Path) -> None:
+    """``--admission-log FILE``: the router's admission appends its decisions there as JSON lines; in
+    a router of several models each model's go to FILE with its served name added."""
+    import json
+
+    from router.server import _admission_controller
+    from tandem.engine.config import ModelConfig
+    base = ["--model", str(smollm2_dir), "--prefill-address", "a:1", "--decode-address", "c:3"]
+    model_config = ModelConfig.from_dir(smollm2_dir)
+    assert _admission_controller(parse_args(base), model_config, "", "m").decision_log is None
+    path = tmp_path / "decisions.jsonl"
+    config = parse_args([*base, "--admission-log", str(path)])
+    for model, served, file in (("", "m", path), ("big", "big", tmp_path / "decisions.big.jsonl")):
+        controller = _admission_controller(config, model_config, model, served)
+        assert controller.try_admit("r1", 12, now_s=1.0) is None
+        controller.close_log()
+        line = json.loads(file.read_text().splitlines()[-1])
+        assert line["event"] == "admitted" and line["request_id"] == "r1" and line["model"] == model
+
+
 @pytest.mark.parametrize("config_type, parse", PARSERS, ids=lambda x: getattr(x, "__name__", ""))
 def test_help_lists_every_flag_with_its_env_twin(config_type: type, parse: Callable[[Sequence[str]], Any],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
