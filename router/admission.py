@@ -571,7 +571,7 @@ class AdmissionController:
             margin = min(margin, self.ttft_limit(margin) - 1.0)
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
-                                  overhead_s=overhead_s, predicted=predicted)
+                                  overhead_s=overhead_s, predicted=predicted, idle=not regime.beside_streams)
             limit = 1.0 + margin
             where = {"units": units, "beside_streams": regime.beside_streams, "scale": round(scale, 4),
                      "overhead_s": round(overhead_s, 4), "ahead": len(ahead),

@@ -317,6 +317,7 @@ def admit_one(
     margin: float = 0.0,
     overhead_s: float = 0.0,
     predicted: TtftPrediction | None = None,
+    idle: bool = True,
 ) -> Rejection | None:
     """Admit or refuse one arriving ``request`` behind ``ahead``, the admitted requests that
     have no first token yet (all of them count: they were admitted earlier and are served
@@ -333,7 +334,9 @@ def admit_one(
     have made it costs more than a slightly late first token (a negative margin refuses
     predictions short of the deadline: ``MissGuard``'s limit). One work-conserving exception: a
     request too long to meet the SLO even alone is admitted when nothing is ahead of it, since
-    serving it late then delays nobody. ``predicted``: ``predict_ttft``'s answer for these
+    serving it late then delays nobody; with ``idle`` False (streams decode beside it, aggregated
+    mode) only one too long for the SLO itself (and a positive margin), not for a limit the guard
+    tightened, since it would join those streams late and the guard's window fills again as they end. ``predicted``: ``predict_ttft``'s answer for these
     arguments, when the caller has it already.
     """
     if margin <= -1:
@@ -344,7 +347,11 @@ def admit_one(
     if late_s <= 0:
         return None
     alone_s = overhead_s + scale * predictor.predict_prefill([request.seq], units)
-    if alone_s > slo.ttft_for(request.prompt_tokens) + margin * slo.ttft_s:
+    # Beside running streams "too long even alone" is judged against the SLO (and a positive
+    # margin), never the guard's tighter limit: that would admit every request predicted over the
+    # limit whenever nothing is ahead, and it would join the streams late.
+    lone_margin = margin if idle else max(0.0, margin)
+    if alone_s > slo.ttft_for(request.prompt_tokens) + lone_margin * slo.ttft_s:
         if not ahead:
             return None
         # It can fit only once the backlog has drained.

@@ -205,6 +205,26 @@ def test_admit_one_serves_a_lone_long_prompt_but_not_behind_a_queue() -> None:
         admit_one([], long, NOW, P, 0, SLO)
 
 
+@given(margin=st.floats(-0.75, -0.01), share=st.floats(0.05, 1.5), idle=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_beside_streams_the_guards_tighter_limit_does_not_make_a_lone_prompt_too_long(
+        margin: float, share: float, idle: bool) -> None:
+    """``MissGuard`` tightens admission with a negative margin. On an idle cell a lone prompt over
+    that limit is still served (it delays nobody, and refusing it would keep the guard's window from
+    ever refilling); beside running streams one predicted between the limit and the SLO is refused
+    for its prediction, and only one over the SLO itself counts as "too long even alone"."""
+    request = q("r", max(1, round(share * SLO.ttft_s / P.token_s)), NOW)
+    alone_s = P.predict_prefill([request.seq], 1)
+    refused = admit_one([], request, NOW, P, 1, SLO, margin=margin, idle=idle)
+    if alone_s <= (1 + margin) * SLO.ttft_s or idle:
+        assert refused is None
+    elif alone_s <= SLO.ttft_s:
+        assert refused is not None and refused.reason == REASON_QUEUE
+        assert refused.retry_after_s == pytest.approx(alone_s - (1 + margin) * SLO.ttft_s)
+    else:
+        assert refused is None  # too long for the SLO alone, nothing ahead: served
+
+
 # --- batched prediction: the queue as prefill_svc batches it ----------------------------------
 
 @dataclass(frozen=True)
