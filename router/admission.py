@@ -722,7 +722,8 @@ class AdmissionController:
 
     def done(self, request_id: str, now_s: float | None = None) -> None:
         """The request failed or was cancelled (or already has its first token): it no longer
-        queues; a refusal judged by it stays unjudged."""
+        queues; a refusal judged by it stays unjudged. Past its deadline (``now_s``, default now)
+        it still tells ``CrowdBias`` how late it was at least."""
         request = self._pending.pop(request_id, None)
         if request is None:
             return

@@ -336,8 +336,8 @@ def admit_one(
     request too long to meet the SLO even alone is admitted when nothing is ahead of it, since
     serving it late then delays nobody; with ``idle`` False (streams decode beside it, aggregated
     mode) only one too long for the SLO itself (and a positive margin), not for a limit the guard
-    tightened, since it would join those streams late and the guard's window fills again as they end. ``predicted``: ``predict_ttft``'s answer for these
-    arguments, when the caller has it already.
+    tightened, since it would join those streams late and the guard's window fills again as they
+    end. ``predicted``: ``predict_ttft``'s answer for these arguments, when the caller has it already.
     """
     if margin <= -1:
         raise ValueError(f"margin must be > -1, got {margin}")
