@@ -573,11 +573,13 @@ class AdmissionController:
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
                                   overhead_s=overhead_s, predicted=predicted, idle=not regime.beside_streams)
             limit = 1.0 + margin
-            where = {"units": units, "beside_streams": regime.beside_streams, "scale": round(scale, 4),
-                     "overhead_s": round(overhead_s, 4), "ahead": len(ahead),
-                     "ahead_tokens": sum(r.prompt_tokens for r in ahead),
-                     "predicted_ttft_s": round(predicted.ttft_s, 4), "crowd": round(crowd, 3),
-                     "limit": round(limit, 4)}
+            where: dict[str, Any] = {}  # the decision log's fields, built only when it is open
+            if self.decision_log is not None:
+                where = {"units": units, "beside_streams": regime.beside_streams, "scale": round(scale, 4),
+                         "overhead_s": round(overhead_s, 4), "ahead": len(ahead),
+                         "ahead_tokens": sum(r.prompt_tokens for r in ahead),
+                         "predicted_ttft_s": round(predicted.ttft_s, 4), "crowd": round(crowd, 3),
+                         "limit": round(limit, 4)}
             if rejection is not None:
                 self._log("refused", request, now_s, reason=rejection.reason, **where)
                 self.num_refused += 1

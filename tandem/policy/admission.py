@@ -708,7 +708,8 @@ class CrowdBias:
     there are, so the prompt tokens a step carries fall as streams are added, down to the
     progress floor. One calibration beside streams (``PromptRegime``) mixes every stream count:
     at 6 req/s on this CPU the admitted prompts' first tokens came a median 1.0x their prediction
-    under 16 streams and 1.8-2.0x over it (the decision log, 2026-12-05), and the prompts admitted at 30-50 streams
+    under 16 streams and 1.5-1.7x over it, all of those pooled (1.8-2.0x in the 16-31 and 32-63
+    buckets taken apart; the decision log, 2026-12-05), and the prompts admitted at 30-50 streams
     on predictions of 0.2-0.5x the SLO (under the miss guard's floor, so it could not refuse them)
     missed it or were dropped by decode.
 
