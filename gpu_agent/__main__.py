@@ -85,7 +85,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),
                             calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free,
-                            predicted_model=cell.first.name, stats_s=config.step_stats_s)
+                            predicted_model=cell.first.name, stats_s=config.step_stats_s, chunked=chunked)
     servicer = GpuAgentServicer(config, cell, partition, policy)
     server = new_server(service_server_interceptors())
     agent_pb2_grpc.add_GpuAgentServicer_to_server(servicer, server)
@@ -102,7 +102,9 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                               stats.num_blocks, kv_free_blocks=stats.num_free_blocks, num_running=stats.num_requests,
                               kv_used_by_model=cell.kv_used_by_model(), kv_block_size=first.block_size,
                               kv_held_back_blocks=first.held_back_blocks,
-                              kv_prompt_blocks_granted=first.prompt_blocks_granted, kv_by_model=kv_by_model)
+                              kv_prompt_blocks_granted=first.prompt_blocks_granted, kv_by_model=kv_by_model,
+                              prompt_rate_beside=-1.0 if policy is None or policy.prompt_rate is None
+                              else policy.prompt_rate)
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tandem.perf.predictor import LiveStepPredictor
-from tandem.policy.policies import ChunkedConfig, DynamicConfig, DynamicPolicy
+from tandem.policy.policies import ChunkedConfig, DynamicConfig, DynamicPolicy, prompt_rate_beside
 from tandem.policy.types import ClusterSnapshot, Decision, Predictor, QueuedRequest, RunningPrefill, Slo
 from tandem.rpc.v1 import agent_pb2
 
@@ -128,11 +128,17 @@ class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
                  num_layers: int, slo: Slo, calibrate_split: bool = True,
                  kv_blocks: Callable[[], tuple[int, int]] | None = None, predicted_model: str = "",
-                 stats_s: float = 30.0) -> None:
+                 stats_s: float = 30.0, chunked: ChunkedConfig | None = None) -> None:
         """``kv_blocks`` says the pool's (free, total) blocks for the snapshot; None: unknown.
         ``predicted_model``: the model ``predictor`` is of, whose decode services' start-up
         timings anchor the live predictor ("": any decode service's). ``stats_s``: how often
-        the decisions' summary is logged (``DecisionStats``)."""
+        the decisions' summary is logged (``DecisionStats``). ``chunked``: the hybrid steps'
+        budget, with which each decision beside streams in aggregated mode also says how fast
+        a new prompt would be computed there (``prompt_rate``); None: not said."""
+        self.chunked = chunked
+        # Prompt tokens per second beside the streams now, when the partition in force is
+        # aggregated and streams decode (``prompt_rate_beside``; 0.0: prompts wait); else None.
+        self.prompt_rate: float | None = None
         self.stats = DecisionStats(stats_s)
         self.policy_name = policy_name
         self.kv_blocks = kv_blocks
@@ -277,6 +283,7 @@ class PolicyLoop:
         prefill_busy = snapshot.has_prefill_work
         decode_busy = bool(snapshot.decode_context_lens)
         if not prefill_busy and not decode_busy:
+            self.prompt_rate = None
             return None  # nothing to run: keep the split in force
         models = {model for _, model in self.loads}
         co_located = len(models) > 1
@@ -287,6 +294,10 @@ class PolicyLoop:
             predictor = CoLocatedSteps(self.predictor, len(busy_models) - 1)
         decision = self.policy(snapshot, predictor)
         self.num_decisions += 1
+        self.prompt_rate = None
+        if decision.aggregated and decode_busy and self.chunked is not None:
+            self.prompt_rate = prompt_rate_beside(predictor, snapshot.decode_context_lens, snapshot.total_units,
+                                                  snapshot.slo.tbt_s, self.chunked)
         summary = self.stats.add(decision.reason, sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                                  snapshot.now_s)
         if summary:

@@ -39,6 +39,12 @@ leaves, the fewer the more streams decode, which one calibration beside streams 
 ``CrowdBias`` learns, by the streams in flight at admission, the median of each admitted prompt's
 measured TTFT over its calibrated prediction (a prompt decode dropped past its deadline counts
 as at least that late), and the predictions there are stretched by it (``TtftPrediction.stretched``).
+The agent's load report also says how fast a prompt is computed beside the streams decoding now
+(``LoadReport.prompt_rate_beside``: the most prompt tokens whose hybrid step the chunked budget's
+TBT bound allows, over that step's time). The time that rate takes over a prompt and this router's
+prompts ahead of it follows the stream count as the policy does; ``RateBound`` learns how the first
+tokens of admitted prompts compare with it (a steady median 0.5-0.65x on this CPU), and a prompt
+that ratio puts past its deadline is refused (``REASON_CROWDED``; ``least_beside_s``).
 ``--admission-log`` writes each decision and each admitted request's first token as a JSON line.
 
 The TBT side: TTFT admission alone let the decode batch grow until every admitted stream
@@ -79,7 +85,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -88,6 +94,7 @@ from tandem.policy.admission import (
     DEFAULT_COLD_MARGIN,
     DEFAULT_MARGIN,
     DEFAULT_MISS_TARGET,
+    REASON_CROWDED,
     REASON_KV,
     REASON_TBT,
     CrowdBias,
@@ -95,6 +102,7 @@ from tandem.policy.admission import (
     PrefillBatching,
     PrefillCalibration,
     PromptBlockRate,
+    RateBound,
     StreamLimit,
     admit_one,
     kv_wait_s,
@@ -138,8 +146,10 @@ class Refusal:
     def message(self) -> str:
         if self.reason == REASON_TBT:
             return f"admission refused: {self.reason}; retry after {self.retry_after_s:.2f} s"
+        unbounded = ("no prompt chunk fits the TBT SLO beside the streams now" if self.reason == REASON_CROWDED
+                     else "no blocks went to new prompts lately")
         predicted = (f"{self.predicted_ttft_s * 1000:.0f} ms" if math.isfinite(self.predicted_ttft_s)
-                     else "unbounded: no blocks went to new prompts lately")
+                     else f"unbounded: {unbounded}")
         return (f"admission refused: {self.reason} (predicted TTFT {predicted}, "
                 f"SLO {self.ttft_slo_s * 1000:.0f} ms); retry after {self.retry_after_s:.2f} s")
 
@@ -180,6 +190,10 @@ class AdmissionStats:
     # (fewest streams in flight of a bucket, factor) where prompts beside that many streams were
     # predicted ``factor`` times longer (``CrowdBias``), for the buckets where it is over 1
     crowd_factors: tuple[tuple[int, float], ...] = ()
+    # of num_refused: beside streams, too slow at the agent's prompt rate (``RateBound``), and that
+    # bound's factor (None until learnt)
+    num_rate_refusals: int = 0
+    rate_bound_factor: float | None = None
 
     def summary(self) -> str:
         fits = {(u, beside): describe_scaling(slope, overhead_s)
@@ -192,7 +206,9 @@ class AdmissionStats:
         return (f"{self.num_admitted} admitted ({self.num_met} met the TTFT SLO, {self.num_missed} missed), "
                 f"{self.num_refused} refused ({self.num_false_refusals} judged false, "
                 f"{self.num_confirmed_refusals} confirmed, {self.num_tbt_refusals} over the stream cap, "
-                f"{self.num_kv_refusals} for KV blocks; {limit}; predictions admitted up to "
+                f"{self.num_kv_refusals} for KV blocks, {self.num_rate_refusals} at the prompt rate beside streams"
+                + (f" (x{self.rate_bound_factor:.2f} of it)" if self.rate_bound_factor is not None else "")
+                + f"; {limit}; predictions admitted up to "
                 f"{self.ttft_limit:.2f}x the TTFT SLO"
                 + "".join(f"; beside {n}+ streams x{f:.2f}" for n, f in self.crowd_factors) + "); "
                 f"prefill calibration x{self.calibration_factor:.2f} "
@@ -282,6 +298,8 @@ class AdmissionController:
         # How much later than predicted prompts beside many streams got their first token.
         self.crowd = CrowdBias()
         self._crowded: dict[str, tuple[int, float]] = {}  # beside streams: (streams in flight, prediction)
+        self.rate_bound = RateBound()
+        self._bounded: dict[str, tuple[float, float]] = {}  # beside streams: (admitted at, least_beside_s then)
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
@@ -314,6 +332,7 @@ class AdmissionController:
         self._prompt_blocks = PromptBlockRate()  # how fast new prompts get KV blocks (the agent's count)
         self._granted: frozenset[str] = frozenset()  # prompts the last report names as given blocks
         self.num_kv_refusals = 0
+        self.num_rate_refusals = 0
         # When the prefill batch now running started (None: none of ours is running), and the
         # requests whose batch has ended but whose reply has not come yet (handoffs).
         self._running_since_s: float | None = None
@@ -385,6 +404,20 @@ class AdmissionController:
         blocks = lambda r: -(-(r.prompt_tokens + 1) // size)  # noqa: E731
         waiting = sum(blocks(r) for r in ahead if r.request_id not in self._granted)
         return kv_wait_s(blocks(request), waiting, kv.free_blocks, kv.held_back_blocks, self._prompt_blocks.rate())
+
+    def least_beside_s(self, request: QueuedRequest, ahead: Sequence[QueuedRequest]) -> float:
+        """The least time from now to ``request``'s first token beside the streams decoding now,
+        from the agent's report (``LoadReport.prompt_rate_beside``): its prompt and those of ours
+        ahead that go before it (deadline order) at the rate the chunked budget leaves prompts;
+        inf when no chunk fits beside the streams, 0.0 when the agent does not say. A bound, not a
+        prediction: what is ahead may be partly computed, and the policy may give waiting prompts
+        more than the TBT-bound budget to keep their deadlines."""
+        rate = self._agent.prompt_rate_beside if self._agent is not None and self._agent.aggregated else -1.0
+        if rate < 0:
+            return 0.0
+        deadline = request.deadline(self.slo)
+        tokens = request.prompt_tokens + sum(r.prompt_tokens for r in ahead if r.deadline(self.slo) <= deadline)
+        return tokens / rate if rate > 0 else math.inf
 
     def prefill_units(self) -> int:
         """Units prompts will run on: in aggregated mode decode's (it computes them in its
@@ -492,6 +525,7 @@ class AdmissionController:
             num_kv_refusals=self.num_kv_refusals,
             ttft_limit=self.ttft_limit(self.margin),
             crowd_factors=tuple((n, round(f, 2)) for n in (1, *CrowdBias.BOUNDS) if (f := self.crowd.factor(n)) > 1.0),
+            num_rate_refusals=self.num_rate_refusals, rate_bound_factor=self.rate_bound.factor(),
         )
 
     def _factors(self, *, beside: bool) -> tuple[tuple[int, float], ...]:
@@ -599,10 +633,26 @@ class AdmissionController:
                     self.num_kv_refusals += 1
                     return Refusal(REASON_KV, kv_s if math.isfinite(kv_s) else self._end_interval_s,
                                    kv_s + alone_s, self.slo.ttft_for(request.prompt_tokens))
+            # Beside many streams the steps leave prompts few tokens: the first token comes about
+            # RateBound's factor times what the agent's prompt rate takes over the prompt and
+            # what goes before it (unused until that factor is learnt).
+            bound_s = self.least_beside_s(request, ahead) if regime.beside_streams else 0.0
+            bound_factor = self.rate_bound.factor()
+            least_s = bound_factor * bound_s if bound_s and bound_factor is not None else 0.0
+            if where and bound_s:
+                where.update(bound_s=round(bound_s, 4), least_s=round(least_s, 4))
+            if least_s and now_s + least_s - request.deadline(self.slo) - margin * self.slo.ttft_s > 0:
+                self._log("refused", request, now_s, reason=REASON_CROWDED, **where)
+                self.num_refused += 1
+                self.num_rate_refusals += 1
+                return Refusal(REASON_CROWDED, self._end_interval_s, now_s - request.arrival_s + least_s,
+                               self.slo.ttft_for(request.prompt_tokens))
             share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
             self._log("admitted", request, now_s, **where)
             if regime.beside_streams:
                 self._crowded[request_id] = (len(self._in_flight), calibrated_s)
+            if 0 < bound_s < math.inf:
+                self._bounded[request_id] = (now_s, bound_s)
         else:
             self._log("admitted", request, now_s)
         if not ahead:
@@ -706,6 +756,9 @@ class AdmissionController:
         crowded = self._crowded.pop(request.request_id, None)
         if crowded is not None:
             self.crowd.observe(*crowded, now_s - request.arrival_s)
+        bounded = self._bounded.pop(request.request_id, None)
+        if bounded is not None:
+            self.rate_bound.observe(bounded[1], now_s - bounded[0])
         self._log("first_token", request, now_s, met=met, predicted_share=self._predicted_share.get(request.request_id))
         if met:
             self.num_met += 1
@@ -730,11 +783,15 @@ class AdmissionController:
         if request is None:
             return
         crowded = self._crowded.pop(request_id, None)
+        bounded = self._bounded.pop(request_id, None)
         now_s = time.monotonic() if now_s is None else now_s
-        if crowded is not None and now_s > request.deadline(self.slo):
+        if now_s > request.deadline(self.slo):
             # Dropped by decode past its deadline (or given up on by its client): its first token
             # would have come later still, so this is a bound from below.
-            self.crowd.observe(*crowded, now_s - request.arrival_s)
+            if crowded is not None:
+                self.crowd.observe(*crowded, now_s - request.arrival_s)
+            if bounded is not None:
+                self.rate_bound.observe(bounded[1], now_s - bounded[0])
         self._regimes.pop(request_id, None)
         self._predicted_ttft_s.pop(request_id, None)
         self._predicted_share.pop(request_id, None)

@@ -38,6 +38,7 @@ REASON_PAST_DEADLINE = "deadline already passed"
 REASON_TOO_LONG = "prefill alone exceeds the TTFT SLO"
 REASON_QUEUE = "queue ahead pushes TTFT past the deadline"
 REASON_KV = "the KV cache is full: blocks for the prompt come too late"
+REASON_CROWDED = "the streams decoding leave prompts too few tokens a step to make the deadline"
 
 
 class Rejection(NamedTuple):
@@ -744,3 +745,34 @@ class CrowdBias:
         medians = [statistics.median(ratios) for ratios in self._ratios[:self.bucket(in_flight) + 1]
                    if len(ratios) >= self.min_outcomes]
         return min(self.max_factor, max([1.0, *(math.exp(m) for m in medians)]))
+
+
+class RateBound:
+    """How the first tokens of prompts admitted beside streams compare with the time the agent's
+    prompt rate takes over them (``LoadReport.prompt_rate_beside``: their tokens and those ahead
+    at the TBT-bound chunk budget beside the streams then decoding).
+
+    That rate follows the stream count as the policy does (the fewer tokens a step leaves
+    prompts, the slower), which a prefill model calibrated over every stream count does not:
+    at 6 req/s on this CPU the first tokens came a steady median 0.52-0.63x of it from 8 to 47
+    streams, while the calibrated prediction (CrowdBias included) ran from 0.6x to 1.8x (the
+    decision log, 2026-12-06). The bound itself is pessimistic by that much, since the policy
+    gives waiting prompts more than the TBT budget to keep their deadlines and part of what is
+    ahead is computed already. ``factor`` is the median ratio over the last ``window``
+    outcomes, None until ``min_outcomes`` (the bound is then not used).
+    """
+
+    def __init__(self, window: int = 40, min_outcomes: int = 10) -> None:
+        if not 1 <= min_outcomes <= window:
+            raise ValueError("need 1 <= min_outcomes <= window")
+        self.min_outcomes = min_outcomes
+        self._ratios: deque[float] = deque(maxlen=window)
+
+    def observe(self, bound_s: float, measured_s: float) -> None:
+        """A prompt whose bound was ``bound_s`` when admitted got its first token ``measured_s``
+        after that."""
+        if bound_s > 0 and measured_s > 0 and math.isfinite(bound_s) and math.isfinite(measured_s):
+            self._ratios.append(math.log(measured_s / bound_s))
+
+    def factor(self) -> float | None:
+        return math.exp(statistics.median(self._ratios)) if len(self._ratios) >= self.min_outcomes else None

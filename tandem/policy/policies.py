@@ -241,10 +241,12 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
     cap = _prompt_token_cap(snapshot, pending, max_budget_tokens)
     if not ctx:
         return cap
+    return _most_that_fit(cap, lambda tokens: _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units)
+                          <= snapshot.slo.tbt_s * tbt_target)
 
-    def fits(tokens: int) -> bool:
-        return _hybrid_s(predictor, _chunks(pending, tokens), ctx, snapshot.total_units) <= snapshot.slo.tbt_s * tbt_target
 
+def _most_that_fit(cap: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [0, cap] with ``fits(n)`` (bisection; ``fits`` monotone), 0 when none does."""
     if fits(cap):
         return cap
     lo, hi = 0, cap  # invariant: answer in [lo, hi), fits(hi) is False
@@ -257,6 +259,24 @@ def tbt_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, max_budget
         else:
             hi = mid
     return lo
+
+
+def prompt_rate_beside(predictor: Predictor, decode_context_lens: Sequence[int], units: int, tbt_s: float,
+                       config: ChunkedConfig) -> float:
+    """Prompt tokens per second a prompt gets in hybrid steps beside these streams, at the
+    chunked budget's TBT bound: the most new tokens (within ``config.max_budget_tokens`` less
+    the streams') whose step is predicted within ``config.tbt_target`` x ``tbt_s``, over that
+    step's predicted time. 0.0 when no chunk fits (prompts wait for streams to end); with no
+    streams, the rate of a step of the whole cap. A rate, not a promise: the policy may give
+    more to keep waiting prompts' deadlines (``ttft_token_budget``)."""
+    ctx = list(decode_context_lens)
+    cap = max(0, config.max_budget_tokens - len(ctx))
+
+    def step_s(tokens: int) -> float:
+        return predictor.predict_hybrid([(tokens, 0)] if tokens else [], ctx, units)
+
+    tokens = _most_that_fit(cap, lambda n: step_s(n) <= tbt_s * config.tbt_target) if ctx else cap
+    return tokens / step_s(tokens) if tokens else 0.0
 
 
 def ttft_token_budget(snapshot: ClusterSnapshot, predictor: Predictor, budget: int, cap: int) -> int:
