@@ -45,6 +45,7 @@ TBT bound allows, over that step's time). The time that rate takes over a prompt
 prompts ahead of it follows the stream count as the policy does; ``RateBound`` learns how the first
 tokens of admitted prompts compare with it (a steady median 0.5-0.65x on this CPU), and a prompt
 that ratio puts past its deadline is refused (``REASON_CROWDED``; ``least_beside_s``).
+A retry of a request refused here (``router.retries``) is held to the deadline of its first send.
 ``--admission-log`` writes each decision and each admitted request's first token as a JSON line.
 
 The TBT side: TTFT admission alone let the decode batch grow until every admitted stream

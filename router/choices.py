@@ -65,20 +65,22 @@ class Choices:
     """
 
     def __init__(self, core: RouterCore, requests: list[router_pb2.GenerateRequest], in_flight: InFlight,
-                 received_ns: int) -> None:
+                 received_ns: int, first_sent_ns: int | None = None) -> None:
+        """``received_ns`` and ``first_sent_ns``: as ``RouterCore.generate`` takes them."""
         self._queue: asyncio.Queue[tuple[int, ChoiceItem]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._in_flight = in_flight
         for i, request in enumerate(requests):
-            task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns))
+            task = asyncio.get_running_loop().create_task(self._pump(i, core, request, received_ns, first_sent_ns))
             in_flight.add(task)
             self._tasks.append(task)
 
     async def _pump(self, index: int, core: RouterCore, request: router_pb2.GenerateRequest,
-                    received_ns: int) -> None:
+                    received_ns: int, first_sent_ns: int | None) -> None:
         item: ChoiceItem = None
         try:
-            async with contextlib.aclosing(core.generate(request, received_ns=received_ns)) as stream:
+            async with contextlib.aclosing(core.generate(request, received_ns=received_ns,
+                                                         first_sent_ns=first_sent_ns)) as stream:
                 async for response in stream:
                     self._queue.put_nowait((index, response))
         except RequestError as exc:

@@ -301,7 +301,8 @@ class RouterCore:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def generate(self, request: router_pb2.GenerateRequest, client_timeout_s: float | None = None, *,
-                       received_ns: int | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+                       received_ns: int | None = None,
+                       first_sent_ns: int | None = None) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The responses of one generation, the last one carrying a finish reason and usage.
 
         Every failure raises RequestError, before the first response or between two: INVALID_ARGUMENT
@@ -316,7 +317,9 @@ class RouterCore:
         else now: its TTFT, its end-to-end latency and the deadline admission holds it to count
         from there. With sixteen chats sent at once, that was 2-14 ms before admission here; the
         clients still counted 60-80 ms more (before the handler and after the first token left),
-        which the router cannot see.
+        which the router cannot see. ``first_sent_ns`` (same clock): when a retry's first send
+        reached the router (``router.retries``), if earlier: admission holds it to the deadline
+        from there; its TTFT and latency still count from ``received_ns``.
         """
         metrics = self.metrics
         metrics.request_started()
@@ -326,7 +329,9 @@ class RouterCore:
         has_first = False
         finish_reason: str | None = None
         try:
-            async with contextlib.aclosing(self._generate(request, client_timeout_s, received_ns)) as stream:
+            first_sent_ns = received_ns if first_sent_ns is None else min(first_sent_ns, received_ns)
+            async with contextlib.aclosing(self._generate(request, client_timeout_s, received_ns,
+                                                          first_sent_ns)) as stream:
                 async for response in stream:
                     now_s = time.perf_counter()
                     if not has_first:
@@ -345,8 +350,9 @@ class RouterCore:
             metrics.request_finished(has_first, (time.monotonic_ns() - received_ns) / 1e9)
 
     async def _generate(self, request: router_pb2.GenerateRequest, client_timeout_s: float | None,
-                        started_ns: int) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        """``started_ns``: the request's receipt (``time.monotonic_ns``), no later than now."""
+                        started_ns: int, first_sent_ns: int) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """``started_ns``: the request's receipt (``time.monotonic_ns``), no later than now;
+        ``first_sent_ns``: its first send's, no later than that (``generate``)."""
         loop = asyncio.get_running_loop()
         arrival_unix_ns = time.time_ns() - (time.monotonic_ns() - started_ns)
         request_id = _checked_request_id(request.request_id) or uuid.uuid4().hex
@@ -369,7 +375,7 @@ class RouterCore:
                                     prepared.include_stop_str, prepared.skip_special_tokens)
             admission = self.admission
             if admission is not None:
-                refusal = admission.try_admit(upstream_id, len(prepared.prompt_ids), arrival_s=started_ns / 1e9)
+                refusal = admission.try_admit(upstream_id, len(prepared.prompt_ids), arrival_s=first_sent_ns / 1e9)
                 if refusal is not None:
                     self.upstream.streams.unregister(upstream_id)
                     log.info("request %s refused: %s", request_id, refusal.reason)

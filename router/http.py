@@ -82,6 +82,7 @@ from router.openai_types import (
 from router.responses import ResponsesRenderer
 from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
+from router.retries import RETRY_COUNT_HEADER, RefusedRequests, retry_key
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
@@ -671,6 +672,7 @@ class Gateway:
         # Browsers' cross-origin calls (CORS), as vLLM's --allowed-origins: "*" lets any page
         # call the API (its key still needed); none sends no CORS headers, so browsers refuse.
         self._allowed_origins = allowed_origins
+        self._refused = RefusedRequests()  # the first sends of requests refused lately, for their retries
 
     def app(self) -> Starlette:
         routes = [
@@ -715,12 +717,13 @@ class Gateway:
         """OpenAI's ``POST /v1/responses``, run as the chat request it means (``router.responses``)."""
         received_ns = time.monotonic_ns()
         response_id = f"resp_{uuid.uuid4().hex}"
-        body = await self._read_json(request)
+        raw = await self._read_body(request)
+        body = _parse_json(raw)
         core = self._pick(body)
         asked, parsed = parse_responses_request(body, core.context_length, response_id, core.sampling_defaults)
         renderer = ResponsesRenderer(core.model_id, core.tokenizer, asked, parsed, response_id, core.sampling_defaults,
                                      core.tool_format)
-        return await self._run(request, core, parsed, received_ns, lambda states: renderer.response(states[0]),
+        return await self._run(request, raw, core, parsed, received_ns, lambda states: renderer.response(states[0]),
                                lambda choices, states, buffered: renderer.events(choices, states[0], buffered))
 
     @_endpoint
@@ -817,6 +820,9 @@ class Gateway:
                             type="authentication_error", code="invalid_api_key")
 
     async def _read_json(self, request: Request) -> Any:
+        return _parse_json(await self._read_body(request))
+
+    async def _read_body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise HTTPError(413, f"the request body has {length} bytes; the limit is {MAX_BODY_BYTES}",
@@ -829,12 +835,7 @@ class Gateway:
                 raise HTTPError(413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes",
                                 code="request_too_large")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as exc:
-            raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
-        _reject_lone_surrogates(body, "body")
-        return body
+        return b"".join(chunks)
 
     def _pick(self, body: Any) -> RouterCore:
         """The core for the body's ``model``; one that is not a string is refused later, naming the field."""
@@ -844,17 +845,22 @@ class Gateway:
     async def _generate(self, request: Request, kind: Kind) -> Response:
         received_ns = time.monotonic_ns()  # the request's arrival, for its TTFT (see RouterCore.generate)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        body = await self._read_json(request)
+        raw = await self._read_body(request)
+        body = _parse_json(raw)
         core = self._pick(body)
         parsed = parse_request(kind, body, core.context_length, response_id, core.sampling_defaults)
         renderer = Renderer(core, parsed, response_id)
-        return await self._run(request, core, parsed, received_ns, renderer.completion,
+        return await self._run(request, raw, core, parsed, received_ns, renderer.completion,
                                lambda choices, states, buffered: self._events(choices, states, renderer, buffered))
 
-    async def _run(self, request: Request, core: RouterCore, parsed: ParsedRequest, received_ns: int,
+    async def _run(self, request: Request, raw: bytes, core: RouterCore, parsed: ParsedRequest, received_ns: int,
                    whole: Callable[[list[ChoiceState]], dict[str, Any]], events: EventsFn) -> Response:
-        """Run ``parsed``'s choices: the answer ``whole`` makes of them, or the stream ``events`` makes."""
-        choices = Choices(core, parsed.requests, self._models.in_flight, received_ns)
+        """Run ``parsed`` (read from the body ``raw``)'s choices: the answer ``whole`` makes of
+        them, or the stream ``events`` makes. A retry of a request refused here is admitted
+        against the deadline of its first send (``router.retries``)."""
+        key = retry_key(request.url.path, request.headers.get("authorization", ""), raw)
+        first_sent_ns = self._refused.first_sent_ns(key, request.headers.get(RETRY_COUNT_HEADER), received_ns)
+        choices = Choices(core, parsed.requests, self._models.in_flight, received_ns, first_sent_ns)
         states = [ChoiceState() for _ in parsed.requests]
         try:
             if not parsed.stream:
@@ -865,6 +871,8 @@ class Gateway:
             buffered = await _unless_disconnected(request, self._collect(choices, states, wait_for="first"))
         except HTTPError as exc:
             choices.cancel()
+            if exc.status == 429:
+                self._refused.refused(key, first_sent_ns, time.monotonic_ns())
             return exc.response()
         except ClientDisconnected:
             choices.cancel()
@@ -926,6 +934,15 @@ class Gateway:
 
 class ClientDisconnected(Exception):
     """The HTTP client closed the connection before its answer was ready."""
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
+    _reject_lone_surrogates(body, "body")
+    return body
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -229,8 +229,10 @@ async def send_one(http: httpx.AsyncClient, target: Target, model: str, spec: Re
     try:
         body = request_body(target, model, spec, prompt)
         for retries_left in range(target.retries_429, -1, -1):
-            async with http.stream("POST", ENDPOINTS[target.endpoint], json=body,
-                                   timeout=target.timeout_s) as response:
+            # Each attempt counted as the openai client counts it (0 first): a router that refused
+            # the request then knows a retry's first send (``router.retries``).
+            async with http.stream("POST", ENDPOINTS[target.endpoint], json=body, timeout=target.timeout_s,
+                                   headers={"x-stainless-retry-count": str(num_429)}) as response:
                 if response.status_code != 429 or retries_left == 0:
                     return replace(await _read_stream(response, spec, sent_s, clock, chat), num_429=num_429,
                                    last_sent_s=last_sent_s)

@@ -114,6 +114,42 @@ def test_grpc_refusal_carries_the_retry_hint(stack: Stack) -> None:
         assert "admission refused" in str(exc)
 
 
+def test_a_retry_of_a_refused_request_keeps_the_deadline_of_its_first_send(stack: Stack) -> None:
+    """A burst, each request sent once more after the burst as the openai client retries a 429
+    (the same body, ``x-stainless-retry-count: 1``), the cell idle by then: a refused request's
+    retry is refused again, its first send's deadline being past; the same body sent as a new
+    request (count 0, or no header) is served, and so is the retry of one that was served."""
+    base = stack.http_address()
+    bodies = [{"model": "default", "prompt": f"Retry {uuid.uuid4().hex[:6]} {i}: {STORY}, please.",
+               "max_tokens": 2, "ignore_eos": True} for i in range(HTTP_BURST)]
+
+    async def send(http: httpx.AsyncClient, body: dict[str, object], count: str | None) -> httpx.Response:
+        headers = {"x-stainless-retry-count": count} if count is not None else {}
+        return await http.post(f"{base}/v1/completions", json=body, headers=headers)
+
+    async def run() -> tuple[list[httpx.Response], list[tuple[int, httpx.Response, httpx.Response, httpx.Response]]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            first = list(await asyncio.gather(*(send(http, b, "0") for b in bodies)))
+            await asyncio.sleep(TTFT_SLO_MS / 1000)  # every first send's deadline is past
+            again = []
+            for i, r in enumerate(first):  # one at a time: each comes to an idle cell
+                again.append((i, await send(http, bodies[i], "1"), await send(http, bodies[i], "0"),
+                              await send(http, bodies[i], None)))
+            return first, again
+
+    first, again = asyncio.run(run())
+    refused = {i for i, r in enumerate(first) if r.status_code == 429}
+    assert refused and len(refused) < len(first), [r.status_code for r in first]
+    for i, retry, new, bare in again:
+        if i in refused:
+            assert retry.status_code == 429 and "deadline already passed" in retry.json()["error"]["message"], retry.text
+        else:
+            assert retry.status_code == 200, retry.text  # nothing refused: a retry header alone changes nothing
+        assert new.status_code == 200 and bare.status_code == 200, (new.text, bare.text)
+    stats = asyncio.run(_wait_all_blocks_free(stack, 30))
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
+
+
 CHAT_BURST = 16
 DEFAULT_TTFT_SLO_S = 2.0
 

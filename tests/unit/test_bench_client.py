@@ -171,11 +171,13 @@ class RefusingServer(FakeServer):
         self.retry_after_s = retry_after_s
         self.retry_after_ms = retry_after_ms  # also sent as OpenAI's retry-after-ms when set
         self.attempts: dict[int, int] = {}
+        self.retry_counts: dict[int, list[str | None]] = {}  # each attempt's x-stainless-retry-count
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         key = body["max_tokens"]  # each request of the test has its own
         self.attempts[key] = self.attempts.get(key, 0) + 1
+        self.retry_counts.setdefault(key, []).append(request.headers.get("x-stainless-retry-count"))
         if self.refusals.get(key, 0) >= self.attempts[key]:
             headers = {"retry-after": f"{self.retry_after_s:.2f}"}
             if self.retry_after_ms is not None:
@@ -200,6 +202,8 @@ def test_refused_requests_retry_after_the_servers_hint_and_keep_their_first_send
         for spec, record in zip(specs, result.records, strict=True):
             refused = refusals[spec.output_len]
             assert server.attempts[spec.output_len] == min(refused, retries) + 1
+            # each attempt counted as the openai client counts it, so a router knows a retry
+            assert server.retry_counts[spec.output_len] == [str(n) for n in range(min(refused, retries) + 1)]
             assert record.num_429 == min(refused, retries)  # the refusals it was retried after
             assert RequestRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
             if refused > retries:
