@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.client import AsyncTandemClient, Overloaded
+from tandem.policy.admission import DEFAULT_COLD_MARGIN
 from tests.e2e.test_openai_api import _wait_all_blocks_free
 from tests.integration.stack import Stack
 
@@ -130,7 +131,9 @@ def test_a_retry_of_a_refused_request_keeps_the_deadline_of_its_first_send(stack
     async def run() -> tuple[list[httpx.Response], list[tuple[int, httpx.Response, httpx.Response, httpx.Response]]]:
         async with httpx.AsyncClient(timeout=120) as http:
             first = list(await asyncio.gather(*(send(http, b, "0") for b in bodies)))
-            await asyncio.sleep(TTFT_SLO_MS / 1000)  # every first send's deadline is past
+            # Every first send's deadline is past by more than any margin admission allows (the
+            # cold margin, 1x the SLO, at most): a retry sooner may still be admitted, and rightly.
+            await asyncio.sleep((2 + DEFAULT_COLD_MARGIN) * TTFT_SLO_MS / 1000)
             again = []
             for i, r in enumerate(first):  # one at a time: each comes to an idle cell
                 again.append((i, await send(http, bodies[i], "1"), await send(http, bodies[i], "0"),
