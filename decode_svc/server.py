@@ -63,6 +63,7 @@ _AGENT_ERROR_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
                        grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE", grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE"}
 _AGENT_AWAY = "agent away"  # ``_grow_blocks``: a request held while its Extend finds the agent unreachable
 AGENT_RETRY_S = 0.1  # how often a loop whose every due request waits for the agent asks again
+_MAX_UINT32 = 2**32 - 1
 _ENDS_KEPT = 1024  # requests whose end went into a stream, kept to send again (DecodeWorker.reopened)
 # Prompt tokens per step for prompts handed over uncomputed when the partition names no budget
 # (the agent left aggregated mode while some were still in progress).
@@ -157,9 +158,19 @@ class _Active:
     preempted_ns: int = 0  # when it lost its blocks (0: it holds them)
     rehanded: bool = False  # prefill_svc handed it over again (its first call broke): it stays
     chunked: bool = False  # aggregated mode: a chunk of its prompt has been computed here
+    # when its last token came out of a step (or prefill, unix ns; 0: none yet), and the longest
+    # gap between two of its tokens so far (the agent's ``ChunkedConfig.targets``)
+    last_token_unix_ns: int = 0
+    longest_gap_ns: int = 0
     # agent calls in flight while it decodes (its prompt's Publish, the Extend of its next
     # block); awaited before its blocks go back
     background: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def token_out(self, unix_ns: int) -> None:
+        """A token of its came out at ``unix_ns`` (a step's end): the gap since the last one counts."""
+        if self.last_token_unix_ns:
+            self.longest_gap_ns = max(self.longest_gap_ns, unix_ns - self.last_token_unix_ns)
+        self.last_token_unix_ns = unix_ns
 
 
 def _handed_again(held: _Active, msg: decode_pb2.HandoffRequest) -> bool:
@@ -640,6 +651,7 @@ class DecodeWorker:
             last_step_num_seqs=self.last_step_num_seqs,
             oldest_waiting_first_token_unix_ns=min(self._prefill_done_unix_ns.values(), default=0),
             prompt_step_timings=self._prompt_step_timings,
+            decode_longest_gap_us=[min(a.longest_gap_ns // 1000, _MAX_UINT32) for a in self.running + self.pending],
         ))
 
     async def run(self) -> None:
@@ -1196,6 +1208,7 @@ class DecodeWorker:
             done_ns = self._prefill_done_unix_ns.pop(active.req.request_id, None)
             if done_ns:
                 self.handoff_latency_ns.append(start_unix_ns - done_ns)
+                active.last_token_unix_ns = active.last_token_unix_ns or done_ns  # prefill's first token
         gap_ns = start - self._last_step_end_ns if self._last_step_end_ns else 0
         self._step_began, self._stepping = asyncio.get_running_loop().time(), batch
         try:
@@ -1243,6 +1256,8 @@ class DecodeWorker:
                 active.span.add_event("prefill.chunk", {"tandem.chunk_tokens": num_tokens, "tandem.batch_size": len(batch),
                                                         "tandem.step_ns": self.last_step_ns})
         done = [(a, out) for (a, _), out in zip(chunks, firsts, strict=True) if out is not None]
+        for active in [*batch, *(a for a, _ in done)]:
+            active.token_out(self.last_step_end_unix_ns)
         stepped = [*zip(batch, outputs, strict=True), *done]
         # Requests Redis lacks (it was away) are recorded whole, the others get this step's token.
         # A decode row's new tokens are every token of the run; a finished prompt's, its first.

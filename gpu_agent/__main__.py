@@ -76,7 +76,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
         chosen = get_policy(config.policy)
         chunked = ChunkedConfig(tbt_target=config.chunk_tbt_target, floor_within_slo=config.chunk_floor_within_slo,
                                 floor_tbt_target=config.chunk_floor_tbt_target,
-                                ttft_deadlines=config.chunk_ttft_deadlines)
+                                ttft_deadlines=config.chunk_ttft_deadlines,
+                                spent_tbt_target=config.chunk_spent_tbt_target)
         if config.policy == "chunked":
             chosen = ChunkedPolicy(chunked)
         if config.policy == "dynamic":

@@ -73,6 +73,10 @@ class AgentConfig:
         "--chunk-floor-tbt-target", 0.8, "chunked, with --chunk-floor-within-slo: the progress floor fills a "
         "hybrid step beside running streams up to this fraction of the TBT SLO at most (1: the SLO itself)",
         type=float))
+    chunk_spent_tbt_target: float = field(metadata=flag(
+        "--chunk-spent-tbt-target", 0.65, "chunked: while a stream decoding has already had a gap past 0.9 x the TBT "
+        "SLO, plan hybrid steps (and the floor) within this fraction of it instead (a stream's TBT p99 survives one "
+        "slow step, not two; 1: off)", type=float))
     chunk_ttft_deadlines: bool = field(metadata=flag(
         "--chunk-ttft-deadlines", True, "chunked: when the TBT-bounded budget would make more waiting prompts "
         "miss their TTFT deadlines than streams are decoding, give enough prompt tokens a step to keep "
@@ -113,6 +117,8 @@ class AgentConfig:
         WeightFormat.parse(self.quantization)  # raises ValueError naming the choices
         if not 0 < self.chunk_tbt_target <= 1:
             raise ValueError(f"--chunk-tbt-target must be in (0, 1], got {self.chunk_tbt_target}")
+        if not 0 < self.chunk_spent_tbt_target <= 1:
+            raise ValueError(f"--chunk-spent-tbt-target must be in (0, 1], got {self.chunk_spent_tbt_target}")
         if not 0 < self.chunk_floor_tbt_target <= 1:
             raise ValueError(f"--chunk-floor-tbt-target must be in (0, 1], got {self.chunk_floor_tbt_target}")
         if self.step_stats_s <= 0:

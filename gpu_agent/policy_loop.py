@@ -227,7 +227,8 @@ class PolicyLoop:
         (every model's, merged: see the module docstring): prefill's queue, its running batch and
         the one paused under it, decode's contexts and its slack (the TBT SLO less the time since
         its last step ended and that step's length: what the next token may still wait; or less, from
-        the first token of a request handed to decode that no step has yet included)."""
+        the first token of a request handed to decode that no step has yet included), and the
+        longest gap each stream has had so far."""
         prefills = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_PREFILL]
         decodes = [load for (role, _), load in self.loads.items() if role == agent_pb2.ROLE_DECODE]
         # Prompts still to compute: prefill's queues, and decode's chunks in aggregated mode.
@@ -239,6 +240,7 @@ class PolicyLoop:
         waiting += [q for batch, _ in in_flight[1:] for q in batch.requests]  # other models' batches: work left
         queued = tuple(sorted((_queued(q) for q in waiting), key=lambda r: r.edf_key(self.slo)))
         contexts = tuple(n for load in decodes for n in load.decode_context_lens)
+        longest_gaps = tuple(us / 1e6 for load in decodes for us in load.decode_longest_gap_us)
         slacks = [self.slo.tbt_s - max(0.0, now_s - load.last_step_end_unix_ns / 1e9) - load.last_step_ns / 1e9
                   for load in decodes if load.last_step_end_unix_ns and load.decode_context_lens]
         # A request handed to decode and not yet stepped has waited since its first token.
@@ -251,7 +253,7 @@ class PolicyLoop:
         return ClusterSnapshot(now_s=now_s, total_units=len(self.cores), num_layers=self.num_layers, queued=queued,
                                running_prefill=running, decode_context_lens=contexts, current=None, slo=self.slo,
                                decode_slack_s=slack, paused_prefill=paused, kv_free_blocks=free, kv_total_blocks=total,
-                               kv_waiting=sum(load.kv_waiting for load in prefills))
+                               kv_waiting=sum(load.kv_waiting for load in prefills), decode_longest_gaps_s=longest_gaps)
 
     def _owners(self) -> dict[str, str]:
         """Request id -> the model whose services reported it (queued or in a running batch)."""
@@ -297,7 +299,7 @@ class PolicyLoop:
         self.prompt_rate = None
         if decision.aggregated and decode_busy and self.chunked is not None:
             self.prompt_rate = prompt_rate_beside(predictor, snapshot.decode_context_lens, snapshot.total_units,
-                                                  snapshot.slo.tbt_s, self.chunked)
+                                                  snapshot.slo.tbt_s, self.chunked, self.chunked.targets(snapshot)[0])
         summary = self.stats.add(decision.reason, sum(decision.prefill_chunk_tokens) if decision.aggregated else 0,
                                  snapshot.now_s)
         if summary:

@@ -213,7 +213,9 @@ class ClusterSnapshot:
     `paused_prefill` is a prefill that was preempted and waits to resume.
     `kv_waiting` counts requests that reached the cell but wait for KV blocks (the pool is
     full): KV, not compute, bounds the cell then. `kv_free_blocks` / `kv_total_blocks` are the
-    pool's state when the caller knows it (None: unknown).
+    pool's state when the caller knows it (None: unknown). `decode_longest_gaps_s`: the longest
+    gap between two tokens each stream decoding has had so far, where the caller knows it
+    (empty: unknown; `streams_past`).
     """
 
     now_s: float
@@ -229,6 +231,7 @@ class ClusterSnapshot:
     kv_waiting: int = 0
     kv_free_blocks: int | None = None
     kv_total_blocks: int | None = None
+    decode_longest_gaps_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.total_units < 1 or self.num_layers < 1:
@@ -244,6 +247,10 @@ class ClusterSnapshot:
     def kv_bound(self) -> bool:
         """Whether requests wait for KV blocks: the pool, not compute, limits the cell now."""
         return self.kv_waiting > 0
+
+    def streams_past(self, gap_s: float) -> int:
+        """Streams decoding that have already had a gap between two tokens longer than ``gap_s``."""
+        return sum(gap > gap_s for gap in self.decode_longest_gaps_s)
 
     @property
     def slack_s(self) -> float:

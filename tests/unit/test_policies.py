@@ -38,6 +38,7 @@ from tandem.policy.policies import (
     decode_step_s,
     get_policy,
     prefill_s,
+    prompt_rate_beside,
     split_throughput,
 )
 from tandem.policy.types import ClusterSnapshot, Decision, QueuedRequest, RunningPrefill, Slo
@@ -1004,3 +1005,61 @@ def test_the_live_agents_dynamic_hands_a_just_launched_batch_to_the_chunks() -> 
         assert not policy.config.hold_launched and policy.config.rate_check == rate_check
     running = rp("a", LONG, deadline_s=NOW + 30, layers_done=0)
     assert live_dynamic(True)(snap(running=running), P).aggregated == RATE_CHECK(snap(running=running), P).aggregated
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_seqs=st.integers(1, 40), ctx=st.integers(1, 4000), prompts=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+       floor=st.integers(0, 256), target=st.sampled_from([0.6, 0.8, 1.0]), floor_target=st.sampled_from([0.6, 0.8, 1.0]),
+       spent=st.sampled_from([0.3, 0.5, 0.65, 1.0]), units=st.sampled_from([1, 2, 16]),
+       gaps=st.lists(st.floats(0.0, 0.2), max_size=40), mark=st.sampled_from([0.5, 0.9, 1.0]))
+def test_chunked_plans_within_the_spent_target_while_a_stream_has_had_a_slow_gap(
+        num_seqs: int, ctx: int, prompts: list[int], floor: int, target: float, floor_target: float, spent: float,
+        units: int, gaps: list[float], mark: float) -> None:
+    """While a stream decoding has had a gap past ``spent_gap`` x the TBT SLO, chunked decides
+    as it would with both its targets cut to ``spent_tbt_target``; otherwise as without it."""
+    decode = (ctx,) * num_seqs
+    base = dict(min_chunk_tokens=floor, tbt_target=target, floor_within_slo=True, floor_tbt_target=floor_target,
+                ttft_deadlines=True)
+    s = replace(snap(queue=tuple(q(f"r{i}", n, arrival_s=NOW + i) for i, n in enumerate(prompts)), decode=decode,
+                     total_units=units), decode_longest_gaps_s=tuple(gaps))
+    got = ChunkedPolicy(ChunkedConfig(**base, spent_tbt_target=spent, spent_gap=mark))(s, P)  # type: ignore[arg-type]
+    past = sum(gap > mark * SLO.tbt_s for gap in gaps)
+    assert s.streams_past(mark * SLO.tbt_s) == past
+    if past and spent < max(target, floor_target):
+        cut = dict(base, tbt_target=min(target, spent), floor_tbt_target=min(floor_target, spent))
+        want = ChunkedPolicy(ChunkedConfig(**cut))(s, P)  # type: ignore[arg-type]
+    else:
+        want = ChunkedPolicy(ChunkedConfig(**base))(s, P)  # type: ignore[arg-type]
+    assert (got.prefill_batch, got.prefill_chunk_tokens) == (want.prefill_batch, want.prefill_chunk_tokens)
+    tokens = sum(got.prefill_chunk_tokens)
+    if past and spent < target and tokens and got.reason.startswith(f"chunked: {tokens} prefill tokens fit TBT"):
+        assert f"at {spent:g} of it" in got.reason
+        assert _planned_s(prompts, tokens, decode, units) <= spent * SLO.tbt_s + 1e-12
+    elif not (past and spent < target):
+        assert "of it (a stream" not in got.reason
+    with pytest.raises(ValueError):
+        ChunkedConfig(spent_tbt_target=0.0)
+    with pytest.raises(ValueError):
+        ChunkedConfig(spent_gap=0.0)
+
+
+def _planned_s(prompts: list[int], tokens: int, decode: tuple[int, ...], units: int) -> float:
+    """The hybrid step of the first ``tokens`` of ``prompts`` (in order) beside ``decode``."""
+    left, seqs = tokens, []
+    for p in prompts:
+        if left <= 0:
+            break
+        seqs.append((min(p, left), 0))
+        left -= min(p, left)
+    return P.predict_hybrid(seqs, decode, units)
+
+
+def test_a_slow_gap_cuts_the_prompt_rate_beside_the_streams() -> None:
+    """The rate the agent publishes for admission follows the target in force."""
+    config = ChunkedConfig(tbt_target=0.8, spent_tbt_target=0.5)
+    s = replace(snap(queue=(q("a", 3000),)), decode_longest_gaps_s=(0.01, SLO.tbt_s))
+    target, _ = config.targets(s)
+    assert target == 0.5 and config.targets(replace(s, decode_longest_gaps_s=(0.01,))) == (0.8, 1.0)
+    spent_rate = prompt_rate_beside(P, DECODE, 16, SLO.tbt_s, config, target)
+    rate = prompt_rate_beside(P, DECODE, 16, SLO.tbt_s, config)
+    assert 0 < spent_rate < rate

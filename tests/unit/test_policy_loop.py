@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_agent.policy_loop import PolicyLoop
-from tandem.policy.policies import POLICIES, ChunkedConfig
+from tandem.policy.policies import POLICIES, ChunkedConfig, prompt_rate_beside
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
 from tests.unit.test_policies import LinearPredictor
@@ -336,3 +336,31 @@ def test_the_loop_logs_its_decisions_summary(caplog: pytest.LogCaptureFixture) -
             time.sleep(0.002)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decisions: ")]
     assert lines and all('x "chunked: ' in line for line in lines)
+
+
+@settings(max_examples=50, deadline=None)
+@given(services=st.lists(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 200_000)), min_size=1, max_size=6),
+                         min_size=1, max_size=3))
+def test_decodes_longest_gaps_reach_the_snapshot_and_cut_the_chunk_target(
+        services: list[list[tuple[int, int]]]) -> None:
+    """Every decode service's streams' longest gaps reach the snapshot (one per context, in
+    microseconds on the wire); while one is past 0.9 x the TBT SLO, the chunked loop plans its
+    hybrid steps and publishes the prompt rate at the spent target."""
+    config = ChunkedConfig(tbt_target=0.8, floor_tbt_target=0.8, spent_tbt_target=0.5)
+    loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO, chunked=config)
+    now_ns = time.time_ns()
+    for i, streams in enumerate(services):
+        loop.report(agent_pb2.PhaseLoad(service_id=f"d{i}", role=agent_pb2.ROLE_DECODE, last_step_ns=10**7,
+                                        decode_context_lens=[n for n, _ in streams],
+                                        decode_longest_gap_us=[us for _, us in streams],
+                                        queued=[_q(f"p{i}", 400, now_ns)]), model=f"m{i}")
+    s = loop.snapshot(now_ns / 1e9)
+    gaps = [us / 1e6 for streams in services for _, us in streams]
+    assert sorted(s.decode_longest_gaps_s) == pytest.approx(sorted(gaps))
+    spent = any(gap > 0.9 * SLO.tbt_s for gap in gaps)
+    assert config.targets(s) == ((0.5, 0.5) if spent else (0.8, 0.8))
+    loop.decide()
+    contexts = [n for streams in services for n, _ in streams]
+    if len(services) == 1:  # several models' steps: a co-located predictor
+        assert loop.prompt_rate == pytest.approx(prompt_rate_beside(
+            loop.predictor, contexts, 2, SLO.tbt_s, config, 0.5 if spent else 0.8))

@@ -160,6 +160,10 @@ def test_agent_flags_and_twins_reach_their_fields(monkeypatch: pytest.MonkeyPatc
             parse_agent(["--chunk-tbt-target", bad])
         with pytest.raises(ValueError, match="--chunk-floor-tbt-target"):
             parse_agent(["--chunk-floor-tbt-target", bad])
+        with pytest.raises(ValueError, match="--chunk-spent-tbt-target"):
+            parse_agent(["--chunk-spent-tbt-target", bad])
+    assert defaults.chunk_spent_tbt_target == 0.65
+    assert parse_agent(["--chunk-spent-tbt-target", "1"]).chunk_spent_tbt_target == 1.0
     assert defaults.chunk_floor_within_slo and not parse_agent(["--chunk-floor-within-slo", "false"]).chunk_floor_within_slo
     monkeypatch.setenv(env_name("--split-rate-check"), "on")
     assert not defaults.split_rate_check and parse_agent([]).split_rate_check

@@ -251,7 +251,7 @@ class QueuedPrefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PhaseLoad(_message.Message):
-    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns", "running", "paused", "last_step_end_unix_ns", "last_step_chunk_tokens", "last_step_num_seqs", "oldest_waiting_first_token_unix_ns", "kv_waiting", "last_step_compute_ns", "prompt_step_timings")
+    __slots__ = ("service_id", "role", "queued", "decode_context_lens", "last_step_ns", "running", "paused", "last_step_end_unix_ns", "last_step_chunk_tokens", "last_step_num_seqs", "oldest_waiting_first_token_unix_ns", "kv_waiting", "last_step_compute_ns", "prompt_step_timings", "decode_longest_gap_us")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class PhaseLoad(_message.Message):
     KV_WAITING_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LONGEST_GAP_US_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     role: Role
     queued: _containers.RepeatedCompositeFieldContainer[QueuedPrefill]
@@ -280,7 +281,8 @@ class PhaseLoad(_message.Message):
     kv_waiting: int
     last_step_compute_ns: int
     prompt_step_timings: _containers.RepeatedCompositeFieldContainer[PromptStepTiming]
-    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ..., running: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., paused: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., last_step_end_unix_ns: _Optional[int] = ..., last_step_chunk_tokens: _Optional[int] = ..., last_step_num_seqs: _Optional[int] = ..., oldest_waiting_first_token_unix_ns: _Optional[int] = ..., kv_waiting: _Optional[int] = ..., last_step_compute_ns: _Optional[int] = ..., prompt_step_timings: _Optional[_Iterable[_Union[PromptStepTiming, _Mapping]]] = ...) -> None: ...
+    decode_longest_gap_us: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued: _Optional[_Iterable[_Union[QueuedPrefill, _Mapping]]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., last_step_ns: _Optional[int] = ..., running: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., paused: _Optional[_Union[PrefillBatchInFlight, _Mapping]] = ..., last_step_end_unix_ns: _Optional[int] = ..., last_step_chunk_tokens: _Optional[int] = ..., last_step_num_seqs: _Optional[int] = ..., oldest_waiting_first_token_unix_ns: _Optional[int] = ..., kv_waiting: _Optional[int] = ..., last_step_compute_ns: _Optional[int] = ..., prompt_step_timings: _Optional[_Iterable[_Union[PromptStepTiming, _Mapping]]] = ..., decode_longest_gap_us: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptStepTiming(_message.Message):
     __slots__ = ("prompt_tokens", "decode_context_lens", "prompt_ns", "decode_ns")
