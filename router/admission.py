@@ -88,7 +88,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from router.calibration_cache import CalibrationCache, calibration_from_json, calibration_to_json
 from tandem.policy.admission import (
@@ -275,6 +275,22 @@ class _Shadow:
     marginal_s: float
 
 
+class _Beside(NamedTuple):
+    """A prompt admitted beside streams decoding, kept until its first token (or its end) tells
+    ``CrowdBias`` and ``RateBound`` how late it came."""
+
+    in_flight: int  # streams in flight when it was admitted
+    calibrated_s: float  # its calibrated TTFT prediction then, before CrowdBias's factor
+    admitted_s: float  # when it was admitted
+    bound_s: float  # ``least_beside_s`` then; 0.0: the agent said no rate (RateBound learns nothing)
+
+    def observe(self, crowd: CrowdBias, rate_bound: RateBound, arrival_s: float, now_s: float) -> None:
+        """Its first token came (or it ended without one) at ``now_s``."""
+        crowd.observe(self.in_flight, self.calibrated_s, now_s - arrival_s)
+        if 0 < self.bound_s < math.inf:
+            rate_bound.observe(self.bound_s, now_s - self.admitted_s)
+
+
 class AdmissionController:
     """Keeps the requests this router sent to prefill until their first token, and decides.
 
@@ -298,9 +314,8 @@ class AdmissionController:
         self.guard = MissGuard(miss_target)
         # How much later than predicted prompts beside many streams got their first token.
         self.crowd = CrowdBias()
-        self._crowded: dict[str, tuple[int, float]] = {}  # beside streams: (streams in flight, prediction)
         self.rate_bound = RateBound()
-        self._bounded: dict[str, tuple[float, float]] = {}  # beside streams: (admitted at, least_beside_s then)
+        self._beside: dict[str, _Beside] = {}  # admitted beside streams, until the first token
         self.predictor = predictor
         self.slo = slo
         self.enabled = enabled
@@ -651,9 +666,7 @@ class AdmissionController:
             share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
             self._log("admitted", request, now_s, **where)
             if regime.beside_streams:
-                self._crowded[request_id] = (len(self._in_flight), calibrated_s)
-            if 0 < bound_s < math.inf:
-                self._bounded[request_id] = (now_s, bound_s)
+                self._beside[request_id] = _Beside(len(self._in_flight), calibrated_s, now_s, bound_s)
         else:
             self._log("admitted", request, now_s)
         if not ahead:
@@ -754,12 +767,9 @@ class AdmissionController:
         """Count ``request``'s first token, at ``now_s``, as met or missed (and tell the guard,
         unless it was told at the deadline), and judge the refusals that waited on it."""
         met = now_s <= request.deadline(self.slo)
-        crowded = self._crowded.pop(request.request_id, None)
-        if crowded is not None:
-            self.crowd.observe(*crowded, now_s - request.arrival_s)
-        bounded = self._bounded.pop(request.request_id, None)
-        if bounded is not None:
-            self.rate_bound.observe(bounded[1], now_s - bounded[0])
+        beside = self._beside.pop(request.request_id, None)
+        if beside is not None:
+            beside.observe(self.crowd, self.rate_bound, request.arrival_s, now_s)
         self._log("first_token", request, now_s, met=met, predicted_share=self._predicted_share.get(request.request_id))
         if met:
             self.num_met += 1
@@ -783,16 +793,12 @@ class AdmissionController:
         request = self._pending.pop(request_id, None)
         if request is None:
             return
-        crowded = self._crowded.pop(request_id, None)
-        bounded = self._bounded.pop(request_id, None)
+        beside = self._beside.pop(request_id, None)
         now_s = time.monotonic() if now_s is None else now_s
-        if now_s > request.deadline(self.slo):
+        if beside is not None and now_s > request.deadline(self.slo):
             # Dropped by decode past its deadline (or given up on by its client): its first token
             # would have come later still, so this is a bound from below.
-            if crowded is not None:
-                self.crowd.observe(*crowded, now_s - request.arrival_s)
-            if bounded is not None:
-                self.rate_bound.observe(bounded[1], now_s - bounded[0])
+            beside.observe(self.crowd, self.rate_bound, request.arrival_s, now_s)
         self._regimes.pop(request_id, None)
         self._predicted_ttft_s.pop(request_id, None)
         self._predicted_share.pop(request_id, None)

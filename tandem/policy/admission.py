@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -700,6 +700,19 @@ class StreamLimit:
             self.limit = None
 
 
+def _log_ratio(measured_s: float, reference_s: float) -> float | None:
+    """log(``measured_s`` / ``reference_s``); None unless both are positive and finite (an
+    outcome a learnt factor cannot use)."""
+    if measured_s > 0 and reference_s > 0 and math.isfinite(measured_s) and math.isfinite(reference_s):
+        return math.log(measured_s / reference_s)
+    return None
+
+
+def _median_ratio(log_ratios: Iterable[float]) -> float:
+    """The median of ratios kept as logs (``_log_ratio``), as a ratio."""
+    return math.exp(statistics.median(log_ratios))
+
+
 class CrowdBias:
     """How much later than predicted prompts beside many streams get their first token, by the
     number of streams in flight when they were admitted (aggregated mode).
@@ -738,13 +751,14 @@ class CrowdBias:
     def observe(self, in_flight: int, predicted_s: float, measured_s: float) -> None:
         """A prompt admitted with ``in_flight`` streams, predicted at ``predicted_s`` (calibrated,
         before this factor), got its first token ``measured_s`` after it arrived."""
-        if predicted_s > 0 and measured_s > 0 and math.isfinite(predicted_s) and math.isfinite(measured_s):
-            self._ratios[self.bucket(in_flight)].append(math.log(measured_s / predicted_s))
+        ratio = _log_ratio(measured_s, predicted_s)
+        if ratio is not None:
+            self._ratios[self.bucket(in_flight)].append(ratio)
 
     def factor(self, in_flight: int) -> float:
-        medians = [statistics.median(ratios) for ratios in self._ratios[:self.bucket(in_flight) + 1]
+        medians = [_median_ratio(ratios) for ratios in self._ratios[:self.bucket(in_flight) + 1]
                    if len(ratios) >= self.min_outcomes]
-        return min(self.max_factor, max([1.0, *(math.exp(m) for m in medians)]))
+        return min(self.max_factor, max([1.0, *medians]))
 
 
 class RateBound:
@@ -771,8 +785,9 @@ class RateBound:
     def observe(self, bound_s: float, measured_s: float) -> None:
         """A prompt whose bound was ``bound_s`` when admitted got its first token ``measured_s``
         after that."""
-        if bound_s > 0 and measured_s > 0 and math.isfinite(bound_s) and math.isfinite(measured_s):
-            self._ratios.append(math.log(measured_s / bound_s))
+        ratio = _log_ratio(measured_s, bound_s)
+        if ratio is not None:
+            self._ratios.append(ratio)
 
     def factor(self) -> float | None:
-        return math.exp(statistics.median(self._ratios)) if len(self._ratios) >= self.min_outcomes else None
+        return _median_ratio(self._ratios) if len(self._ratios) >= self.min_outcomes else None
