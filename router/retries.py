@@ -64,6 +64,7 @@ class RefusedRequests:
 
     def refused(self, key: bytes, first_sent_ns: int, now_ns: int) -> None:
         """The request first sent at ``first_sent_ns`` was refused at ``now_ns``."""
+        self._forget(now_ns)  # a refusal past the window is not this one's first send
         kept = self._first.pop(key, None)
         self._first[key] = (first_sent_ns if kept is None else min(kept[0], first_sent_ns), now_ns)
         self._forget(now_ns)
