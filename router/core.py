@@ -318,8 +318,9 @@ class RouterCore:
         from there. With sixteen chats sent at once, that was 2-14 ms before admission here; the
         clients still counted 60-80 ms more (before the handler and after the first token left),
         which the router cannot see. ``first_sent_ns`` (same clock): when a retry's first send
-        reached the router (``router.retries``), if earlier: admission holds it to the deadline
-        from there; its TTFT and latency still count from ``received_ns``.
+        reached the router (``router.retries``), if earlier: the cell holds it to the deadline
+        from there (admission, and prefill's and decode's deadline order and drop rule through
+        the arrival it is sent with); its TTFT and latency still count from ``received_ns``.
         """
         metrics = self.metrics
         metrics.request_started()
@@ -354,7 +355,7 @@ class RouterCore:
         """``started_ns``: the request's receipt (``time.monotonic_ns``), no later than now;
         ``first_sent_ns``: its first send's, no later than that (``generate``)."""
         loop = asyncio.get_running_loop()
-        arrival_unix_ns = time.time_ns() - (time.monotonic_ns() - started_ns)
+        arrival_unix_ns = time.time_ns() - (time.monotonic_ns() - first_sent_ns)  # upstream's deadlines
         request_id = _checked_request_id(request.request_id) or uuid.uuid4().hex
         if request_id in self._in_flight:
             raise RequestError(Status.ALREADY_EXISTS,

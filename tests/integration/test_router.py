@@ -830,3 +830,33 @@ def test_config_validation(model_dir: Path) -> None:
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
             RouterConfig(**{**base, **bad})
+
+
+def test_a_retry_reaches_upstream_with_its_first_sends_arrival(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """The arrival prefill (and decode, through it) orders and drops by is the first send's for a
+    retry of a refused request (``first_sent_ns``, at most the receipt), the receipt's otherwise:
+    the deadline admission held it to is the cell's. (Admission off: a first send 20 s back
+    would be refused, its deadline passed.)"""
+    rng = random.Random(fault_seed())
+
+    async def body() -> None:
+        async with stack(model_dir, admission=False) as s:
+            s.prefill.behaviour = lambda request: _answer(request, tokenizer)
+            for _ in range(4):
+                received_ns = time.monotonic_ns() - rng.randint(0, 10**9)
+                first_ns = received_ns - rng.choice([0, rng.randint(1, 20 * 10**9)])
+                sent_after = rng.random() < 0.2  # a first send "after" the receipt counts as the receipt
+                async for _ in s.router.core.generate(
+                        router_pb2.GenerateRequest(text="Hello there", sampling=common_pb2.SamplingParams(max_tokens=1)),
+                        received_ns=received_ns, first_sent_ns=received_ns + 10**9 if sent_after else first_ns):
+                    pass
+                want_ns = received_ns if sent_after else first_ns
+                unix_minus_monotonic = time.time_ns() - time.monotonic_ns()  # the router's conversion
+                assert abs(s.prefill.submits[-1].arrival_unix_ns - (unix_minus_monotonic + want_ns)) < 50_000_000
+
+    run(body())
+
+
+async def _answer(request: prefill_pb2.PrefillRequest, tokenizer: Tokenizer) -> prefill_pb2.PrefillReply:
+    """One token, and the request ends with it."""
+    return first_token_reply(request, tokenizer.encode(" hi")[0], finish_reason=LENGTH)
