@@ -621,13 +621,7 @@ def test_chunked_floor_within_slo_never_plans_past_the_slo(num_seqs: int, ctx: i
     tokens, fixed_tokens = sum(bounded.prefill_chunk_tokens), sum(fixed.prefill_chunk_tokens)
 
     def step_s(n: int) -> float:
-        left, seqs = n, []
-        for p in prompts:
-            if left <= 0:
-                break
-            seqs.append((min(p, left), 0))
-            left -= min(p, left)
-        return P.predict_hybrid(seqs, decode, units)
+        return _planned_s(prompts, n, decode, units)
 
     assert tokens <= fixed_tokens
     if not decode or step_s(fixed_tokens) <= floor_target * SLO.tbt_s:
