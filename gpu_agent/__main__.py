@@ -104,8 +104,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
                               kv_used_by_model=cell.kv_used_by_model(), kv_block_size=first.block_size,
                               kv_held_back_blocks=first.held_back_blocks,
                               kv_prompt_blocks_granted=first.prompt_blocks_granted, kv_by_model=kv_by_model,
-                              prompt_rate_beside=-1.0 if policy is None or policy.prompt_rate is None
-                              else policy.prompt_rate)
+                              prompt_rate_beside=None if policy is None else policy.prompt_rate)
 
     tasks.start(report_load(config.redis_url, load_report), "load report")
     tasks.start(policy_ticks(policy, partition), "policy loop")

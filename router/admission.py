@@ -428,8 +428,8 @@ class AdmissionController:
         inf when no chunk fits beside the streams, 0.0 when the agent does not say. A bound, not a
         prediction: what is ahead may be partly computed, and the policy may give waiting prompts
         more than the TBT-bound budget to keep their deadlines."""
-        rate = self._agent.prompt_rate_beside if self._agent is not None and self._agent.aggregated else -1.0
-        if rate < 0:
+        rate = self._agent.prompt_rate_beside if self._agent is not None and self._agent.aggregated else None
+        if rate is None:
             return 0.0
         deadline = request.deadline(self.slo)
         tokens = request.prompt_tokens + sum(r.prompt_tokens for r in ahead if r.deadline(self.slo) <= deadline)

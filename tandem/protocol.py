@@ -414,7 +414,7 @@ class LoadReport:
     (``ModelKVLoad``; JSON objects are read back into it). ``prompt_rate_beside`` (the agent's):
     in aggregated mode with streams decoding, the prompt tokens per second a new prompt would
     get in hybrid steps beside them at the chunked budget's TBT bound (0.0: no chunk fits, prompts
-    wait for streams to end); -1.0 otherwise, or from an agent that predates it.
+    wait for streams to end); None otherwise, or from an agent that predates it.
     """
 
     service_id: str
@@ -442,7 +442,7 @@ class LoadReport:
     kv_held_back_blocks: int = 0
     kv_prompt_blocks_granted: int = 0
     kv_by_model: dict[str, ModelKVLoad] = field(default_factory=dict)
-    prompt_rate_beside: float = -1.0
+    prompt_rate_beside: float | None = None
 
     @classmethod
     def now(cls, service_id: str, cell_id: str, role: Role, partition: PartitionView, kv_total_blocks: int,
@@ -473,8 +473,8 @@ class LoadReport:
         for name, used in self.kv_used_by_model.items():
             if not 0.0 <= used <= 1.0:
                 raise ValueError(f"LoadReport.kv_used_by_model[{name!r}] must be in [0, 1], got {used}")
-        if not (self.prompt_rate_beside == -1.0 or 0.0 <= self.prompt_rate_beside < math.inf):
-            raise ValueError(f"LoadReport.prompt_rate_beside must be -1 or a rate >= 0, got {self.prompt_rate_beside}")
+        if self.prompt_rate_beside is not None and not 0.0 <= self.prompt_rate_beside < math.inf:
+            raise ValueError(f"LoadReport.prompt_rate_beside must be None or a rate >= 0, got {self.prompt_rate_beside}")
         if self.kv_free_blocks > self.kv_total_blocks:
             raise ValueError(f"LoadReport.kv_free_blocks ({self.kv_free_blocks}) > kv_total_blocks "
                              f"({self.kv_total_blocks})")

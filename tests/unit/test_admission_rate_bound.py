@@ -87,8 +87,9 @@ def test_the_load_report_checks_and_keeps_the_rate() -> None:
     assert from_json_fields(LoadReport, json.dumps(dataclasses.asdict(report))) == report
     older = dataclasses.asdict(report)
     del older["prompt_rate_beside"]  # an agent that predates it: not known
-    assert from_json_fields(LoadReport, json.dumps(older)).prompt_rate_beside == -1.0
-    for bad in (-0.5, math.nan, math.inf, -2.0):
+    assert from_json_fields(LoadReport, json.dumps(older)).prompt_rate_beside is None
+    assert from_json_fields(LoadReport, json.dumps({**older, "prompt_rate_beside": None})).prompt_rate_beside is None
+    for bad in (-0.5, math.nan, math.inf, -2.0, -1.0):
         with pytest.raises(ValueError, match="prompt_rate_beside"):
             dataclasses.replace(report, prompt_rate_beside=bad)
 
@@ -116,7 +117,7 @@ def test_what_the_bound_ignores() -> None:
         RateBound(window=4, min_outcomes=5)
 
 
-def _beside_one_stream(rate: float, **kwargs: object) -> AdmissionController:
+def _beside_one_stream(rate: float | None, **kwargs: object) -> AdmissionController:
     """A router in aggregated mode with one stream of its own decoding and the agent's ``rate``."""
     c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, stream_cap=False, miss_target=0.0,
                             margin=0.0, cold_margin=0.0, **kwargs)  # type: ignore[arg-type]
@@ -159,10 +160,10 @@ def test_a_prompt_the_learnt_bound_puts_past_its_deadline_is_refused(rate: float
 
 
 def test_no_rate_or_no_factor_refuses_nothing_and_no_chunk_refuses_everything() -> None:
-    """An agent that does not say (-1) or a bound not learnt yet leaves admission as it was; a
+    """An agent that does not say (None) or a bound not learnt yet leaves admission as it was; a
     rate of 0 (no chunk fits beside the streams) refuses, saying so, with a finite retry."""
     huge = 10_000  # 1 s at 10,000 tokens/s: admitted; at 100 tokens/s with a factor of 1, 100 s
-    assert _beside_one_stream(-1.0).try_admit("p", huge, now_s=1.0) is None
+    assert _beside_one_stream(None).try_admit("p", huge, now_s=1.0) is None
     assert _beside_one_stream(100.0).try_admit("p", huge, now_s=1.0) is None  # nothing learnt yet
     held = _beside_one_stream(0.0)
     held.rate_bound = RateBound(min_outcomes=1)
