@@ -283,12 +283,12 @@ class _Beside(NamedTuple):
     in_flight: int  # streams in flight when it was admitted
     calibrated_s: float  # its calibrated TTFT prediction then, before CrowdBias's factor
     admitted_s: float  # when it was admitted
-    bound_s: float  # ``least_beside_s`` then; 0.0: the agent said no rate (RateBound learns nothing)
+    bound_s: float | None  # ``least_beside_s`` then; None: the agent said no rate (RateBound learns nothing)
 
     def observe(self, crowd: CrowdBias, rate_bound: RateBound, arrival_s: float, now_s: float) -> None:
         """Its first token came (or it ended without one) at ``now_s``."""
         crowd.observe(self.in_flight, self.calibrated_s, now_s - arrival_s)
-        if 0 < self.bound_s < math.inf:
+        if self.bound_s is not None and 0 < self.bound_s < math.inf:
             rate_bound.observe(self.bound_s, now_s - self.admitted_s)
 
 
@@ -422,16 +422,16 @@ class AdmissionController:
         waiting = sum(blocks(r) for r in ahead if r.request_id not in self._granted)
         return kv_wait_s(blocks(request), waiting, kv.free_blocks, kv.held_back_blocks, self._prompt_blocks.rate())
 
-    def least_beside_s(self, request: QueuedRequest, ahead: Sequence[QueuedRequest]) -> float:
+    def least_beside_s(self, request: QueuedRequest, ahead: Sequence[QueuedRequest]) -> float | None:
         """The least time from now to ``request``'s first token beside the streams decoding now,
         from the agent's report (``LoadReport.prompt_rate_beside``): its prompt and those of ours
         ahead that go before it (deadline order) at the rate the chunked budget leaves prompts;
-        inf when no chunk fits beside the streams, 0.0 when the agent does not say. A bound, not a
+        inf when no chunk fits beside the streams, None when the agent does not say. A bound, not a
         prediction: what is ahead may be partly computed, and the policy may give waiting prompts
         more than the TBT-bound budget to keep their deadlines."""
         rate = self._agent.prompt_rate_beside if self._agent is not None and self._agent.aggregated else None
         if rate is None:
-            return 0.0
+            return None
         deadline = request.deadline(self.slo)
         tokens = request.prompt_tokens + sum(r.prompt_tokens for r in ahead if r.deadline(self.slo) <= deadline)
         return tokens / rate if rate > 0 else math.inf
@@ -656,12 +656,12 @@ class AdmissionController:
             # itself, not to the margin the prediction gets: past overload on this CPU (13 runs,
             # 2026-12-06) prompts this estimate put between the deadline and the margin's limit
             # missed 35 of 155, those it put before the deadline 72 of 2,096.
-            bound_s = self.least_beside_s(request, ahead) if regime.beside_streams else 0.0
+            bound_s = self.least_beside_s(request, ahead) if regime.beside_streams else None
             bound_factor = self.rate_bound.factor()
-            least_s = bound_factor * bound_s if bound_s and bound_factor is not None else 0.0
-            if where and bound_s:
-                where.update(bound_s=round(bound_s, 4), least_s=round(least_s, 4))
-            if least_s and now_s + least_s - request.deadline(self.slo) - min(margin, 0.0) * self.slo.ttft_s > 0:
+            least_s = bound_factor * bound_s if bound_s is not None and bound_factor is not None else None
+            if where and bound_s is not None:
+                where.update(bound_s=round(bound_s, 4), least_s=None if least_s is None else round(least_s, 4))
+            if least_s is not None and now_s + least_s - request.deadline(self.slo) - min(margin, 0.0) * self.slo.ttft_s > 0:
                 self._log("refused", request, now_s, reason=REASON_CROWDED, **where)
                 self.num_refused += 1
                 self.num_rate_refusals += 1

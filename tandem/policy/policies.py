@@ -285,9 +285,10 @@ def prompt_rate_beside(predictor: Predictor, decode_context_lens: Sequence[int],
     """Prompt tokens per second a prompt gets in hybrid steps beside these streams, at the
     chunked budget's TBT bound: the most new tokens (within ``config.max_budget_tokens`` less
     the streams') whose step is predicted within ``tbt_target`` (default ``config.tbt_target``;
-    ``ChunkedConfig.targets`` gives the one in force) x ``tbt_s``, over that step's predicted time. 0.0 when no chunk fits (prompts wait for streams to end); with no
-    streams, the rate of a step of the whole cap. A rate, not a promise: the policy may give
-    more to keep waiting prompts' deadlines (``ttft_token_budget``)."""
+    ``ChunkedConfig.targets`` gives the one in force) x ``tbt_s``, over that step's predicted
+    time. 0.0 when no chunk fits (prompts wait for streams to end); with no streams, the rate of
+    a step of the whole cap. A rate, not a promise: the policy may give more to keep waiting
+    prompts' deadlines (``ttft_token_budget``)."""
     ctx = list(decode_context_lens)
     cap = max(0, config.max_budget_tokens - len(ctx))
 
