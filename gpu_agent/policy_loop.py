@@ -193,7 +193,7 @@ class PolicyLoop:
                              list(load.decode_context_lens[:num_seqs]), len(self.cores))
         if first and ratio is not None:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
-                     "prediction; decode steps of that size now x%.2f the model, prompt parts of hybrid steps %s",
+                     "prediction; decode steps now x%.2f the model, prompt parts of hybrid steps %s",
                      _compute_s(load) * 1e3, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
                      live.prompt_scale())
 
@@ -209,7 +209,7 @@ class PolicyLoop:
                         "%s", load.service_id, timed, self.predictor.prompt_scale())
             return
         log.info("policy calibration: %s timed prompts of %s tokens beside a decode step at start-up; prompt parts "
-                 "of hybrid steps now %s, decode steps of their size x%.2f the model", load.service_id, timed,
+                 "of hybrid steps now %s, decode steps x%.2f the model", load.service_id, timed,
                  self.predictor.prompt_scale(), self.predictor.factor)
 
     def _calibrate_split(self, load: agent_pb2.PhaseLoad, decode_units: int, prefill_units: int) -> None:

@@ -73,11 +73,6 @@ def plausible_anchors(anchors: Sequence[tuple[float, float]]) -> bool:
     return True
 
 
-def _size_bucket(num_seqs: int) -> int:
-    """The bucket of a decode step's size: 1 sequence, 2, 3-4, 5-8, 9-16, ..."""
-    return max(0, num_seqs - 1).bit_length()
-
-
 class LiveStepPredictor:
     """A predictor whose decode and hybrid steps are scaled by what it measured live.
 
@@ -85,23 +80,10 @@ class LiveStepPredictor:
     pays what no profile sees (sampling, streaming, the other processes on the same cores). So
     the agent feeds every step decode reports (``observe``: its measured time, the prompt
     tokens it carried in chunks, the contexts it decoded). A decode-only step's measured /
-    predicted ratio moves the factor of its size (``factor_for``: the sequences it decoded, in
-    buckets of powers of two), which scales decode steps of that size; ``factor`` is the one
-    the latest decode-only step moved. A step with prompt tokens (hybrid) is predicted as its
-    decode part x ``factor_for`` its sequences plus a prompt part fitted to the hybrid steps
-    measured: ``prompt_margin`` x (``prompt_fixed_s`` + ``prompt_factor`` x the base model's
-    prompt part).
-
-    The factor is kept by size because the base model's shape is not the machine's: on this CPU
-    one sequence decodes at 0.15-0.3x the placeholder model, 5 at 0.56-0.83x, 14-35 at 0.83-1.26x
-    (a single row runs llama.cpp's Q4_1 kernel, the model's placeholder preset charges it a
-    weight read the size of a larger step's). One factor, folded over every size, followed the
-    drains: after tens of steps
-    of a few sequences it sat at 0.2-0.3, and the next burst's steps of 12-22 sequences, sized
-    for the TBT SLO at that factor, took 240-330 ms two steps in a row, a TBT miss for every
-    stream then decoding (2026-12-06, 6 req/s: 29 of 36 admitted requests that missed TBT alone).
-    A size not measured yet takes the nearest larger size's factor, else the nearest smaller's
-    but at least the model's own (1.0): a smaller step's lower ratio says little of a larger's.
+    predicted ratio moves ``factor``, which scales decode steps. A step with prompt tokens
+    (hybrid) is predicted as its decode part x ``factor`` plus a prompt part fitted to the
+    hybrid steps measured: ``prompt_margin`` x (``prompt_fixed_s`` + ``prompt_factor`` x the base
+    model's prompt part).
 
     The decode and prompt parts must be apart: on this CPU a decode step of a few rows runs
     whole in C on the Q4 weights (0.8-0.9x the base model with repacked layers), while prompt
@@ -148,16 +130,13 @@ class LiveStepPredictor:
         self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
         self.prompt_quantile, self.prompt_step = prompt_quantile, prompt_step
         self.factor = 1.0
-        self.num_samples = 0  # decode-only steps folded into the factors
-        # size bucket (``_size_bucket``) -> (its factor, live decode-only steps folded into it)
-        self._factors: dict[int, tuple[float, int]] = {}
+        self.num_samples = 0  # decode-only steps folded into ``factor``
         self.prompt_fixed_s = 0.0
         self.prompt_factor = 1.0
         self.prompt_margin = 1.0
         self.num_prompt_samples = 0  # hybrid steps measured
-        # (measured s, base decode part, base prompt part, sequences decoded) of the last
-        # ``window`` hybrid steps
-        self._hybrid: deque[tuple[float, float, float, int]] = deque(maxlen=window)
+        # (measured s, base decode part, base prompt part) of the last ``window`` hybrid steps
+        self._hybrid: deque[tuple[float, float, float]] = deque(maxlen=window)
         # (base prompt part, measured prompt part) of steps timed apart from the stream of steps
         self._anchors: list[tuple[float, float]] = []
         # (fixed, slope) through the anchors, when they span sizes enough to fit one
@@ -179,14 +158,11 @@ class LiveStepPredictor:
         if not chunk_tokens:
             ratio = self._ratio(measured_s, self.base.predict_decode(context_lens, units))
             if ratio is not None:
-                bucket = _size_bucket(len(context_lens))
-                factor, folded = self._factors.get(bucket, (1.0, 0))
-                self.factor = self._fold(factor, ratio, folded)
-                self._factors[bucket] = (self.factor, folded + 1)
+                self.factor = self._fold(self.factor, ratio, self.num_samples)
                 self.num_samples += 1
             return ratio
         decode_s, prompt_s = self._hybrid_parts([(chunk_tokens, 0)], context_lens, units)
-        predicted = self.factor_for(len(context_lens)) * decode_s + self._prompt_s(prompt_s)
+        predicted = self.factor * decode_s + self._prompt_s(prompt_s)
         ratio = self._ratio(measured_s, predicted)
         if ratio is None or not prompt_s > 0:
             return ratio
@@ -198,7 +174,7 @@ class LiveStepPredictor:
             over = measured_s > predicted
             self.prompt_margin = self._clamp(self.prompt_margin * math.exp(
                 self.prompt_step * (self.prompt_quantile - (not over))))
-        self._hybrid.append((measured_s, decode_s, prompt_s, len(context_lens)))
+        self._hybrid.append((measured_s, decode_s, prompt_s))
         self._fit_prompt()
         self.num_prompt_samples += 1
         return ratio
@@ -209,28 +185,24 @@ class LiveStepPredictor:
         contexts decoded beside it, units). decode_svc times a few prompt sizes at start-up
         (``tandem.engine.runner.warm_up``): live chunks all have about the TBT
         budget's size, too narrow a range to tell a step's fixed cost from its per-token one.
-        The live steps then move the line (``_fit_prompt``) and the margin. Until the first live
-        decode-only step of their size, the decode parts measured set that size's factor (their
-        median ratio to the base model; the live step replaces it).
+        The live steps then move the line (``_fit_prompt``) and the margin. Until the first live decode-only step, the decode parts measured
+        set ``factor`` (their median ratio to the base model; the live step replaces it).
         Replaces earlier anchors, unless the new prompt parts are implausible
         (``plausible_anchors``: timed while other processes held the cores), which are left
         out, keeping the earlier anchors (a restarted decode service's predecessor's) or the
         live fit: False then."""
         anchors = []
-        decode_ratios: dict[int, list[float]] = {}  # by size bucket
+        decode_ratios = []
         for prompt_s, decode_s, seqs, contexts, units in steps:
             base_decode_s, base_prompt_s = self._hybrid_parts(seqs, contexts, units)
             if prompt_s > 0 and base_prompt_s > 0 and math.isfinite(prompt_s):
                 anchors.append((base_prompt_s, prompt_s))
             if decode_s > 0 and math.isfinite(decode_s) and (ratio := self._ratio(decode_s, base_decode_s)):
-                decode_ratios.setdefault(_size_bucket(len(contexts)), []).append(ratio)
+                decode_ratios.append(ratio)
         if not plausible_anchors(anchors):
             return False  # the decode parts were timed in the same disturbed minute
-        for bucket, ratios in decode_ratios.items():
-            if not self._factors.get(bucket, (1.0, 0))[1]:
-                self._factors[bucket] = (statistics.median(ratios), 0)
-                if not self.num_samples:
-                    self.factor = self._factors[bucket][0]
+        if decode_ratios and not self.num_samples:
+            self.factor = statistics.median(decode_ratios)
         self._anchors = anchors
         xs = [x for x, _ in self._anchors]
         self._anchor_line = (self._affine(self._anchors, narrow_guard=False)
@@ -256,7 +228,7 @@ class LiveStepPredictor:
         prompts waited for the streams to end, then ran whole in 2048-token steps again
         (docs/results/chunked-slow-mode-1204.log)."""
         # each live step's prompt part: what it took beyond its decode part, at least the floor
-        live = [(x, max(m - self.factor_for(n) * d, self.min_factor * x)) for m, d, x, n in self._hybrid]
+        live = [(x, max(m - self.factor * d, self.min_factor * x)) for m, d, x in self._hybrid]
         if self._anchor_line is None:
             if live:
                 fixed, slope = self._affine(live, narrow_guard=True)
@@ -363,32 +335,18 @@ class LiveStepPredictor:
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)
 
-    def factor_for(self, num_seqs: int) -> float:
-        """The factor of a decode step of ``num_seqs`` sequences: its size's, measured (or timed
-        at start-up); else the nearest larger size's; else the nearest smaller size's, at least 1."""
-        bucket = _size_bucket(num_seqs)
-        known = self._factors.get(bucket)
-        if known is not None:
-            return known[0]
-        larger = [b for b in self._factors if b > bucket]
-        if larger:
-            return self._factors[min(larger)][0]
-        smaller = [b for b in self._factors if b < bucket]
-        return max(1.0, self._factors[max(smaller)][0]) if smaller else 1.0
-
     def predict_decode(self, context_lens: Sequence[int], units: int) -> float:
-        return self.factor_for(len(context_lens)) * self.base.predict_decode(context_lens, units)
+        return self.factor * self.base.predict_decode(context_lens, units)
 
     def predict_hybrid(
         self, prefill_seqs: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], units: int
     ) -> float:
         decode_s, prompt_s = self._hybrid_parts(prefill_seqs, decode_context_lens, units)
-        return self.factor_for(len(decode_context_lens)) * decode_s + self._prompt_s(prompt_s)
+        return self.factor * decode_s + self._prompt_s(prompt_s)
 
     def contention(self, my_units: int, other_units: int, phase: str = "decode") -> float:
         """The base model's contention; for decode beside a busy prefill, once split steps were
-        measured, scaled so that ``predict_decode`` x this = the split-calibrated step (for a step of
-        the size the latest decode-only step had: the size is not known here)."""
+        measured, scaled so that ``predict_decode`` x this = the split-calibrated step."""
         guard = self.base.contention(my_units, other_units, phase)
         if phase == "decode" and other_units > 0 and self.num_split_samples:
             return guard * self.split_factor / self.factor
