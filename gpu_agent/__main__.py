@@ -20,7 +20,6 @@ from gpu_agent.config import AgentConfig, parse_args
 from gpu_agent.policy_loop import PolicyLoop, live_dynamic
 from gpu_agent.models import Cell
 from gpu_agent.server import GpuAgentServicer, PartitionBoard, build_state, cell_stats, policy_ticks
-from tandem.engine.weight_format import WEIGHT_BYTES
 from tandem.engine.shm_files import SHM_DIR, OwnerLock, sweep_dead_owners
 from tandem.perf.predictor import cpu_predictor
 from tandem.policy.policies import ChunkedConfig, ChunkedPolicy, get_policy
@@ -83,8 +82,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, log: logging.Logger, 
             chosen = ChunkedPolicy(chunked)
         if config.policy == "dynamic":
             chosen = live_dynamic(config.split_rate_check, chunked)
-        policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile,
-                                                              WEIGHT_BYTES[cell.first.weight_format]),
+        policy = PolicyLoop(config.policy, chosen, cpu_predictor(model_config, len(cores), config.profile),
                             cores, model_config.num_layers, Slo(config.ttft_slo_ms / 1000, config.tbt_slo_ms / 1000,
                                                                       config.ttft_slo_ms_per_1k / 1000),
                             calibrate_split=config.split_calibration, kv_blocks=cell.kv_blocks_free,

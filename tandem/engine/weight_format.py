@@ -33,18 +33,3 @@ class WeightFormat(str, Enum):
 
 # Every name ``WeightFormat.parse`` takes, for flags' help and errors.
 FORMAT_NAMES = ", ".join(["auto", *(f.value for f in WeightFormat)])
-
-# Bytes a decode step reads per weight in each format, for the performance model's placeholder
-# (``tandem.perf.predictor.cpu_predictor``): a step of a few rows reads every weight once, so on
-# this CPU its time is mostly these bytes. ``ggml`` counts Q4_1's 20-byte blocks of 32 weights, the
-# default GGUF's (a Q8_0 GGUF reads 1.7x that, and a model not imported from a GGUF runs its fp16
-# copy: the agent's live calibration takes up the difference). int8's per-channel scales and the
-# wide copies the formats keep for prompt rows are left out.
-WEIGHT_BYTES: dict[WeightFormat, float] = {
-    WeightFormat.FP32: 4.0,
-    WeightFormat.FP32_PACKED: 4.0,
-    WeightFormat.BF16: 2.0,
-    WeightFormat.FP16: 2.0,
-    WeightFormat.INT8: 1.0,
-    WeightFormat.GGML: 20 / 32,
-}

@@ -85,7 +85,6 @@ class PerfModel:
         s = shape
         b = s.dtype_bytes
         self._b = b
-        self._wb = s.weight_bytes if s.weight_bytes is not None else b
         self._d = s.hidden_size
         self._hq = s.heads_per_rank
         self._hkv = s.kv_heads_per_rank
@@ -142,10 +141,9 @@ class PerfModel:
         """One linear layer of `num_tokens` rows (DuetServe's F_lin and B_lin on the SM-scaling
         roofline, compute in waves), plus the per-operator overhead."""
         hw = self.hardware
-        num_bytes = (num_tokens * (in_features + out_features) * self._b
-                     + in_features * out_features * self._wb)
+        num_bytes = float(num_tokens * in_features + in_features * out_features + num_tokens * out_features)
         compute = self.gemm_compute_time(num_tokens, in_features, out_features, units)
-        return hw.op_overhead_s + max(compute, num_bytes / hw.bandwidth(units))
+        return hw.op_overhead_s + max(compute, num_bytes * self._b / hw.bandwidth(units))
 
     def _elementwise_time(self, flops: float, num_bytes: float, units: int) -> float:
         hw = self.hardware

@@ -35,10 +35,6 @@ class ModelShape:
     dtype_bytes: int = 2
     tp_degree: int = 1
     qk_norm: bool = False
-    # Bytes a linear layer reads per weight where its weights are stored in another format than
-    # the activations and the KV cache (a quantized one: tandem.engine.weight_format.WEIGHT_BYTES);
-    # None: dtype_bytes.
-    weight_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -56,8 +52,6 @@ class ModelShape:
                 f"tp_degree {self.tp_degree} must divide num_heads {self.num_heads} "
                 f"and intermediate_size {self.intermediate_size}"
             )
-        if self.weight_bytes is not None and not self.weight_bytes > 0:
-            raise ValueError(f"weight_bytes must be positive, got {self.weight_bytes}")
 
     @property
     def heads_per_rank(self) -> int:

@@ -39,25 +39,16 @@ class PerfPredictor:
         return guard.lookup(phase, my_units, other_units) if guard is not None and other_units else 1.0
 
 
-def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str | Path | None = None,
-                  weight_bytes: float | None = None) -> PerfPredictor:
+def cpu_predictor(model_config: ModelConfig, num_cores: int, profile_path: str | Path | None = None) -> PerfPredictor:
     """A predictor for this CPU: from a ``tandem profile`` file when given, else the placeholder
-    preset resized to ``num_cores`` (coarse, but monotone, which is all the policies rely on),
-    reading ``weight_bytes`` a weight (the served format's, ``WEIGHT_BYTES``; None: the
-    checkpoint's dtype). The placeholder's decode steps of a few sequences are its weights' bytes
-    over its bandwidth: with the checkpoint's bytes (fp32, as a GGUF imports), a 28 ms floor for
-    SmolLM2-135M on 2 cores, where its Q4_1 layers ran one sequence in 5-8 ms and 14-35 sequences
-    at 0.83-1.26x the model, and the agent's one decode factor, folded over steps of every size, followed the many
-    small steps of a load's start down to 0.15-0.3 and sized the first large hybrid steps past the
-    TBT SLO (docs/benchmarks.md, "The placeholder reads the served format's bytes"). A profile
-    measured its own steps, and keeps its shape."""
+    preset resized to ``num_cores`` (coarse, but monotone, which is all the policies rely on)."""
     shape = ModelShape.from_config(model_config)
     if profile_path:
         profile = load_profile(profile_path)
         return PerfPredictor(PerfModel(profile.hardware, shape, profile.calibration(), profile.contention))
     hardware = hardware_preset("cpu")
     hardware = replace(hardware, num_units=num_cores, bandwidth_knee_units=min(hardware.bandwidth_knee_units, num_cores))
-    return PerfPredictor(PerfModel(hardware, replace(shape, weight_bytes=weight_bytes)))
+    return PerfPredictor(PerfModel(hardware, shape))
 
 
 # How much faster than the base model's a larger timed prompt's part may grow over a smaller

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.weight_format import WEIGHT_BYTES, WeightFormat
 from tandem.perf.bench import time_prediction
 from tandem.perf.calibration import Calibration, CalibrationSample, ContentionGuard
 from tandem.perf.hardware import (
@@ -24,7 +23,6 @@ from tandem.perf.hardware import (
     hardware_preset,
 )
 from tandem.perf.model import PerfModel, causal_pairs
-from tandem.perf.predictor import cpu_predictor
 from tandem.perf.model_shape import (
     LLAMA_3_1_8B,
     LLAMA_3_1_70B,
@@ -233,51 +231,6 @@ def test_shape_from_config_and_presets() -> None:
         hardware_preset("V100")
     assert A100_80G.round_units(3) == 4 and A100_80G.round_units(500) == 108
     assert CPU_PLACEHOLDER.round_units(3) == 3
-
-
-SMOLLM2 = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-    max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="float32",  # as a GGUF imports
-)
-
-
-@settings(max_examples=40, deadline=None)
-@given(wb=st.floats(0.25, 4.0), num_seqs=st.integers(1, 64), context=st.integers(1, 4096),
-       prompt=st.integers(0, 512), cores=st.integers(1, 8))
-def test_a_quantized_format_reads_fewer_weight_bytes_and_nothing_else(wb: float, num_seqs: int, context: int,
-                                                                       prompt: int, cores: int) -> None:
-    """A shape's ``weight_bytes`` is what its linear layers read per weight: a step is never slower
-    for fewer of them, its attention and activations keep the dtype's bytes, and the dtype's own
-    count predicts what no count does."""
-    base = ModelShape.from_config(SMOLLM2)
-    hw = replace(CPU_PLACEHOLDER, num_units=cores, bandwidth_knee_units=min(CPU_PLACEHOLDER.bandwidth_knee_units, cores))
-    plain, same = PerfModel(hw, base), PerfModel(hw, replace(base, weight_bytes=float(base.dtype_bytes)))
-    fewer, more = PerfModel(hw, replace(base, weight_bytes=wb)), PerfModel(hw, replace(base, weight_bytes=wb * 1.5))
-    ctx, seqs = [context] * num_seqs, [(prompt, 0)] if prompt else []
-    for model in (same, fewer, more):
-        assert model.breakdown(seqs, ctx, cores).op_s["attention"] == plain.breakdown(seqs, ctx, cores).op_s["attention"]
-    assert same.predict_hybrid(seqs, ctx, cores) == plain.predict_hybrid(seqs, ctx, cores)
-    assert fewer.predict_hybrid(seqs, ctx, cores) <= more.predict_hybrid(seqs, ctx, cores)
-    assert fewer.predict_decode(ctx, cores) <= more.predict_decode(ctx, cores)
-    with pytest.raises(ValueError):
-        replace(base, weight_bytes=-wb)
-
-
-def test_the_cpu_placeholder_reads_the_served_formats_bytes() -> None:
-    """On the 2-core placeholder a decode step of one sequence is its weights' bytes over the
-    bandwidth, and one of many is compute: SmolLM2's Q4_1 layers (the ggml format) take a fifth
-    of its imported fp32 checkpoint's one-sequence floor (they ran one sequence in 5-8 ms here,
-    the floor 28 ms), while 32 sequences cost the same in any format. Every format has its bytes."""
-    assert set(WEIGHT_BYTES) == set(WeightFormat)
-    checkpoint = cpu_predictor(SMOLLM2, 2)
-    assert cpu_predictor(SMOLLM2, 2, weight_bytes=4.0).predict_decode([200], 2) == checkpoint.predict_decode([200], 2)
-    by_format = {fmt: cpu_predictor(SMOLLM2, 2, weight_bytes=WEIGHT_BYTES[fmt]) for fmt in WeightFormat}
-    one = {fmt: p.predict_decode([200], 2) for fmt, p in by_format.items()}
-    assert one[WeightFormat.GGML] < one[WeightFormat.INT8] < one[WeightFormat.FP16] < one[WeightFormat.FP32]
-    assert one[WeightFormat.GGML] < checkpoint.predict_decode([200], 2) / 4
-    many = {p.predict_decode([200] * 32, 2) for p in by_format.values()}
-    assert max(many) == pytest.approx(min(many), rel=1e-9)
 
 
 def test_units_out_of_range_are_refused() -> None:
