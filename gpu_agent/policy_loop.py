@@ -79,6 +79,7 @@ class Applied(NamedTuple):
     model_budgets: tuple[tuple[str, int], ...] = ()
     streams_decoding: bool = False  # aggregated: decided with streams running (its budget bounds their TBT)
     decode_streams: int = 0  # aggregated, prompts waiting: the streams it was decided for (0 otherwise)
+    spent_gap_us: int = 0  # aggregated, streams decoding: a step's gap past which its budget is stale (0: none)
 
 
 def split_cores(cores: Sequence[int], decision: Decision, prefill_busy: bool, decode_busy: bool) -> tuple[list[int], list[int]]:
@@ -279,6 +280,15 @@ class PolicyLoop:
             deadline_s=min(r.deadline(self.slo) for r in requests), started_s=batch.started_unix_ns / 1e9,
             preempted_id=batch.preempted_id or None)
 
+    def _spent_gap_us(self, snapshot: ClusterSnapshot) -> int:
+        """The gap past which a stream has spent its TBT slack (``ChunkedConfig.spent_gap``), for
+        decode to tell a step that outran this decision's budget (the next decision plans within
+        ``spent_tbt_target``, on a calibration that step moved); 0 with the rule off."""
+        chunked = self.chunked
+        if chunked is None or chunked.spent_tbt_target >= max(chunked.tbt_target, chunked.floor_tbt_target):
+            return 0
+        return round(chunked.spent_gap * snapshot.slo.tbt_s * 1e6)
+
     def decide(self) -> tuple[Applied, str] | None:
         """Run the policy once; the new assignment and its reason when it changes, else None."""
         snapshot = self.snapshot(time.time())
@@ -313,7 +323,8 @@ class PolicyLoop:
                           decision.aggregated and prefill_busy and decode_busy and not decision.prefill_chunk_tokens,
                           _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else (),
                           decision.aggregated and decode_busy,
-                          len(snapshot.decode_context_lens) if decision.aggregated and prefill_busy else 0)
+                          len(snapshot.decode_context_lens) if decision.aggregated and prefill_busy else 0,
+                          self._spent_gap_us(snapshot) if decision.aggregated and decode_busy else 0)
         if applied == self.last:
             return None
         if preempt:

@@ -36,7 +36,7 @@ class PartitionBoard:
                   aggregated: bool = False, prefill_token_budget: int = 0, prefill_layers: int = 0,
                   preempt: str = "", prefill_first: tuple[str, ...] = (), prefill_held: bool = False,
                   model_token_budgets: dict[str, int] | None = None, streams_decoding: bool = False,
-                  decode_streams: int = 0) -> None:
+                  decode_streams: int = 0, spent_gap_us: int = 0) -> None:
         async with self._changed:
             self.current = common_pb2.Partition(
                 epoch=self.current.epoch + 1, prefill_units=prefill_units, decode_units=decode_units,
@@ -44,7 +44,7 @@ class PartitionBoard:
                 prefill_token_budget=prefill_token_budget, prefill_layers=prefill_layers,
                 preempt=preempt, prefill_first=prefill_first, prefill_held=prefill_held,
                 model_token_budgets=model_token_budgets or {}, streams_decoding=streams_decoding,
-                decode_streams=decode_streams,
+                decode_streams=decode_streams, spent_gap_us=spent_gap_us,
             )
             self._changed.notify_all()
 
@@ -191,7 +191,8 @@ async def _apply_policy(policy: PolicyLoop | None, partition: PartitionBoard) ->
                             prefill_layers=applied.prefill_layers, preempt=applied.preempt,
                             prefill_first=applied.prefill_first, prefill_held=applied.prefill_held,
                             model_token_budgets=dict(applied.model_budgets),
-                            streams_decoding=applied.streams_decoding, decode_streams=applied.decode_streams)
+                            streams_decoding=applied.streams_decoding, decode_streams=applied.decode_streams,
+                            spent_gap_us=applied.spent_gap_us)
 
 
 async def policy_ticks(policy: PolicyLoop | None, partition: PartitionBoard, interval_s: float = 0.1) -> None:

@@ -86,6 +86,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker.block_size = block_size
     worker.num_preemptions = 0
     worker._agent_outage, worker._held_for_agent = decode_server.Outage(), 0
+    worker._outrun_epoch, worker._outrun_unreported = -1, False
     return worker
 
 
@@ -561,3 +562,86 @@ def test_the_load_is_reported_when_streams_end_and_again_while_the_loop_stands_s
     assert due()
     time.sleep(0.06)
     assert not due()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_step_that_outran_its_budget_beside_streams_makes_it_stale(seed: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that carried prompt tokens beside streams and ran past the partition's spent gap
+    (its time and the gap before it) cost each stream the one gap its TBT p99 survives: the loop
+    reports at once, not at its next periodic report, and does not take that budget again beside
+    the streams: it waits, once, for the agent's next decision and takes its budget, or the
+    progress floor when none comes in time. A step within the gap, one without prompt tokens or
+    without streams, and a partition with no spent gap (the rule off) change nothing."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        worker = _worker([])
+        reports: list[int] = []
+        worker._report_load = lambda: reports.append(worker.num_steps)  # type: ignore[method-assign]
+        worker.config.chunk_order = "edf"  # type: ignore[misc]  # a stand-in config
+        worker._prompt_rate = 0.0
+        worker._new_partition = asyncio.Event()
+        worker._busy = lambda: True  # type: ignore[method-assign]
+
+        def active(name: str) -> _Active:
+            prompt = [rng.randint(1, 500) for _ in range(rng.randint(100, 400))]
+            return _Active(Request(name, prompt, SamplingParams(max_tokens=8), None), "router", num_sent=1, handed_ns=1)
+
+        worker.prefilling = [active(f"p{i}") for i in range(rng.randint(2, 10))]
+        worker.running = [active(f"s{i}") for i in range(rng.randint(1, 24))]
+        whole = sum(len(a.req.prompt_token_ids) for a in worker.prefilling)
+        budget = rng.randint(MIN_CHUNK_TOKENS + 1, whole)
+        gap_us = rng.randint(50_000, 400_000)
+        partition = _partition(budget, True, 5, len(worker.running))
+        partition.spent_gap_us = gap_us
+        worker.member.partition = partition  # type: ignore[attr-defined]
+        worker.num_steps = rng.randint(0, 100)
+        worker._reported_state = (True, len(worker.prefilling), len(worker.running))
+        worker._reported_steps, worker._reported_at = worker.num_steps, time.monotonic()
+        worker._next_report_step = worker.num_steps + decode_server.REPORT_EVERY_STEPS
+
+        for step_ns, beside, carried in [(rng.randint(1, gap_us * 1000), True, True),
+                                         (rng.randint(gap_us * 1000 + 1, 10 * gap_us * 1000), False, True),
+                                         (rng.randint(gap_us * 1000 + 1, 10 * gap_us * 1000), True, False)]:
+            worker._note_outrun(step_ns, beside, carried)
+            assert not worker._budget_stale() and not worker._report_if_due() and not reports
+            assert sum(n for _, n in worker._plan_chunks()) == budget
+        off = _partition(budget, True, 5, len(worker.running))  # the same budget, no spent gap
+        worker.member.partition = off  # type: ignore[attr-defined]
+        worker._note_outrun(10 * gap_us * 1000, True, True)
+        assert not worker._budget_stale() and not worker._report_if_due()
+
+        worker.member.partition = partition  # type: ignore[attr-defined]
+        worker._note_outrun(rng.randint(gap_us * 1000 + 1, 10 * gap_us * 1000), True, True)
+        assert worker._budget_stale()
+        assert worker._report_if_due() and reports == [worker.num_steps]  # at once, between periodic reports
+        assert not worker._report_if_due() and len(reports) == 1  # once
+        assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS  # not the stale budget
+
+        fresh = rng.randint(1, whole)
+        loop = asyncio.get_running_loop()
+
+        def decide() -> None:  # the agent's next decision, on the report of that step
+            newer = _partition(fresh, True, 6, len(worker.running))
+            newer.spent_gap_us = gap_us
+            worker.member.partition = newer  # type: ignore[attr-defined]
+            worker._new_partition.set()
+
+        if rng.random() < 0.5:
+            monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 5.0)  # long: the decision ends the wait
+            loop.call_later(rng.uniform(0.001, 0.02), decide)
+            started = loop.time()
+            await worker._await_fresh_partition(reported=True)
+            assert loop.time() - started < 2.5 and not worker._budget_stale()
+            assert sum(n for _, n in worker._plan_chunks()) == fresh
+        else:  # no decision in time: one wait, then the floor
+            monkeypatch.setattr(decode_server, "FRESH_PARTITION_WAIT_S", 0.05)
+            started = loop.time()
+            await worker._await_fresh_partition(reported=True)
+            assert loop.time() - started >= 0.045 and worker._waited_epoch == 5 and len(reports) == 1
+            assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS
+        worker.running = []  # no stream left to protect: the budget is not stale
+        assert not worker._budget_stale()
+
+    asyncio.run(main())

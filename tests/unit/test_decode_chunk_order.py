@@ -28,11 +28,12 @@ def _worker(order: str, budget: int, rate: float, slo_ms: float = 2000.0, per_1k
     worker.slo = worker.config.ttft_slo()
     # Prompts beside a running stream, under a budget the agent decided with it.
     partition = SimpleNamespace(aggregated=True, prefill_token_budget=budget, model_token_budgets={},
-                                prefill_held=False, streams_decoding=True, decode_streams=1)
+                                prefill_held=False, streams_decoding=True, decode_streams=1, epoch=1)
     worker.member = SimpleNamespace(partition=partition, model="")  # type: ignore[assignment]
     worker.running = [object()]  # type: ignore[list-item]
     worker.prefilling = []
     worker._prompt_rate = rate
+    worker._outrun_epoch = -1  # no step outran the budget
     return worker
 
 

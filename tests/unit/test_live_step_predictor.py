@@ -286,6 +286,24 @@ def test_an_aggregated_partition_names_the_streams_its_budget_was_decided_for(se
     assert loop.decide() is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_an_aggregated_partition_says_the_gap_past_which_its_budget_is_spent(seed: int) -> None:
+    """Beside streams, an aggregated partition carries the gap past which the chunked policy plans
+    within its spent target (``spent_gap`` x the TBT SLO), for decode_svc to tell a step that
+    outran the budget; with the rule off (a spent target no smaller than the others), none."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(20, 900) for _ in range(rng.randint(1, 24))]
+    for spent_target in (rng.uniform(0.3, 0.75), 1.0):
+        chunked = ChunkedConfig(tbt_target=0.8, floor_within_slo=True, floor_tbt_target=0.8,
+                                spent_tbt_target=spent_target, spent_gap=rng.uniform(0.5, 1.2))
+        loop = PolicyLoop("chunked", ChunkedPolicy(chunked), LinearPredictor(), [0, 1], 32, SLO, chunked=chunked)
+        loop.report(_decode_load(contexts, 0.0, 0, 0))
+        decided = loop.decide()
+        assert decided is not None and decided[0].aggregated and decided[0].streams_decoding
+        want = round(chunked.spent_gap * SLO.tbt_s * 1e6) if spent_target < 0.8 else 0
+        assert decided[0].spent_gap_us == want
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_start_up_anchors_give_the_prompt_part_its_fixed_cost_and_live_steps_lift_it(seed: int) -> None:
     """A hybrid step's prompt part costs a fixed part plus one per token (on the AMX host 33-58

@@ -81,7 +81,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Partition(_message.Message):
-    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first", "prefill_held", "model_token_budgets", "streams_decoding", "decode_streams")
+    __slots__ = ("epoch", "prefill_units", "decode_units", "decode_lookahead", "policy", "aggregated", "prefill_token_budget", "prefill_layers", "preempt", "prefill_first", "prefill_held", "model_token_budgets", "streams_decoding", "decode_streams", "spent_gap_us")
     class ModelTokenBudgetsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Partition(_message.Message):
     MODEL_TOKEN_BUDGETS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_DECODING_FIELD_NUMBER: _ClassVar[int]
     DECODE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SPENT_GAP_US_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     prefill_units: _containers.RepeatedScalarFieldContainer[int]
     decode_units: _containers.RepeatedScalarFieldContainer[int]
@@ -117,4 +118,5 @@ class Partition(_message.Message):
     model_token_budgets: _containers.ScalarMap[str, int]
     streams_decoding: bool
     decode_streams: int
-    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ..., prefill_held: _Optional[bool] = ..., model_token_budgets: _Optional[_Mapping[str, int]] = ..., streams_decoding: _Optional[bool] = ..., decode_streams: _Optional[int] = ...) -> None: ...
+    spent_gap_us: int
+    def __init__(self, epoch: _Optional[int] = ..., prefill_units: _Optional[_Iterable[int]] = ..., decode_units: _Optional[_Iterable[int]] = ..., decode_lookahead: _Optional[int] = ..., policy: _Optional[str] = ..., aggregated: _Optional[bool] = ..., prefill_token_budget: _Optional[int] = ..., prefill_layers: _Optional[int] = ..., preempt: _Optional[str] = ..., prefill_first: _Optional[_Iterable[str]] = ..., prefill_held: _Optional[bool] = ..., model_token_budgets: _Optional[_Mapping[str, int]] = ..., streams_decoding: _Optional[bool] = ..., decode_streams: _Optional[int] = ..., spent_gap_us: _Optional[int] = ...) -> None: ...
