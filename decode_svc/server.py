@@ -860,12 +860,13 @@ class DecodeWorker:
         ``spent_tbt_target`` on a calibration that step moved, but only once the step is reported,
         and a busy loop reports every REPORT_EVERY_STEPS steps: the TBT-only misses of the 6 req/s
         runs on the 2-core host came in episodes of two or three such steps in a row
-        (docs/benchmarks.md, "A step that outran its budget")."""
+        (docs/benchmarks.md, "A step that outran its budget"). A budget no larger than the
+        progress floor is not stale (the floor is what a stale one gives)."""
         if self._budget_for_fewer_streams():
             return True
         partition = self.member.partition
         return (partition.epoch == self._outrun_epoch and partition.aggregated and bool(self.running)
-                and bool(self.prefilling))
+                and bool(self.prefilling) and self._decided_budget() > MIN_CHUNK_TOKENS)
 
     def _budget_for_fewer_streams(self) -> bool:
         """Whether prompts wait beside running streams under an aggregated partition whose budget

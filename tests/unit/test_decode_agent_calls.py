@@ -618,6 +618,11 @@ def test_a_step_that_outran_its_budget_beside_streams_makes_it_stale(seed: int,
         assert worker._report_if_due() and reports == [worker.num_steps]  # at once, between periodic reports
         assert not worker._report_if_due() and len(reports) == 1  # once
         assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS  # not the stale budget
+        floor_at_most = _partition(rng.randint(0, MIN_CHUNK_TOKENS), True, 5, len(worker.running))
+        floor_at_most.spent_gap_us = gap_us
+        worker.member.partition = floor_at_most  # type: ignore[attr-defined]
+        assert not worker._budget_stale()  # the floor is what a stale budget gives: no wait for it
+        worker.member.partition = partition  # type: ignore[attr-defined]
 
         fresh = rng.randint(1, whole)
         loop = asyncio.get_running_loop()
