@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -373,7 +372,7 @@ class AdmissionController:
         # The calibration kept across restarts (router/calibration_cache.py): read back now,
         # written while following the agent's load and when that stops.
         self.cache = cache
-        self._saved_samples = (0, 0, 0)  # _learnt_counts when last written or read
+        self._saved_samples = 0
         if cache is not None:
             self._restore(cache)
         self._end_interval_s = 1.0  # smoothed time between two stream ends
@@ -484,23 +483,15 @@ class AdmissionController:
 
     def calibration_state(self) -> dict[str, Any]:
         """What this router has measured, as JSON: the calibration over all batches and each
-        measured regime's (``CalibrationCache``), and the outcomes of prompts admitted beside
-        streams that ``CrowdBias`` and ``RateBound`` learn from."""
+        measured regime's (``CalibrationCache``)."""
         return {"all": calibration_to_json(self.calibration),
                 "regimes": [{"units": r.units, "beside_streams": r.beside_streams, **calibration_to_json(c)}
-                            for r, c in sorted(self.calibration_by_regime.items()) if c.calibrated],
-                "crowd": self.crowd.state(), "rate_bound": self.rate_bound.state()}
+                            for r, c in sorted(self.calibration_by_regime.items()) if c.calibrated]}
 
     def restore_calibration(self, state: dict[str, Any]) -> None:
         """Start from ``state`` (``calibration_state`` of an earlier router) as if its batches had
         been measured here: the warm margin applies from the first request, and live batches go
-        on correcting it. Beside streams, the crowd factor and the rate bound start from its last
-        outcomes (a state written before they were kept restores the calibration alone): without
-        them the rate bound is unused until ten prompts beside streams have their first token,
-        and at 6 req/s on this CPU the prompts admitted in those first seconds of a load missed
-        their TTFT 18 times in 130, those admitted after it 32 in 780 (the decision log of eight
-        runs, 2026-12-06). ValueError, with nothing changed, when it does not hold a calibration
-        or holds outcomes that are not."""
+        on correcting it. ValueError, with nothing changed, when it does not hold a calibration."""
         base = self._initial_calibration
         try:
             overall = calibration_from_json(state["all"], base)
@@ -510,13 +501,7 @@ class AdmissionController:
             raise ValueError(f"not a calibration state: {exc!r}") from None
         if any(regime.units < 1 for regime in regimes):
             raise ValueError("a regime of no units")
-        crowd, rate_bound = copy.deepcopy(self.crowd), copy.deepcopy(self.rate_bound)
-        if "crowd" in state:
-            crowd.restore(state["crowd"])
-        if "rate_bound" in state:
-            rate_bound.restore(state["rate_bound"])
         self.calibration, self.calibration_by_regime = overall, regimes
-        self.crowd, self.rate_bound = crowd, rate_bound
 
     def _restore(self, cache: CalibrationCache) -> None:
         state = cache.load()
@@ -527,22 +512,17 @@ class AdmissionController:
         except ValueError as exc:
             log.warning("admission: ignoring the cached calibration %s: %s", cache.path, exc)
             return
-        self._saved_samples = self._learnt_counts()
-        bound = self.rate_bound.factor()
-        log.info("admission: calibration read from %s: x%.2f over all, %s; beside streams: crowd factor x%.2f at "
-                 "32 streams, rate bound %s", cache.path, self.calibration.factor,
+        self._saved_samples = self.calibration.num_samples
+        log.info("admission: calibration read from %s: x%.2f over all, %s", cache.path, self.calibration.factor,
                  ", ".join(f"x{c.factor:.2f} {r}" for r, c in sorted(self.calibration_by_regime.items())) or
-                 "no regime of its own", self.crowd.factor(32), "unlearnt" if bound is None else f"x{bound:.2f}")
-
-    def _learnt_counts(self) -> tuple[int, int, int]:
-        return self.calibration.num_samples, self.crowd.num_outcomes, self.rate_bound.num_outcomes
+                 "no regime of its own")
 
     def save_calibration(self) -> bool:
-        """Write the calibration to the cache when batches were measured, or prompts beside
-        streams had their outcomes, since it was last written (or read); True when written."""
-        if self.cache is None or self._learnt_counts() == self._saved_samples:
+        """Write the calibration to the cache when batches were measured since it was last
+        written (or read); True when written."""
+        if self.cache is None or self.calibration.num_samples == self._saved_samples:
             return False
-        self._saved_samples = self._learnt_counts()
+        self._saved_samples = self.calibration.num_samples
         self.cache.save(self.calibration_state())
         return True
 

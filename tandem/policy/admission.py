@@ -23,7 +23,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from tandem.policy.types import Predictor, QueuedRequest, Slo, log_step, spread_pair_slopes
 
@@ -713,15 +713,6 @@ def _median_ratio(log_ratios: Iterable[float]) -> float:
     return math.exp(statistics.median(log_ratios))
 
 
-def _log_ratios_from_json(data: Any, keep: int) -> list[float]:
-    """The last ``keep`` of a JSON list of logged ratios (``_log_ratio``); ValueError unless it
-    is a list of finite numbers."""
-    if not isinstance(data, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                             and math.isfinite(x) for x in data):
-        raise ValueError(f"not a list of finite log ratios: {data!r:.80}")
-    return [float(x) for x in data[len(data) - keep:]] if keep else []
-
-
 class CrowdBias:
     """How much later than predicted prompts beside many streams get their first token, by the
     number of streams in flight when they were admitted (aggregated mode).
@@ -752,7 +743,6 @@ class CrowdBias:
         self.min_outcomes = min_outcomes
         self.max_factor = max_factor
         self._ratios: list[deque[float]] = [deque(maxlen=window) for _ in range(len(self.BOUNDS) + 1)]
-        self.num_outcomes = 0  # observed here, ever
 
     @classmethod
     def bucket(cls, in_flight: int) -> int:
@@ -764,28 +754,11 @@ class CrowdBias:
         ratio = _log_ratio(measured_s, predicted_s)
         if ratio is not None:
             self._ratios[self.bucket(in_flight)].append(ratio)
-            self.num_outcomes += 1
 
     def factor(self, in_flight: int) -> float:
         medians = [_median_ratio(ratios) for ratios in self._ratios[:self.bucket(in_flight) + 1]
                    if len(ratios) >= self.min_outcomes]
         return min(self.max_factor, max([1.0, *medians]))
-
-    def state(self) -> list[list[float]]:
-        """The outcomes kept, per bucket, as JSON (``restore``)."""
-        return [list(ratios) for ratios in self._ratios]
-
-    def restore(self, state: Any) -> None:
-        """Start from ``state`` (``state`` of an earlier router): each bucket keeps its last
-        ``min_outcomes`` outcomes, so the factor holds from the first prompt and live outcomes
-        outweigh it after as many more. ValueError, with nothing changed, when ``state`` is not
-        one of this class's."""
-        if not isinstance(state, list) or len(state) != len(self._ratios):
-            raise ValueError(f"not {len(self._ratios)} buckets of outcomes")
-        kept = [_log_ratios_from_json(ratios, self.min_outcomes) for ratios in state]
-        for ratios, restored in zip(self._ratios, kept, strict=True):
-            ratios.clear()
-            ratios.extend(restored)
 
 
 class RateBound:
@@ -808,7 +781,6 @@ class RateBound:
             raise ValueError("need 1 <= min_outcomes <= window")
         self.min_outcomes = min_outcomes
         self._ratios: deque[float] = deque(maxlen=window)
-        self.num_outcomes = 0  # observed here, ever
 
     def observe(self, bound_s: float, measured_s: float) -> None:
         """A prompt whose bound was ``bound_s`` when admitted got its first token ``measured_s``
@@ -816,19 +788,6 @@ class RateBound:
         ratio = _log_ratio(measured_s, bound_s)
         if ratio is not None:
             self._ratios.append(ratio)
-            self.num_outcomes += 1
 
     def factor(self) -> float | None:
         return _median_ratio(self._ratios) if len(self._ratios) >= self.min_outcomes else None
-
-    def state(self) -> list[float]:
-        """The outcomes kept, as JSON (``restore``)."""
-        return list(self._ratios)
-
-    def restore(self, state: Any) -> None:
-        """Start from ``state`` (``state`` of an earlier router), its last ``min_outcomes``
-        outcomes: the bound is used from the first prompt, and live outcomes outweigh those after
-        as many more. ValueError, with nothing changed, when ``state`` is not a list of ratios."""
-        restored = _log_ratios_from_json(state, self.min_outcomes)
-        self._ratios.clear()
-        self._ratios.extend(restored)
