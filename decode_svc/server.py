@@ -854,37 +854,35 @@ class DecodeWorker:
 
     def _budget_stale(self) -> bool:
         """Whether prompts wait beside running streams under an aggregated budget that no longer
-        fits them: decided for fewer streams (``_budget_for_fewer_streams``), or one a step beside
-        them outran. Past the partition's ``spent_gap_us``, that step cost each stream in it the
-        one gap past the TBT SLO its p99 survives; the agent plans the next within
-        ``spent_tbt_target`` on a calibration that step moved, but only once the step is reported,
-        and a busy loop reports every REPORT_EVERY_STEPS steps: the TBT-only misses of the 6 req/s
-        runs on the 2-core host came in episodes of two or three such steps in a row
-        (docs/benchmarks.md, "A step that outran its budget"). A budget no larger than the
-        progress floor is not stale (the floor is what a stale one gives)."""
-        if self._budget_for_fewer_streams():
-            return True
-        partition = self.member.partition
-        return (partition.epoch == self._outrun_epoch and partition.aggregated and bool(self.running)
-                and bool(self.prefilling) and self._decided_budget() > MIN_CHUNK_TOKENS)
+        fits them, for one of two reasons.
 
-    def _budget_for_fewer_streams(self) -> bool:
-        """Whether prompts wait beside running streams under an aggregated partition whose budget
-        the agent decided for fewer streams than run here now: while none was decoding (a budget
-        sized for prompts alone), or before the prompts a step finished joined the batch (a budget
-        that fit one stream's TBT, or traded one stream's TBT for waiting prompts' TTFT: taken
-        beside the sixteen that joined, a step of 761 prompt tokens cost each of them a 546 ms
-        gap). A budget of none is not stale: it gives the progress floor, which fits any batch. Nor
-        is one decided for a tenth fewer streams (one fewer, at least): the agent plans a step
-        within 0.8 x the TBT SLO, and waiting for every stream that joins (at 6 req/s, 5-23 ms
-        waits before one step in 17) cost more than the few rows the budget did not count."""
+        - The agent decided it for fewer streams than run here now: while none was decoding (a
+          budget sized for prompts alone), or before the prompts a step finished joined the batch
+          (a budget that fit one stream's TBT, or traded one stream's TBT for waiting prompts'
+          TTFT: taken beside the sixteen that joined, a step of 761 prompt tokens cost each of
+          them a 546 ms gap). Not one decided for a tenth fewer streams (one fewer, at least):
+          the agent plans a step within 0.8 x the TBT SLO, and waiting for every stream that
+          joins (at 6 req/s, 5-23 ms waits before one step in 17) cost more than the few rows the
+          budget did not count.
+        - A step beside the streams under it outran it (``_note_outrun``): past the partition's
+          ``spent_gap_us``, that step cost each stream in it the one gap past the TBT SLO its p99
+          survives; the agent plans the next within ``spent_tbt_target`` on a calibration that
+          step moved, but only once the step is reported, and a busy loop reports every
+          REPORT_EVERY_STEPS steps: the TBT-only misses of the 6 req/s runs on the 2-core host
+          came in episodes of two or three such steps in a row (docs/benchmarks.md, "A step that
+          outran its budget").
+
+        A budget no larger than the progress floor is stale for neither: the floor is what a
+        stale one gives, and it fits any batch."""
         partition = self.member.partition
         if not (partition.aggregated and self.running and self.prefilling):
             return False
         if not partition.streams_decoding:
             return True
+        if self._decided_budget() <= MIN_CHUNK_TOKENS:
+            return False
         decided = partition.decode_streams
-        return self._decided_budget() > MIN_CHUNK_TOKENS and len(self.running) > decided + max(1, decided // 10)
+        return partition.epoch == self._outrun_epoch or len(self.running) > decided + max(1, decided // 10)
 
     def _decided_budget(self) -> int:
         """The prompt tokens the partition in force gives this model's prompts: its aggregated
@@ -916,8 +914,8 @@ class DecodeWorker:
         agent decides again once their load report reaches it, a few ms later, while this loop
         steps at once): with streams decoding, only the chunked policy's progress floor rides
         this step, as the policy gives when their TBT leaves no room, not a whole default budget
-        that would stall every stream for it. So does a budget decided for fewer streams than
-        run now (``_budget_for_fewer_streams``), once the loop has waited for a fresher one
+        that would stall every stream for it. So does a stale budget (``_budget_stale``: decided
+        for fewer streams than run now, or outrun), once the loop has waited for a fresher one
         (``_await_fresh_partition``). With no stream here (one model), a step of prompts alone
         takes up to a whole step's tokens, whatever the decision counted: no TBT bounds it, and
         prompts gathered after the decision ride it too."""

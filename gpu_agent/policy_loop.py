@@ -152,6 +152,12 @@ class PolicyLoop:
         self.cores = list(cores)
         self.num_layers = num_layers
         self.slo = slo
+        # The gap past which a stream has spent its TBT slack (``ChunkedConfig.spent_gap``), in
+        # every aggregated decision beside streams, for decode to tell a step that outran its
+        # budget (the next decision plans within ``spent_tbt_target``, on a calibration that step
+        # moved); 0 with the rule off.
+        rule_on = chunked is not None and chunked.spent_tbt_target < max(chunked.tbt_target, chunked.floor_tbt_target)
+        self.spent_gap_us = round(chunked.spent_gap * slo.tbt_s * 1e6) if chunked is not None and rule_on else 0
         self.loads: dict[tuple[int, str], agent_pb2.PhaseLoad] = {}  # (role, model) -> its last report
         self.last: Applied | None = None
         self.num_decisions = 0
@@ -280,15 +286,6 @@ class PolicyLoop:
             deadline_s=min(r.deadline(self.slo) for r in requests), started_s=batch.started_unix_ns / 1e9,
             preempted_id=batch.preempted_id or None)
 
-    def _spent_gap_us(self, snapshot: ClusterSnapshot) -> int:
-        """The gap past which a stream has spent its TBT slack (``ChunkedConfig.spent_gap``), for
-        decode to tell a step that outran this decision's budget (the next decision plans within
-        ``spent_tbt_target``, on a calibration that step moved); 0 with the rule off."""
-        chunked = self.chunked
-        if chunked is None or chunked.spent_tbt_target >= max(chunked.tbt_target, chunked.floor_tbt_target):
-            return 0
-        return round(chunked.spent_gap * snapshot.slo.tbt_s * 1e6)
-
     def decide(self) -> tuple[Applied, str] | None:
         """Run the policy once; the new assignment and its reason when it changes, else None."""
         snapshot = self.snapshot(time.time())
@@ -324,7 +321,7 @@ class PolicyLoop:
                           _model_budgets(decision, self._owners(), models) if decision.aggregated and co_located else (),
                           decision.aggregated and decode_busy,
                           len(snapshot.decode_context_lens) if decision.aggregated and prefill_busy else 0,
-                          self._spent_gap_us(snapshot) if decision.aggregated and decode_busy else 0)
+                          self.spent_gap_us if decision.aggregated and decode_busy else 0)
         if applied == self.last:
             return None
         if preempt:

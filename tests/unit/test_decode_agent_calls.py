@@ -340,7 +340,7 @@ def test_prompts_beside_streams_wait_for_a_budget_decided_with_the_streams(seed:
         whole = sum(len(a.req.prompt_token_ids) for a in worker.prefilling)
         # No stream runs: no wait, and the step takes every prompt up to a whole step's tokens,
         # those that came after the decision too (it counted fewer: a wave gathered since).
-        assert not worker._budget_for_fewer_streams()
+        assert not worker._budget_stale()
         decided = rng.randint(1, whole)
         worker.member.partition = _partition(decided, False, 5)  # type: ignore[attr-defined]
         assert sum(n for _, n in worker._plan_chunks()) == min(whole, max(decided, MAX_STEP_TOKENS))
@@ -403,17 +403,17 @@ def test_a_budget_decided_for_fewer_streams_waits_for_one_decided_for_those_runn
         worker.running = [active(f"s{i}") for i in range(rng.randint(1, decided_for))]
         budget = rng.randint(MIN_CHUNK_TOKENS + 1, whole)
         worker.member.partition = _partition(budget, True, 5, decided_for)  # type: ignore[attr-defined]
-        assert not worker._budget_for_fewer_streams()  # as many streams as it was decided for, or fewer
+        assert not worker._budget_stale()  # as many streams as it was decided for, or fewer
         assert sum(n for _, n in worker._plan_chunks()) == budget
 
         tolerated = decided_for + max(1, decided_for // 10)  # a tenth more streams, one at least
         worker.running += [active(f"j{i}") for i in range(tolerated - len(worker.running))]
-        assert not worker._budget_for_fewer_streams()
+        assert not worker._budget_stale()
         worker.running += [active(f"k{i}") for i in range(rng.randint(1, 16))]
-        assert worker._budget_for_fewer_streams()
+        assert worker._budget_stale()
         floor_at_most = _partition(rng.randint(0, MIN_CHUNK_TOKENS), True, 5, decided_for)
         worker.member.partition = floor_at_most  # type: ignore[attr-defined]
-        assert not worker._budget_for_fewer_streams()  # the floor fits any batch
+        assert not worker._budget_stale()  # the floor fits any batch
 
         worker.member.partition = _partition(budget, True, 5, decided_for)  # type: ignore[attr-defined]
         fresh = rng.randint(1, whole)
@@ -440,7 +440,7 @@ def test_a_budget_decided_for_fewer_streams_waits_for_one_decided_for_those_runn
             assert loop.time() - started >= 0.045 and worker._waited_epoch == 6
             assert sum(n for _, n in worker._plan_chunks()) == MIN_CHUNK_TOKENS
         else:
-            assert not worker._budget_for_fewer_streams()
+            assert not worker._budget_stale()
 
     asyncio.run(main())
 
