@@ -156,8 +156,7 @@ class PolicyLoop:
         # every aggregated decision beside streams, for decode to tell a step that outran its
         # budget (the next decision plans within ``spent_tbt_target``, on a calibration that step
         # moved); 0 with the rule off.
-        rule_on = chunked is not None and chunked.spent_tbt_target < max(chunked.tbt_target, chunked.floor_tbt_target)
-        self.spent_gap_us = round(chunked.spent_gap * slo.tbt_s * 1e6) if chunked is not None and rule_on else 0
+        self.spent_gap_us = round(chunked.spent_gap * slo.tbt_s * 1e6) if chunked is not None and chunked.spent_rule_on else 0
         self.loads: dict[tuple[int, str], agent_pb2.PhaseLoad] = {}  # (role, model) -> its last report
         self.last: Applied | None = None
         self.num_decisions = 0

@@ -186,11 +186,15 @@ class ChunkedConfig:
         if self.order not in ("fcfs", "edf"):
             raise ValueError(f"order must be fcfs or edf, got {self.order!r}")
 
+    @property
+    def spent_rule_on(self) -> bool:
+        """Whether `spent_tbt_target` tightens either target (1.0, or no smaller than both: off)."""
+        return self.spent_tbt_target < max(self.tbt_target, self.floor_tbt_target)
+
     def targets(self, snapshot: ClusterSnapshot) -> tuple[float, float]:
         """(`tbt_target`, `floor_tbt_target`) for a step beside ``snapshot``'s streams: each at
         most `spent_tbt_target` while one of them has had a gap past `spent_gap` x the SLO."""
-        if self.spent_tbt_target < max(self.tbt_target, self.floor_tbt_target) \
-                and snapshot.streams_past(self.spent_gap * snapshot.slo.tbt_s):
+        if self.spent_rule_on and snapshot.streams_past(self.spent_gap * snapshot.slo.tbt_s):
             return min(self.tbt_target, self.spent_tbt_target), min(self.floor_tbt_target, self.spent_tbt_target)
         return self.tbt_target, self.floor_tbt_target
 
