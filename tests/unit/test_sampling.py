@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine import ggml_kernels
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling import (
     SampleOutput,
@@ -554,3 +555,72 @@ def test_params_round_trip_through_the_proto(bias: dict[int, float], seed: int |
     params = SamplingParams(temperature=0.5, seed=seed, logprobs=logprobs, logit_bias=tuple(bias.items()),
                             stop_token_ids=(3,))
     assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+# ---------------------------------------------------------------- greedy rows in C
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 40), vocab=st.integers(1, 3000), ties=st.integers(0, 3), masked=st.booleans(),
+       scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]), logprobs=st.sampled_from([None, 0]), seed=st.integers(0, 2**31))
+def test_plain_greedy_rows_in_c_equal_torch(rows: int, vocab: int, ties: int, masked: bool, scale: float,
+                                            logprobs: int | None, seed: int) -> None:
+    """Greedy rows nothing processes go to ``Kernels.greedy_rows``: the first largest logit (ties
+    at the top of a row too) and its raw log-softmax, as torch's argmax and log_softmax give them,
+    over rows of any length, -inf entries and magnitudes from 1e-3 to 1e4."""
+    kernels = ggml_kernels.require()
+    gen = make_generator(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    for row in range(rows):
+        top = logits[row].max()
+        for col in torch.randint(0, vocab, (ties,), generator=gen).tolist():
+            logits[row, col] = top
+        if masked and vocab > 1:
+            logits[row, torch.randint(0, vocab, (vocab // 3,), generator=gen)] = float("-inf")
+            logits[row, int(logits[row].argmax())] = top  # one finite value at least
+    want_ids = logits.argmax(dim=-1)
+    want_lp = torch.log_softmax(logits, dim=-1).gather(1, want_ids.unsqueeze(1)).squeeze(1)
+    chosen = kernels.greedy_rows(logits, logprobs is not None)
+    assert chosen is not None
+    assert chosen[0] == want_ids.tolist()
+    out = _sample(logits, [SamplingParams(temperature=0.0, logprobs=logprobs)] * rows)
+    assert out.token_ids == want_ids.tolist()
+    if logprobs is None:
+        assert chosen[1] is None and out.logprobs is None and out.top_logprobs is None
+    else:
+        assert chosen[1] == pytest.approx(want_lp.tolist(), rel=1e-5, abs=1e-5)
+        assert out.logprobs == pytest.approx(want_lp.tolist(), rel=1e-5, abs=1e-5)
+        assert out.top_logprobs == [[] for _ in range(rows)]
+
+
+def test_a_nan_row_leaves_the_batch_to_torch() -> None:
+    kernels = ggml_kernels.require()
+    logits = torch.randn(3, 64, generator=make_generator(4))
+    logits[1, 17] = float("nan")
+    assert kernels.greedy_rows(logits, True) is None
+    out = _sample(logits, [SamplingParams(temperature=0.0, logprobs=0)] * 3)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()  # torch's argmax takes the NaN
+    assert out.token_ids[1] == 17
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, logit_bias=((3, 5.0),)),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    SamplingParams(temperature=0.0, presence_penalty=0.5),
+    SamplingParams(temperature=0.0, min_tokens=4),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.7, seed=3),
+])
+def test_rows_something_processes_stay_on_torch(params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias, a penalty, a ``min_tokens`` mask, top logprobs or a random row: the C call is
+    never made (it would answer the raw logits' argmax)."""
+    ggml_kernels.require()
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("greedy_rows called for a batch it cannot answer")
+
+    monkeypatch.setattr(ggml_kernels.Kernels, "greedy_rows", refuse)
+    logits = torch.randn(2, 32, generator=make_generator(9))
+    out = _sample(logits, [params, SamplingParams(temperature=0.0)], prompts=[[1, 2], [3]], outputs=[[4], [5]])
+    assert len(out.token_ids) == 2
