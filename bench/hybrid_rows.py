@@ -11,9 +11,11 @@ layers repacked; ``tandem.bench.report.paired``), so the machine's drift hits bo
 pair; the figure is the median of the per-pair ratios (``--cap`` / ``--base-cap``) with its
 interquartile range.
 
-``--base-prompt-cap`` / ``--prompt-cap`` set ``model.WHOLE_LAYERS_BF16_PROMPT_ROWS`` on either side the
-same way (the most prompt tokens a step may carry whole in C where the wide copy is bf16, a CPU
-with AMX or AVX512-BF16); both default to its value, so the row caps alone differ.
+``--base-prompt-cap`` / ``--prompt-cap`` set ``model.WHOLE_LAYERS_BF16_PROMPT_ROWS`` and
+``model.WHOLE_LAYERS_VNNI_PROMPT_ROWS`` on either side the same way (the most prompt tokens a step may
+carry whole in C where the wide copy is bf16, a CPU with AMX or AVX512-BF16; the second on Tandem's
+VNNI kernel without AMX); both default to the value this host uses (``model.whole_layers_prompt_rows``),
+so the row caps alone differ.
 
 Writes JSON (default bench/results/hybrid_rows.json).
 
@@ -55,15 +57,19 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--base-cap", type=int, default=32, help="the row cap measured against")
     parser.add_argument("--cap", type=int, default=128, help="the row cap under test")
-    parser.add_argument("--base-prompt-cap", type=int, default=model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS)
-    parser.add_argument("--prompt-cap", type=int, default=model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS)
+    parser.add_argument("--base-prompt-cap", type=int, help="default: this host's (model.whole_layers_prompt_rows)")
+    parser.add_argument("--prompt-cap", type=int, help="default: this host's (model.whole_layers_prompt_rows)")
     parser.add_argument("--out", default="bench/results/hybrid_rows.json")
     args = parser.parse_args()
     engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
+    host_prompt_cap = engine.runner.model.whole_layers_prompt_rows()
+    args.base_prompt_cap = host_prompt_cap if args.base_prompt_cap is None else args.base_prompt_cap
+    args.prompt_cap = host_prompt_cap if args.prompt_cap is None else args.prompt_cap
     if not engine.runner.model._layers[0].qkv_proj.ggml_repacked:
         raise SystemExit("the engine's layers are not repacked (no ggml kernels built, or a CPU without AVX2)")
     runner, allocator = engine.runner, engine.allocator
-    default_cap, default_prompt_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS, model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS
+    default_cap = model_module.DECODE_LAYERS_X8_MAX_ROWS
+    default_prompt_caps = model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS, model_module.WHOLE_LAYERS_VNNI_PROMPT_ROWS
     result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                               "context": args.context, "base_cap": args.base_cap, "cap": args.cap,
                               "default_cap": default_cap, "base_prompt_cap": args.base_prompt_cap,
@@ -88,7 +94,8 @@ def main() -> int:
 
             def step(base: bool, batch: list[SeqInput] = batch) -> float:
                 model_module.DECODE_LAYERS_X8_MAX_ROWS = args.base_cap if base else args.cap
-                model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS = args.base_prompt_cap if base else args.prompt_cap
+                prompt_cap = args.base_prompt_cap if base else args.prompt_cap
+                model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS = model_module.WHOLE_LAYERS_VNNI_PROMPT_ROWS = prompt_cap
                 start = time.perf_counter()
                 runner.forward(batch)
                 return time.perf_counter() - start
@@ -103,7 +110,7 @@ def main() -> int:
                 allocator.free(prompt_table)
     finally:
         model_module.DECODE_LAYERS_X8_MAX_ROWS = default_cap
-        model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS = default_prompt_cap
+        model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS, model_module.WHOLE_LAYERS_VNNI_PROMPT_ROWS = default_prompt_caps
     print(f"wrote {write_json(result, args.out)}")
     return 0
 

@@ -9,7 +9,8 @@ torch's OpenMP threads, and three kernels of ours for any weight format: a paged
 that reads the KV pool in place (``paged_decode_attention``), RMSNorm, and greedy rows' argmax
 with its log-probability (``greedy_rows``, the sampler's; all three reached through
 ``own_kernels()``), and for the ``ggml`` format, a decode step's decoder layers whole in one call
-(``DecodeLayers``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
+(``DecodeLayers``), whose repacked Q4 projections of 2 rows or more run through a kernel of ours
+on AVX512-VNNI (``Kernels.x8_vnni``) instead of ggml's gemm. ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
 only loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``
 and the other two run in torch. ``TANDEM_CPU_KERNELS`` chooses for A/B runs: ``c`` (default) all
 of them, ``ops`` all but the whole layers, ``torch`` none of ours.
@@ -267,6 +268,12 @@ class Kernels:
                              torch.get_num_threads())
         return out
 
+    @property
+    def x8_vnni(self) -> bool:
+        """Whether this build (this CPU has AVX512-VNNI) runs repacked calls of 2 rows or more through
+        Tandem's VNNI kernel instead of ggml's gemm (``TANDEM_X8_VNNI=0``: ggml's, for A/B runs)."""
+        return bool(self.lib.tg_x8_vnni())
+
     def greedy_rows(self, logits: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float] | None] | None:
         """Each row's argmax of fp32 ``logits`` [rows, vocab] (the first largest, as torch's) and,
         with ``logprobs``, its log-probability under the row's softmax, in one C call; None when a
@@ -331,6 +338,8 @@ class DecodeLayers:
         self._dims = (hidden, heads, kv_heads, head_dim, intermediate)
         # every projection repacked for ggml's gemm: the model lets more rows through (model.py)
         self.repacked = all(p.gtype == GgmlType.Q4_X8 for lb in layers for p in (lb.qkv, lb.o, lb.gate_up, lb.down))
+        # ... and run through Tandem's VNNI kernel from 2 rows (Kernels.x8_vnni)
+        self.vnni = self.repacked and kernels.x8_vnni
         self._eps = eps
 
     def run(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -386,6 +395,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                                               ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.tg_rms_norm.restype = None
     lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.tg_x8_vnni.restype, lib.tg_x8_vnni.argtypes = ctypes.c_int, []
     lib.tg_greedy_rows.restype = ctypes.c_int
     lib.tg_greedy_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.tg_decode_layers.restype = ctypes.c_int

@@ -26,7 +26,7 @@ from tandem.engine.allocator import tune_malloc
 from tandem.engine.attention import AttentionBackend, TorchPagedAttention
 from tandem.engine.config import ModelConfig, RopeScaling
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
-from tandem.engine.quant import Linear, WeightFormat, effective_format
+from tandem.engine.quant import Linear, WeightFormat, effective_format, has_amx
 from tandem.engine.smoothing import AbsMaxRecorder, row_divisor, smoothing_factors
 
 # auto: prompt rows of an fp32 model attend in bf16 where its wide copy is bf16; model: in its dtype
@@ -59,6 +59,13 @@ DECODE_LAYERS_X8_MAX_ROWS = 128
 # pairs) the gap is smaller: op by op / whole in C 0.83x for a 128-token prompt, 0.94x at 64, 0.87-0.95x
 # for 8-16 decode rows beside a 48-64-token chunk, 0.98-1.01x at 24-32 prompt tokens.
 WHOLE_LAYERS_BF16_PROMPT_ROWS = 32
+# The same where the layers run on Tandem's AVX512-VNNI kernel (``ggml_kernels.Kernels.x8_vnni``)
+# and the CPU has no AMX tiles (there oneDNN's bf16 prompts run 2x faster from 64 tokens, above).
+# An AMD EPYC with AVX512-BF16 and VNNI (2026-12-06; bench/hybrid_rows.py --base-cap 128 --cap 128
+# --base-prompt-cap 32 --prompt-cap 128, medians of 6 pairs, docs/results/hybrid-vnni-prompt-cap-1206.json):
+# whole in C / op by op 0.81x for a 64-token prompt, 0.85x at 128, 0.76-0.87x for 8-16 decode rows
+# beside a 48-96-token chunk (cached prefix or not), 0.99-1.01x at 24-32 tokens and past the row cap.
+WHOLE_LAYERS_VNNI_PROMPT_ROWS = 128
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -233,9 +240,18 @@ class LlamaModel:
             return False
         if num_rows > (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS):
             return False
-        if self.wide_format == WeightFormat.BF16 and prompt_rows > WHOLE_LAYERS_BF16_PROMPT_ROWS:
+        if self.wide_format == WeightFormat.BF16 and prompt_rows > self.whole_layers_prompt_rows():
             return False
         return self.attention.decodes_in_c(pool)
+
+    def whole_layers_prompt_rows(self) -> int:
+        """The most prompt tokens a step may carry whole in C where the wide copy is bf16:
+        ``WHOLE_LAYERS_VNNI_PROMPT_ROWS`` on Tandem's VNNI kernel without AMX tiles, else
+        ``WHOLE_LAYERS_BF16_PROMPT_ROWS`` (read at every call, so a benchmark can set either)."""
+        fused = self._whole_layers
+        if fused is not None and fused.vnni and not has_amx():
+            return WHOLE_LAYERS_VNNI_PROMPT_ROWS
+        return WHOLE_LAYERS_BF16_PROMPT_ROWS
 
     @property
     def derived_weight_bytes(self) -> int:

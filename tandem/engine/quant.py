@@ -129,6 +129,13 @@ def can_run_int8() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bf16 matmuls run on them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe is not None and bool(probe())
+
+
 def has_bf16_dot() -> bool:
     """Whether this CPU computes bf16 dot products in hardware, which oneDNN's bf16 matmuls run on:
     AMX tiles or AVX512-BF16 (``vdpbf16ps``). Without either, oneDNN's bf16 kernels (where it has

@@ -22,7 +22,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.ggml_kernels import GgmlType
 from tandem.engine.kv_pool import KVPool, KVPoolSpec, PagedLayout
 from tandem.engine.model import (DECODE_LAYERS_MAX_ROWS, DECODE_LAYERS_X8_MAX_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS,
-                                 LlamaModel)
+                                 WHOLE_LAYERS_VNNI_PROMPT_ROWS, LlamaModel)
 from tandem.engine.random_weights import random_weights
 from tandem.engine.runner import ModelRunner, SeqInput
 from tandem.engine.weight_format import WeightFormat
@@ -208,13 +208,15 @@ def test_prompt_rows_stay_a_chunk_where_attention_is_not_in_c(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("wide", [WeightFormat.FP16, WeightFormat.BF16])
-@pytest.mark.parametrize("prompt_len", [WHOLE_LAYERS_BF16_PROMPT_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS + 1, 90])
+@pytest.mark.parametrize("prompt_len", [WHOLE_LAYERS_BF16_PROMPT_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS + 1, 90,
+                                        WHOLE_LAYERS_VNNI_PROMPT_ROWS, WHOLE_LAYERS_VNNI_PROMPT_ROWS + 1])
 @pytest.mark.parametrize("num_decode", [0, 3])
 def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightFormat, prompt_len: int,
                                                                 num_decode: int) -> None:
     """Where the wide copy is bf16 (a CPU with a bf16 dot product), a step of more prompt tokens than
-    WHOLE_LAYERS_BF16_PROMPT_ROWS runs op by op (its projections on the bf16 copy, faster there);
-    with the fp16 copy it stays whole in C up to the row cap; decode rows alone stay whole."""
+    WHOLE_LAYERS_BF16_PROMPT_ROWS runs op by op (its projections on the bf16 copy, faster there),
+    or than WHOLE_LAYERS_VNNI_PROMPT_ROWS on Tandem's VNNI kernel without AMX; with the fp16 copy it
+    stays whole in C up to the row cap; decode rows alone stay whole."""
     model = _model(4, 2, 32, False, False, 11, (GgmlType.Q4_1, GgmlType.Q4_0))
     assert model._whole_layers is not None and model._whole_layers.repacked
     model.wide_format = wide  # what quant.ggml_wide_format picked on the CPU it loaded on
@@ -222,11 +224,14 @@ def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightForm
     runner = ModelRunner(model, pool)
     rng = random.Random(prompt_len + num_decode)
     batch = [SeqInput((rng.randrange(256),), 5, [2 * i]) for i in range(num_decode)]
-    batch.append(SeqInput(tuple(rng.randrange(256) for _ in range(prompt_len)), 0, list(range(40, 47))))
-    whole = wide == WeightFormat.FP16 or prompt_len <= WHOLE_LAYERS_BF16_PROMPT_ROWS
+    batch.append(SeqInput(tuple(rng.randrange(256) for _ in range(prompt_len)), 0,
+                          list(range(8, 9 + prompt_len // 16))))
+    whole = num_decode + prompt_len <= DECODE_LAYERS_X8_MAX_ROWS and (
+        wide == WeightFormat.FP16 or prompt_len <= model.whole_layers_prompt_rows())
     assert model.whole_layer_rows(num_decode + prompt_len, pool, prompt_len) is whole
     assert (not runner.begin(batch).attn_meta.prefill) is whole
-    assert model.whole_layer_rows(num_decode + prompt_len, pool)  # as many decode rows alone: whole
+    # as many decode rows alone: whole up to the row cap
+    assert model.whole_layer_rows(num_decode + prompt_len, pool) is (num_decode + prompt_len <= DECODE_LAYERS_X8_MAX_ROWS)
 
 
 def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
@@ -256,7 +261,7 @@ def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
     model = _model(heads, kv_heads, head_dim, bias, False, seed % 1000, gtypes)
     assert model._whole_layers is not None
     cap = DECODE_LAYERS_X8_MAX_ROWS if model._whole_layers.repacked else DECODE_LAYERS_MAX_ROWS
-    prompt_cap = WHOLE_LAYERS_BF16_PROMPT_ROWS if model.wide_format == WeightFormat.BF16 else cap
+    prompt_cap = model.whole_layers_prompt_rows() if model.wide_format == WeightFormat.BF16 else cap
     rng = random.Random(seed)
     chunks = [(cached, rng.randint(1, length)) for cached, length in prompts]
     num_decode = min(num_decode, cap - 1)

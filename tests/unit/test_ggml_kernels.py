@@ -131,7 +131,7 @@ def test_rows_padded_for_the_gemm_compute_what_the_gemv_does(gtype: GgmlType, gr
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
 
     def linear(rows: torch.Tensor, pad: bool) -> torch.Tensor:
-        with _x8_pad(pad):
+        with _x8_pad(pad), _c_switch("TANDEM_X8_VNNI", False):  # ggml's gemm, not the VNNI kernel
             return kern.linear(rows, repacked[0], GgmlType.Q4_X8, n, repacked[1])
 
     padded, gemv = linear(x, True), linear(x, False)
@@ -143,17 +143,54 @@ def test_rows_padded_for_the_gemm_compute_what_the_gemv_does(gtype: GgmlType, gr
 
 
 @contextlib.contextmanager
-def _x8_pad(on: bool) -> Iterator[None]:
-    """``TANDEM_X8_PAD`` for the calls inside (the C side reads it at every call)."""
-    old = os.environ.get("TANDEM_X8_PAD")
-    os.environ["TANDEM_X8_PAD"] = "1" if on else "0"
+def _c_switch(name: str, on: bool) -> Iterator[None]:
+    """The C side's switch ``name`` (``TANDEM_X8_PAD``, ``TANDEM_X8_VNNI``: read at every call) for
+    the calls inside."""
+    old = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["TANDEM_X8_PAD"]
+            del os.environ[name]
         else:
-            os.environ["TANDEM_X8_PAD"] = old
+            os.environ[name] = old
+
+
+def _x8_pad(on: bool) -> contextlib.AbstractContextManager[None]:
+    return _c_switch("TANDEM_X8_PAD", on)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0]), st.integers(1, 16), st.integers(1, 20), st.integers(2, 40),
+       st.integers(0, 2**31))
+def test_the_vnni_kernel_computes_each_row_as_ggmls_gemv_does(gtype: GgmlType, groups: int, kblocks: int, m: int,
+                                                               seed: int) -> None:
+    """With AVX512-VNNI, calls of 2 rows or more run Tandem's kernel (``x8_vnni_tile``): each
+    row's outputs are bit for bit that row's alone (a call of one row runs ggml's gemv), for any
+    number of rows (tiles of 8, 4, 2 and 1), an odd number of 8-row groups and Q4_1's offsets, so a
+    row's result does not depend on its batch; ``TANDEM_X8_VNNI=0`` (ggml's gemm) agrees within
+    float rounding, and both hold the bound of the exact product."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    if not kern.x8_vnni:
+        pytest.skip("no AVX512-VNNI on this CPU: repacked calls run ggml's gemm alone")
+    n, k = 8 * groups, 32 * kblocks
+    w = _exact(gtype, n, k, seed)
+    x8, corr = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k) or (None, None)
+    assert x8 is not None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        return kern.linear(rows, x8, GgmlType.Q4_X8, n, corr)
+
+    together = linear(x)
+    assert torch.equal(together, torch.cat([linear(x[i:i + 1]) for i in range(m)]))
+    with _c_switch("TANDEM_X8_VNNI", False):
+        ggml = linear(x)
+    scale = x.abs() @ w.abs().T
+    assert bool(((together - ggml).abs() <= 1e-5 * scale + 1e-6).all()), ((together - ggml).abs() / scale).max()
+    assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
 
 
 def test_only_q4_rows_in_whole_groups_of_8_repack() -> None:

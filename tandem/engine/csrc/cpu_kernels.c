@@ -21,7 +21,11 @@
  * and nibbles, so ggml's Q4_0 kernel runs them unchanged) plus the block's offset m + 8 d, whose
  * part of a dot product is that offset times the sum of the block's activations, added after the
  * gemm from a [rows, k / 32] table of offsets. No weight is quantized again: the result is the
- * Q4_1 weights' own, to float rounding and the activations' 8-bit rounding (as in vec_dot). */
+ * Q4_1 weights' own, to float rounding and the activations' 8-bit rounding (as in vec_dot).
+ *
+ * x8_vnni_tile: ours, where the CPU has AVX512-VNNI: the same repacked weights and the same
+ * 8-bit activations through vpdpbusd, up to 8 activation rows per weight unpack, each row's
+ * outputs bit for bit those of ggml's gemv (so of the row alone). */
 #include <ggml.h>
 #include <ggml-cpu.h>
 #include <math.h>
@@ -292,11 +296,180 @@ static int x8_padding(int64_t m) {
     return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
 }
 
+/* Whether TANDEM_X8_VNNI=0 keeps ggml's gemm where the VNNI kernel would run (for A/B
+ * measurements, bench/x8_vnni.py: read at every call, like TANDEM_X8_PAD). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static int vnni_off(void) {
+    const char *v = getenv("TANDEM_X8_VNNI");
+    return v != NULL && strcmp(v, "0") == 0;
+}
+#endif
+
 /* x8_rows's `pad` when `padding` (x8_padding's answer for the call's m), for a largest k or n_out of
  * `widest`: NULL when no group is padded. The caller keeps `padding` to tell that NULL from a failed
  * allocation, so TANDEM_X8_PAD is read once per call. */
 static float *x8_pad_scratch(int padding, int64_t widest) {
     return padding ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TG_VNNI 1
+/* With AVX512-VNNI, x8_rows runs calls of VNNI_MIN_ROWS rows or more through a kernel of ours
+ * (x8_vnni_tile) instead of ggml's gemm, over the same repacked weights: ggml's x86 gemm takes 4
+ * activation rows at a time (16 only from 16) with byte multiplies that widen to 16 bits, where
+ * vpdpbusd multiplies and sums four u8 x s8 pairs into each 32-bit lane in one instruction, and
+ * the weights are unpacked once for up to 8 rows. */
+#define VNNI_MIN_ROWS 2
+/* One activation block as the kernel reads it: Q8_0's 32 values (as ggml quantizes them), its
+ * scale in fp32, and the two lane halves' correction (see x8_vnni_quantize). */
+typedef struct {
+    int8_t qs[QK];
+    float d;
+    int32_t corr[2];
+} vnni_block;
+#define VNNI_BLOCK_BYTES 44
+_Static_assert(sizeof(vnni_block) == VNNI_BLOCK_BYTES, "vnni_block is 44 bytes");
+
+/* Row i of x [., k] to nb vnni_blocks at q (and its block sums, each d * the sum of its values, to
+ * xs when not NULL: the Q4_1 offsets' term). The kernel multiplies the unsigned nibble q (0..15)
+ * where the Q4_0 value is q - 8, so each lane starts from -8 x the sum of the activations it
+ * pairs with: the even lanes see elements 0-3, 8-11, 16-19, 24-27 of the block, the odd ones the
+ * others (x8_vnni_tile). */
+static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *xs) {
+    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    char blk[Q8_ROW_BLOCK_BYTES];
+    for (int64_t b = 0; b < nb; b++) {
+        q8->from_float(xi + b * QK, blk, QK);
+        ggml_fp16_t d16;
+        memcpy(&d16, blk, 2);
+        memcpy(q[b].qs, blk + 2, QK);
+        q[b].d = ggml_fp16_to_fp32(d16);
+        int32_t half[2] = {0, 0};
+        for (int e = 0; e < QK; e++) half[(e >> 2) & 1] += q[b].qs[e];
+        q[b].corr[0] = -8 * half[0];
+        q[b].corr[1] = -8 * half[1];
+        if (xs != NULL) xs[b] = q[b].d * (float)(half[0] + half[1]);
+    }
+}
+
+/* Outputs of the 8-row groups g and (with `two`) g + 1 of W (tg_repack_x8's layout: per block 8
+ * fp16 scales, then rows 0-7's bytes 0-7 with 0x88 xored in, then their bytes 8-15) for activation
+ * rows [i0, i0 + NR) of q (nb vnni_blocks a row), into out (ldo floats a row) from column c0. Each
+ * 32-bit lane holds one weight row's four nibbles of a quarter of the block: lane 2j and 2j + 1 are
+ * row j's bytes 0-3 and 4-7 (low nibbles: elements 0-3 and 4-7; high: 16-19 and 20-23), and of the
+ * second 64 bytes its elements 8-15 and 24-31; the activations' matching 8 bytes are broadcast to
+ * every pair of lanes. Each block's integer sum of a row (the pair's, exact) is scaled and
+ * accumulated as ggml's gemv does it (fmadd of the sum by weight scale x activation scale), so a
+ * row's outputs are bit for bit those of a call of that row alone (which ggml's gemv runs), in
+ * any batch. NR is a constant at each call. */
+static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, const char *w1, int two, int64_t nb,
+                                                               const vnni_block *q, int64_t i0, const int NR,
+                                                               float *out, int64_t ldo, int64_t c0) {
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    __m512 acc[8][2];
+    for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[2][4];
+        __m512 dw[2];
+        for (int h = 0; h < 2; h++) {
+            if (h == 1 && !two) break;
+            const char *blk = (h ? w1 : w0) + b * X8_GROUP_BYTES;
+            const __m512i p0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 16)), flip);
+            const __m512i p1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 80)), flip);
+            w[h][0] = _mm512_and_si512(p0, low);
+            w[h][1] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low);
+            w[h][2] = _mm512_and_si512(p1, low);
+            w[h][3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            dw[h] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(d8));
+        }
+        for (int r = 0; r < NR; r++) {
+            const vnni_block *a = q + (i0 + r) * nb + b;
+            int64_t a0, a1, a2, a3, c;
+            memcpy(&a0, a->qs, 8);
+            memcpy(&a1, a->qs + 16, 8);
+            memcpy(&a2, a->qs + 8, 8);
+            memcpy(&a3, a->qs + 24, 8);
+            memcpy(&c, a->corr, 8);
+            const __m512i v0 = _mm512_set1_epi64(a0), v1 = _mm512_set1_epi64(a1), v2 = _mm512_set1_epi64(a2),
+                          v3 = _mm512_set1_epi64(a3), start = _mm512_set1_epi64(c);
+            const __m512 da = _mm512_set1_ps(a->d);
+            for (int h = 0; h < 2; h++) {
+                if (h == 1 && !two) break;
+                __m512i dot = _mm512_dpbusd_epi32(start, w[h][0], v0);
+                dot = _mm512_dpbusd_epi32(dot, w[h][1], v1);
+                dot = _mm512_dpbusd_epi32(dot, w[h][2], v2);
+                dot = _mm512_dpbusd_epi32(dot, w[h][3], v3);
+                dot = _mm512_add_epi32(dot, _mm512_shuffle_epi32(dot, _MM_PERM_CDAB)); /* the pair's sum, in both */
+                acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[h], da), acc[r][h]);
+            }
+        }
+    }
+    const __m512i even = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) {
+            if (h == 1 && !two) break;
+            _mm256_storeu_ps(out + (i0 + r) * ldo + c0 + 8 * h,
+                             _mm512_castps512_ps256(_mm512_permutexvar_ps(even, acc[r][h])));
+        }
+}
+
+/* x8_rows with AVX512-VNNI: the same contract, q holding m rows of vnni_blocks. */
+static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
+                         char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+    const int64_t nb = k / QK;
+    vnni_block *q = (vnni_block *)qbytes;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) x8_vnni_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
+    /* the loop's implicit barrier: every row is quantized */
+    const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g0 = 0; g0 < groups; g0 += grab) {
+        const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
+        float *out = accumulate ? tmp : y;
+        const int64_t ldo = accumulate ? n_out : ldy;
+        for (int64_t g = g0; g < g1; g += 2) {
+            const char *w0 = w8 + g * nb * X8_GROUP_BYTES, *w1 = w0 + nb * X8_GROUP_BYTES;
+            const int two = g + 1 < g1;
+            int64_t i = 0;
+            for (; i + 8 <= m; i += 8) x8_vnni_tile(w0, w1, two, nb, q, i, 8, out, ldo, g * 8);
+            if (m - i >= 4) {
+                x8_vnni_tile(w0, w1, two, nb, q, i, 4, out, ldo, g * 8);
+                i += 4;
+            }
+            if (m - i >= 2) {
+                x8_vnni_tile(w0, w1, two, nb, q, i, 2, out, ldo, g * 8);
+                i += 2;
+            }
+            if (m - i >= 1) x8_vnni_tile(w0, w1, two, nb, q, i, 1, out, ldo, g * 8);
+        }
+        if (corr != NULL || accumulate)
+            for (int64_t r = 0; r < m; r++)
+                x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb,
+                              corr != NULL ? nb : 0, g0 * 8, g1 * 8);
+    } /* the loop's implicit barrier: every output is written */
+}
+#endif
+
+/* 1 when this build runs x8_rows's calls of VNNI_MIN_ROWS rows or more through x8_vnni_tile. */
+int tg_x8_vnni(void) {
+#ifdef TG_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Bytes of scratch x8_rows needs for m activation rows of `qrow` bytes as ggml's Q8_0 (or wider)
+ * quantizes them: room for x8_padded(m) such rows, and for m rows of the VNNI kernel's blocks. */
+static size_t x8_q_bytes(int64_t m, size_t qrow) {
+    size_t bytes = (size_t)x8_padded(m) * qrow;
+#ifdef TG_VNNI
+    const size_t vnni = (size_t)m * ((qrow + Q8_ROW_BLOCK_BYTES - 1) / Q8_ROW_BLOCK_BYTES) * VNNI_BLOCK_BYTES;
+    bytes = vnni > bytes ? vnni : bytes;
+#endif
+    return bytes;
 }
 
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
@@ -309,6 +482,12 @@ static float *x8_pad_scratch(int padding, int64_t widest) {
  * padded rows, then their outputs. */
 static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                     char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
+#ifdef TG_VNNI
+    if (m >= VNNI_MIN_ROWS && !vnni_off()) {
+        x8_vnni_rows(w8, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
+        return;
+    }
+#endif
     const int64_t nb = k / QK, m4 = m / 4 * 4;
     const int64_t mg = pad != NULL ? m4 + 4 : m4; /* rows quantized 4 at a time (pad: x8_pad_scratch's) */
     const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
@@ -357,7 +536,7 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
  * Returns 0, -2 when scratch cannot be had. */
 int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
                  int nthreads) {
-    char *q = malloc((size_t)x8_padded(m) * (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES + 1);
+    char *q = malloc(x8_q_bytes(m, (size_t)(k / QK) * Q8_ROW_BLOCK_BYTES) + 1);
     float *xs = malloc(sizeof(float) * (size_t)(m * (k / QK)) + 1);
     const int padding = x8_padding(m);
     float *pad = x8_pad_scratch(padding, k > n_out ? k : n_out);
@@ -687,7 +866,7 @@ int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, i
      * | tmp [m, hidden] | xs [m, inter / 32 + q_size / 32 + hidden / 32] (x8_rows's, a bound on any k / 32) */
     const int64_t floats = m * (hidden + n_qkv + q_size + 3 * inter + hidden + (inter + q_size + hidden) / QK + 1);
     float *buf = malloc(sizeof(float) * (size_t)floats);
-    char *q8 = malloc((size_t)x8_padded(m) * qrow + 1);
+    char *q8 = malloc(x8_q_bytes(m, qrow) + 1);
     int64_t widest = n_qkv > 2 * inter ? n_qkv : 2 * inter; /* the largest k or n_out of a projection */
     widest = widest > hidden ? widest : hidden;
     widest = widest > q_size ? widest : q_size;

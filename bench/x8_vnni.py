@@ -1,0 +1,103 @@
+"""Tandem's AVX512-VNNI kernel for repacked Q4 layers against ggml's gemm, paired in one process.
+
+Repacked Q4_0 / Q4_1 projections (``Kernels.repack_x8``) of calls of 2 rows or more run through
+``x8_vnni_tile`` where the CPU has AVX512-VNNI; ``TANDEM_X8_VNNI=0`` sends them to ggml's gemm (4
+activation rows at a time below 16) as before. The C side reads the switch at every call, so one
+engine runs the same step both ways, ABAB / BABA (``tandem.bench.report.paired``: the machine's
+drift hits both sides of every pair); the figure is the median of the per-pair ratios ggml /
+VNNI with its interquartile range. Steps: decode rows alone (contexts spread over 0.5-1.5x
+``--context``) and decode rows beside a prompt chunk, the default model in the ``ggml`` format,
+its layers whole in C. Each step's logits are also compared between the two sides: the kernel
+computes each row as ggml's gemv does (bit for bit), so they must be equal.
+
+Writes JSON (default bench/results/x8_vnni.json).
+
+Usage: python bench/x8_vnni.py [--pairs 12] [--context 80] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.bench.report import paired, write_json  # noqa: E402
+from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.engine.model_cache import resolve_model  # noqa: E402
+from tandem.engine.quant import WeightFormat  # noqa: E402
+from tandem.engine.runner import SeqInput  # noqa: E402
+from tandem.hostinfo import cpuinfo_field  # noqa: E402
+
+# (decode rows, prompt chunk tokens)
+SHAPES = ((1, 0), (2, 0), (4, 0), (8, 0), (12, 0), (16, 0), (24, 0), (32, 0), (64, 0), (8, 32), (8, 64),
+          (16, 64), (0, 64), (0, 128))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--context", type=int, default=80)
+    parser.add_argument("--out", default="bench/results/x8_vnni.json")
+    args = parser.parse_args()
+    engine = LLMEngine.from_dir(resolve_model("default"), weight_format=WeightFormat.GGML, kv_cache_bytes=1 << 30)
+    model = engine.runner.model
+    fused = model._whole_layers
+    if fused is None or not fused.vnni:
+        raise SystemExit("no VNNI kernel here (a CPU without AVX512-VNNI, or the layers are not repacked)")
+    runner, allocator = engine.runner, engine.allocator
+    result: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
+                              "cpu": cpuinfo_field("model name"), "threads": torch.get_num_threads(),
+                              "context": args.context, "prompt_cap": model.whole_layers_prompt_rows(), "shapes": []}
+    old = os.environ.get("TANDEM_X8_VNNI")
+    try:
+        for d, n in SHAPES:
+            lens = [int(args.context * (0.5 + j / max(d, 1))) for j in range(d)]
+            tables = []
+            for j, length in enumerate(lens):  # each stream's context computed once, as its prompt
+                table = allocator.allocate(list(range(100 + j, 101 + j + length))).block_ids
+                runner.forward([SeqInput(list(range(100 + j, 100 + j + length)), 0, table)])
+                tables.append(table)
+            batch = [SeqInput((5,), length, table) for length, table in zip(lens, tables, strict=True)]
+            prompt_table = None
+            if n:
+                prompt = list(range(2000, 2000 + n))
+                prompt_table = allocator.allocate(prompt).block_ids
+                batch.append(SeqInput(prompt, 0, prompt_table))
+            logits: dict[bool, torch.Tensor] = {}
+
+            def step(vnni: bool, batch: list[SeqInput] = batch, logits: dict[bool, torch.Tensor] = logits) -> float:
+                os.environ["TANDEM_X8_VNNI"] = "1" if vnni else "0"
+                start = time.perf_counter()
+                logits[vnni] = runner.forward(batch)
+                return time.perf_counter() - start
+
+            entry = {"decode_rows": d, "chunk_tokens": n, "rows": d + n,
+                     "whole_in_c": model.whole_layer_rows(d + n, runner.pool, n), **paired(step, args.pairs, "vnni", "ggml"),
+                     "logits_equal": bool(torch.equal(logits[True], logits[False]))}
+            print(json.dumps(entry), flush=True)
+            result["shapes"].append(entry)
+            for table in tables:
+                allocator.free(table)
+            if prompt_table is not None:
+                allocator.free(prompt_table)
+    finally:
+        if old is None:
+            os.environ.pop("TANDEM_X8_VNNI", None)
+        else:
+            os.environ["TANDEM_X8_VNNI"] = old
+    print(f"wrote {write_json(result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
