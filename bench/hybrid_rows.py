@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.step_shapes import free_tables, step_batch  # noqa: E402
 from tandem.bench.report import paired, write_json  # noqa: E402
 from tandem.engine import model as model_module  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
@@ -77,20 +78,7 @@ def main() -> int:
                               "shapes": []}
     try:
         for d, n, cached in SHAPES:
-            lens = [int(args.context * (0.5 + j / max(d, 1))) for j in range(d)]
-            tables = []
-            for j, length in enumerate(lens):  # each stream's context computed once, as its prompt
-                table = allocator.allocate(list(range(100 + j, 101 + j + length))).block_ids
-                runner.forward([SeqInput(list(range(100 + j, 100 + j + length)), 0, table)])
-                tables.append(table)
-            batch = [SeqInput((5,), length, table) for length, table in zip(lens, tables, strict=True)]
-            prompt_table = None
-            if n:
-                prompt = list(range(2000, 2000 + cached + n))
-                prompt_table = allocator.allocate(prompt).block_ids
-                if cached:
-                    runner.forward([SeqInput(prompt[:cached], 0, prompt_table)])
-                batch.append(SeqInput(prompt[cached:], cached, prompt_table))
+            batch, tables = step_batch(runner, allocator, d, n, cached, args.context)
 
             def step(base: bool, batch: list[SeqInput] = batch) -> float:
                 model_module.DECODE_LAYERS_X8_MAX_ROWS = args.base_cap if base else args.cap
@@ -104,10 +92,7 @@ def main() -> int:
                      **paired(step, args.pairs, "base", "cap")}
             print(json.dumps(entry), flush=True)
             result["shapes"].append(entry)
-            for table in tables:
-                allocator.free(table)
-            if prompt_table is not None:
-                allocator.free(prompt_table)
+            free_tables(allocator, tables)
     finally:
         model_module.DECODE_LAYERS_X8_MAX_ROWS = default_cap
         model_module.WHOLE_LAYERS_BF16_PROMPT_ROWS, model_module.WHOLE_LAYERS_VNNI_PROMPT_ROWS = default_prompt_caps

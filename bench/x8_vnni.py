@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.step_shapes import free_tables, step_batch  # noqa: E402
 from tandem.bench.report import paired, write_json  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
@@ -61,18 +62,7 @@ def main() -> int:
     old = os.environ.get("TANDEM_X8_VNNI")
     try:
         for d, n in SHAPES:
-            lens = [int(args.context * (0.5 + j / max(d, 1))) for j in range(d)]
-            tables = []
-            for j, length in enumerate(lens):  # each stream's context computed once, as its prompt
-                table = allocator.allocate(list(range(100 + j, 101 + j + length))).block_ids
-                runner.forward([SeqInput(list(range(100 + j, 100 + j + length)), 0, table)])
-                tables.append(table)
-            batch = [SeqInput((5,), length, table) for length, table in zip(lens, tables, strict=True)]
-            prompt_table = None
-            if n:
-                prompt = list(range(2000, 2000 + n))
-                prompt_table = allocator.allocate(prompt).block_ids
-                batch.append(SeqInput(prompt, 0, prompt_table))
+            batch, tables = step_batch(runner, allocator, d, n, 0, args.context)
             logits: dict[bool, torch.Tensor] = {}
 
             def step(vnni: bool, batch: list[SeqInput] = batch, logits: dict[bool, torch.Tensor] = logits) -> float:
@@ -86,10 +76,7 @@ def main() -> int:
                      "logits_equal": bool(torch.equal(logits[True], logits[False]))}
             print(json.dumps(entry), flush=True)
             result["shapes"].append(entry)
-            for table in tables:
-                allocator.free(table)
-            if prompt_table is not None:
-                allocator.free(prompt_table)
+            free_tables(allocator, tables)
     finally:
         if old is None:
             os.environ.pop("TANDEM_X8_VNNI", None)
