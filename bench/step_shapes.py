@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.runner import ModelRunner, SeqInput
 
 
 def step_batch(runner: ModelRunner, allocator: BlockAllocator, decode_rows: int, chunk_tokens: int,
-               cached_tokens: int, context: int) -> tuple[list[SeqInput], list[list[int]]]:
+               cached_tokens: int, context: int) -> tuple[list[SeqInput], list[Sequence[int]]]:
     """A step of ``decode_rows`` decode rows (contexts spread over 0.5-1.5x ``context``, each
     computed once as its prompt) and, with ``chunk_tokens``, one prompt chunk after
     ``cached_tokens`` of its prompt (computed first, as chunked prefill leaves it); and the block
     tables it holds, for ``free_tables``."""
     lens = [int(context * (0.5 + j / max(decode_rows, 1))) for j in range(decode_rows)]
-    tables = []
+    tables: list[Sequence[int]] = []
     for j, length in enumerate(lens):
         table = allocator.allocate(list(range(100 + j, 101 + j + length))).block_ids
         runner.forward([SeqInput(list(range(100 + j, 100 + j + length)), 0, table)])
@@ -30,6 +32,6 @@ def step_batch(runner: ModelRunner, allocator: BlockAllocator, decode_rows: int,
     return batch, tables
 
 
-def free_tables(allocator: BlockAllocator, tables: list[list[int]]) -> None:
+def free_tables(allocator: BlockAllocator, tables: list[Sequence[int]]) -> None:
     for table in tables:
         allocator.free(table)
