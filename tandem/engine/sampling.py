@@ -315,8 +315,9 @@ class Sampler:
         """Whether every row takes the argmax of its raw fp32 CPU logits (greedy, and no bias,
         penalty, ``min_tokens`` mask or grammar changes them) and asks for no top logprobs: then
         ``ggml_kernels.Kernels.greedy_rows`` gives the same tokens and logprobs in one C call,
-        without the copy, argmax and whole log_softmax of the batch below (2.4 ms for 16 rows of
-        SmolLM2's 49,152 logits on a 2-core host, where a decode step of 16 rows takes 28 ms)."""
+        without the copy, argmax and whole log_softmax of the batch below (bench/greedy_rows.py, 16
+        rows of SmolLM2's 49,152 logits on a 2-core host: 0.32 against 0.63 ms with a logprob, 0.14
+        against 0.37 without, where a decode step of 16 rows takes 26 ms)."""
         return (batch.all_greedy and not batch.max_num_logprobs and logits.dtype == torch.float32
                 and logits.device.type == "cpu" and batch.bias_rows is None and batch.repetition_penalty is None
                 and batch.frequency_penalty is None and batch.presence_penalty is None
