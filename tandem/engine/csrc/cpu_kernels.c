@@ -38,6 +38,9 @@
 #include <immintrin.h>
 #define TG_AVX2 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TG_VNNI 1 /* x8_rows's calls of VNNI_MIN_ROWS rows or more run x8_vnni_tile */
+#endif
 
 #define TILE_ROWS 16
 /* Work the threads take at a time in the projections of calls of GRAB_MIN_ROWS rows or more, as
@@ -296,9 +299,19 @@ static int x8_padding(int64_t m) {
     return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
 }
 
+/* Inside a grab of x8_rows or x8_vnni_rows: outputs [c0, c1) of its m rows (in out, ldo floats
+ * apart) finished by x8_finish_row when there are Q4_1 offsets to add or a residual y to add to. */
+static void x8_finish_rows(float *out, int64_t ldo, float *y, int64_t ldy, const float *corr, int64_t n_out,
+                           const float *xs, int64_t nb, int64_t m, int accumulate, int64_t c0, int64_t c1) {
+    if (corr == NULL && !accumulate) return;
+    for (int64_t r = 0; r < m; r++)
+        x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb, corr != NULL ? nb : 0,
+                      c0, c1);
+}
+
 /* Whether TANDEM_X8_VNNI=0 keeps ggml's gemm where the VNNI kernel would run (for A/B
  * measurements, bench/x8_vnni.py: read at every call, like TANDEM_X8_PAD). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef TG_VNNI
 static int vnni_off(void) {
     const char *v = getenv("TANDEM_X8_VNNI");
     return v != NULL && strcmp(v, "0") == 0;
@@ -312,8 +325,7 @@ static float *x8_pad_scratch(int padding, int64_t widest) {
     return padding ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TG_VNNI 1
+#ifdef TG_VNNI
 /* With AVX512-VNNI, x8_rows runs calls of VNNI_MIN_ROWS rows or more through a kernel of ours
  * (x8_vnni_tile) instead of ggml's gemm, over the same repacked weights: ggml's x86 gemm takes 4
  * activation rows at a time (16 only from 16) with byte multiplies that widen to 16 bits, where
@@ -444,10 +456,7 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
             }
             if (m - i >= 1) x8_vnni_tile(w0, w1, two, nb, q, i, 1, out, ldo, g * 8);
         }
-        if (corr != NULL || accumulate)
-            for (int64_t r = 0; r < m; r++)
-                x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb,
-                              corr != NULL ? nb : 0, g0 * 8, g1 * 8);
+        x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
     } /* the loop's implicit barrier: every output is written */
 }
 #endif
@@ -525,10 +534,7 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
                 ggml_gemv_q4_0_8x8_q8_0((int)k, out + r * ldo + c0, (size_t)ldo, w, q + r * row_q8, 1,
                                         (int)(c1 - c0));
         }
-        if (corr != NULL || accumulate)
-            for (int64_t r = 0; r < m; r++)
-                x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb,
-                              corr != NULL ? nb : 0, c0, c1);
+        x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, c0, c1);
     } /* the loop's implicit barrier: every output is written */
 }
 
@@ -770,13 +776,14 @@ void tg_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t k,
  * largest value into ids (torch.argmax's), and when lp is not NULL that token's log-probability
  * under the row's softmax, -log(sum_j exp(x_j - max)), into lp, in two passes over the row (its
  * largest value, then ggml's vectorized exp sum into a scratch row) where torch's sampler ran a
- * copy, an argmax and a whole log_softmax of the batch (2.4 ms for 16 rows of 49,152 here). Rows
+ * copy, an argmax and a whole log_softmax of the batch (bench/greedy_rows.py: 0.63 against 0.32 ms
+ * for 16 rows of 49,152 with a logprob on a 2-core host). Rows
  * go to the threads whole. Returns 0; -1 when a row holds a NaN (torch decides those: its argmax
  * takes the NaN), -2 when the scratch cannot be had. */
 int tg_greedy_rows(const float *x, int64_t m, int64_t n, int64_t *ids, float *lp, int nthreads) {
     int failed = 0;
-    if (nthreads < 1 || m < 2) nthreads = 1;
     if (nthreads > m) nthreads = (int)m;
+    if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *scratch = lp != NULL ? malloc(sizeof(float) * (size_t)n) : NULL;
