@@ -338,7 +338,9 @@ def admit_one(
     serving it late then delays nobody; with ``idle`` False (streams decode beside it, aggregated
     mode) only one too long for the SLO itself (and a positive margin), not for a limit the guard
     tightened, since it would join those streams late and the guard's window fills again as they
-    end. ``predicted``: ``predict_ttft``'s answer for these arguments, when the caller has it already.
+    end. A retry past the deadline of its first send (``request.arrival_s``) is refused as such,
+    on an idle cell too, unless it is too long for the SLO itself. ``predicted``: ``predict_ttft``'s
+    answer for these arguments, when the caller has it already.
     """
     if margin <= -1:
         raise ValueError(f"margin must be > -1, got {margin}")
@@ -352,12 +354,18 @@ def admit_one(
     # margin), never the guard's tighter limit: that would admit every request predicted over the
     # limit whenever nothing is ahead, and it would join the streams late.
     lone_margin = margin if idle else max(0.0, margin)
+    past_deadline = now_s >= request.deadline(slo)
     if alone_s > slo.ttft_for(request.prompt_tokens) + lone_margin * slo.ttft_s:
-        if not ahead:
+        # A retry past its first send's deadline is served on an idle cell only when it is too
+        # long for the SLO itself: one too long for the guard's tighter limit alone would have
+        # fitted the SLO when it was first sent, and was refused for the queue then.
+        if not ahead and (not past_deadline
+                          or alone_s > slo.ttft_for(request.prompt_tokens) + max(0.0, margin) * slo.ttft_s):
             return None
-        # It can fit only once the backlog has drained.
-        return Rejection(request.request_id, REASON_TOO_LONG, p.wait_s)
-    if now_s >= request.deadline(slo):
+        if ahead:
+            # It can fit only once the backlog has drained.
+            return Rejection(request.request_id, REASON_TOO_LONG, p.wait_s)
+    if past_deadline:
         return Rejection(request.request_id, REASON_PAST_DEADLINE, 0.0)
     # Resubmitted after `late_s`, behind a backlog that has drained as long, it fits.
     return Rejection(request.request_id, REASON_QUEUE, late_s)

@@ -225,6 +225,35 @@ def test_beside_streams_the_guards_tighter_limit_does_not_make_a_lone_prompt_too
         assert refused is None  # too long for the SLO alone, nothing ahead: served
 
 
+@given(margin=st.floats(-0.75, 0.5), share=st.floats(0.05, 2.5), idle=st.booleans(),
+       waited=st.floats(0.0, 3.0))
+@settings(max_examples=300, deadline=None)
+def test_a_retry_past_its_first_deadline_is_served_alone_only_when_too_long_for_the_slo(
+        margin: float, share: float, idle: bool, waited: float) -> None:
+    """A retry keeps its first send's arrival. On an idle cell with nothing ahead, once that
+    deadline has passed it is refused as past it, even when predicted over the guard's tighter
+    limit alone (it fitted the SLO when first sent: a queue refused it then), and served only
+    when it is too long for the SLO itself; before its deadline the work-conserving exception
+    stands as it was."""
+    request = q("r", max(1, round(share * SLO.ttft_s / P.token_s)), NOW - waited * SLO.ttft_s)
+    alone_s = P.predict_prefill([request.seq], 1)
+    refused = admit_one([], request, NOW, P, 1, SLO, margin=margin, idle=idle)
+    past = NOW >= request.deadline(SLO)
+    late = NOW + alone_s - request.deadline(SLO) - margin * SLO.ttft_s > 0
+    lone_limit_s = (1 + (margin if idle else max(0.0, margin))) * SLO.ttft_s
+    if not late:
+        assert refused is None
+    elif past:
+        too_long = alone_s > (1 + max(0.0, margin)) * SLO.ttft_s
+        assert (refused is None) == too_long, (refused, alone_s)
+        if refused is not None:
+            assert refused.reason == REASON_PAST_DEADLINE and refused.retry_after_s == 0.0
+    elif alone_s > lone_limit_s:
+        assert refused is None
+    else:
+        assert refused is not None and refused.reason == REASON_QUEUE
+
+
 # --- batched prediction: the queue as prefill_svc batches it ----------------------------------
 
 @dataclass(frozen=True)
