@@ -299,7 +299,7 @@ static int x8_padding(int64_t m) {
     return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
 }
 
-/* Inside a grab of x8_rows or x8_vnni_rows: outputs [c0, c1) of its m rows (in out, ldo floats
+/* Inside a grab of x8_rows or x8_vnni_rows (fewer than VNNI_FINISH_MIN_ROWS rows): outputs [c0, c1) of its m rows (in out, ldo floats
  * apart) finished by x8_finish_row when there are Q4_1 offsets to add or a residual y to add to. */
 static void x8_finish_rows(float *out, int64_t ldo, float *y, int64_t ldy, const float *corr, int64_t n_out,
                            const float *xs, int64_t nb, int64_t m, int accumulate, int64_t c0, int64_t c1) {
@@ -356,8 +356,14 @@ static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *
         memcpy(&d16, blk, 2);
         memcpy(q[b].qs, blk + 2, QK);
         q[b].d = ggml_fp16_to_fp32(d16);
-        int32_t half[2] = {0, 0};
-        for (int e = 0; e < QK; e++) half[(e >> 2) & 1] += q[b].qs[e];
+        /* each 32-bit lane j of s4 sums elements 4j..4j+3 (exact: u8 ones x s8 into 16 bits, then
+         * pairs into 32); half 0 is lanes 0, 2, 4, 6, half 1 the others */
+        const __m256i s4 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)q[b].qs)),
+            _mm256_set1_epi16(1));
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, s4);
+        const int32_t half[2] = {lanes[0] + lanes[2] + lanes[4] + lanes[6], lanes[1] + lanes[3] + lanes[5] + lanes[7]};
         q[b].corr[0] = -8 * half[0];
         q[b].corr[1] = -8 * half[1];
         if (xs != NULL) xs[b] = q[b].d * (float)(half[0] + half[1]);
@@ -376,7 +382,8 @@ static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *
  * any batch. NR is a constant at each call. */
 static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, const char *w1, int two, int64_t nb,
                                                                const vnni_block *q, int64_t i0, const int NR,
-                                                               float *out, int64_t ldo, int64_t c0) {
+                                                               const float *corr, const float *xs, int64_t n_out,
+                                                               float *y, int64_t ldy, int accumulate, int64_t c0) {
     const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     __m512 acc[8][2];
@@ -418,16 +425,35 @@ static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, c
             }
         }
     }
-    const __m512i even = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (int r = 0; r < NR; r++)
-        for (int h = 0; h < 2; h++) {
-            if (h == 1 && !two) break;
-            _mm256_storeu_ps(out + (i0 + r) * ldo + c0 + 8 * h,
-                             _mm512_castps512_ps256(_mm512_permutexvar_ps(even, acc[r][h])));
+    /* Each row's 8 or 16 outputs in one register (the even lanes of both groups), then finished
+     * as x8_finish_row does it, with the same operations in the same order (so a row's outputs stay
+     * those of the row alone, which ggml's gemv and x8_finish_row compute): the Q4_1 offsets' term
+     * fmadd'ed block by block (corr not NULL), then added to y when accumulating. Here the offsets
+     * of a block are read once for all NR rows, where x8_finish_row reads them again for each row
+     * (x8_vnni_rows leaves tiles of fewer than VNNI_FINISH_MIN_ROWS rows to it). */
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __mmask16 keep = two ? 0xFFFF : 0x00FF;
+    __m512 o[8];
+    for (int r = 0; r < NR; r++) o[r] = _mm512_permutex2var_ps(acc[r][0], evens, two ? acc[r][1] : acc[r][0]);
+    if (corr != NULL)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 cb = _mm512_maskz_loadu_ps(keep, corr + b * n_out + c0);
+            for (int r = 0; r < NR; r++) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(i0 + r) * nb + b]), cb, o[r]);
         }
+    for (int r = 0; r < NR; r++) {
+        float *yr = y + (i0 + r) * ldy + c0;
+        if (accumulate) o[r] = _mm512_add_ps(o[r], _mm512_maskz_loadu_ps(keep, yr));
+        _mm512_mask_storeu_ps(yr, keep, o[r]);
+    }
 }
 
-/* x8_rows with AVX512-VNNI: the same contract, q holding m rows of vnni_blocks. */
+/* Fewest rows whose tiles finish their own outputs (x8_vnni_tile's corr and accumulate): its
+ * sums over the blocks are one dependent chain per row, so tiles of fewer rows wait on them; their
+ * outputs are finished by x8_finish_rows, 64 outputs of a row at a time, instead. */
+#define VNNI_FINISH_MIN_ROWS 8
+
+/* x8_rows with AVX512-VNNI: the same contract, q holding m rows of vnni_blocks; from
+ * VNNI_FINISH_MIN_ROWS rows the tiles finish their outputs themselves and tmp is not used. */
 static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                          char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
     const int64_t nb = k / QK;
@@ -439,24 +465,29 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g0 = 0; g0 < groups; g0 += grab) {
         const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
-        float *out = accumulate ? tmp : y;
-        const int64_t ldo = accumulate ? n_out : ldy;
+        const int fused = m >= VNNI_FINISH_MIN_ROWS;
+        float *out = fused || !accumulate ? y : tmp;
+        const int64_t ldo = fused || !accumulate ? ldy : n_out;
+        const float *tile_corr = fused ? corr : NULL;
+        const int tile_accumulate = fused && accumulate;
         for (int64_t g = g0; g < g1; g += 2) {
             const char *w0 = w8 + g * nb * X8_GROUP_BYTES, *w1 = w0 + nb * X8_GROUP_BYTES;
             const int two = g + 1 < g1;
             int64_t i = 0;
-            for (; i + 8 <= m; i += 8) x8_vnni_tile(w0, w1, two, nb, q, i, 8, out, ldo, g * 8);
+#define TG_VNNI_TILE(NR) x8_vnni_tile(w0, w1, two, nb, q, i, NR, tile_corr, xs, n_out, out, ldo, tile_accumulate, g * 8)
+            for (; i + 8 <= m; i += 8) TG_VNNI_TILE(8);
             if (m - i >= 4) {
-                x8_vnni_tile(w0, w1, two, nb, q, i, 4, out, ldo, g * 8);
+                TG_VNNI_TILE(4);
                 i += 4;
             }
             if (m - i >= 2) {
-                x8_vnni_tile(w0, w1, two, nb, q, i, 2, out, ldo, g * 8);
+                TG_VNNI_TILE(2);
                 i += 2;
             }
-            if (m - i >= 1) x8_vnni_tile(w0, w1, two, nb, q, i, 1, out, ldo, g * 8);
+            if (m - i >= 1) TG_VNNI_TILE(1);
+#undef TG_VNNI_TILE
         }
-        x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
+        if (!fused) x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
     } /* the loop's implicit barrier: every output is written */
 }
 #endif
