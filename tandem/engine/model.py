@@ -65,7 +65,16 @@ WHOLE_LAYERS_BF16_PROMPT_ROWS = 32
 # --base-prompt-cap 32 --prompt-cap 128, medians of 6 pairs, docs/results/hybrid-vnni-prompt-cap-1206.json):
 # whole in C / op by op 0.81x for a 64-token prompt, 0.85x at 128, 0.76-0.87x for 8-16 decode rows
 # beside a 48-96-token chunk (cached prefix or not), 0.99-1.01x at 24-32 tokens and past the row cap.
-WHOLE_LAYERS_VNNI_PROMPT_ROWS = 128
+WHOLE_LAYERS_VNNI_PROMPT_ROWS = 1024
+# With Tandem's VNNI kernel (no AMX tiles) a step of up to this many rows, decode rows and prompt
+# tokens together, runs whole in C, and the prompt cap above is the same: once the kernel's tiles
+# added the Q4_1 offsets themselves (2026-12-06), whole in C / op by op on the bf16 copy, paired in
+# one process on the same EPYC: 8 and 16 prompts of 49 tokens in one step (a closed loop's wave)
+# 0.81x / 0.83x, one prompt of 256 / 512 tokens 0.83x / 0.87x, four of 256 0.95x, 8-16 decode rows
+# beside a 128-512-token chunk 0.76-0.88x (bench/hybrid_rows.py --base-cap 128 --cap 1024
+# --base-prompt-cap 128 --prompt-cap 1024); one prompt of 1024 / 2048 tokens 1.05x / 1.17x (its
+# attention, quadratic in C, outgrows the bf16 SDPA), so a 1024-row cap.
+WHOLE_LAYERS_VNNI_MAX_ROWS = 1024
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -219,7 +228,7 @@ class LlamaModel:
                       attn_meta: object, pool: KVPool) -> bool:
         """Layers [start, stop) of a step of decode rows alone run whole in C, ``hidden`` updated in
         place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows
-        (``DECODE_LAYERS_X8_MAX_ROWS`` for repacked layers), attention
+        (``whole_layers_max_rows``), attention
         planned on Tandem's C kernel (an fp32, fp16 or bf16 pool on the CPU), not turned off
         (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
         fused = self._whole_layers
@@ -238,11 +247,23 @@ class LlamaModel:
         fused = self._whole_layers
         if fused is None or not ggml_kernels.whole_layers_on():
             return False
-        if num_rows > (DECODE_LAYERS_X8_MAX_ROWS if fused.repacked else DECODE_LAYERS_MAX_ROWS):
+        if num_rows > self.whole_layers_max_rows():
             return False
         if self.wide_format == WeightFormat.BF16 and prompt_rows > self.whole_layers_prompt_rows():
             return False
         return self.attention.decodes_in_c(pool)
+
+    def whole_layers_max_rows(self) -> int:
+        """The most rows a step may run whole in C: ``DECODE_LAYERS_MAX_ROWS`` on ggml's plain rows,
+        ``DECODE_LAYERS_X8_MAX_ROWS`` on layers repacked for ggml's gemm, ``WHOLE_LAYERS_VNNI_MAX_ROWS``
+        where they run Tandem's VNNI kernel without AMX tiles (read at every call, like
+        ``whole_layers_prompt_rows``); 0 without C layers."""
+        fused = self._whole_layers
+        if fused is None:
+            return 0
+        if not fused.repacked:
+            return DECODE_LAYERS_MAX_ROWS
+        return WHOLE_LAYERS_VNNI_MAX_ROWS if fused.vnni and not has_amx() else DECODE_LAYERS_X8_MAX_ROWS
 
     def whole_layers_prompt_rows(self) -> int:
         """The most prompt tokens a step may carry whole in C where the wide copy is bf16:

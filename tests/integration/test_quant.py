@@ -200,9 +200,12 @@ def test_ggml_formats_prompt_rows_keep_their_bound_on_either_wide_copy(
     within 2 % of fp32's, top-1 agreement >= 95 % (measured on an AVX512-BF16 EPYC, 764 positions of
     192-token windows: +0.03 % and 99.9 % on fp16, +0.03 % and 98.3 % on bf16)."""
     from tandem.engine import ggml_kernels, quant
-    from tandem.engine.model import DECODE_LAYERS_X8_MAX_ROWS
+    from tandem.engine import model as model_module
 
     ggml_kernels.require()
+    # On Tandem's VNNI kernel prompts of up to 1024 tokens run whole in C: the old cap keeps the
+    # windows on the wide copy, which this test is about.
+    monkeypatch.setattr(model_module, "WHOLE_LAYERS_VNNI_MAX_ROWS", model_module.DECODE_LAYERS_X8_MAX_ROWS)
     if wide == "bf16" and not quant.can_run_bf16():
         pytest.skip("oneDNN runs no bf16 matmuls on this CPU, so the wide copy cannot be bf16")
     monkeypatch.setenv(quant.GGML_WIDE_ENV, wide)
@@ -211,7 +214,7 @@ def test_ggml_formats_prompt_rows_keep_their_bound_on_either_wide_copy(
                                   weight_format=WeightFormat.GGML)
     assert runner.model.wide_format == WeightFormat(wide)
     windows = _windows(Tokenizer.from_dir(smollm2_dir))
-    assert min(map(len, windows)) > DECODE_LAYERS_X8_MAX_ROWS  # every window's prompt runs the wide copy
+    assert min(map(len, windows)) > runner.model.whole_layers_max_rows()  # every window's prompt runs the wide copy
     runners = {WeightFormat.FP32: smol_runners[WeightFormat.FP32], WeightFormat.GGML: runner}
     with torch.inference_mode():
         stats = _perplexity_and_agreement(runners, windows, WeightFormat.FP32)
@@ -246,8 +249,10 @@ def test_ggml_format_runs_the_gguf_blocks_within_its_bound(
     # One row a step (the ggml rows of a decode step), and 64-token chunks: prompt rows run whole
     # in C on the same Q4 weights and 8-bit activation rows up to the row cap (model.py), or op by
     # op on the wide copy where it is bf16 (model.WHOLE_LAYERS_BF16_PROMPT_ROWS).
+    # Whole 128-token windows in one step: whole in C too on Tandem's VNNI kernel (up to 1024 rows,
+    # model.WHOLE_LAYERS_VNNI_MAX_ROWS), else op by op on the wide copy.
     assert model.whole_layer_rows(64, runner.pool)
-    for chunk in (1, 64):
+    for chunk in (1, 64, 128):
         nll = nll_fp32 = agree = count = 0.0
         with torch.inference_mode():
             for ids in windows:

@@ -209,7 +209,8 @@ def test_prompt_rows_stay_a_chunk_where_attention_is_not_in_c(monkeypatch: pytes
 
 @pytest.mark.parametrize("wide", [WeightFormat.FP16, WeightFormat.BF16])
 @pytest.mark.parametrize("prompt_len", [WHOLE_LAYERS_BF16_PROMPT_ROWS, WHOLE_LAYERS_BF16_PROMPT_ROWS + 1, 90,
-                                        WHOLE_LAYERS_VNNI_PROMPT_ROWS, WHOLE_LAYERS_VNNI_PROMPT_ROWS + 1])
+                                        DECODE_LAYERS_X8_MAX_ROWS, DECODE_LAYERS_X8_MAX_ROWS + 1,
+                                        WHOLE_LAYERS_VNNI_PROMPT_ROWS])
 @pytest.mark.parametrize("num_decode", [0, 3])
 def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightFormat, prompt_len: int,
                                                                 num_decode: int) -> None:
@@ -220,18 +221,22 @@ def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightForm
     model = _model(4, 2, 32, False, False, 11, (GgmlType.Q4_1, GgmlType.Q4_0))
     assert model._whole_layers is not None and model._whole_layers.repacked
     model.wide_format = wide  # what quant.ggml_wide_format picked on the CPU it loaded on
-    pool = KVPool.create(KVPoolSpec.for_model(model.config, 64, 16))
+    pool = KVPool.create(KVPoolSpec.for_model(model.config, 10 + prompt_len // 16, 16))
     runner = ModelRunner(model, pool)
     rng = random.Random(prompt_len + num_decode)
     batch = [SeqInput((rng.randrange(256),), 5, [2 * i]) for i in range(num_decode)]
     batch.append(SeqInput(tuple(rng.randrange(256) for _ in range(prompt_len)), 0,
                           list(range(8, 9 + prompt_len // 16))))
-    whole = num_decode + prompt_len <= DECODE_LAYERS_X8_MAX_ROWS and (
-        wide == WeightFormat.FP16 or prompt_len <= model.whole_layers_prompt_rows())
+    cap = model.whole_layers_max_rows()  # DECODE_LAYERS_X8_MAX_ROWS, or WHOLE_LAYERS_VNNI_MAX_ROWS on the VNNI kernel
+    whole = num_decode + prompt_len <= cap and (wide == WeightFormat.FP16 or prompt_len <= model.whole_layers_prompt_rows())
     assert model.whole_layer_rows(num_decode + prompt_len, pool, prompt_len) is whole
     assert (not runner.begin(batch).attn_meta.prefill) is whole
     # as many decode rows alone: whole up to the row cap
-    assert model.whole_layer_rows(num_decode + prompt_len, pool) is (num_decode + prompt_len <= DECODE_LAYERS_X8_MAX_ROWS)
+    assert model.whole_layer_rows(num_decode + prompt_len, pool) is (num_decode + prompt_len <= cap)
+    # one row or prompt token past either cap (longer than this model's context): op by op
+    assert not model.whole_layer_rows(cap + 1, pool)
+    assert not model.whole_layer_rows(model.whole_layers_prompt_rows() + 1, pool, model.whole_layers_prompt_rows() + 1) \
+        or wide == WeightFormat.FP16
 
 
 def test_a_pool_the_kernel_cannot_read_is_refused() -> None:
@@ -260,7 +265,7 @@ def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
     gtypes = (GgmlType.Q4_1, GgmlType.Q4_0) if repacked else (GgmlType.Q4_1, GgmlType.Q8_0)
     model = _model(heads, kv_heads, head_dim, bias, False, seed % 1000, gtypes)
     assert model._whole_layers is not None
-    cap = DECODE_LAYERS_X8_MAX_ROWS if model._whole_layers.repacked else DECODE_LAYERS_MAX_ROWS
+    cap = model.whole_layers_max_rows()
     prompt_cap = model.whole_layers_prompt_rows() if model.wide_format == WeightFormat.BF16 else cap
     rng = random.Random(seed)
     chunks = [(cached, rng.randint(1, length)) for cached, length in prompts]
@@ -269,8 +274,16 @@ def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
         chunks.pop()
     if not chunks:
         chunks = [(rng.randint(0, 120), min(cap - num_decode, prompt_cap))]
-    per_seq = 130 // block_size + 2
     seqs = [(rng.randint(0, 120), 1) for _ in range(num_decode)] + chunks
+    _assert_step_is_its_rows_one_by_one(model, seqs, block_size, rng)
+
+
+def _assert_step_is_its_rows_one_by_one(model: LlamaModel, seqs: list[tuple[int, int]], block_size: int,
+                                        rng: random.Random) -> None:
+    """One step of ``seqs`` ((cached, new tokens) each, after its cached prefix) runs whole in C,
+    and each of its rows' hidden states and the K/V it writes are bit for bit those of a twin
+    sequence fed the same tokens as decode steps one at a time."""
+    per_seq = (max(cached + n for cached, n in seqs) + 1) // block_size + 2
     num_blocks = 2 * len(seqs) * per_seq
     pool = KVPool.create(KVPoolSpec.for_model(model.config, num_blocks, block_size))
     runner = ModelRunner(model, pool)
@@ -305,3 +318,21 @@ def test_prompt_rows_run_whole_as_the_same_tokens_decoded_one_by_one(
             for cache in (pool.k_cache(layer), pool.v_cache(layer)):
                 flat = cache.reshape(-1, *cache.shape[2:])
                 assert torch.equal(flat[slots_a], flat[slots_b])
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(0, 4), st.integers(0, 40), st.integers(0, 2**31))
+def test_a_long_prompt_runs_whole_up_to_the_row_cap_as_its_tokens_one_by_one(num_decode: int, cached: int,
+                                                                            seed: int) -> None:
+    """A prompt chunk of up to the row cap (``whole_layers_max_rows``: 1024 rows on Tandem's VNNI
+    kernel, 128 on ggml's gemm), beside decode rows, runs whole in C as its tokens decoded one by
+    one, bit for bit: the kernel's many 8-row tiles finish each row as a row alone."""
+    model = _model(4, 2, 32, False, False, seed % 1000, (GgmlType.Q4_1, GgmlType.Q4_0))
+    assert model._whole_layers is not None and model._whole_layers.repacked
+    cap = model.whole_layers_max_rows()
+    if model.wide_format == WeightFormat.BF16:
+        cap = min(cap, model.whole_layers_prompt_rows())
+    rng = random.Random(seed)
+    n = rng.randint(min(cap // 2, DECODE_LAYERS_X8_MAX_ROWS + 1), min(cap, 300)) - num_decode
+    _assert_step_is_its_rows_one_by_one(model, [(rng.randint(0, 60), 1) for _ in range(num_decode)] + [(cached, n)],
+                                        16, rng)
