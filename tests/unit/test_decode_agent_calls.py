@@ -21,6 +21,7 @@ integration tests.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -87,6 +88,7 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker.num_preemptions = 0
     worker._agent_outage, worker._held_for_agent = decode_server.Outage(), 0
     worker._outrun_epoch, worker._outrun_unreported = -1, False
+    worker._wave_ended_s = -math.inf
     return worker
 
 
@@ -512,6 +514,32 @@ def test_a_wave_is_given_a_longer_quiet_than_a_lone_prompt(seed: int, monkeypatc
         # a second within the short quiet, then gaps past it but within the wave's
         assert await _gathers_all(worker, [rng.uniform(0.0, 0.02)] + [rng.uniform(0.1, 0.15)
                                                                      for _ in range(rng.randint(1, 4))])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lone_prompt_after_streams_ended_together_is_given_the_waves_quiet(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a step that ended several streams at once (a closed loop's wave, whose clients send
+    their next prompts over tens of ms), the first prompt to come is given GATHER_WAVE_QUIET_S,
+    within GATHER_AFTER_WAVE_S of that step; after one stream alone, or later, GATHER_QUIET_S."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(decode_server, "GATHER_QUIET_S", 0.05)
+    monkeypatch.setattr(decode_server, "GATHER_WAVE_QUIET_S", 0.4)
+    monkeypatch.setattr(decode_server, "GATHER_MAX_S", 2.0)
+    monkeypatch.setattr(decode_server, "GATHER_AFTER_WAVE_S", 0.5)
+
+    async def main() -> None:
+        for ended, wait_s in [(rng.randint(2, 16), 0.0), (1, 0.0), (0, 0.0), (rng.randint(2, 16), 0.6)]:
+            worker = _worker([])
+            worker._note_ended_together(ended)
+            await asyncio.sleep(wait_s)
+            gap_s = rng.uniform(0.12, 0.2)  # past the short quiet, within the wave's
+            gathered = await _gathers_all(worker, [gap_s])
+            assert gathered is (ended > 1 and wait_s < decode_server.GATHER_AFTER_WAVE_S), (ended, wait_s, gap_s)
+            if not gathered:
+                await asyncio.sleep(0.25)  # the late prompt's sender ends before the next case
 
     asyncio.run(main())
 
