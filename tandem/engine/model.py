@@ -60,11 +60,11 @@ DECODE_LAYERS_X8_MAX_ROWS = 128
 # for 8-16 decode rows beside a 48-64-token chunk, 0.98-1.01x at 24-32 prompt tokens.
 WHOLE_LAYERS_BF16_PROMPT_ROWS = 32
 # The same where the layers run on Tandem's AVX512-VNNI kernel (``ggml_kernels.Kernels.x8_vnni``)
-# and the CPU has no AMX tiles (there oneDNN's bf16 prompts run 2x faster from 64 tokens, above).
-# An AMD EPYC with AVX512-BF16 and VNNI (2026-12-06; bench/hybrid_rows.py --base-cap 128 --cap 128
-# --base-prompt-cap 32 --prompt-cap 128, medians of 6 pairs, docs/results/hybrid-vnni-prompt-cap-1206.json):
-# whole in C / op by op 0.81x for a 64-token prompt, 0.85x at 128, 0.76-0.87x for 8-16 decode rows
-# beside a 48-96-token chunk (cached prefix or not), 0.99-1.01x at 24-32 tokens and past the row cap.
+# and the CPU has no AMX tiles (there oneDNN's bf16 prompts run 2x faster from 64 tokens, above):
+# the row cap below. History: with the kernel's first version it was 128 (an AMD EPYC with
+# AVX512-BF16 and VNNI, 2026-12-06; bench/hybrid_rows.py --base-cap 128 --cap 128 --base-prompt-cap
+# 32 --prompt-cap 128, docs/results/hybrid-vnni-prompt-cap-1206.json: whole in C / op by op 0.81x
+# for a 64-token prompt, 0.85x at 128, 0.76-0.87x for 8-16 decode rows beside a 48-96-token chunk).
 WHOLE_LAYERS_VNNI_PROMPT_ROWS = 1024
 # With Tandem's VNNI kernel (no AMX tiles) a step of up to this many rows, decode rows and prompt
 # tokens together, runs whole in C, and the prompt cap above is the same: once the kernel's tiles
