@@ -1,6 +1,6 @@
 """Two models in one cell, live: FineServe's KV slab pool against a static half/half KV split.
 
-Starts `tandem up --model default --model default:kv=bfloat16 --kv-split {slab,static}` (the
+Starts `tandem up --kv-dtype float32 --model default --model default:kv=bfloat16 --kv-split {slab,static}` (the
 same SmolLM2 with an fp32 and a bf16 KV cache; a bf16 token takes half the bytes), then sends a
 skewed mix that shifts halfway: for the first half of the requests most go to one model, for the
 second half most go to the other (``--no-shift``: most go to the first model throughout). The
@@ -63,7 +63,8 @@ def start_stack(split: str, kv_cache_gb: float, log_path: Path, admission: str =
     env["PYTHONPATH"] = str(ROOT)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--model", "default", "--model", "default:kv=bfloat16",
+            [sys.executable, "-m", "tandem.cli", "up", "--kv-dtype", "float32", "--model", "default", "--model",
+             "default:kv=bfloat16",
              "--kv-split", split, "--kv-cache-gb", str(kv_cache_gb), "--admission", admission, *slo_args,
              "--grpc-port", str(grpc_port), "--port", str(http_port), "--cell-id", f"mmb-{uuid.uuid4().hex[:6]}"],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

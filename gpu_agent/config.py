@@ -24,9 +24,10 @@ class AgentConfig:
         "PATH a model directory or 'default' (several models share one KV slab pool; see gpu_agent/models.py)",
         parse=parse_models))
     dtype: str = field(metadata=flag("--dtype", "float32", "weight and KV dtype", choices=["float32", "bfloat16"]))
-    kv_dtype: str = field(metadata=flag(  # the KV pool's storage dtype ("": the model's --dtype)
+    kv_dtype: str = field(metadata=flag(  # the KV pool's storage dtype ("": weight_format.default_kv_dtype)
         "--kv-dtype", "", "store the KV cache in this dtype instead (float16 or bfloat16: twice the tokens per "
-        "GiB; accuracy in docs/results/quant-cpu.json)", choices=["", "float32", "bfloat16", "float16"]))
+        "GiB; accuracy in docs/results/quant-cpu.json; default: float16 for --quantization ggml on CPU, "
+        "else --dtype)", choices=["", "float32", "bfloat16", "float16"]))
     quantization: str = field(metadata=flag(
         "--quantization", "auto", f"how prefill and decode run the linear layers ({FORMAT_NAMES}; auto: the "
         "fastest format that keeps fp32's accuracy here; int8 is lossy)"))

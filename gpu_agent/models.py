@@ -28,6 +28,7 @@ from tandem.engine.kv_slab import KVSlabPool
 from tandem.engine.model_cache import resolve_model
 from tandem.engine.quant import WeightFormat, effective_format
 from tandem.engine.shm import SharedTensorStore
+from tandem.engine.weight_format import default_kv_dtype
 from tandem.engine.weights import load_checkpoint, parse_dtype, share_weights
 from tandem.service.model_spec import ModelSpec
 
@@ -192,7 +193,8 @@ def build_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, quant
         if name in names:
             raise ValueError(f"two --model entries serve the name {name!r}; give one of them :name=NAME")
         names.append(name)
-        loaded.append((spec, model_dir, ModelConfig.from_dir(model_dir), spec.kv_dtype or kv_dtype or dtype))
+        kv = spec.kv_dtype or kv_dtype or default_kv_dtype(spec.quantization or quantization, dtype)
+        loaded.append((spec, model_dir, ModelConfig.from_dir(model_dir), kv))
     first_config, first_kv = loaded[0][2], parse_dtype(loaded[0][3])
     pool_bytes = (num_blocks * KVPoolSpec.for_model(first_config, 1, block_size, first_kv).bytes_per_block
                   if num_blocks else kv_cache_bytes)

@@ -52,7 +52,7 @@ from tandem.deploy import CellPlan, plan_cells, read_file
 from tandem.engine.shm_files import SHM_DIR, remove_if_dead
 from tandem.place.placement import PlacementError
 from tandem.rpc.channels import READY_PROBE_OPTIONS
-from tandem.engine.weight_format import FORMAT_NAMES
+from tandem.engine.weight_format import FORMAT_NAMES, default_kv_dtype
 from tandem.engine.tool_calls import TOOL_FORMATS
 from tandem.hostinfo import cpu_name
 from tandem.policy.admission import DEFAULT_MARGIN, DEFAULT_MISS_TARGET
@@ -230,7 +230,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--redis-data-dir", "", "persist the private Redis there (append-only file), so request "
              "records survive a Redis restart")
     add_flag(parser, "--kv-dtype", "", "KV cache storage dtype (float16 or bfloat16 hold twice the tokens per GiB; "
-             "default: the model's)", choices=["", "float32", "bfloat16", "float16"])
+             "default: float16 for --quantization ggml on CPU, llama.cpp's own cache, else --dtype)",
+             choices=["", "float32", "bfloat16", "float16"])
     add_flag(parser, "--quantization", "ggml", f"weight format prefill and decode run ({FORMAT_NAMES}; "
              "ggml: llama.cpp's kernels on a GGUF's own Q4/Q8 blocks, fp16 for layers of other weights and "
              "without `tandem models build-kernels`, greedy outputs depend on batching; auto: the fastest "
@@ -291,7 +292,8 @@ def _admission_cache(args: argparse.Namespace, plans: list[CellPlan]) -> str:
         except OSError:
             profile = args.profile
     return str(admission_cache_dir(
-        cache_root() / "admission", quantization=args.quantization, kv_dtype=args.kv_dtype, device=args.device,
+        cache_root() / "admission", quantization=args.quantization, device=args.device,
+        kv_dtype=args.kv_dtype or default_kv_dtype(args.quantization, args.dtype, args.device),
         dtype=args.dtype, profile=profile, models=[_spec_text(spec) for plan in plans for spec in plan.models]))
 
 

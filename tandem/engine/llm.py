@@ -26,6 +26,8 @@ from tandem.engine.quant import WeightFormat, best_format
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, make_generator
 from tandem.engine.step import Request, StepOutput, forward_and_sample
+from tandem.engine.weight_format import default_kv_dtype
+from tandem.engine.weights import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,17 @@ class LLMEngine:
     ) -> LLMEngine:
         """An engine with a private KV pool; ``weight_format`` is how its linear layers run
         (default: the fastest accurate format here, ``quant.best_format()``); ``kv_dtype`` is
-        the pool's storage dtype (default ``dtype``; K/V are cast on write and read)."""
+        the pool's storage dtype (K/V are cast on write and read; default the cell's,
+        ``weight_format.default_kv_dtype``: fp16 for ggml's formats on CPU, else ``dtype``)."""
         config = ModelConfig.from_dir(model_dir)
-        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        weight_format = best_format() if weight_format is None else weight_format
+        if kv_dtype is None:
+            kv_dtype = parse_dtype(default_kv_dtype(weight_format.value, str(dtype).removeprefix("torch.")))
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, kv_cache_bytes, block_size, kv_dtype)
         pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, block_size, kv_dtype))
         runner = ModelRunner.from_dir(model_dir, pool, dtype=dtype,
-                                      weight_format=best_format() if weight_format is None else weight_format)
+                                      weight_format=weight_format)
         grammars = Grammars.for_model_dir(model_dir, config.vocab_size, config.eos_token_ids)
         return cls(runner, BlockAllocator(num_blocks, block_size), config.eos_token_ids, grammars=grammars, **kwargs)
 

@@ -33,3 +33,15 @@ class WeightFormat(str, Enum):
 
 # Every name ``WeightFormat.parse`` takes, for flags' help and errors.
 FORMAT_NAMES = ", ".join(["auto", *(f.value for f in WeightFormat)])
+
+
+def default_kv_dtype(quantization: str, dtype: str, device: str = "cpu") -> str:
+    """The KV pool's dtype where none is asked for: fp16 for ggml's formats on CPU (llama.cpp's own
+    default cache, which the C attention reads: half the bytes a step reads, twice the tokens per
+    GiB; 16-row decode steps 1.17x / 1.42x faster at context 128 / 512, perplexity +0.20 % against
+    fp32's where an fp32 pool gives +0.39 %, docs/engine.md), else the weights' ``dtype``. ``quantization`` is
+    the format's name as asked (``auto`` keeps ``dtype``: its formats are the batch-invariant
+    ones, whose outputs track fp32's)."""
+    if quantization == WeightFormat.GGML.value and dtype == "float32" and device == "cpu":
+        return "float16"
+    return dtype

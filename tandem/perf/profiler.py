@@ -37,6 +37,8 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat
 from tandem.engine.runner import ModelRunner, SeqInput
+from tandem.engine.weight_format import default_kv_dtype
+from tandem.engine.weights import parse_dtype
 from tandem.perf.calibration import Calibration, CalibrationSample, ContentionGuard
 from tandem.perf.hardware import HardwareSpec
 from tandem.perf.model import PerfModel
@@ -256,7 +258,8 @@ class _Workload:
         # Decode sequences use the first blocks, a prompt the ones after them (hybrid steps hold both).
         self.decode_blocks = max_decode_batch * self.blocks_per_decode_seq
         num_blocks = self.decode_blocks + -(-max_prefill_tokens // _BLOCK_SIZE)
-        pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, _BLOCK_SIZE))
+        kv = parse_dtype(default_kv_dtype(weight_format.value, "float32"))  # the cell's pool, as served
+        pool = KVPool.create(KVPoolSpec.for_model(config, num_blocks, _BLOCK_SIZE, kv))
         self.weight_format = weight_format
         self.runner = ModelRunner.from_dir(model_dir, pool, weight_format=weight_format)
         self.config = config

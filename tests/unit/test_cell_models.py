@@ -18,6 +18,9 @@ from gpu_agent.models import Cell, CellLedgers, build_cell
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_pool import KVPool
+from tandem.engine.llm import LLMEngine
+from tandem.engine.weight_format import WeightFormat
+from tandem.engine.weights import parse_dtype
 from tandem.engine.shm_files import remove_stores
 from tandem.service.model_spec import ModelSpec, parse_models
 from tests.tiny_models import write_tiny_model
@@ -61,6 +64,32 @@ def test_one_model_keeps_its_layer_major_pool(tiny: Path, prefix: str) -> None:
     assert cell.model("") is model and cell.model("tiny") is model
     with pytest.raises(InvalidRequestError, match="serves no model 'x'"):
         cell.model("x")
+
+
+@pytest.mark.parametrize(("quantization", "dtype", "flag", "entry", "expected"), [
+    ("ggml", "float32", "", "{m}", torch.float16),  # llama.cpp's own cache for its formats
+    ("ggml", "bfloat16", "", "{m}", torch.bfloat16),  # the weights' dtype where it is not fp32
+    ("fp32", "float32", "", "{m}:quant=ggml", torch.float16),  # the model's own format decides
+    ("ggml", "float32", "", "{m}:quant=fp16", torch.float32),
+    ("ggml", "float32", "float32", "{m}", torch.float32),  # asked for: as asked
+    ("ggml", "float32", "", "{m}:kv=bfloat16", torch.bfloat16),
+    ("fp32", "float32", "", "{m}", torch.float32),
+    ("fp16", "float32", "bfloat16", "{m}", torch.bfloat16),
+])
+def test_the_kv_pool_defaults_to_fp16_for_ggml_formats_and_to_the_weights_dtype_else(
+        tiny: Path, prefix: str, quantization: str, dtype: str, flag: str, entry: str, expected: torch.dtype) -> None:
+    (spec,) = parse_models(entry.format(m=tiny))
+    cell = build_cell((spec,), dtype=dtype, kv_dtype=flag, quantization=quantization,
+                      block_size=4, kv_cache_bytes=1 << 20, num_blocks=0, shm_prefix=prefix)
+    (model,) = cell.models.values()
+    assert model.kv.dtype == expected and model.kv_dtype == str(expected).removeprefix("torch.")
+    assert KVPool.view_of(model.kv, cell.kv_store).tensor.dtype == expected
+    # The in-process engine of the same format and dtype holds the same pool (mesh = engine).
+    if not spec.kv_dtype:
+        engine = LLMEngine.from_dir(tiny, dtype=parse_dtype(dtype), num_blocks=8,
+                                    weight_format=WeightFormat.parse(spec.quantization or quantization),
+                                    kv_dtype=parse_dtype(flag) if flag else None)
+        assert engine.runner.pool.spec.dtype == expected
 
 
 def test_two_models_share_slabs_and_one_byte_pool(tiny: Path, prefix: str) -> None:
