@@ -165,6 +165,14 @@ def _low_causal_sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return attn[:, :, :length].to(queries.dtype)
 
 
+def _as_stored(x: torch.Tensor, pool: KVPool) -> torch.Tensor:
+    """``x`` (new K or V) as the pool reads it back: rounded to its dtype where that is narrower.
+    Without it a prompt computed in one step would attend to K/V its later chunks, its decode
+    steps and the C kernels never see, and greedy outputs would depend on how it was chunked."""
+    stored = pool.spec.dtype
+    return x if stored == x.dtype or stored.itemsize >= x.dtype.itemsize else x.to(stored).to(x.dtype)
+
+
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:
     """Indices of ``lengths`` cut into padded-attention groups: longest first, a group grows
     while its padded size (members x its longest member, in blocks) stays within
@@ -291,9 +299,10 @@ class TorchPagedAttention(AttentionBackend):
             q_end = q_start + q_len
             queries = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
             if blocks is None:
-                # Nothing cached: the new K/V are the whole context, no gather needed.
-                keys = k[q_start:q_end].transpose(0, 1).unsqueeze(0)
-                values = v[q_start:q_end].transpose(0, 1).unsqueeze(0)
+                # Nothing cached: the new K/V are the whole context, no gather needed; rounded as
+                # the pool stores them (fp16 / bf16), as a chunk's or a decode row's reads see them.
+                keys = _as_stored(k[q_start:q_end], pool).transpose(0, 1).unsqueeze(0)
+                values = _as_stored(v[q_start:q_end], pool).transpose(0, 1).unsqueeze(0)
                 if low is not None and q_len >= PROMPT_LOW_MIN_TOKENS:
                     attn = _low_causal_sdpa(queries, keys, values, low, scale)
                 else:

@@ -285,8 +285,8 @@ def position_logits(runner: ModelRunner, ids: Sequence[int], chunk: int | None =
     """Logits of every position of one prompt, [len(ids), vocab], for evaluation (perplexity,
     top-1 agreement), in blocks ``0..n`` of the runner's pool. With ``chunk`` the prompt is
     computed that many tokens at a time, so each chunk attends to the earlier K/V read back from
-    the pool, as decode does; one whole prefill attends to its own fresh K/V, where the pool's
-    precision does not show."""
+    the pool, as decode does (one whole prefill attends to its own K/V rounded as the pool
+    stores them: the same up to fp32's last bits)."""
     ids = list(ids)
     blocks = list(range(-(-len(ids) // runner.pool.spec.block_size)))
     step = chunk or len(ids)
