@@ -82,7 +82,7 @@ from router.openai_types import (
 from router.responses import ResponsesRenderer
 from router.responses import chat_body as responses_chat_body
 from router.responses import refuse_unsupported as refuse_responses_parameter
-from router.retries import RETRY_COUNT_HEADER, RefusedRequests, is_retry, retry_key
+from router.retries import RETRY_COUNT_HEADER, RefusedRequests, retry_key
 from tandem import __version__
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
@@ -861,8 +861,7 @@ class Gateway:
         # the body's digest only for a retry's lookup or a refusal (most requests need neither)
         key = functools.partial(retry_key, request.url.path, request.headers.get("authorization", ""), raw)
         retry_count = request.headers.get(RETRY_COUNT_HEADER)
-        first_sent_ns = self._refused.first_sent_ns(key(), retry_count, received_ns) if is_retry(retry_count) \
-            else received_ns
+        first_sent_ns = self._refused.first_sent_ns(key, retry_count, received_ns)
         choices = Choices(core, parsed.requests, self._models.in_flight, received_ns, first_sent_ns)
         states = [ChoiceState() for _ in parsed.requests]
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
 
@@ -53,13 +54,14 @@ class RefusedRequests:
     def __len__(self) -> int:
         return len(self._first)
 
-    def first_sent_ns(self, key: bytes, retry_count: str | None, received_ns: int) -> int:
+    def first_sent_ns(self, key: Callable[[], bytes], retry_count: str | None, received_ns: int) -> int:
         """When the request received at ``received_ns`` was first sent: the first send of the
-        refused request it retries, else ``received_ns``."""
+        refused request it retries, else ``received_ns``. ``key`` makes the request's key, called
+        only for a retry (the body's digest: most requests need none)."""
         if not is_retry(retry_count):
             return received_ns
         self._forget(received_ns)
-        kept = self._first.get(key)
+        kept = self._first.get(key())
         return received_ns if kept is None else min(kept[0], received_ns)
 
     def refused(self, key: bytes, first_sent_ns: int, now_ns: int) -> None:

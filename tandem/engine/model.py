@@ -263,14 +263,18 @@ class LlamaModel:
             return 0
         if not fused.repacked:
             return DECODE_LAYERS_MAX_ROWS
-        return WHOLE_LAYERS_VNNI_MAX_ROWS if fused.vnni and not has_amx() else DECODE_LAYERS_X8_MAX_ROWS
+        return WHOLE_LAYERS_VNNI_MAX_ROWS if self._vnni_without_amx() else DECODE_LAYERS_X8_MAX_ROWS
+
+    def _vnni_without_amx(self) -> bool:
+        """The C layers run Tandem's VNNI kernel and no AMX tiles: the host the long caps are for."""
+        fused = self._whole_layers
+        return fused is not None and fused.vnni and not has_amx()
 
     def whole_layers_prompt_rows(self) -> int:
         """The most prompt tokens a step may carry whole in C where the wide copy is bf16:
         ``WHOLE_LAYERS_VNNI_PROMPT_ROWS`` on Tandem's VNNI kernel without AMX tiles, else
         ``WHOLE_LAYERS_BF16_PROMPT_ROWS`` (read at every call, so a benchmark can set either)."""
-        fused = self._whole_layers
-        if fused is not None and fused.vnni and not has_amx():
+        if self._vnni_without_amx():
             return WHOLE_LAYERS_VNNI_PROMPT_ROWS
         return WHOLE_LAYERS_BF16_PROMPT_ROWS
 

@@ -355,16 +355,15 @@ def admit_one(
     # limit whenever nothing is ahead, and it would join the streams late.
     lone_margin = margin if idle else max(0.0, margin)
     past_deadline = now_s >= request.deadline(slo)
-    if alone_s > slo.ttft_for(request.prompt_tokens) + lone_margin * slo.ttft_s:
+    slo_s = slo.ttft_for(request.prompt_tokens)
+    if alone_s > slo_s + lone_margin * slo.ttft_s:
+        if ahead:  # it can fit only once the backlog has drained
+            return Rejection(request.request_id, REASON_TOO_LONG, p.wait_s)
         # A retry past its first send's deadline is served on an idle cell only when it is too
         # long for the SLO itself: one too long for the guard's tighter limit alone would have
         # fitted the SLO when it was first sent, and was refused for the queue then.
-        if not ahead and (not past_deadline
-                          or alone_s > slo.ttft_for(request.prompt_tokens) + max(0.0, margin) * slo.ttft_s):
+        if not past_deadline or alone_s > slo_s + max(0.0, margin) * slo.ttft_s:
             return None
-        if ahead:
-            # It can fit only once the backlog has drained.
-            return Rejection(request.request_id, REASON_TOO_LONG, p.wait_s)
     if past_deadline:
         return Rejection(request.request_id, REASON_PAST_DEADLINE, 0.0)
     # Resubmitted after `late_s`, behind a backlog that has drained as long, it fits.

@@ -46,7 +46,7 @@ def test_a_retry_takes_the_first_send_of_the_refusal_it_repeats(steps: list[tupl
         if kind == "ask":
             kept = model.get(key)
             expected = kept[0] if is_retry(count) and kept is not None else now_ns
-            assert refused.first_sent_ns(key, count, now_ns) == expected
+            assert refused.first_sent_ns(lambda: key, count, now_ns) == expected
         else:
             first_ns = now_ns - (advance_ns // 2)  # sent a while before it was refused
             kept = model.pop(key, None)
@@ -55,3 +55,13 @@ def test_a_retry_takes_the_first_send_of_the_refusal_it_repeats(steps: list[tupl
                 del model[next(iter(model))]
             refused.refused(key, first_ns, now_ns)
         assert len(refused) <= max_entries
+
+
+def test_a_first_send_never_makes_its_key() -> None:
+    """The key is the body's digest: a request that is no retry never pays for it."""
+    def digest() -> bytes:
+        raise AssertionError("the key was made for a first send")
+
+    refused = RefusedRequests()
+    for count in (None, "0", "-1", "x", ""):
+        assert refused.first_sent_ns(digest, count, 5) == 5
