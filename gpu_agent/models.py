@@ -161,7 +161,7 @@ def build_cuda_cell(specs: tuple[ModelSpec, ...], *, dtype: str, kv_dtype: str, 
     spec = specs[0]
     model_dir = resolve_model(spec.path)
     config = ModelConfig.from_dir(model_dir)
-    kv = spec.kv_dtype or kv_dtype or dtype
+    kv = spec.kv_dtype or kv_dtype or default_kv_dtype(spec.quantization, dtype, device="cuda")
     blocks = num_blocks or num_blocks_for_budget(config, kv_cache_bytes, block_size, parse_dtype(kv))
     # One block more than the allocator hands out: the scratch block of decode's graph steps.
     view = KVPoolSpec.for_model(config, blocks + 1, block_size, parse_dtype(kv))

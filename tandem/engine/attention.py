@@ -166,11 +166,12 @@ def _low_causal_sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def _as_stored(x: torch.Tensor, pool: KVPool) -> torch.Tensor:
-    """``x`` (new K or V) as the pool reads it back: rounded to its dtype where that is narrower.
-    Without it a prompt computed in one step would attend to K/V its later chunks, its decode
-    steps and the C kernels never see, and greedy outputs would depend on how it was chunked."""
+    """``x`` (new K or V) as the pool reads it back: rounded to its dtype unless that is wider
+    (fp32 holds fp16 and bf16 exactly; fp16 and bf16 lose bits to each other both ways). Without
+    it a prompt computed in one step would attend to K/V its later chunks, its decode steps and
+    the C kernels never see, and greedy outputs would depend on how it was chunked."""
     stored = pool.spec.dtype
-    return x if stored == x.dtype or stored.itemsize >= x.dtype.itemsize else x.to(stored).to(x.dtype)
+    return x if stored == x.dtype or stored.itemsize > x.dtype.itemsize else x.to(stored).to(x.dtype)
 
 
 def group_by_length(lengths: Sequence[int], block_size: int) -> list[list[int]]:

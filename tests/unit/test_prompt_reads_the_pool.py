@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.attention import _as_stored
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.quant import WeightFormat
@@ -41,3 +42,24 @@ def test_a_prompt_in_one_step_or_in_chunks_reads_the_same_kv(runners: dict[torch
     whole = position_logits(runner, ids)
     chunked = position_logits(runner, ids, chunk=chunk)
     assert float((whole - chunked).abs().max()) <= TOLERANCE
+
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS), st.integers(0, 2**31 - 1))
+def test_new_kv_is_attended_to_as_the_pool_reads_it_back(runners: dict[torch.dtype, ModelRunner], compute: torch.dtype,
+                                                        stored: torch.dtype, seed: int) -> None:
+    """For every pair of activation and pool dtypes (fp16 and bf16 each lose bits to the other):
+    ``_as_stored`` equals the pool's own write and read back, values at every scale (fp16's
+    subnormals, fp16's overflow past 65504) included."""
+    pool = runners[stored].pool
+    spec = pool.spec
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(spec.block_size, spec.num_kv_heads, spec.head_dim, generator=g)
+    x = (x * torch.exp2(torch.randint(-30, 20, x.shape, generator=g).float())).to(compute)
+    slots = torch.arange(spec.block_size)
+    pool.write(0, slots, x, x)  # block 0 of layer 0, as a step writes it
+    want = pool.gather(0, torch.tensor([0]))[0, 0].to(compute)
+    assert torch.equal(_as_stored(x, pool).nan_to_num(), want.nan_to_num())
