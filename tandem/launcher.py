@@ -291,8 +291,10 @@ def _admission_cache(args: argparse.Namespace, plans: list[CellPlan]) -> str:
             profile = hashlib.sha256(Path(args.profile).read_bytes()).hexdigest()
         except OSError:
             profile = args.profile
+    # the C kernels' source: a calibration measured slower (or faster) kernels than these
+    kernels = hashlib.sha256((Path(__file__).parent / "engine" / "csrc" / "cpu_kernels.c").read_bytes()).hexdigest()[:16]
     return str(admission_cache_dir(
-        cache_root() / "admission", quantization=args.quantization, device=args.device,
+        cache_root() / "admission", quantization=args.quantization, device=args.device, kernels=kernels,
         kv_dtype=args.kv_dtype or default_kv_dtype(args.quantization, args.dtype, args.device),
         dtype=args.dtype, profile=profile, models=[_spec_text(spec) for plan in plans for spec in plan.models]))
 

@@ -62,10 +62,15 @@ class GgmlType(IntEnum):
     # Not ggml's: Q4_0 or Q4_1 rows repacked 8 at a time for ggml's AVX2 gemm (``Kernels.repack_x8``),
     # the id the C file's tg_layer gives such a projection.
     Q4_X8 = 1000
+    # Not ggml's either: Q8_0 rows repacked 16 at a time for Tandem's AVX512-VNNI kernel
+    # (``Kernels.repack_q8_x16``), an lm_head's calls of several rows.
+    Q8_X16 = 1001
 
 
 # Bytes of one block of 8 rows in that layout: 8 fp16 scales and 8 rows' 16 bytes of nibbles.
 _X8_GROUP_BYTES = 144
+# ... and of 16 rows of one Q8_0 block in Q8_X16's: 16 fp16 scales and 16 rows' 32 bytes.
+_Q8_X16_GROUP_BYTES = 544
 
 
 class Projection(NamedTuple):
@@ -216,6 +221,15 @@ class Kernels:
                                    None if corr is None else corr.data_ptr())
         return None if rc != 0 else (x8, corr)
 
+    def repack_q8_x16(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+        """Rows of Q8_0 ``blocks`` ([n, k] weights) interleaved 16 at a time for the AVX512-VNNI
+        kernel of ``linear`` (``GgmlType.Q8_X16``); None on a CPU without AVX512-VNNI or for n not
+        a multiple of 16."""
+        if n % 16 or k % 32 or not self.x8_vnni:
+            return None
+        out = torch.empty(n // 16 * k // 32 * _Q8_X16_GROUP_BYTES, dtype=torch.uint8)
+        return out if self.lib.tg_repack_q8_x16(blocks.data_ptr(), n, k, out.data_ptr()) == 0 else None
+
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, gtype: GgmlType, n_out: int,
                corr: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [m, k] fp32 @ W^T with W [n_out, k] in ``blocks`` (of ``gtype``, or repacked by
@@ -223,7 +237,10 @@ class Kernels:
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty(m, n_out, dtype=torch.float32)
-        if gtype == GgmlType.Q4_X8:
+        if gtype == GgmlType.Q8_X16:
+            rc = self.lib.tg_linear_q8_x16(blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
+                                           torch.get_num_threads())
+        elif gtype == GgmlType.Q4_X8:
             rc = self.lib.tg_linear_x8(blocks.data_ptr(), None if corr is None else corr.data_ptr(), n_out, k,
                                        x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
         else:
@@ -389,6 +406,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_repack_x8.restype = ctypes.c_int
     lib.tg_repack_x8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
     lib.tg_linear_x8.restype = ctypes.c_int
+    lib.tg_repack_q8_x16.restype = ctypes.c_int
+    lib.tg_repack_q8_x16.argtypes = [ptr, i64, i64, ptr]
+    lib.tg_linear_q8_x16.restype = ctypes.c_int
+    lib.tg_linear_q8_x16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_linear_x8.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,

@@ -194,7 +194,7 @@ class LlamaModel:
             self.final_norm = (self.final_norm.float() / smooth).to(self.dtype)
         # Per-layer weights, looked up once rather than by string on every call; a derived
         # format's private copies are built on this process's compute threads.
-        built = _on_threads([functools.partial(Linear, lm_head, None, weight_format, smooth)] + [
+        built = _on_threads([functools.partial(Linear, lm_head, None, weight_format, smooth, head=True)] + [
             functools.partial(_LayerWeights, weights, i, weight_format, config, act_absmax)
             for i in range(config.num_layers)], self.device)
         self.lm_head = cast(Linear, built[0])

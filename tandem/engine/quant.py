@@ -30,8 +30,12 @@ prefill) run the fp16 copy it also keeps, except decode steps of up to
 repacked at load for ggml's gemm (``Kernels.repack_x8``; Q4_1 exactly, its offsets added apart),
 which unpacks a weight block once per 4 rows: calls of up to ``GGML_X8_MAX_ROWS`` rows and
 steps of up to ``model.DECODE_LAYERS_X8_MAX_ROWS`` rows (decode rows and prompt tokens together:
-hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). Greedy
-outputs therefore depend on how requests were batched, and ``auto`` never picks it.
+hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). The
+model's lm_head (a GGUF's Q8_0 token embedding, tied: the largest single weight of a small model)
+is repacked on an AVX512-VNNI CPU for a kernel of Tandem's (``Kernels.repack_q8_x16``) that runs
+calls of up to ``GGML_Q8_X16_MAX_ROWS`` rows, each row as it would run alone: 16-row decode steps
+of SmolLM2 1.25x faster than on fbgemm's fp16 copy, which reads twice the bytes (bench/q8_head.py).
+Greedy outputs therefore depend on how requests were batched, and ``auto`` never picks it.
 
 The ggml format's calls of more rows than its kernels take (prompts, large batches) run a second,
 private copy of the weights, its *wide* copy (``ggml_wide_format``): fbgemm's fp16, or oneDNN's
@@ -72,6 +76,13 @@ GGML_MAX_ROWS = 3
 # in one process (bench/ggml_repack.py, SmolLM2, 2026-11-27): 1.04x at 16 tokens, 0.81-0.89x from
 # 64; decode steps: model.DECODE_LAYERS_X8_MAX_ROWS.
 GGML_X8_MAX_ROWS = 16
+# The same for an lm_head's Q8_0 blocks repacked for Tandem's AVX512-VNNI kernel (``Linear``'s
+# ``head``; ``Kernels.repack_q8_x16``), which reads half the bytes fbgemm's fp16 does. SmolLM2's head
+# (49152 x 576), paired in one process on a 2-core AVX512-VNNI EPYC (bench/q8_head.py, 2026-12-07):
+# 1.8-2.5x faster than fbgemm's fp16 at 1-8 rows, 3.1x at 16, 2.4-2.9x at 32-128; against ggml's
+# vec_dot (the 1-3 row calls before) 0.69 against 1.16 ms at one row. Beyond 128 rows (only
+# position_logits' calls: a step computes the head for its last positions) the wide copy.
+GGML_Q8_X16_MAX_ROWS = 128
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
@@ -226,11 +237,15 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
-                 smooth: torch.Tensor | None = None, out_divisor: torch.Tensor | None = None) -> None:
+                 smooth: torch.Tensor | None = None, out_divisor: torch.Tensor | None = None,
+                 head: bool = False) -> None:
         """int8 only (``tandem.engine.smoothing``): the derived weight is ``weight * smooth`` per
         input channel, so the caller must feed ``x / smooth`` (the model folds that division
         into the layer before); ``out_divisor`` [out_features] divides output rows, which is how
-        a projection takes on the next layer's division."""
+        a projection takes on the next layer's division. ``head``: the model's lm_head, whose
+        Q8_0 blocks (the ggml format) run Tandem's VNNI kernel where the CPU has one
+        (``GGML_Q8_X16_MAX_ROWS``); the decoder layers' go whole into ``DecodeLayers``, which
+        takes ggml's layouts only."""
         self.weight = weight  # [out_features, in_features]
         self.bias = bias
         self.format = effective_format(fmt, weight.dtype, weight.device)
@@ -245,7 +260,7 @@ class Linear:
         # what runs the calls ggml's kernels do not take: the format itself, or the ggml format's wide copy
         self.wide_format = self.format
         if self.format == WeightFormat.GGML:
-            self._ggml_blocks(weight)
+            self._ggml_blocks(weight, head)
             self.wide_format = ggml_wide_format()
         if self.wide_format == WeightFormat.FP16:
             self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
@@ -278,9 +293,10 @@ class Linear:
                 self._packed = torch.ops.quantized.linear_prepack(qweight, None)
             self.derived_bytes = q.numel() + scale.numel() * 4
 
-    def _ggml_blocks(self, weight: torch.Tensor) -> None:
+    def _ggml_blocks(self, weight: torch.Tensor, head: bool) -> None:
         """The first of ``GGML_EXACT_TYPES`` whose blocks dequantize to ``weight`` bit for bit;
-        none (a layer not from a GGUF of those types) leaves the layer on its wide copy alone."""
+        none (a layer not from a GGUF of those types) leaves the layer on its wide copy alone.
+        Q4 blocks are repacked for ggml's gemm, a ``head``'s Q8_0 blocks for Tandem's VNNI kernel."""
         kernels = ggml_kernels.load()
         assert kernels is not None  # effective_format checked
         n, k = weight.shape
@@ -291,6 +307,10 @@ class Linear:
             if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
                 self.ggml_type, self._kernels = gtype, kernels
                 self.ggml_projection = ggml_kernels.Projection(blocks, gtype)
+                if head and gtype == ggml_kernels.GgmlType.Q8_0 and ggml_kernels.repack_on():
+                    q8_x16 = kernels.repack_q8_x16(blocks, n, k)
+                    if q8_x16 is not None:  # the plain rows are not kept
+                        self.ggml_projection = ggml_kernels.Projection(q8_x16, ggml_kernels.GgmlType.Q8_X16)
                 repacked = kernels.repack_x8(blocks, gtype, n, k) if ggml_kernels.repack_on() else None
                 if repacked is not None:  # the plain rows are not kept
                     self.ggml_projection = ggml_kernels.Projection(repacked[0], ggml_kernels.GgmlType.Q4_X8,
@@ -303,7 +323,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         projection = self.ggml_projection
-        if projection is not None and x.shape[0] <= (GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS):
+        if projection is not None and x.shape[0] <= self.ggml_max_rows():
             assert self._kernels is not None
             out = self._kernels.linear(x, projection.blocks, projection.gtype, self.weight.shape[0], projection.corr)
             return out if self.bias is None else out.add_(self.bias)
@@ -318,6 +338,14 @@ class Linear:
         if wide == WeightFormat.INT8:
             return self._int8(x.contiguous())
         return F.linear(x, self.weight, self.bias)
+
+    def ggml_max_rows(self) -> int:
+        """The most rows a call runs on the ggml blocks (read at every call, so tests may change
+        the limits); more run on the wide copy."""
+        projection = self.ggml_projection
+        if projection is not None and projection.gtype == ggml_kernels.GgmlType.Q8_X16:
+            return GGML_Q8_X16_MAX_ROWS
+        return GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS
 
     def _onednn(self, x: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN's matmul on the packed weight, its rows padded (with zeros) to ``onednn_rows``

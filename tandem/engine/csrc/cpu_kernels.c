@@ -25,7 +25,10 @@
  *
  * x8_vnni_tile: ours, where the CPU has AVX512-VNNI: the same repacked weights and the same
  * 8-bit activations through vpdpbusd, up to 8 activation rows per weight unpack, each row's
- * outputs bit for bit those of ggml's gemv (so of the row alone). */
+ * outputs bit for bit those of ggml's gemv (so of the row alone).
+ *
+ * tg_repack_q8_x16 / tg_linear_q8_x16: ours, where the CPU has AVX512-VNNI: Q8_0 weights (an
+ * lm_head) 16 rows interleaved for vpdpbusd, each row's outputs those of the row alone. */
 #include <ggml.h>
 #include <ggml-cpu.h>
 #include <math.h>
@@ -591,6 +594,137 @@ int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, co
     free(pad);
     return 0;
 }
+
+/* tg_repack_q8_x16 / tg_linear_q8_x16: Q8_0 weights (an lm_head as llama.cpp's GGUFs store it) for
+ * calls of several activation rows, where the CPU has AVX512-VNNI. ggml's own kernels take such a
+ * layer one activation row and one weight row at a time (vec_dot), slower than fbgemm's fp16 from
+ * 4 rows, which reads twice the bytes; ggml's repacked Q8_0 gemm has no x86 code. Here 16 weight
+ * rows are interleaved 4 bytes at a time, so one vpdpbusd multiplies and sums 4 values of each of
+ * the 16 rows with 4 of an activation row, and a block of the 16 rows, loaded once, serves up to 8
+ * activation rows. vpdpbusd takes unsigned x signed bytes: the weights are stored as q + 128 and
+ * each activation block's sum starts at -128 x the sum of its values, so every block's integer dot
+ * product is exact, then scaled as ggml scales it (weight scale x activation scale, both Q8_0's). */
+#define Q8X16_ROWS 16
+#define Q8X16_GROUP_BYTES (2 * Q8X16_ROWS + QK * Q8X16_ROWS) /* 16 fp16 scales, 16 rows x 32 bytes */
+
+/* n rows of Q8_0 blocks (k values each; n a multiple of 16, k of 32) into dst (n / 16 * k / 32
+ * groups of Q8X16_GROUP_BYTES): group (g, b) holds block b of rows 16 g .. 16 g + 15, their
+ * scales, then 8 chunks of 64 bytes, chunk j holding bytes 4 j .. 4 j + 3 of each row's block in
+ * row order, each byte XOR 0x80 (q + 128 as an unsigned byte). -1 when this build has no
+ * AVX512-VNNI (nothing runs the layout) or the shape does not fit it. */
+int tg_repack_q8_x16(const char *src, int64_t n, int64_t k, char *dst) {
+#ifndef TG_VNNI
+    (void)src, (void)n, (void)k, (void)dst;
+    return -1;
+#else
+    if (n % Q8X16_ROWS || k % QK) return -1;
+    const int64_t nb = k / QK;
+    for (int64_t g = 0; g < n / Q8X16_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            char *out = dst + (g * nb + b) * Q8X16_GROUP_BYTES;
+            for (int r = 0; r < Q8X16_ROWS; r++) {
+                const char *in = src + ((g * Q8X16_ROWS + r) * nb + b) * Q8_ROW_BLOCK_BYTES;
+                memcpy(out + 2 * r, in, 2);
+                for (int j = 0; j < QK / 4; j++)
+                    for (int e = 0; e < 4; e++)
+                        out[2 * Q8X16_ROWS + j * 4 * Q8X16_ROWS + 4 * r + e] = (char)(in[2 + 4 * j + e] ^ 0x80);
+            }
+        }
+    return 0;
+#endif
+}
+
+#ifdef TG_VNNI
+/* Row i of x [., k] to nb vnni_blocks at q, each block's corr[0] -128 x the sum of its values
+ * (the weights' +128). */
+static void q8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q) {
+    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    char blk[Q8_ROW_BLOCK_BYTES];
+    for (int64_t b = 0; b < nb; b++) {
+        q8->from_float(xi + b * QK, blk, QK);
+        ggml_fp16_t d16;
+        memcpy(&d16, blk, 2);
+        memcpy(q[b].qs, blk + 2, QK);
+        q[b].d = ggml_fp16_to_fp32(d16);
+        int32_t sum = 0;
+        for (int e = 0; e < QK; e++) sum += q[b].qs[e];
+        q[b].corr[0] = -128 * sum;
+        q[b].corr[1] = 0;
+    }
+}
+
+/* The 16 outputs of weight group wg (tg_repack_q8_x16's layout, nb blocks) for activation rows
+ * [i0, i0 + NR) of q, into y (ldy floats a row) from column c0. NR is a constant at each call. */
+static inline __attribute__((always_inline)) void q8_vnni_tile(const char *wg, int64_t nb, const vnni_block *q,
+                                                               int64_t i0, const int NR, float *y, int64_t ldy,
+                                                               int64_t c0) {
+    __m512 acc[8];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const char *blk = wg + b * Q8X16_GROUP_BYTES;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512i w[QK / 4];
+        for (int j = 0; j < QK / 4; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 2 * Q8X16_ROWS + 64 * j));
+        for (int r = 0; r < NR; r++) {
+            const vnni_block *a = q + (i0 + r) * nb + b;
+            __m512i dot = _mm512_set1_epi32(a->corr[0]);
+            for (int j = 0; j < QK / 4; j++) {
+                int32_t v;
+                memcpy(&v, a->qs + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(v));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a->d)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + (i0 + r) * ldy + c0, acc[r]);
+}
+#endif
+
+/* y [m, n_out] = x [m, k] @ W^T for W repacked by tg_repack_q8_x16. Returns 0, -1 without
+ * AVX512-VNNI, -2 when scratch cannot be had. Each output row is computed alone (the same for any
+ * m and any rows beside it). */
+int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+#ifndef TG_VNNI
+    (void)w, (void)n_out, (void)k, (void)x, (void)m, (void)y, (void)nthreads;
+    return -1;
+#else
+    const int64_t nb = k / QK;
+    vnni_block *q = malloc(sizeof(vnni_block) * (size_t)(m * nb) + 1);
+    if (q == NULL) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t groups = n_out / Q8X16_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) q8_vnni_quantize(x + i * k, nb, q + i * nb);
+        /* the loop's implicit barrier: every row is quantized */
+        const int64_t grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g0 = 0; g0 < groups; g0 += grab) {
+            const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
+            for (int64_t g = g0; g < g1; g++) {
+                const char *wg = w + g * nb * Q8X16_GROUP_BYTES;
+                int64_t i = 0;
+#define TG_Q8_TILE(NR) q8_vnni_tile(wg, nb, q, i, NR, y, n_out, g * Q8X16_ROWS)
+                for (; i + 8 <= m; i += 8) TG_Q8_TILE(8);
+                if (m - i >= 4) {
+                    TG_Q8_TILE(4);
+                    i += 4;
+                }
+                if (m - i >= 2) {
+                    TG_Q8_TILE(2);
+                    i += 2;
+                }
+                if (m - i >= 1) TG_Q8_TILE(1);
+#undef TG_Q8_TILE
+            }
+        }
+    }
+    free(q);
+    return 0;
+#endif
+}
+
 
 #ifdef TG_AVX2
 /* out[0..4) = q . k_j for the four rows k_j (d floats, d % 8 == 0). */
