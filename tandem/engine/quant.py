@@ -81,8 +81,12 @@ GGML_X8_MAX_ROWS = 16
 # (49152 x 576), paired in one process on a 2-core AVX512-VNNI EPYC (bench/q8_head.py, 2026-12-07):
 # 1.8-2.5x faster than fbgemm's fp16 at 1-8 rows, 3.1x at 16, 2.4-2.9x at 32-128; against ggml's
 # vec_dot (the 1-3 row calls before) 0.69 against 1.16 ms at one row. Beyond 128 rows (only
-# position_logits' calls: a step computes the head for its last positions) the wide copy.
+# position_logits' calls: a step computes the head for its last positions) the wide copy. Where
+# the wide copy is oneDNN's bf16 (AMX tiles or AVX512-BF16: 3.6-3.9x fbgemm's fp16 at 64-512 rows on
+# an AMX host) only calls of up to GGML_Q8_X16_BF16_MAX_ROWS rows, where the bytes read decide (not
+# measured on such a host).
 GGML_Q8_X16_MAX_ROWS = 128
+GGML_Q8_X16_BF16_MAX_ROWS = 16
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
@@ -344,7 +348,7 @@ class Linear:
         the limits); more run on the wide copy."""
         projection = self.ggml_projection
         if projection is not None and projection.gtype == ggml_kernels.GgmlType.Q8_X16:
-            return GGML_Q8_X16_MAX_ROWS
+            return GGML_Q8_X16_BF16_MAX_ROWS if self.wide_format == WeightFormat.BF16 else GGML_Q8_X16_MAX_ROWS
         return GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS
 
     def _onednn(self, x: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

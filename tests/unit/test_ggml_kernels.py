@@ -222,7 +222,8 @@ def test_the_q8_head_kernel_computes_each_row_as_vec_dot_does(groups: int, kbloc
 
 def test_only_a_heads_q8_rows_in_whole_groups_of_16_repack_for_the_vnni_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """An lm_head's (``head=True``) Q8_0 blocks run the Q8_X16 kernel for calls of up to
-    ``GGML_Q8_X16_MAX_ROWS`` rows, the wide copy beyond; other layers' Q8_0 blocks (the decoder
+    ``GGML_Q8_X16_MAX_ROWS`` rows (``GGML_Q8_X16_BF16_MAX_ROWS`` where the wide copy is bf16), the
+    wide copy beyond; other layers' Q8_0 blocks (the decoder
     layers' go whole into ``DecodeLayers``, which takes ggml's layouts) and rows not in whole groups
     of 16 keep ggml's plain rows; ``TANDEM_GGML_REPACK=off`` keeps them too."""
     kern = ggml_kernels.load()
@@ -235,10 +236,15 @@ def test_only_a_heads_q8_rows_in_whole_groups_of_16_repack_for_the_vnni_kernel(m
     assert Linear(w, None, WeightFormat.GGML).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
     assert Linear(w[:24], None, WeightFormat.GGML, head=True).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
     if kern.x8_vnni:
-        x = torch.randn(quant.GGML_Q8_X16_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(5))
-        small = x[:quant.GGML_Q8_X16_MAX_ROWS]
+        assert head.ggml_max_rows() == (quant.GGML_Q8_X16_BF16_MAX_ROWS if head.wide_format == WeightFormat.BF16
+                                        else quant.GGML_Q8_X16_MAX_ROWS)
+        x = torch.randn(head.ggml_max_rows() + 1, 64, generator=torch.Generator().manual_seed(5))
+        small = x[:head.ggml_max_rows()]
         assert torch.equal(head(small), kern.linear(small, head.ggml_projection.blocks, GgmlType.Q8_X16, 32))
         assert torch.equal(head(x), Linear(w, None, head.wide_format)(x))  # more rows: the wide copy
+    if kern.x8_vnni and quant.can_run_bf16():  # a bf16 wide copy (AMX's tiles): the kernel for fewer rows
+        monkeypatch.setenv(quant.GGML_WIDE_ENV, "bf16")
+        assert Linear(w, None, WeightFormat.GGML, head=True).ggml_max_rows() == quant.GGML_Q8_X16_BF16_MAX_ROWS
     monkeypatch.setenv("TANDEM_GGML_REPACK", "off")
     assert Linear(w, None, WeightFormat.GGML, head=True).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
 
