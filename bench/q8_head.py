@@ -9,7 +9,8 @@ limit is read at every call, so one process runs the same calls both ways, alter
 interquartile range):
 - the head alone at 1 to 128 rows;
 - whole decode steps (the layers whole in C, then the head) at 1, 8 and 16 rows, contexts of
-  ``--context`` tokens;
+  ``--context`` tokens, and at 1, 2 and 3 rows against the plain Q8_0 rows on ggml's vec_dot (the
+  path calls of up to ``quant.GGML_MAX_ROWS`` rows took before);
 - the engine's closed loop: ``--streams`` greedy streams of 64 tokens on 128-token prompts.
 Accuracy on real text (``bench/quant.py``'s windows, whole windows in one step, fp16 KV pool):
 perplexity and top-1 agreement with the fp32 model, the head each way.
@@ -36,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.quant import BLOCK, decode_step_ms, text_windows  # noqa: E402
 from tandem.bench.report import paired, write_json  # noqa: E402
-from tandem.engine import quant  # noqa: E402
+from tandem.engine import ggml_kernels, quant  # noqa: E402
 from tandem.engine.config import ModelConfig  # noqa: E402
-from tandem.engine.ggml_kernels import GgmlType  # noqa: E402
+from tandem.engine.ggml_kernels import GgmlType, Projection  # noqa: E402
 from tandem.engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
@@ -124,6 +125,20 @@ def main() -> None:
 
             result["decode_step"][batch] = paired(step, args.pairs, "q8x16", "fp16")
             print("decode step", batch, result["decode_step"][batch], flush=True)
+        # Calls of 1-3 rows ran ggml's vec_dot on the plain Q8_0 rows before, not the fp16 copy.
+        x16 = head.ggml_projection
+        kernels = ggml_kernels.load()
+        assert kernels is not None
+        plain = Projection(kernels.quantize(head.weight, GgmlType.Q8_0), GgmlType.Q8_0)
+        result["decode_step_vs_vec_dot"] = {}
+        for batch in (1, 2, 3):
+            def against_vec_dot(on: bool, b: int = batch) -> float:
+                head.ggml_projection = x16 if on else plain  # plain Q8_0 rows: ggml_max_rows() is GGML_MAX_ROWS
+                return decode_step_ms(runner, b, args.context, 5) / 1e3
+
+            result["decode_step_vs_vec_dot"][batch] = paired(against_vec_dot, args.pairs, "q8x16", "vec_dot")
+            print("decode step against vec_dot", batch, result["decode_step_vs_vec_dot"][batch], flush=True)
+        head.ggml_projection = x16
     prompts = torch.randint(100, 40000, (args.streams, 128), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     result["engine_closed_loop"] = paired(timed(lambda: engine.generate(prompts, params)), max(2, args.pairs // 2),

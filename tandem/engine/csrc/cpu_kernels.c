@@ -345,6 +345,17 @@ typedef struct {
 #define VNNI_BLOCK_BYTES 44
 _Static_assert(sizeof(vnni_block) == VNNI_BLOCK_BYTES, "vnni_block is 44 bytes");
 
+/* One block of 32 activations quantized as ggml's Q8_0 (`q8`'s from_float) into out's values and
+ * scale (its corr is the caller's). */
+static inline void vnni_block_values(const struct ggml_type_traits_cpu *q8, const float *xb, vnni_block *out) {
+    char blk[Q8_ROW_BLOCK_BYTES];
+    q8->from_float(xb, blk, QK);
+    ggml_fp16_t d16;
+    memcpy(&d16, blk, 2);
+    memcpy(out->qs, blk + 2, QK);
+    out->d = ggml_fp16_to_fp32(d16);
+}
+
 /* Row i of x [., k] to nb vnni_blocks at q (and its block sums, each d * the sum of its values, to
  * xs when not NULL: the Q4_1 offsets' term). The kernel multiplies the unsigned nibble q (0..15)
  * where the Q4_0 value is q - 8, so each lane starts from -8 x the sum of the activations it
@@ -352,13 +363,8 @@ _Static_assert(sizeof(vnni_block) == VNNI_BLOCK_BYTES, "vnni_block is 44 bytes")
  * others (x8_vnni_tile). */
 static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *xs) {
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
-    char blk[Q8_ROW_BLOCK_BYTES];
     for (int64_t b = 0; b < nb; b++) {
-        q8->from_float(xi + b * QK, blk, QK);
-        ggml_fp16_t d16;
-        memcpy(&d16, blk, 2);
-        memcpy(q[b].qs, blk + 2, QK);
-        q[b].d = ggml_fp16_to_fp32(d16);
+        vnni_block_values(q8, xi + b * QK, q + b);
         /* each 32-bit lane j of s4 sums elements 4j..4j+3 (exact: u8 ones x s8 into 16 bits, then
          * pairs into 32); half 0 is lanes 0, 2, 4, 6, half 1 the others */
         const __m256i s4 = _mm256_madd_epi16(
@@ -450,6 +456,23 @@ static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, c
     }
 }
 
+/* TILE(NR) over the m activation rows in tiles of 8, then 4, 2 and 1 rows, `i` the first row of
+ * each: NR is a constant at each call, so the tile's loops over its rows unroll. */
+#define TG_ROW_TILES(TILE)                \
+    do {                                  \
+        int64_t i = 0;                    \
+        for (; i + 8 <= m; i += 8) TILE(8); \
+        if (m - i >= 4) {                 \
+            TILE(4);                      \
+            i += 4;                       \
+        }                                 \
+        if (m - i >= 2) {                 \
+            TILE(2);                      \
+            i += 2;                       \
+        }                                 \
+        if (m - i >= 1) TILE(1);          \
+    } while (0)
+
 /* Fewest rows whose tiles finish their own outputs (x8_vnni_tile's corr and accumulate): its
  * sums over the blocks are one dependent chain per row, so tiles of fewer rows wait on them; their
  * outputs are finished by x8_finish_rows, 64 outputs of a row at a time, instead. */
@@ -476,18 +499,8 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
         for (int64_t g = g0; g < g1; g += 2) {
             const char *w0 = w8 + g * nb * X8_GROUP_BYTES, *w1 = w0 + nb * X8_GROUP_BYTES;
             const int two = g + 1 < g1;
-            int64_t i = 0;
 #define TG_VNNI_TILE(NR) x8_vnni_tile(w0, w1, two, nb, q, i, NR, tile_corr, xs, n_out, out, ldo, tile_accumulate, g * 8)
-            for (; i + 8 <= m; i += 8) TG_VNNI_TILE(8);
-            if (m - i >= 4) {
-                TG_VNNI_TILE(4);
-                i += 4;
-            }
-            if (m - i >= 2) {
-                TG_VNNI_TILE(2);
-                i += 2;
-            }
-            if (m - i >= 1) TG_VNNI_TILE(1);
+            TG_ROW_TILES(TG_VNNI_TILE);
 #undef TG_VNNI_TILE
         }
         if (!fused) x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
@@ -639,13 +652,8 @@ int tg_repack_q8_x16(const char *src, int64_t n, int64_t k, char *dst) {
  * (the weights' +128). */
 static void q8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q) {
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
-    char blk[Q8_ROW_BLOCK_BYTES];
     for (int64_t b = 0; b < nb; b++) {
-        q8->from_float(xi + b * QK, blk, QK);
-        ggml_fp16_t d16;
-        memcpy(&d16, blk, 2);
-        memcpy(q[b].qs, blk + 2, QK);
-        q[b].d = ggml_fp16_to_fp32(d16);
+        vnni_block_values(q8, xi + b * QK, q + b);
         int32_t sum = 0;
         for (int e = 0; e < QK; e++) sum += q[b].qs[e];
         q[b].corr[0] = -128 * sum;
@@ -704,18 +712,8 @@ int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, in
             const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
             for (int64_t g = g0; g < g1; g++) {
                 const char *wg = w + g * nb * Q8X16_GROUP_BYTES;
-                int64_t i = 0;
 #define TG_Q8_TILE(NR) q8_vnni_tile(wg, nb, q, i, NR, y, n_out, g * Q8X16_ROWS)
-                for (; i + 8 <= m; i += 8) TG_Q8_TILE(8);
-                if (m - i >= 4) {
-                    TG_Q8_TILE(4);
-                    i += 4;
-                }
-                if (m - i >= 2) {
-                    TG_Q8_TILE(2);
-                    i += 2;
-                }
-                if (m - i >= 1) TG_Q8_TILE(1);
+                TG_ROW_TILES(TG_Q8_TILE);
 #undef TG_Q8_TILE
             }
         }
