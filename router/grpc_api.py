@@ -2,6 +2,8 @@
 
 ``Generate`` streams what the core yields and turns a ``RequestError`` into the call's status
 (with ``retry-after`` trailing metadata when admission gave a hint, as the SDK reads it). A
+resend of a request refused here (the SDK's, saying so in ``tandem-retry-count``) is admitted
+against the deadline of its first send, as over HTTP (``router.retries``). A
 stopping router's calls still in flight end UNAVAILABLE with a message (``router.in_flight``).
 Bytes that are not a ``GenerateRequest`` never reach this module: see ``router.wire_errors``.
 """
@@ -10,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 
 import grpc
 import grpc.aio
 
 from router.models import ServedModels
-from tandem.protocol import RequestError
-from tandem.rpc.convert import retry_after_metadata
+from router.retries import RefusedRequests, retry_key
+from tandem.protocol import RequestError, Status
+from tandem.rpc.convert import RETRY_COUNT_KEY, retry_after_metadata
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
 
 
@@ -26,25 +30,37 @@ def grpc_status(error: RequestError) -> grpc.StatusCode:
     return status
 
 
+GENERATE_PATH = "/tandem.v1.Router/Generate"
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate / ListModels / Health for the router's models (one core each, by ``model``)."""
 
     def __init__(self, models: ServedModels) -> None:
         self._models = models
+        self._refused = RefusedRequests()  # the first sends of requests refused lately, for their resends
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
         received_ns = time.monotonic_ns()
+        metadata = {key: value for key, value in context.invocation_metadata() or ()}
+        # the request's digest only for a resend's lookup or a refusal (most requests need neither)
+        key = functools.partial(retry_key, GENERATE_PATH, str(metadata.get("authorization", "")),
+                                request.SerializeToString(deterministic=True))
+        retry_count = metadata.get(RETRY_COUNT_KEY)
+        first_sent_ns = self._refused.first_sent_ns(key, None if retry_count is None else str(retry_count), received_ns)
         error: RequestError | None = None
         with self._models.in_flight.running():
             try:
                 core = self._models.pick(request.model)
-                async with contextlib.aclosing(core.generate(request, context.time_remaining(),
-                                                             received_ns=received_ns)) as stream:
+                async with contextlib.aclosing(core.generate(request, context.time_remaining(), received_ns=received_ns,
+                                                             first_sent_ns=first_sent_ns)) as stream:
                     async for response in stream:
                         await context.write(response)
             except RequestError as exc:
                 error = exc
+                if exc.status is Status.RESOURCE_EXHAUSTED:
+                    self._refused.refused(key(), first_sent_ns, time.monotonic_ns())
             except asyncio.CancelledError:
                 if (error := self._models.in_flight.ended()) is None:
                     raise  # the client cancelled

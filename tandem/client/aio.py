@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack
@@ -14,13 +16,16 @@ from tandem.client.protocol import (
     DEFAULT_ADDRESS,
     CompletionBuilder,
     GenerateOptions,
+    RefusalRetries,
     RetryPolicy,
     ToolChunks,
+    attempt_metadata,
     call_metadata,
     chunk_from_response,
     generate_request,
     health_from_reply,
     models_from_reply,
+    remaining_s,
 )
 from tandem.client.types import Chunk, Completion, Health, ModelInfo
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
@@ -36,6 +41,8 @@ class AsyncTandemClient:
     - UNAVAILABLE is retried up to ``max_retries`` times (at most 4: gRPC's cap) with exponential
       backoff and full jitter, by gRPC's retry policy (``RetryPolicy``); a stream only before its
       first response, never after tokens were delivered.
+    - A refusal by admission (Overloaded with a ``retry_after_s`` hint) is waited out and sent
+      again up to ``max_refusal_retries`` times, as TandemClient does (``RefusalRetries``).
     - Failures raise ``tandem.client.ClientError`` subclasses. Cancelling the awaiting task
       cancels the call (asyncio.CancelledError propagates, it is not turned into Cancelled).
     - A stream closed early (``aclose()``, or ``contextlib.aclosing`` around a loop that
@@ -53,6 +60,7 @@ class AsyncTandemClient:
         max_retries: int = 3,
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        max_refusal_retries: int = 2,
         api_key: str | None = None,
         metadata: Sequence[tuple[str, str]] | Mapping[str, str] = (),
         credentials: grpc.ChannelCredentials | None = None,
@@ -60,6 +68,7 @@ class AsyncTandemClient:
     ) -> None:
         """Arguments as for TandemClient."""
         self._timeout_s = timeout_s
+        self._refusals = RefusalRetries(max_refusal_retries)
         channel_options = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s).channel_options(options)
         self._metadata = call_metadata(api_key, metadata)
         self._channel = (grpc.aio.secure_channel(address, credentials, options=channel_options) if credentials
@@ -107,14 +116,27 @@ class AsyncTandemClient:
 
     async def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
                       tools: ToolChunks | None = None) -> AsyncGenerator[Chunk, None]:
-        call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
-        try:
-            async for response in call:
-                yield chunk_from_response(response) if tools is None else tools.apply(response)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+        timeout = self._timeout(timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        retries = 0
+        while True:
+            call = self._stub.Generate(request, timeout=remaining_s(deadline, time.monotonic()),
+                                       metadata=attempt_metadata(self._metadata, retries))
+            delivered = False
+            try:
+                async for response in call:
+                    delivered = True
+                    yield chunk_from_response(response) if tools is None else tools.apply(response)
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc)
+                wait_s = None if delivered else self._refusals.wait_s(error, retries, remaining_s(deadline, time.monotonic()))
+                if wait_s is None:
+                    raise error from exc
+            finally:
+                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+            await asyncio.sleep(wait_s)
+            retries += 1
 
     # ListModels / Health -------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any, TypedDict, cast
 
 import grpc
 
-from tandem.client.errors import InvalidRequest, ServerError
+from tandem.client.errors import ClientError, InvalidRequest, Overloaded, ServerError
 from tandem.client.types import (
     Chunk,
     Completion,
@@ -26,6 +26,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.grammar import grammar_for, structured_output_of
 from tandem.engine.tool_calls import TOOL_FORMATS, ToolAnswer, ToolFormat, ToolRequestError, ToolsAsked, tools_asked
 from tandem.rpc.channels import RECONNECT_OPTIONS
+from tandem.rpc.convert import RETRY_COUNT_KEY
 from tandem.rpc.v1 import common_pb2, router_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -82,6 +83,47 @@ class RetryPolicy:
                                              *RECONNECT_OPTIONS]
         given = {key for key, _ in options}
         return [option for option in ours if option[0] not in given] + list(options)
+
+
+@dataclass(frozen=True)
+class RefusalRetries:
+    """How the clients answer a refusal by admission (RESOURCE_EXHAUSTED with a ``retry-after``
+    hint), as the openai client answers a 429: wait the hint and send the request again, at most
+    ``max_retries`` times (2, the openai client's default), each resend saying it is one
+    (``RETRY_COUNT_KEY``) so that the router admits it against the deadline of its first send.
+
+    Only before a stream's first response (admission answers before any token, so nothing was
+    delivered), only with a hint (a refusal without one says nothing about when to come back), and
+    only when the hint ends before the call's deadline: the deadline bounds the waits and the
+    attempts together, and a call that cannot be admitted in time raises the refusal at once.
+    """
+
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_refusal_retries must be >= 0, got {self.max_retries}")
+
+    def wait_s(self, error: ClientError, retries: int, remaining_s: float | None) -> float | None:
+        """Seconds to wait before sending again after ``error`` ended the call, which had been
+        retried ``retries`` times, with ``remaining_s`` left to its deadline (None: no deadline);
+        None to raise ``error`` instead."""
+        if not isinstance(error, Overloaded) or error.retry_after_s is None or retries >= self.max_retries:
+            return None
+        if remaining_s is not None and error.retry_after_s >= remaining_s:
+            return None
+        return error.retry_after_s
+
+
+def attempt_metadata(metadata: tuple[tuple[str, str], ...], retries: int) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call's attempt after ``retries`` refusals: the call's own, plus the
+    retry count from the first resend on."""
+    return metadata if retries == 0 else (*metadata, (RETRY_COUNT_KEY, str(retries)))
+
+
+def remaining_s(deadline: float | None, now: float) -> float | None:
+    """Seconds from ``now`` to ``deadline`` (both ``time.monotonic``), at least 0; None without one."""
+    return None if deadline is None else max(deadline - now, 0.0)
 
 
 def call_metadata(api_key: str | None, metadata: Sequence[tuple[str, str]] | Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack
@@ -13,13 +14,16 @@ from tandem.client.protocol import (
     DEFAULT_ADDRESS,
     CompletionBuilder,
     GenerateOptions,
+    RefusalRetries,
     RetryPolicy,
     ToolChunks,
+    attempt_metadata,
     call_metadata,
     chunk_from_response,
     generate_request,
     health_from_reply,
     models_from_reply,
+    remaining_s,
 )
 from tandem.client.types import Chunk, Completion, Health, ModelInfo
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
@@ -37,6 +41,10 @@ class TandemClient:
       backoff and full jitter, by gRPC's retry policy (``RetryPolicy``), but a stream only before
       its first response arrived: once tokens were delivered a retry could deliver them twice, so
       the error surfaces instead.
+    - A refusal by admission (Overloaded with a ``retry_after_s`` hint) is waited out and sent
+      again up to ``max_refusal_retries`` times (2, as the openai client retries a 429), only
+      before the first response and only when the hint ends before the deadline
+      (``RefusalRetries``); the router admits such a resend against the deadline of the first.
     - Failures raise a ``tandem.client.ClientError`` subclass, never a raw ``grpc.RpcError``.
     - A stream the caller stops iterating early (``break``, an exception, ``close()``) cancels
       the call, so the server frees the request's KV blocks.
@@ -51,6 +59,7 @@ class TandemClient:
         max_retries: int = 3,
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        max_refusal_retries: int = 2,
         api_key: str | None = None,
         metadata: Sequence[tuple[str, str]] | Mapping[str, str] = (),
         credentials: grpc.ChannelCredentials | None = None,
@@ -60,6 +69,7 @@ class TandemClient:
         call; ``credentials`` makes a TLS channel (insecure without); ``options`` are grpc
         channel options."""
         self._timeout_s = timeout_s
+        self._refusals = RefusalRetries(max_refusal_retries)
         channel_options = RetryPolicy(max_retries, initial_backoff_s, max_backoff_s).channel_options(options)
         self._metadata = call_metadata(api_key, metadata)
         self._channel = (grpc.secure_channel(address, credentials, options=channel_options) if credentials
@@ -110,14 +120,27 @@ class TandemClient:
 
     def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
                 tools: ToolChunks | None = None) -> Generator[Chunk, None, None]:
-        call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
-        try:
-            for response in call:
-                yield chunk_from_response(response) if tools is None else tools.apply(response)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+        timeout = self._timeout(timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        retries = 0
+        while True:
+            call = self._stub.Generate(request, timeout=remaining_s(deadline, time.monotonic()),
+                                       metadata=attempt_metadata(self._metadata, retries))
+            delivered = False
+            try:
+                for response in call:
+                    delivered = True
+                    yield chunk_from_response(response) if tools is None else tools.apply(response)
+                return
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                wait_s = None if delivered else self._refusals.wait_s(error, retries, remaining_s(deadline, time.monotonic()))
+                if wait_s is None:
+                    raise error from exc
+            finally:
+                call.cancel()  # a no-op once the call ended; frees the server's work otherwise
+            time.sleep(wait_s)
+            retries += 1
 
     # ListModels / Health -------------------------------------------------------------------
 

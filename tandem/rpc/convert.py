@@ -56,6 +56,12 @@ def finish_from_proto(value: int) -> str | None:
     return _FINISH_NAMES.get(value)
 
 
+RETRY_COUNT_KEY = "tandem-retry-count"
+"""gRPC metadata: how many times the SDK sent this request before (absent on the first send),
+as ``x-stainless-retry-count`` says it over HTTP; the router admits such a retry of a request it
+refused against the deadline of the first send (``router.retries``)."""
+
+
 def retry_after_metadata(retry_after_s: float | None) -> tuple[tuple[str, str], ...]:
     """A RESOURCE_EXHAUSTED answer's retry hint as gRPC trailing metadata (``retry-after``, in
     seconds); none without a hint."""

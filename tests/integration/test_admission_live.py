@@ -95,7 +95,8 @@ def test_lone_long_prompt_on_an_idle_cell_is_served(stack: Stack) -> None:
 
 def test_grpc_refusal_carries_the_retry_hint(stack: Stack) -> None:
     async def run() -> list[BaseException | None]:
-        async with AsyncTandemClient(stack.address("router"), max_retries=0, timeout_s=120) as client:
+        async with AsyncTandemClient(stack.address("router"), max_retries=0, max_refusal_retries=0,
+                                     timeout_s=120) as client:
             async def one(i: int) -> BaseException | None:
                 try:
                     # prompts of ~360 tokens: by now admission is calibrated to the real prefill
@@ -150,6 +151,49 @@ def test_a_retry_of_a_refused_request_keeps_the_deadline_of_its_first_send(stack
         else:
             assert retry.status_code == 200, retry.text  # nothing refused: a retry header alone changes nothing
         assert new.status_code == 200 and bare.status_code == 200, (new.text, bare.text)
+    stats = asyncio.run(_wait_all_blocks_free(stack, 30))
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
+
+
+def test_a_grpc_resend_of_a_refused_request_keeps_the_deadline_of_its_first_send(stack: Stack) -> None:
+    """The gRPC side of the test above: a burst through the SDK with its refusal retries off,
+    then each request sent again as the SDK resends a refusal (``tandem-retry-count: 1``) once the
+    first sends' deadlines are past: a refused one is refused again ("deadline already passed"),
+    the same request sent as a new one is served, and so is the resend of one that was served.
+    Then a burst with the SDK's own refusal retries: every call completes or raises Overloaded,
+    and every KV block comes back."""
+    prompts = [f"Resend {uuid.uuid4().hex[:6]} {i}: {STORY}, please." for i in range(HTTP_BURST)]
+
+    async def send(prompt: str, count: str | None, retries: int = 0) -> BaseException | None:
+        metadata = {"tandem-retry-count": count} if count is not None else {}
+        async with AsyncTandemClient(stack.address("router"), max_retries=0, max_refusal_retries=retries,
+                                     metadata=metadata, timeout_s=120) as client:
+            try:
+                completion = await client.generate(prompt, max_tokens=2, ignore_eos=True)
+            except Overloaded as exc:
+                return exc
+            assert completion.usage is not None and completion.usage.completion_tokens == 2
+            return None
+
+    async def run() -> tuple[list[BaseException | None], list[tuple[int, BaseException | None, BaseException | None]],
+                             list[BaseException | None]]:
+        first = list(await asyncio.gather(*(send(p, None) for p in prompts)))
+        await asyncio.sleep((2 + DEFAULT_COLD_MARGIN) * TTFT_SLO_MS / 1000)
+        resent = [await send(p, "1") for p in prompts]
+        again = [(i, retry, await send(prompts[i], None)) for i, retry in enumerate(resent)]
+        retried = list(await asyncio.gather(*(send(f"{p} Again.", None, retries=2) for p in prompts)))
+        return first, again, retried
+
+    first, again, retried = asyncio.run(run())
+    refused = {i for i, o in enumerate(first) if isinstance(o, Overloaded)}
+    assert refused and len(refused) < len(first)
+    for i, retry, new in again:
+        if i in refused:
+            assert isinstance(retry, Overloaded) and "deadline already passed" in str(retry), retry
+        else:
+            assert retry is None, retry
+        assert new is None, new
+    assert all(o is None or isinstance(o, Overloaded) for o in retried) and any(o is None for o in retried)
     stats = asyncio.run(_wait_all_blocks_free(stack, 30))
     assert stats.num_free_blocks == stats.num_blocks and stats.num_requests == 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 from collections import deque
@@ -483,12 +484,91 @@ def test_overloaded_carries_retry_after(mode: str, fake: tuple[FakeRouter, str])
         [Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")],
     ])
     with pytest.raises(Overloaded) as info:
-        call(mode, address, "generate", "x")
+        call(mode, address, "generate", "x", client={"max_refusal_retries": 0})
     assert info.value.retry_after_s == 2.5
     with pytest.raises(Overloaded) as info:
         call(mode, address, "generate", "x")
     assert info.value.retry_after_s is None
-    assert len(servicer.requests) == 2  # RESOURCE_EXHAUSTED is the caller's to retry, not the SDK's
+    assert len(servicer.requests) == 2  # no retries asked for, and no hint to wait on
+
+
+def refusal(hint_s: float | None, details: str = "admission refused: queue ahead") -> Abort:
+    return Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details, () if hint_s is None else (("retry-after", f"{hint_s:.3f}"),))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["generate", "stream", "chat", "chat_stream"])
+def test_a_refusal_with_a_hint_is_waited_out_and_sent_again(mode: str, method: str, fake: tuple[FakeRouter, str]) -> None:
+    """As the openai client retries a 429: wait the hint, send the same request again, saying
+    it is a resend (``tandem-retry-count``), so the router holds it to its first send's deadline."""
+    servicer, address = fake
+    rng = random.Random(f"{mode}-{method}")
+    hints = [rng.uniform(0.05, 0.25) for _ in range(rng.randint(1, 2))]
+    servicer.generate_scripts.extend([*([refusal(h)] for h in hints), HELLO])
+    args: tuple[Any, ...] = ("x",) if method in ("generate", "stream") else ([{"role": "user", "content": "hi"}],)
+    started = time.monotonic()
+    result = call(mode, address, method, *args, max_tokens=3, client={"api_key": "sk-1", "metadata": {"x-tenant": "t"}})
+    elapsed = time.monotonic() - started
+    text = result.text if isinstance(result, Completion) else "".join(c.text for c in result)
+    assert text == "Hello!"
+    assert len(servicer.requests) == len(hints) + 1
+    assert all(r == servicer.requests[0] for r in servicer.requests)  # the same request, byte for byte
+    assert [m.get("tandem-retry-count") for m in servicer.metadata] == [None, *(str(n) for n in range(1, len(hints) + 1))]
+    assert all(m["authorization"] == "Bearer sk-1" and m["x-tenant"] == "t" for m in servicer.metadata)
+    assert elapsed >= sum(hints) - 0.01
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("max_refusal_retries", [0, 1, 3])
+def test_refusal_retries_stop_after_max_refusal_retries(mode: str, max_refusal_retries: int,
+                                                        fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.generate_scripts.extend([[refusal(0.01, f"refused {n}")] for n in range(max_refusal_retries + 1)] + [HELLO])
+    with pytest.raises(Overloaded, match=f"refused {max_refusal_retries}$") as info:
+        call(mode, address, "generate", "x", client={"max_refusal_retries": max_refusal_retries})
+    assert info.value.retry_after_s == pytest.approx(0.01)
+    assert len(servicer.requests) == max_refusal_retries + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refusal_is_not_retried_without_a_hint_past_the_deadline_or_after_tokens(
+        mode: str, fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    # no hint: nothing says when to come back
+    servicer.generate_scripts.extend([[refusal(None)], HELLO])
+    with pytest.raises(Overloaded):
+        call(mode, address, "generate", "x")
+    assert len(servicer.requests) == 1
+    # a hint that ends after the call's deadline: raised at once, not slept on
+    servicer.generate_scripts.appendleft([refusal(5.0)])
+    started = time.monotonic()
+    with pytest.raises(Overloaded) as info:
+        call(mode, address, "generate", "x", timeout_s=1.0)
+    assert info.value.retry_after_s == 5.0 and time.monotonic() - started < 1.0
+    assert len(servicer.requests) == 2
+    # after tokens were delivered a resend would deliver them twice
+    servicer.generate_scripts.appendleft([response("Hel", [5]), refusal(0.01)])
+    chunks: list[Chunk] = []
+    with pytest.raises(Overloaded):
+        call(mode, address, "stream", "x", chunks=chunks)
+    assert [c.text for c in chunks] == ["Hel"] and len(servicer.requests) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_deadline_bounds_the_refusal_waits(mode: str, fake: tuple[FakeRouter, str]) -> None:
+    """Each wait fits the deadline when it starts; the resend gets only what is left of it."""
+    servicer, address = fake
+    servicer.generate_scripts.extend([[refusal(0.4)], [Sleep(5.0), *HELLO]])
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        call(mode, address, "generate", "x", timeout_s=0.8)
+    assert 0.4 <= time.monotonic() - started < 2.0
+    assert len(servicer.requests) == 2
+
+
+def test_refusal_retries_reject_a_negative_count() -> None:
+    with pytest.raises(ValueError, match="max_refusal_retries"):
+        TandemClient("127.0.0.1:1", max_refusal_retries=-1)
 
 
 @pytest.mark.parametrize("mode", MODES)
