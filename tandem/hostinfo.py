@@ -1,10 +1,12 @@
 """This host's CPU as ``/proc/cpuinfo`` describes it: one reader for every place that keys or
 records by it (the ggml kernels' build directory, admission's calibration cache, benchmarks'
 JSON). Off Linux, or where the file cannot be read, each answer falls back to what ``platform``
-knows (or nothing)."""
+knows (or nothing). Also the digest of Tandem's CPU kernels' source, the other half of those
+keys (without torch, which the launcher does not import)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from pathlib import Path
@@ -13,6 +15,16 @@ from typing import Any
 CPUINFO = Path("/proc/cpuinfo")
 # the vector extensions the CPU kernels here and llama.cpp's may use
 VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile")
+
+
+# Tandem's C kernels, which tandem.engine.ggml_kernels builds on this host
+CPU_KERNELS_SOURCE = Path(__file__).parent / "engine" / "csrc" / "cpu_kernels.c"
+
+
+def cpu_kernels_digest(length: int) -> str:
+    """The first ``length`` hex digits of the C kernels' source's SHA-256: a library built from
+    other kernels, or an admission calibration measured on them, is not this source's."""
+    return hashlib.sha256(CPU_KERNELS_SOURCE.read_bytes()).hexdigest()[:length]
 
 
 def cpuinfo_field(key: str, cpuinfo: Path = CPUINFO) -> str | None:

