@@ -8,7 +8,7 @@ lengths), measuring one stack while the other idles. The client retries a 429 af
 Retry-After as the openai client does (``--retries-429``, default 2), so a refused request of a
 fixed-concurrency load holds its slot instead of letting the next one in at once, and its TTFT
 counts the wait. Requests are paired by their index in the load:
-- a **false refusal** is a request A refused (HTTP 429, every retry included) that B, which admitted everything, served
+- a **false refusal** is a request A's admission refused (HTTP 429 "admission refused", every retry included) that B, which admitted everything, served
   within the SLO (TTFT and TBT, as goodput counts). B ran the extra load that A shed, so this
   undercounts what A alone would have served: it is the issue's own measure (refused by the
   default stack, met with admission off);
@@ -56,7 +56,10 @@ LABEL_OFF = "admission-off"
 
 
 def refused(record: RequestRecord) -> bool:
-    return record.error is not None and record.error.startswith("HTTP 429")
+    """Refused by admission: a 429 that says so. Another 429 (a prompt a service dropped as out of
+    reach of its deadline, the KV pool that gave no blocks) came after admission let the request
+    in: an admitted request that missed its SLO, not a refusal."""
+    return record.error is not None and record.error.startswith("HTTP 429") and "admission refused" in record.error
 
 
 def judge(rows_on: list[dict[str, Any]], rows_off: list[dict[str, Any]], slo: SloSpec) -> dict[str, Any]:

@@ -25,11 +25,16 @@ def _admission() -> ModuleType:
 
 def _record(rng: random.Random, i: int, outcome: str) -> RequestRecord:
     """outcome: 'met', 'late' (TTFT 3 s), 'waited' (TTFT 3 s from its first send, retried, and
-    within the SLO from its last), 'slow' (a 0.5 s gap), 'refused' (TTFT or TBT reason)."""
+    within the SLO from its last), 'slow' (a 0.5 s gap), 'refused' (TTFT or TBT reason), 'dropped'
+    (admitted, then dropped by a service as out of reach of its deadline: a 429 too)."""
     if outcome == "refused":
         reason = rng.choice(["queue ahead pushes TTFT past the deadline (predicted TTFT 2500 ms, deadline 2000 ms)",
                              "decode is at the most streams that keep the TBT SLO; retry after 1.20 s"])
         return RequestRecord(f"r{i}", 0.0, 40, (), None, f"HTTP 429: admission refused: {reason}")
+    if outcome == "dropped":
+        return RequestRecord(f"r{i}", 0.0, 40, (), None, "HTTP 429: dropped before prefill: its first token would "
+                             "miss its TTFT deadline (2.00 s for 40 prompt tokens) by 0.40 s even if computed alone "
+                             "now; retry after 0.4 s", num_429=rng.randint(0, 2))
     first = 3.0 if outcome in ("late", "waited") else rng.uniform(0.1, 1.9)
     gaps = [rng.uniform(0.01, 0.1) for _ in range(rng.randint(1, 30))]
     if outcome == "slow":
@@ -50,7 +55,7 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
     rng = random.Random(5)
     for _ in range(50):
         n = rng.randint(1, 40)
-        on_kinds = [rng.choice(["met", "late", "waited", "slow", "refused"]) for _ in range(n)]
+        on_kinds = [rng.choice(["met", "late", "waited", "slow", "refused", "dropped"]) for _ in range(n)]
         off_kinds = [rng.choice(["met", "late", "slow"]) for _ in range(n)]
         on = [_record(rng, i, k).to_dict() for i, k in enumerate(on_kinds)]
         off = [_record(rng, i, k).to_dict() for i, k in enumerate(off_kinds)]
@@ -59,9 +64,9 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
         assert got["num_refused"] == len(refused)
         assert got["num_false_refusals"] == sum(off_kinds[i] == "met" for i in refused)
         assert got["num_admitted"] == n - len(refused)
-        assert got["num_admitted_missed"] == sum(k in ("late", "waited", "slow") for k in on_kinds)
+        assert got["num_admitted_missed"] == sum(k in ("late", "waited", "slow", "dropped") for k in on_kinds)
         # from the attempt answered, the waits the 429s asked for do not count
-        assert got["admitted_missed_last_attempt"] == sum(k in ("late", "slow") for k in on_kinds)
+        assert got["admitted_missed_last_attempt"] == sum(k in ("late", "slow", "dropped") for k in on_kinds)
         admitted = sum(k != "refused" for k in on_kinds)
         assert got["admitted_missed_last_attempt_of_admitted"] == (
             got["admitted_missed_last_attempt"] / admitted if admitted else None)
@@ -72,9 +77,10 @@ def test_false_refusals_and_admitted_misses_on_random_pairs() -> None:
                                                 "decode is at the most streams that keep the TBT SLO"}
         assert sum(got["false_refusals_by_reason"].values()) == got["num_false_refusals"]
         retried = [on_record["num_429"] > 0 for on_record in on]
-        misses = [i for i, k in enumerate(on_kinds) if k in ("late", "waited", "slow")]
+        misses = [i for i, k in enumerate(on_kinds) if k in ("late", "waited", "slow", "dropped")]
         assert got["admitted_missed_retried"] == sum(retried[i] for i in misses)
-        assert got["admitted_missed_ttft"] == sum(on_kinds[i] in ("late", "waited") and not retried[i] for i in misses)
+        assert got["admitted_missed_ttft"] == sum(on_kinds[i] in ("late", "waited", "dropped") and not retried[i]
+                                                  for i in misses)
         assert got["admitted_missed_tbt_only"] == sum(on_kinds[i] == "slow" and not retried[i] for i in misses)
         assert f"| {got['admitted_missed_last_attempt']} (" in admission.markdown([{"load": "x", **got}])
         # a run whose records did not keep their 429s nor their last sends: no split, the table says so
