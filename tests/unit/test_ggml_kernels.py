@@ -142,12 +142,38 @@ def test_rows_padded_for_the_gemm_compute_what_the_gemv_does(gtype: GgmlType, gr
     assert torch.equal(linear(x[: 4 * fours + 1], True), linear(x[: 4 * fours + 1], False))
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0]), st.integers(1, 6), st.integers(1, 10), st.integers(1, 50),
+       st.sampled_from(["", "0", "12", "14", "15"]), st.integers(0, 2**31))
+def test_rows_left_over_after_groups_of_16_padded_to_16_compute_what_the_gemv_does(
+        gtype: GgmlType, groups: int, kblocks: int, m: int, pad16: str, seed: int) -> None:
+    """ggml's AVX2 gemm takes rows 16 at a time only over a call's leading multiple of 16; 14 or
+    15 rows left over after it (``TANDEM_X8_PAD16``'s threshold, 14 by default, 0 for never) go
+    through it as one more group of 16 with zero rows after them. Any row count, any threshold:
+    the outputs are the unpadded path's (``TANDEM_X8_PAD=0``: groups of 4, the rest one by one)
+    within float rounding, and within the bound of the exact product."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    n, k = 8 * groups, 32 * kblocks
+    w = _exact(gtype, n, k, seed)
+    repacked = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k)
+    assert repacked is not None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
+
+    def linear(pad: bool) -> torch.Tensor:
+        with _x8_pad(pad), _c_switch("TANDEM_X8_VNNI", False), _env("TANDEM_X8_PAD16", pad16):
+            return kern.linear(x, repacked[0], GgmlType.Q4_X8, n, repacked[1])
+
+    padded, unpadded = linear(True), linear(False)
+    scale = x.abs() @ w.abs().T
+    assert bool(((padded - unpadded).abs() <= 1e-5 * scale + 1e-6).all()), ((padded - unpadded).abs() / scale).max()
+    assert bool(((padded - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
+
+
 @contextlib.contextmanager
-def _c_switch(name: str, on: bool) -> Iterator[None]:
-    """The C side's switch ``name`` (``TANDEM_X8_PAD``, ``TANDEM_X8_VNNI``: read at every call) for
-    the calls inside."""
+def _env(name: str, value: str) -> Iterator[None]:
     old = os.environ.get(name)
-    os.environ[name] = "1" if on else "0"
+    os.environ[name] = value
     try:
         yield
     finally:
@@ -155,6 +181,12 @@ def _c_switch(name: str, on: bool) -> Iterator[None]:
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def _c_switch(name: str, on: bool) -> contextlib.AbstractContextManager[None]:
+    """The C side's switch ``name`` (``TANDEM_X8_PAD``, ``TANDEM_X8_VNNI``: read at every call) for
+    the calls inside."""
+    return _env(name, "1" if on else "0")
 
 
 def _x8_pad(on: bool) -> contextlib.AbstractContextManager[None]:

@@ -284,13 +284,38 @@ static void x8_finish_row(float *restrict o, float *restrict yo, const float *re
     }
 }
 
+/* Fewest rows left over after whole groups of 16 that go through ggml's gemm as one more group of
+ * 16, zero rows after them: its AVX2 gemm takes activation rows 16 at a time (the weights unpacked
+ * once for all 16) only over a call's leading multiple of 16, the rest 4 at a time. SmolLM2's
+ * forwards on 2 AVX2 cores, paired in one process (bench/x8_pad.py --pad16, 10 pairs, 2026-12-07):
+ * decode steps of 14 / 15 rows 1.08x / 1.15x faster padded, 30 / 31 rows 1.11x / 1.05x, a 13-token
+ * prompt chunk beside a decode row 1.14x; 12 / 13 rows padded (a threshold of 12) 0.94x / 0.96x,
+ * slower. So from 14 (TANDEM_X8_PAD16: another threshold, 0 for none; read at every call, for A/B
+ * measurements). */
+#define X8_PAD16_MIN 14
+
+static int64_t x8_pad16_min(void) {
+    const char *v = getenv("TANDEM_X8_PAD16");
+    if (v == NULL || *v == '\0') return X8_PAD16_MIN;
+    const long n = strtol(v, NULL, 10);
+    return n > 0 && n < 16 ? n : 16; /* 0 (or nonsense): never */
+}
+
+/* The first row of x8_rows's padded group for m rows (x8_padded(m) > m): after the whole groups
+ * of 16 when it is a group of 16, else after the whole groups of 4. */
+static int64_t x8_tail_start(int64_t m) {
+    return m % 16 >= x8_pad16_min() ? m / 16 * 16 : m / 4 * 4;
+}
+
 /* Activation rows (of m) that x8_rows quantizes in groups of 4 for ggml's gemm: m rounded down to
- * 4, or up when 2 or 3 rows are left over. A row through the gemv costs about what 4 through the
+ * 4, or up when 2 or 3 rows are left over (or to 16 when X8_PAD16_MIN or more are left over after
+ * whole groups of 16, above). A row through the gemv costs about what 4 through the
  * gemm do (each unpacks the weights once). SmolLM2's decode steps on 2 AVX2 cores, paired in one
  * process (bench/x8_pad.py, 2026-11-28): 3 / 7 / 11 / 15 rows 1.18 / 1.12 / 1.09 / 1.08x faster
  * padded, 2 left over even, multiples of 4 unchanged. One row left over runs the gemv, which costs
  * less than 3 zero rows. Scratch for the quantized rows is sized for x8_padded(m). */
 static int64_t x8_padded(int64_t m) {
+    if (m % 16 >= x8_pad16_min()) return m / 16 * 16 + 16;
     const int64_t m4 = m / 4 * 4;
     return m - m4 >= 2 ? m4 + 4 : m;
 }
@@ -325,7 +350,7 @@ static int vnni_off(void) {
  * `widest`: NULL when no group is padded. The caller keeps `padding` to tell that NULL from a failed
  * allocation, so TANDEM_X8_PAD is read once per call. */
 static float *x8_pad_scratch(int padding, int64_t widest) {
-    return padding ? malloc(sizeof(float) * (size_t)(4 * widest)) : NULL;
+    return padding ? malloc(sizeof(float) * (size_t)(16 * widest)) : NULL;
 }
 
 #ifdef TG_VNNI
@@ -530,12 +555,12 @@ static size_t x8_q_bytes(int64_t m, size_t qrow) {
 
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
  * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm;
- * with `pad` the last 2 or 3 rows and zero rows after them as one more group, else the m % 4 others
- * one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums of x go to xs
- * [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of outputs for every
- * row: into tmp [m, n_out] when `accumulate` (then added to y), else straight into y. `pad`
- * (x8_pad_scratch's for this m: NULL when no group is padded) holds 4 * max(k, n_out) floats: the
- * padded rows, then their outputs. */
+ * with `pad` the rows from x8_tail_start(m) and zero rows after them as one more group of 4 or 16,
+ * else the m % 4 others one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums
+ * of x go to xs [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of
+ * outputs for every row: into tmp [m, n_out] when `accumulate` (then added to y), else straight
+ * into y. `pad` (x8_pad_scratch's for this m: NULL when no group is padded) holds 16 * max(k, n_out)
+ * floats: the padded group's last rows, then its outputs. */
 static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                     char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
 #ifdef TG_VNNI
@@ -544,18 +569,21 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
         return;
     }
 #endif
-    const int64_t nb = k / QK, m4 = m / 4 * 4;
-    const int64_t mg = pad != NULL ? m4 + 4 : m4; /* rows quantized 4 at a time (pad: x8_pad_scratch's) */
+    const int64_t nb = k / QK;
+    /* rows through the gemm in place, then rows quantized 4 at a time (pad: x8_pad_scratch's) */
+    const int64_t m4 = pad != NULL ? x8_tail_start(m) : m / 4 * 4, mg = pad != NULL ? x8_padded(m) : m4;
     const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i += 4) {
-        if (i < m4) {
+    for (int64_t i = 0; i < (mg > m ? mg : m); i += 4) {
+        if (i + 4 <= m && i < mg) {
             ggml_quantize_mat_q8_0_4x8(x + i * k, q + i * row_q8, k);
         } else if (i < mg) { /* the last rows, and zero rows after them */
-            memcpy(pad, x + i * k, sizeof(float) * (size_t)((m - i) * k));
-            memset(pad + (m - i) * k, 0, sizeof(float) * (size_t)((mg - m) * k));
-            ggml_quantize_mat_q8_0_4x8(pad, q + i * row_q8, k);
+            float *p = pad + (i - m4) * k;
+            const int64_t real = m > i ? m - i : 0;
+            memcpy(p, x + i * k, sizeof(float) * (size_t)(real * k));
+            memset(p + real * k, 0, sizeof(float) * (size_t)((4 - real) * k));
+            ggml_quantize_mat_q8_0_4x8(p, q + i * row_q8, k);
         } else {
             for (int64_t r = i; r < m; r++) q8->from_float(x + r * k, q + r * row_q8, k);
         }
@@ -572,8 +600,9 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
         float *out = accumulate ? tmp : y;
         const int64_t ldo = accumulate ? n_out : ldy;
         if (m4) ggml_gemm_q4_0_8x8_q8_0((int)k, out + c0, (size_t)ldo, w, q, (int)m4, (int)(c1 - c0));
-        if (mg > m4) { /* the padded group: 4 rows into pad (this thread's columns), the real ones copied */
-            ggml_gemm_q4_0_8x8_q8_0((int)k, pad + c0, (size_t)n_out, w, q + m4 * row_q8, 4, (int)(c1 - c0));
+        if (mg > m4) { /* the padded group: its rows into pad (this thread's columns), the real ones copied */
+            ggml_gemm_q4_0_8x8_q8_0((int)k, pad + c0, (size_t)n_out, w, q + m4 * row_q8, (int)(mg - m4),
+                                    (int)(c1 - c0));
             for (int64_t r = m4; r < m; r++)
                 memcpy(out + r * ldo + c0, pad + (r - m4) * n_out + c0, sizeof(float) * (size_t)(c1 - c0));
         } else {
