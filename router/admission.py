@@ -526,7 +526,9 @@ class AdmissionController:
         self.cache.save(self.calibration_state())
         return True
 
-    def stats(self) -> AdmissionStats:
+    def stats(self, now_s: float | None = None) -> AdmissionStats:
+        """What admission did so far, its limits as of ``now_s`` (``time.monotonic``, default now)."""
+        now_s = time.monotonic() if now_s is None else now_s
         return AdmissionStats(
             num_admitted=self.num_admitted, num_refused=self.num_refused, num_met=self.num_met,
             num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,
@@ -540,7 +542,7 @@ class AdmissionController:
             num_tbt_refusals=self.num_tbt_refusals,
             stream_limit=self.streams.limit if self.enabled and self.stream_cap else None,  # none enforced: none
             num_kv_refusals=self.num_kv_refusals,
-            ttft_limit=self.ttft_limit(self.margin),
+            ttft_limit=self.ttft_limit(self.margin, now_s),
             crowd_factors=tuple((n, round(f, 2)) for n in (1, *CrowdBias.BOUNDS) if (f := self.crowd.factor(n)) > 1.0),
             num_rate_refusals=self.num_rate_refusals, rate_bound_factor=self.rate_bound.factor(),
         )
@@ -553,10 +555,11 @@ class AdmissionController:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def ttft_limit(self, margin: float) -> float:
-        """The largest TTFT prediction to admit, as a share of the SLO: 1 + ``margin``, or less
-        where the guard learnt that predictions that high miss (``MissGuard``)."""
-        return self.guard.limit(1.0 + margin)
+    def ttft_limit(self, margin: float, now_s: float) -> float:
+        """The largest TTFT prediction to admit at ``now_s``, as a share of the SLO: 1 +
+        ``margin``, or less where the guard learnt lately that predictions that high miss
+        (``MissGuard``)."""
+        return self.guard.limit(1.0 + margin, now_s)
 
     def _note_overdue(self, now_s: float) -> None:
         """Admitted requests still without a first token past their deadline: missed, told to
@@ -564,7 +567,7 @@ class AdmissionController:
         for request_id, request in self._pending.items():
             if request_id not in self._overdue and now_s > request.deadline(self.slo):
                 self._overdue.add(request_id)
-                self.guard.observe(self._predicted_share.get(request_id, 0.0), True)
+                self.guard.observe(self._predicted_share.get(request_id, 0.0), True, now_s)
 
     def _queued(self) -> list[QueuedRequest]:
         """Ours still to be prefilled (or being prefilled), in arrival order."""
@@ -619,7 +622,7 @@ class AdmissionController:
             predicted = predicted.stretched(crowd)
             self._note_overdue(now_s)
             margin = self.margin if calibration is not self.calibration else self.cold_margin
-            margin = min(margin, self.ttft_limit(margin) - 1.0)
+            margin = min(margin, self.ttft_limit(margin, now_s) - 1.0)
             rejection = admit_one(ahead, request, now_s, self.predictor, units, self.slo, batching=self.batching,
                                   running_since_s=self._running_since_s, scale=scale, margin=margin,
                                   overhead_s=overhead_s, predicted=predicted, idle=not regime.beside_streams)
@@ -783,7 +786,7 @@ class AdmissionController:
         if request.request_id in self._overdue:
             self._overdue.discard(request.request_id)
         elif share is not None:
-            self.guard.observe(share, not met)
+            self.guard.observe(share, not met, now_s)
         for shadow in self._shadows.pop(request.request_id, ()):
             if now_s + shadow.marginal_s <= shadow.deadline_s:
                 self.num_false_refusals += 1

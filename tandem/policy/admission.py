@@ -570,35 +570,45 @@ class MissGuard:
     ceiling stands. Never under ``floor`` (0.5: a prediction of half the SLO is always taken),
     and no limit before ``min_outcomes`` outcomes. It only tightens what the margin admits, and
     loosens again as the window fills with requests that met their SLO.
+
+    Outcomes older than ``max_age_s`` (30 s) are forgotten: what an overload taught must not
+    outlive it. Kept by count alone, the misses of an overload held the limit at its floor after
+    it passed, since the requests a tight limit admits are few and it takes ``window`` of them to
+    push the misses out: on a 2-core AVX2 host (``bench/admission.py``, 2026-12-07) a router that had
+    just carried 3-4 req/s past the host's capacity then refused 35 of 64 requests of a 16-stream
+    load that a stack without admission served in time. An overload that lasts keeps the window
+    full (a request a second or more admitted).
     """
 
     def __init__(self, target: float = DEFAULT_MISS_TARGET, window: int = 40, min_outcomes: int = 20,
-                 floor: float = 0.5) -> None:
+                 floor: float = 0.5, max_age_s: float = 30.0) -> None:
         if not 0 <= target < 1:
             raise ValueError(f"the miss target must be in [0, 1), got {target}")
-        if not 1 <= min_outcomes <= window or not 0 < floor <= 1:
-            raise ValueError("need 1 <= min_outcomes <= window and 0 < floor <= 1")
+        if not 1 <= min_outcomes <= window or not 0 < floor <= 1 or not max_age_s > 0:
+            raise ValueError("need 1 <= min_outcomes <= window, 0 < floor <= 1 and max_age_s > 0")
         self.target = target
         self.min_outcomes = min_outcomes
         self.floor = floor
-        self.outcomes: deque[tuple[float, bool]] = deque(maxlen=window)
+        self.max_age_s = max_age_s
+        self.outcomes: deque[tuple[float, bool, float]] = deque(maxlen=window)  # (share, missed, when)
 
     @property
     def enabled(self) -> bool:
         return self.target > 0
 
-    def observe(self, predicted_share: float, missed: bool) -> None:
-        """One admitted request's outcome: its TTFT prediction at admission over its SLO, and
-        whether its first token came after its deadline."""
+    def observe(self, predicted_share: float, missed: bool, now_s: float) -> None:
+        """One admitted request's outcome at ``now_s`` (``time.monotonic``): its TTFT prediction
+        at admission over its SLO, and whether its first token came after its deadline."""
         if math.isfinite(predicted_share) and predicted_share >= 0:
-            self.outcomes.append((predicted_share, missed))
+            self.outcomes.append((predicted_share, missed, now_s))
 
-    def limit(self, ceiling: float) -> float:
-        """The largest prediction, as a share of the SLO, to admit: at most ``ceiling`` (1 +
-        the margin), at least ``floor`` (or ``ceiling`` if that is lower)."""
-        if not self.enabled or len(self.outcomes) < self.min_outcomes:
+    def limit(self, ceiling: float, now_s: float) -> float:
+        """The largest prediction, as a share of the SLO, to admit at ``now_s``: at most
+        ``ceiling`` (1 + the margin), at least ``floor`` (or ``ceiling`` if that is lower)."""
+        recent = [(share, missed) for share, missed, at in self.outcomes if at >= now_s - self.max_age_s]
+        if not self.enabled or len(recent) < self.min_outcomes:
             return ceiling
-        ordered = sorted(self.outcomes)
+        ordered = sorted(recent)
         best: float | None = None
         misses = 0
         for n, (share, missed) in enumerate(ordered, start=1):

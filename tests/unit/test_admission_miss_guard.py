@@ -5,6 +5,7 @@ requests still waiting past their deadline, at the deadline (once each)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -41,10 +42,10 @@ def oracle_limit(outcomes: list[tuple[float, bool]], target: float, floor: float
 def test_the_limit_is_the_largest_prediction_whose_outcomes_keep_the_target(
         outcomes: list[tuple[float, bool]], target: float, window: int, min_outcomes: int, floor: float) -> None:
     guard = MissGuard(target, window=window, min_outcomes=min_outcomes, floor=floor)
-    for share, missed in outcomes:
-        guard.observe(share, missed)
+    for i, (share, missed) in enumerate(outcomes):
+        guard.observe(share, missed, now_s=i * 0.1)  # all within the guard's memory
     kept = outcomes[-window:]
-    limit = guard.limit(CEILING)
+    limit = guard.limit(CEILING, now_s=len(outcomes) * 0.1)
     assert limit == pytest.approx(oracle_limit(kept, target, floor, CEILING, min_outcomes))
     assert min(floor, CEILING) <= limit <= CEILING
     if floor < limit < CEILING:  # a learnt limit keeps the target among the outcomes it admits
@@ -57,27 +58,50 @@ def test_misses_at_high_predictions_tighten_the_limit_and_met_ones_loosen_it(see
     rng = random.Random(seed)
     guard = MissGuard(0.05, window=40, min_outcomes=20)
     for _ in range(40):
-        guard.observe(rng.uniform(0.0, 1.2), False)
-    assert guard.limit(CEILING) == CEILING  # nothing missed: the margin stands
+        guard.observe(rng.uniform(0.0, 1.2), False, now_s=0.0)
+    assert guard.limit(CEILING, now_s=0.0) == CEILING  # nothing missed: the margin stands
     missed = [rng.uniform(0.9, 1.2) for _ in range(4)]
     for share in missed:
-        guard.observe(share, True)
-    limit = guard.limit(CEILING)
+        guard.observe(share, True, now_s=0.0)
+    limit = guard.limit(CEILING, now_s=0.0)
     assert 0.5 <= limit < min(missed)
     for _ in range(40):  # the misses leave the window
-        guard.observe(rng.uniform(0.0, 1.2), False)
-    assert guard.limit(CEILING) == CEILING
+        guard.observe(rng.uniform(0.0, 1.2), False, now_s=0.0)
+    assert guard.limit(CEILING, now_s=0.0) == CEILING
 
 
 def test_misses_everywhere_hold_the_limit_at_its_floor_and_a_bad_target_is_refused() -> None:
     guard = MissGuard(0.05, window=40, min_outcomes=20)
     for i in range(40):
-        guard.observe(i / 40, i % 5 == 0)  # a fifth missed, at every prediction
-    assert guard.limit(CEILING) == 0.5
-    assert MissGuard(0.0).limit(CEILING) == CEILING  # no guard
+        guard.observe(i / 40, i % 5 == 0, now_s=0.0)  # a fifth missed, at every prediction
+    assert guard.limit(CEILING, now_s=0.0) == 0.5
+    assert MissGuard(0.0).limit(CEILING, now_s=0.0) == CEILING  # no guard
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError):
             MissGuard(bad)
+    with pytest.raises(ValueError):
+        MissGuard(0.05, max_age_s=0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(times=st.lists(st.floats(0.0, 120.0), min_size=1, max_size=80), max_age_s=st.floats(1.0, 60.0),
+       later_s=st.floats(0.0, 90.0), seed=st.integers(0, 2**31))
+def test_outcomes_older_than_the_memory_are_forgotten(times: list[float], max_age_s: float, later_s: float,
+                                                      seed: int) -> None:
+    """Outcomes at random times: the limit at any moment is the rule's over the outcomes still in
+    the window whose age is at most ``max_age_s`` then; so the misses of an overload stop counting
+    ``max_age_s`` after the last of them, whatever came before."""
+    rng = random.Random(seed)
+    guard = MissGuard(0.05, window=40, min_outcomes=10, max_age_s=max_age_s)
+    outcomes = []
+    for at in sorted(times):
+        share, missed = rng.uniform(0.0, 1.3), rng.random() < 0.3
+        guard.observe(share, missed, now_s=at)
+        outcomes.append((share, missed, at))
+    now_s = max(times) + later_s
+    recent = [(share, missed) for share, missed, at in outcomes[-40:] if at >= now_s - max_age_s]
+    assert guard.limit(CEILING, now_s=now_s) == pytest.approx(oracle_limit(recent, 0.05, 0.5, CEILING, 10))
+    assert guard.limit(CEILING, now_s=max(times) + max_age_s + 1e-3) == CEILING  # all forgotten
 
 
 SLO = Slo(ttft_s=1.0, tbt_s=0.1)
@@ -99,6 +123,7 @@ def test_the_router_refuses_what_it_admitted_before_once_predictions_that_high_m
     limit shows in the stats, and requests that meet again win it back."""
     rng = random.Random(seed)
     c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1)
+    c.guard.max_age_s = math.inf  # requests one at a time, 10 s apart: here the outcomes, not their age, matter
 
     def probe(t: float) -> bool:
         """A 0.2 s prompt pending, then one of 8000 tokens behind it: predicted 1.0 s."""
@@ -113,15 +138,15 @@ def test_the_router_refuses_what_it_admitted_before_once_predictions_that_high_m
     for i in range(30):  # a warm-up batch, then calibrated ones that met the SLO
         _serve_one(c, f"warm{i}", rng.randint(1000, 7000), t, 0.75)
         t += 10
-    assert probe(t) and c.stats().ttft_limit == pytest.approx(CEILING)
+    assert probe(t) and c.stats(now_s=t).ttft_limit == pytest.approx(CEILING)
     t += 10
     for i in range(40):
         tokens = rng.randint(1000, 12000)
         share = tokens * 1e-4
         _serve_one(c, f"r{i}", tokens, t, 1.5 if share > 0.8 else share)
         t += 10
-    limit = c.stats().ttft_limit
-    assert 0.5 <= limit <= 0.81 and f"{limit:.2f}x the TTFT SLO" in c.stats().summary()
+    limit = c.stats(now_s=t).ttft_limit
+    assert 0.5 <= limit <= 0.81 and f"{limit:.2f}x the TTFT SLO" in c.stats(now_s=t).summary()
     assert not probe(t)
     refusal = c.try_admit("late", 9000, now_s=t)
     assert refusal is None  # a lone prompt on an idle cell delays nobody: still admitted
@@ -136,7 +161,33 @@ def test_the_router_refuses_what_it_admitted_before_once_predictions_that_high_m
     for i in range(40):
         _serve_one(c, f"ok{i}", rng.randint(1000, 12000), t, 0.5)
         t += 10
-    assert c.stats().ttft_limit == pytest.approx(CEILING) and probe(t)
+    assert c.stats(now_s=t).ttft_limit == pytest.approx(CEILING) and probe(t)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_what_an_overload_taught_the_router_is_forgotten_after_it(seed: int) -> None:
+    """Requests in quick succession (a queue each time), those predicted over 0.6x the SLO late:
+    the guard's limit falls and a request predicted at 0.9x is refused; with nothing admitted for
+    the guard's memory (30 s), the same request is admitted again and the stats say the margin
+    stands. Kept by count, the limit stayed down until 40 more requests had met the SLO."""
+    rng = random.Random(seed)
+    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=1, margin=0.25, cold_margin=0.25)
+    t = 100.0
+    for i in range(30):
+        tokens = rng.randint(1000, 9000)
+        share = tokens * 1e-4
+        _serve_one(c, f"r{i}", tokens, t, 1.3 if share > 0.6 else share)
+        t += 0.5 + (1.3 if share > 0.6 else share)  # each after the one before ended: the cell idle
+    assert c.stats(now_s=t).ttft_limit < 0.9
+    refusal = c.try_admit("ahead", 1000, now_s=t)
+    assert refusal is None
+    assert c.try_admit("probe", 8000, now_s=t) is not None  # predicted 0.9x: past the learnt limit
+    c.done("ahead")
+    c.ended("ahead", now_s=t + 0.2)
+    t += c.guard.max_age_s + 1.0
+    assert c.stats(now_s=t).ttft_limit == pytest.approx(CEILING)
+    assert c.try_admit("ahead2", 1000, now_s=t) is None
+    assert c.try_admit("probe2", 8000, now_s=t) is None  # the margin's 1.25x again
 
 
 def test_a_request_still_waiting_past_its_deadline_counts_once_at_the_deadline() -> None:
@@ -152,7 +203,7 @@ def test_a_request_still_waiting_past_its_deadline_counts_once_at_the_deadline()
     assert len(c.guard.outcomes) == 25
     c.try_admit("probe", 100, now_s=t + 1.2)  # past it: counted missed before its token comes
     c.done("probe")
-    assert len(c.guard.outcomes) == 26 and c.guard.outcomes[-1] == (pytest.approx(0.9), True)
+    assert len(c.guard.outcomes) == 26 and c.guard.outcomes[-1][:2] == (pytest.approx(0.9), True)
     c.first_token("slow", prefill_ns=900_000_000, handoff_ns=1_000_000, finished=False, now_s=t + 3.0)
     assert len(c.guard.outcomes) == 26  # not counted again
     assert c.stats().num_missed == 1
