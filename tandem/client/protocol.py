@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, cast
@@ -115,15 +116,31 @@ class RefusalRetries:
         return error.retry_after_s
 
 
-def attempt_metadata(metadata: tuple[tuple[str, str], ...], retries: int) -> tuple[tuple[str, str], ...]:
-    """The metadata of a call's attempt after ``retries`` refusals: the call's own, plus the
-    retry count from the first resend on."""
-    return metadata if retries == 0 else (*metadata, (RETRY_COUNT_KEY, str(retries)))
+class Attempts:
+    """One Generate call's attempts under ``RefusalRetries``: its deadline (``timeout_s`` from
+    now, None for none), what each attempt gets of it, its metadata, and the wait before the next."""
 
+    def __init__(self, retries: RefusalRetries, metadata: tuple[tuple[str, str], ...], timeout_s: float | None) -> None:
+        self._policy = retries
+        self._metadata = metadata
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.retries = 0
 
-def remaining_s(deadline: float | None, now: float) -> float | None:
-    """Seconds from ``now`` to ``deadline`` (both ``time.monotonic``), at least 0; None without one."""
-    return None if deadline is None else max(deadline - now, 0.0)
+    def timeout_s(self) -> float | None:
+        """What is left of the deadline for the next attempt (at least 0; None without one)."""
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call's metadata, plus the retry count from the first resend on."""
+        return self._metadata if self.retries == 0 else (*self._metadata, (RETRY_COUNT_KEY, str(self.retries)))
+
+    def wait_s(self, error: ClientError, delivered: bool) -> float | None:
+        """Seconds to wait before the next attempt after ``error`` ended this one (counted as a
+        retry), None to raise it: always once a response was ``delivered``."""
+        wait_s = None if delivered else self._policy.wait_s(error, self.retries, self.timeout_s())
+        if wait_s is not None:
+            self.retries += 1
+        return wait_s
 
 
 def call_metadata(api_key: str | None, metadata: Sequence[tuple[str, str]] | Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -12,18 +12,17 @@ import grpc
 from tandem.client.errors import error_from_rpc
 from tandem.client.protocol import (
     DEFAULT_ADDRESS,
+    Attempts,
     CompletionBuilder,
     GenerateOptions,
     RefusalRetries,
     RetryPolicy,
     ToolChunks,
-    attempt_metadata,
     call_metadata,
     chunk_from_response,
     generate_request,
     health_from_reply,
     models_from_reply,
-    remaining_s,
 )
 from tandem.client.types import Chunk, Completion, Health, ModelInfo
 from tandem.rpc.v1 import router_pb2, router_pb2_grpc
@@ -120,12 +119,9 @@ class TandemClient:
 
     def _stream(self, request: router_pb2.GenerateRequest, timeout_s: float | None,
                 tools: ToolChunks | None = None) -> Generator[Chunk, None, None]:
-        timeout = self._timeout(timeout_s)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        retries = 0
+        attempts = Attempts(self._refusals, self._metadata, self._timeout(timeout_s))
         while True:
-            call = self._stub.Generate(request, timeout=remaining_s(deadline, time.monotonic()),
-                                       metadata=attempt_metadata(self._metadata, retries))
+            call = self._stub.Generate(request, timeout=attempts.timeout_s(), metadata=attempts.metadata())
             delivered = False
             try:
                 for response in call:
@@ -134,13 +130,11 @@ class TandemClient:
                 return
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                wait_s = None if delivered else self._refusals.wait_s(error, retries, remaining_s(deadline, time.monotonic()))
-                if wait_s is None:
+                if (wait_s := attempts.wait_s(error, delivered)) is None:
                     raise error from exc
             finally:
                 call.cancel()  # a no-op once the call ended; frees the server's work otherwise
             time.sleep(wait_s)
-            retries += 1
 
     # ListModels / Health -------------------------------------------------------------------
 
