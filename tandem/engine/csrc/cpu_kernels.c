@@ -301,10 +301,16 @@ static int64_t x8_pad16_min(void) {
     return n > 0 && n < 16 ? n : 16; /* 0 (or nonsense): never */
 }
 
-/* The first row of x8_rows's padded group for m rows (x8_padded(m) > m): after the whole groups
- * of 16 when it is a group of 16, else after the whole groups of 4. */
-static int64_t x8_tail_start(int64_t m) {
-    return m % 16 >= x8_pad16_min() ? m / 16 * 16 : m / 4 * 4;
+/* x8_rows's padded group for m rows: its size, 16 when X8_PAD16_MIN or more rows are left over
+ * after whole groups of 16, else 4 when 2 or 3 are left over after whole groups of 4, else 0
+ * (none); its first row, after those whole groups, at *start. */
+static int64_t x8_tail(int64_t m, int64_t *start) {
+    if (m % 16 >= x8_pad16_min()) {
+        *start = m / 16 * 16;
+        return 16;
+    }
+    *start = m / 4 * 4;
+    return m - *start >= 2 ? 4 : 0;
 }
 
 /* Activation rows (of m) that x8_rows quantizes in groups of 4 for ggml's gemm: m rounded down to
@@ -315,9 +321,9 @@ static int64_t x8_tail_start(int64_t m) {
  * padded, 2 left over even, multiples of 4 unchanged. One row left over runs the gemv, which costs
  * less than 3 zero rows. Scratch for the quantized rows is sized for x8_padded(m). */
 static int64_t x8_padded(int64_t m) {
-    if (m % 16 >= x8_pad16_min()) return m / 16 * 16 + 16;
-    const int64_t m4 = m / 4 * 4;
-    return m - m4 >= 2 ? m4 + 4 : m;
+    int64_t start;
+    const int64_t group = x8_tail(m, &start);
+    return group ? start + group : m;
 }
 
 /* Whether m rows go through the gemm with a padded group (x8_padded), unless TANDEM_X8_PAD=0 (for
@@ -555,7 +561,7 @@ static size_t x8_q_bytes(int64_t m, size_t qrow) {
 
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
  * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm;
- * with `pad` the rows from x8_tail_start(m) and zero rows after them as one more group of 4 or 16,
+ * with `pad` the rows from x8_tail's start and zero rows after them as one more group of 4 or 16,
  * else the m % 4 others one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums
  * of x go to xs [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of
  * outputs for every row: into tmp [m, n_out] when `accumulate` (then added to y), else straight
@@ -571,7 +577,11 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
 #endif
     const int64_t nb = k / QK;
     /* rows through the gemm in place, then rows quantized 4 at a time (pad: x8_pad_scratch's) */
-    const int64_t m4 = pad != NULL ? x8_tail_start(m) : m / 4 * 4, mg = pad != NULL ? x8_padded(m) : m4;
+    int64_t m4 = m / 4 * 4, mg = m4;
+    if (pad != NULL) {
+        const int64_t group = x8_tail(m, &m4);
+        mg = m4 + group;
+    }
     const size_t row_q8 = (size_t)nb * Q8_ROW_BLOCK_BYTES;
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
 #pragma omp for schedule(static)
