@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 
 import grpc
@@ -44,9 +43,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Stream the request's tokens and text; statuses as ``RouterCore.generate`` documents."""
         received_ns = time.monotonic_ns()
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
-        # the request's digest only for a resend's lookup or a refusal (most requests need neither)
-        key = functools.partial(retry_key, GENERATE_PATH, str(metadata.get("authorization", "")),
-                                request.SerializeToString(deterministic=True))
+        # the request's bytes and digest only for a resend's lookup or a refusal (most requests need neither)
+        authorization = str(metadata.get("authorization", ""))
+        key = lambda: retry_key(GENERATE_PATH, authorization, request.SerializeToString(deterministic=True))
         retry_count = metadata.get(RETRY_COUNT_KEY)
         first_sent_ns = self._refused.first_sent_ns(key, None if retry_count is None else str(retry_count), received_ns)
         error: RequestError | None = None
