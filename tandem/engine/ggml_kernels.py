@@ -9,8 +9,9 @@ torch's OpenMP threads, and three kernels of ours for any weight format: a paged
 that reads the KV pool in place (``paged_decode_attention``), RMSNorm, and greedy rows' argmax
 with its log-probability (``greedy_rows``, the sampler's; all three reached through
 ``own_kernels()``), and for the ``ggml`` format, a decode step's decoder layers whole in one call
-(``DecodeLayers``), whose repacked Q4 projections of 2 rows or more run through a kernel of ours
-on AVX512-VNNI (``Kernels.x8_vnni``) instead of ggml's gemm. ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
+(``DecodeLayers``), whose repacked Q4 projections run through a kernel of ours instead of ggml's
+gemm: on AVX512-VNNI from 2 rows (``Kernels.x8_vnni``), on AVX2 without it at every row count
+(``Kernels.x8_avx2``). ``tandem models build-kernels`` (run by ``./dev``) builds it once; a process
 only loads what is built (``load()``), and without it the ``ggml`` weight format runs as ``fp16``
 and the other two run in torch. ``TANDEM_CPU_KERNELS`` chooses for A/B runs: ``c`` (default) all
 of them, ``ops`` all but the whole layers, ``torch`` none of ours.
@@ -289,6 +290,13 @@ class Kernels:
         Tandem's VNNI kernel instead of ggml's gemm (``TANDEM_X8_VNNI=0``: ggml's, for A/B runs)."""
         return bool(self.lib.tg_x8_vnni())
 
+    @property
+    def x8_avx2(self) -> bool:
+        """Whether this build (an AVX2 CPU without AVX512-VNNI) runs every repacked call through
+        Tandem's AVX2 kernel instead of ggml's gemm and gemv (``TANDEM_X8_AVX2=0``: ggml's, for A/B
+        runs)."""
+        return bool(self.lib.tg_x8_avx2())
+
     def greedy_rows(self, logits: torch.Tensor, logprobs: bool) -> tuple[list[int], list[float] | None] | None:
         """Each row's argmax of fp32 ``logits`` [rows, vocab] (the first largest, as torch's) and,
         with ``logprobs``, its log-probability under the row's softmax, in one C call; None when a
@@ -415,6 +423,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_rms_norm.restype = None
     lib.tg_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.tg_x8_vnni.restype, lib.tg_x8_vnni.argtypes = ctypes.c_int, []
+    lib.tg_x8_avx2.restype, lib.tg_x8_avx2.argtypes = ctypes.c_int, []
     lib.tg_greedy_rows.restype = ctypes.c_int
     lib.tg_greedy_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.tg_decode_layers.restype = ctypes.c_int

@@ -131,7 +131,7 @@ def test_rows_padded_for_the_gemm_compute_what_the_gemv_does(gtype: GgmlType, gr
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
 
     def linear(rows: torch.Tensor, pad: bool) -> torch.Tensor:
-        with _x8_pad(pad), _c_switch("TANDEM_X8_VNNI", False):  # ggml's gemm, not the VNNI kernel
+        with _x8_pad(pad), _ggml_gemm():
             return kern.linear(rows, repacked[0], GgmlType.Q4_X8, n, repacked[1])
 
     padded, gemv = linear(x, True), linear(x, False)
@@ -161,7 +161,7 @@ def test_rows_left_over_after_groups_of_16_padded_to_16_compute_what_the_gemv_do
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1))
 
     def linear(pad: bool) -> torch.Tensor:
-        with _x8_pad(pad), _c_switch("TANDEM_X8_VNNI", False), _env("TANDEM_X8_PAD16", pad16):
+        with _x8_pad(pad), _ggml_gemm(), _env("TANDEM_X8_PAD16", pad16):
             return kern.linear(x, repacked[0], GgmlType.Q4_X8, n, repacked[1])
 
     padded, unpadded = linear(True), linear(False)
@@ -191,6 +191,48 @@ def _c_switch(name: str, on: bool) -> contextlib.AbstractContextManager[None]:
 
 def _x8_pad(on: bool) -> contextlib.AbstractContextManager[None]:
     return _c_switch("TANDEM_X8_PAD", on)
+
+
+@contextlib.contextmanager
+def _ggml_gemm() -> Iterator[None]:
+    """Repacked calls through ggml's gemm and gemv, not Tandem's VNNI or AVX2 kernel."""
+    with _c_switch("TANDEM_X8_VNNI", False), _c_switch("TANDEM_X8_AVX2", False):
+        yield
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([GgmlType.Q4_1, GgmlType.Q4_0]), st.integers(1, 16), st.integers(1, 20), st.integers(1, 40),
+       st.floats(0.01, 30), st.integers(0, 2**31))
+def test_the_avx2_kernel_computes_each_row_alone_and_as_ggml_does(gtype: GgmlType, groups: int, kblocks: int,
+                                                                  m: int, spread: float, seed: int) -> None:
+    """On AVX2 without AVX512-VNNI every repacked call runs Tandem's kernel (``x8_avx2_tile``,
+    tiles of 6 rows and the rest): each row's outputs are bit for bit that row's alone, for any
+    number of rows, 8-row groups and blocks, and Q4_1's offsets, so a row's result does not depend
+    on its batch; ``TANDEM_X8_AVX2=0`` (ggml's gemm and gemv) agrees within float rounding (the same
+    integer block sums: its 16-bit sums cannot overflow), and both hold the bound of the exact
+    product. Activations of any scale (``spread``), some rows all zeros."""
+    kern = ggml_kernels.load()
+    assert kern is not None
+    if not kern.x8_avx2:
+        pytest.skip("this CPU runs the VNNI kernel or ggml's gemm: the AVX2 kernel is not built")
+    n, k = 8 * groups, 32 * kblocks
+    w = _exact(gtype, n, k, seed)
+    x8, corr = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k) or (None, None)
+    assert x8 is not None
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g) * spread
+    x[torch.rand(m, generator=g) < 0.1] = 0.0  # a row of zeros: scale 0
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        return kern.linear(rows, x8, GgmlType.Q4_X8, n, corr)
+
+    together = linear(x)
+    assert torch.equal(together, torch.cat([linear(x[i:i + 1]) for i in range(m)]))
+    with _ggml_gemm():
+        ggml = linear(x)
+    scale = x.abs() @ w.abs().T
+    assert bool(((together - ggml).abs() <= 1e-5 * scale + 1e-6 * spread).all()), ((together - ggml).abs() / scale).max()
+    assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6 * spread).all())
 
 
 @settings(max_examples=40, deadline=None)

@@ -23,6 +23,11 @@
  * gemm from a [rows, k / 32] table of offsets. No weight is quantized again: the result is the
  * Q4_1 weights' own, to float rounding and the activations' 8-bit rounding (as in vec_dot).
  *
+ * x8_avx2_tile: ours, where the CPU has AVX2 and no AVX512-VNNI: the same repacked weights and the
+ * same 8-bit activations, unsigned nibbles times signed bytes (one vpmaddubsw, no sign fix-ups) and
+ * the block's products summed in 16 bits, up to X8_AVX2_TILE activation rows per weight unpack,
+ * every row count, each row's outputs those of the row alone (and, as it happens, ggml's gemv's).
+ *
  * x8_vnni_tile: ours, where the CPU has AVX512-VNNI: the same repacked weights and the same
  * 8-bit activations through vpdpbusd, up to 8 activation rows per weight unpack, each row's
  * outputs bit for bit those of ggml's gemv (so of the row alone).
@@ -43,6 +48,13 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TG_VNNI 1 /* x8_rows's calls of VNNI_MIN_ROWS rows or more run x8_vnni_tile */
+#elif defined(TG_AVX2) && defined(__F16C__)
+#define TG_X8_AVX2 1 /* x8_rows runs x8_avx2_tile */
+/* Activation rows a weight unpack serves: six rows' 16-bit sums and fp32 accumulators beside four
+ * weight registers fill the 16 ymm registers. SmolLM2's projections (1536 x 576, 576 x 1536) on 2
+ * AVX2 cores, 2026-12-07: tiles of 6 rows 1.3-2.6x ggml's gemm at 1-16 rows, tiles of 4 and 8 rows
+ * 1.1-2.3x and 1.2-2.6x (the 16-row call 1.28x / 1.34x against 1.48x). */
+#define X8_AVX2_TILE 6
 #endif
 
 #define TILE_ROWS 16
@@ -359,26 +371,20 @@ static float *x8_pad_scratch(int padding, int64_t widest) {
     return padding ? malloc(sizeof(float) * (size_t)(16 * widest)) : NULL;
 }
 
-#ifdef TG_VNNI
-/* With AVX512-VNNI, x8_rows runs calls of VNNI_MIN_ROWS rows or more through a kernel of ours
- * (x8_vnni_tile) instead of ggml's gemm, over the same repacked weights: ggml's x86 gemm takes 4
- * activation rows at a time (16 only from 16) with byte multiplies that widen to 16 bits, where
- * vpdpbusd multiplies and sums four u8 x s8 pairs into each 32-bit lane in one instruction, and
- * the weights are unpacked once for up to 8 rows. */
-#define VNNI_MIN_ROWS 2
+#ifdef TG_AVX2
 /* One activation block as the kernel reads it: Q8_0's 32 values (as ggml quantizes them), its
- * scale in fp32, and the two lane halves' correction (see x8_vnni_quantize). */
+ * scale in fp32, and the two lane halves' correction (see x8_act_quantize). */
 typedef struct {
     int8_t qs[QK];
     float d;
     int32_t corr[2];
-} vnni_block;
-#define VNNI_BLOCK_BYTES 44
-_Static_assert(sizeof(vnni_block) == VNNI_BLOCK_BYTES, "vnni_block is 44 bytes");
+} act_block;
+#define ACT_BLOCK_BYTES 44
+_Static_assert(sizeof(act_block) == ACT_BLOCK_BYTES, "act_block is 44 bytes");
 
 /* One block of 32 activations quantized as ggml's Q8_0 (`q8`'s from_float) into out's values and
  * scale (its corr is the caller's). */
-static inline void vnni_block_values(const struct ggml_type_traits_cpu *q8, const float *xb, vnni_block *out) {
+static inline void act_block_values(const struct ggml_type_traits_cpu *q8, const float *xb, act_block *out) {
     char blk[Q8_ROW_BLOCK_BYTES];
     q8->from_float(xb, blk, QK);
     ggml_fp16_t d16;
@@ -387,15 +393,15 @@ static inline void vnni_block_values(const struct ggml_type_traits_cpu *q8, cons
     out->d = ggml_fp16_to_fp32(d16);
 }
 
-/* Row i of x [., k] to nb vnni_blocks at q (and its block sums, each d * the sum of its values, to
+/* Row i of x [., k] to nb act_blocks at q (and its block sums, each d * the sum of its values, to
  * xs when not NULL: the Q4_1 offsets' term). The kernel multiplies the unsigned nibble q (0..15)
  * where the Q4_0 value is q - 8, so each lane starts from -8 x the sum of the activations it
  * pairs with: the even lanes see elements 0-3, 8-11, 16-19, 24-27 of the block, the odd ones the
  * others (x8_vnni_tile). */
-static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *xs) {
+static void x8_act_quantize(const float *xi, int64_t nb, act_block *q, float *xs) {
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     for (int64_t b = 0; b < nb; b++) {
-        vnni_block_values(q8, xi + b * QK, q + b);
+        act_block_values(q8, xi + b * QK, q + b);
         /* each 32-bit lane j of s4 sums elements 4j..4j+3 (exact: u8 ones x s8 into 16 bits, then
          * pairs into 32); half 0 is lanes 0, 2, 4, 6, half 1 the others */
         const __m256i s4 = _mm256_madd_epi16(
@@ -409,10 +415,18 @@ static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *
         if (xs != NULL) xs[b] = q[b].d * (float)(half[0] + half[1]);
     }
 }
+#endif
 
+#ifdef TG_VNNI
+/* With AVX512-VNNI, x8_rows runs calls of VNNI_MIN_ROWS rows or more through a kernel of ours
+ * (x8_vnni_tile) instead of ggml's gemm, over the same repacked weights: ggml's x86 gemm takes 4
+ * activation rows at a time (16 only from 16) with byte multiplies that widen to 16 bits, where
+ * vpdpbusd multiplies and sums four u8 x s8 pairs into each 32-bit lane in one instruction, and
+ * the weights are unpacked once for up to 8 rows. */
+#define VNNI_MIN_ROWS 2
 /* Outputs of the 8-row groups g and (with `two`) g + 1 of W (tg_repack_x8's layout: per block 8
  * fp16 scales, then rows 0-7's bytes 0-7 with 0x88 xored in, then their bytes 8-15) for activation
- * rows [i0, i0 + NR) of q (nb vnni_blocks a row), into out (ldo floats a row) from column c0. Each
+ * rows [i0, i0 + NR) of q (nb act_blocks a row), into out (ldo floats a row) from column c0. Each
  * 32-bit lane holds one weight row's four nibbles of a quarter of the block: lane 2j and 2j + 1 are
  * row j's bytes 0-3 and 4-7 (low nibbles: elements 0-3 and 4-7; high: 16-19 and 20-23), and of the
  * second 64 bytes its elements 8-15 and 24-31; the activations' matching 8 bytes are broadcast to
@@ -421,7 +435,7 @@ static void x8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q, float *
  * row's outputs are bit for bit those of a call of that row alone (which ggml's gemv runs), in
  * any batch. NR is a constant at each call. */
 static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, const char *w1, int two, int64_t nb,
-                                                               const vnni_block *q, int64_t i0, const int NR,
+                                                               const act_block *q, int64_t i0, const int NR,
                                                                const float *corr, const float *xs, int64_t n_out,
                                                                float *y, int64_t ldy, int accumulate, int64_t c0) {
     const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
@@ -444,7 +458,7 @@ static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, c
             dw[h] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(d8));
         }
         for (int r = 0; r < NR; r++) {
-            const vnni_block *a = q + (i0 + r) * nb + b;
+            const act_block *a = q + (i0 + r) * nb + b;
             int64_t a0, a1, a2, a3, c;
             memcpy(&a0, a->qs, 8);
             memcpy(&a1, a->qs + 16, 8);
@@ -509,14 +523,14 @@ static inline __attribute__((always_inline)) void x8_vnni_tile(const char *w0, c
  * outputs are finished by x8_finish_rows, 64 outputs of a row at a time, instead. */
 #define VNNI_FINISH_MIN_ROWS 8
 
-/* x8_rows with AVX512-VNNI: the same contract, q holding m rows of vnni_blocks; from
+/* x8_rows with AVX512-VNNI: the same contract, q holding m rows of act_blocks; from
  * VNNI_FINISH_MIN_ROWS rows the tiles finish their outputs themselves and tmp is not used. */
 static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                          char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
     const int64_t nb = k / QK;
-    vnni_block *q = (vnni_block *)qbytes;
+    act_block *q = (act_block *)qbytes;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++) x8_vnni_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
+    for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
     /* the loop's implicit barrier: every row is quantized */
     const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
 #pragma omp for schedule(dynamic, 1)
@@ -539,6 +553,126 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
 }
 #endif
 
+#ifdef TG_X8_AVX2
+/* Whether TANDEM_X8_AVX2=0 keeps ggml's gemm and gemv where x8_avx2_rows would run (for A/B
+ * measurements, bench/x8_avx2.py: read at every call, like TANDEM_X8_PAD). */
+static int x8_avx2_off(void) {
+    const char *v = getenv("TANDEM_X8_AVX2");
+    return v != NULL && strcmp(v, "0") == 0;
+}
+
+/* The weight columns a tile's registers hold, lane by lane (x8_avx2_tile's shuffles); the order is
+ * its own inverse, so the same permutation puts a register back in column order. */
+#define X8_AVX2_ORDER _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)
+
+/* Raw outputs (without the Q4_1 offsets' term) of the 8-row group at w (tg_repack_x8's layout, nb
+ * blocks) for activation rows [i0, i0 + NR) of q (nb act_blocks a row), into out (ldo floats a row)
+ * from column c0. Per block, the group's nibbles are shuffled so that each 32-bit lane holds four
+ * consecutive values of one weight row (rows 0, 1, 4, 5, 2, 3, 6, 7 across the lanes), eight
+ * registers for the block's 32 values; each is multiplied with the activations' matching 4 bytes,
+ * broadcast (vpmaddubsw: the unsigned nibble q, 0..15, times the signed 8-bit activation, pairs
+ * summed into 16 bits), and the eight products summed in 16 bits (at most 8 x 2 x 15 x 127 = 30480:
+ * exact), then in pairs into 32 (vpmaddwd), which leaves each lane one weight row's whole block:
+ * its integer dot product once the activations' -8 x sum (the Q4_0 value is q - 8) is added,
+ * scaled by weight scale x activation scale and accumulated in fp32 block by block. ggml's AVX2
+ * gemm does signed x signed bytes (two sign instructions per multiply) and adds every product
+ * into 32 bits; this does one multiply and one 16-bit add per 32 byte products. A row's outputs
+ * are computed the same way whatever the tile, so they are those of the row alone. NR is a
+ * constant at each call. */
+static inline __attribute__((always_inline)) void x8_avx2_tile(const char *w, int64_t nb, const act_block *q,
+                                                               int64_t i0, const int NR, float *out, int64_t ldo,
+                                                               int64_t c0) {
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x88), ones = _mm256_set1_epi16(1);
+    __m256 acc[X8_AVX2_TILE];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const char *blk = w + b * X8_GROUP_BYTES;
+        __m256i sum[X8_AVX2_TILE];
+        for (int h = 0; h < 2; h++) {
+            /* bytes 8h .. 8h + 7 of each row: rows 0-3, then 4-7, two lanes a row */
+            const __m256i r03 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 16 + h * 64)), flip);
+            const __m256i r47 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 48 + h * 64)), flip);
+            const __m256i a = _mm256_shuffle_epi32(r03, _MM_SHUFFLE(3, 1, 2, 0));
+            const __m256i c = _mm256_shuffle_epi32(r47, _MM_SHUFFLE(3, 1, 2, 0));
+            const __m256i first = _mm256_unpacklo_epi64(a, c), second = _mm256_unpackhi_epi64(a, c);
+            /* elements 8h + 0..3, 8h + 4..7, 16 + 8h + 0..3, 16 + 8h + 4..7 of each row */
+            const __m256i wv[4] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low),
+                                   _mm256_and_si256(_mm256_srli_epi16(first, 4), low),
+                                   _mm256_and_si256(_mm256_srli_epi16(second, 4), low)};
+            const int at[4] = {8 * h, 8 * h + 4, 16 + 8 * h, 20 + 8 * h};
+            for (int r = 0; r < NR; r++) {
+                const int8_t *qa = q[(i0 + r) * nb + b].qs;
+                __m256i p = h ? sum[r] : _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    int32_t v;
+                    memcpy(&v, qa + at[j], 4);
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(v)));
+                }
+                sum[r] = p;
+            }
+        }
+        const __m256 dw =
+            _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), X8_AVX2_ORDER);
+        for (int r = 0; r < NR; r++) {
+            const act_block *a = q + (i0 + r) * nb + b;
+            const __m256i dot =
+                _mm256_add_epi32(_mm256_madd_epi16(sum[r], ones), _mm256_set1_epi32(a->corr[0] + a->corr[1]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a->d)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        _mm256_storeu_ps(out + (i0 + r) * ldo + c0, _mm256_permutevar8x32_ps(acc[r], X8_AVX2_ORDER));
+}
+
+/* x8_rows on an AVX2 CPU without AVX512-VNNI: the same contract, q holding m rows of act_blocks;
+ * every row count, one included, runs x8_avx2_tile, X8_AVX2_TILE rows at a time, then the rest. */
+static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
+                         char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
+    const int64_t nb = k / QK;
+    act_block *q = (act_block *)qbytes;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
+    /* the loop's implicit barrier: every row is quantized */
+    const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g0 = 0; g0 < groups; g0 += grab) {
+        const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
+        float *out = accumulate ? tmp : y;
+        const int64_t ldo = accumulate ? n_out : ldy;
+        for (int64_t g = g0; g < g1; g++) {
+            const char *w = w8 + g * nb * X8_GROUP_BYTES;
+            int64_t i = 0;
+            for (; i + X8_AVX2_TILE <= m; i += X8_AVX2_TILE) x8_avx2_tile(w, nb, q, i, X8_AVX2_TILE, out, ldo, g * 8);
+#define TG_AVX2_REST(NR)                                           \
+    case NR:                                                       \
+        x8_avx2_tile(w, nb, q, i, NR < X8_AVX2_TILE ? NR : 1, out, ldo, g * 8); \
+        break
+            switch (m - i) { /* fewer than X8_AVX2_TILE rows left */
+                TG_AVX2_REST(7);
+                TG_AVX2_REST(6);
+                TG_AVX2_REST(5);
+                TG_AVX2_REST(4);
+                TG_AVX2_REST(3);
+                TG_AVX2_REST(2);
+                TG_AVX2_REST(1);
+            default: break;
+            }
+#undef TG_AVX2_REST
+        }
+        x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
+    } /* the loop's implicit barrier: every output is written */
+}
+#endif
+
+/* 1 when this build runs x8_rows's calls through x8_avx2_tile (AVX2 without AVX512-VNNI). */
+int tg_x8_avx2(void) {
+#ifdef TG_X8_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 when this build runs x8_rows's calls of VNNI_MIN_ROWS rows or more through x8_vnni_tile. */
 int tg_x8_vnni(void) {
 #ifdef TG_VNNI
@@ -552,8 +686,8 @@ int tg_x8_vnni(void) {
  * quantizes them: room for x8_padded(m) such rows, and for m rows of the VNNI kernel's blocks. */
 static size_t x8_q_bytes(int64_t m, size_t qrow) {
     size_t bytes = (size_t)x8_padded(m) * qrow;
-#ifdef TG_VNNI
-    const size_t vnni = (size_t)m * ((qrow + Q8_ROW_BLOCK_BYTES - 1) / Q8_ROW_BLOCK_BYTES) * VNNI_BLOCK_BYTES;
+#if defined(TG_VNNI) || defined(TG_X8_AVX2)
+    const size_t vnni = (size_t)m * ((qrow + Q8_ROW_BLOCK_BYTES - 1) / Q8_ROW_BLOCK_BYTES) * ACT_BLOCK_BYTES;
     bytes = vnni > bytes ? vnni : bytes;
 #endif
     return bytes;
@@ -572,6 +706,12 @@ static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k,
 #ifdef TG_VNNI
     if (m >= VNNI_MIN_ROWS && !vnni_off()) {
         x8_vnni_rows(w8, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
+        return;
+    }
+#endif
+#ifdef TG_X8_AVX2
+    if (!x8_avx2_off()) {
+        x8_avx2_rows(w8, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
         return;
     }
 #endif
@@ -687,12 +827,12 @@ int tg_repack_q8_x16(const char *src, int64_t n, int64_t k, char *dst) {
 }
 
 #ifdef TG_VNNI
-/* Row i of x [., k] to nb vnni_blocks at q, each block's corr[0] -128 x the sum of its values
+/* Row i of x [., k] to nb act_blocks at q, each block's corr[0] -128 x the sum of its values
  * (the weights' +128). */
-static void q8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q) {
+static void q8_vnni_quantize(const float *xi, int64_t nb, act_block *q) {
     const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     for (int64_t b = 0; b < nb; b++) {
-        vnni_block_values(q8, xi + b * QK, q + b);
+        act_block_values(q8, xi + b * QK, q + b);
         int32_t sum = 0;
         for (int e = 0; e < QK; e++) sum += q[b].qs[e];
         q[b].corr[0] = -128 * sum;
@@ -702,7 +842,7 @@ static void q8_vnni_quantize(const float *xi, int64_t nb, vnni_block *q) {
 
 /* The 16 outputs of weight group wg (tg_repack_q8_x16's layout, nb blocks) for activation rows
  * [i0, i0 + NR) of q, into y (ldy floats a row) from column c0. NR is a constant at each call. */
-static inline __attribute__((always_inline)) void q8_vnni_tile(const char *wg, int64_t nb, const vnni_block *q,
+static inline __attribute__((always_inline)) void q8_vnni_tile(const char *wg, int64_t nb, const act_block *q,
                                                                int64_t i0, const int NR, float *y, int64_t ldy,
                                                                int64_t c0) {
     __m512 acc[8];
@@ -713,7 +853,7 @@ static inline __attribute__((always_inline)) void q8_vnni_tile(const char *wg, i
         __m512i w[QK / 4];
         for (int j = 0; j < QK / 4; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 2 * Q8X16_ROWS + 64 * j));
         for (int r = 0; r < NR; r++) {
-            const vnni_block *a = q + (i0 + r) * nb + b;
+            const act_block *a = q + (i0 + r) * nb + b;
             __m512i dot = _mm512_set1_epi32(a->corr[0]);
             for (int j = 0; j < QK / 4; j++) {
                 int32_t v;
@@ -736,7 +876,7 @@ int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, in
     return -1;
 #else
     const int64_t nb = k / QK;
-    vnni_block *q = malloc(sizeof(vnni_block) * (size_t)(m * nb) + 1);
+    act_block *q = malloc(sizeof(act_block) * (size_t)(m * nb) + 1);
     if (q == NULL) return -2;
     if (nthreads < 1) nthreads = 1;
     const int64_t groups = n_out / Q8X16_ROWS;
