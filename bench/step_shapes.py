@@ -1,5 +1,5 @@
 """Engine steps of a given shape for the in-process kernel benchmarks (``bench/hybrid_rows.py``,
-``bench/x8_vnni.py``): decode rows beside an optional prompt chunk, on the engine's own pool."""
+``bench/x8_kernel.py``): decode rows beside an optional prompt chunk, on the engine's own pool."""
 
 from __future__ import annotations
 

@@ -356,7 +356,7 @@ static void x8_finish_rows(float *out, int64_t ldo, float *y, int64_t ldy, const
 }
 
 /* Whether TANDEM_X8_VNNI=0 keeps ggml's gemm where the VNNI kernel would run (for A/B
- * measurements, bench/x8_vnni.py: read at every call, like TANDEM_X8_PAD). */
+ * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
 #ifdef TG_VNNI
 static int vnni_off(void) {
     const char *v = getenv("TANDEM_X8_VNNI");
@@ -555,7 +555,7 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
 
 #ifdef TG_X8_AVX2
 /* Whether TANDEM_X8_AVX2=0 keeps ggml's gemm and gemv where x8_avx2_rows would run (for A/B
- * measurements, bench/x8_avx2.py: read at every call, like TANDEM_X8_PAD). */
+ * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
 static int x8_avx2_off(void) {
     const char *v = getenv("TANDEM_X8_AVX2");
     return v != NULL && strcmp(v, "0") == 0;
