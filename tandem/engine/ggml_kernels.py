@@ -363,6 +363,8 @@ class DecodeLayers:
         self.repacked = all(p.gtype == GgmlType.Q4_X8 for lb in layers for p in (lb.qkv, lb.o, lb.gate_up, lb.down))
         # ... and run through Tandem's VNNI kernel from 2 rows (Kernels.x8_vnni)
         self.vnni = self.repacked and kernels.x8_vnni
+        # ... or through Tandem's AVX2 kernel at every row count (Kernels.x8_avx2)
+        self.avx2 = self.repacked and kernels.x8_avx2
         self._eps = eps
 
     def run(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,

@@ -73,7 +73,11 @@ WHOLE_LAYERS_VNNI_PROMPT_ROWS = 1024
 # 0.81x / 0.83x, one prompt of 256 / 512 tokens 0.83x / 0.87x, four of 256 0.95x, 8-16 decode rows
 # beside a 128-512-token chunk 0.76-0.88x (bench/hybrid_rows.py --base-cap 128 --cap 1024
 # --base-prompt-cap 128 --prompt-cap 1024); one prompt of 1024 / 2048 tokens 1.05x / 1.17x (its
-# attention, quadratic in C, outgrows the bf16 SDPA), so a 1024-row cap.
+# attention, quadratic in C, outgrows the bf16 SDPA), so a 1024-row cap. The same cap on Tandem's
+# AVX2 kernel (``Kernels.x8_avx2``; the wide copy fbgemm's fp16 there): on 2 AVX2 cores, paired in one
+# process (bench/hybrid_rows.py --base-cap 128 --cap 1024 --pairs 4, 2026-12-07,
+# docs/results/hybrid-avx2-1024-1207.json) whole in C / op by op 0.88x for a 256-token prompt,
+# 0.77-0.92x for 8-16 decode rows beside a 128-512-token chunk.
 WHOLE_LAYERS_VNNI_MAX_ROWS = 1024
 
 
@@ -256,17 +260,23 @@ class LlamaModel:
     def whole_layers_max_rows(self) -> int:
         """The most rows a step may run whole in C: ``DECODE_LAYERS_MAX_ROWS`` on ggml's plain rows,
         ``DECODE_LAYERS_X8_MAX_ROWS`` on layers repacked for ggml's gemm, ``WHOLE_LAYERS_VNNI_MAX_ROWS``
-        where they run Tandem's VNNI kernel without AMX tiles (read at every call, like
+        where they run Tandem's VNNI or AVX2 kernel without AMX tiles (read at every call, like
         ``whole_layers_prompt_rows``); 0 without C layers."""
         fused = self._whole_layers
         if fused is None:
             return 0
         if not fused.repacked:
             return DECODE_LAYERS_MAX_ROWS
-        return WHOLE_LAYERS_VNNI_MAX_ROWS if self._vnni_without_amx() else DECODE_LAYERS_X8_MAX_ROWS
+        return WHOLE_LAYERS_VNNI_MAX_ROWS if self._own_kernel_without_amx() else DECODE_LAYERS_X8_MAX_ROWS
+
+    def _own_kernel_without_amx(self) -> bool:
+        """The C layers run a kernel of Tandem's (VNNI or AVX2) and no AMX tiles: the host the long
+        caps are for."""
+        fused = self._whole_layers
+        return fused is not None and (fused.vnni or fused.avx2) and not has_amx()
 
     def _vnni_without_amx(self) -> bool:
-        """The C layers run Tandem's VNNI kernel and no AMX tiles: the host the long caps are for."""
+        """The C layers run Tandem's VNNI kernel and no AMX tiles (the prompt cap's host)."""
         fused = self._whole_layers
         return fused is not None and fused.vnni and not has_amx()
 

@@ -203,7 +203,7 @@ def test_ggml_formats_prompt_rows_keep_their_bound_on_either_wide_copy(
     from tandem.engine import model as model_module
 
     ggml_kernels.require()
-    # On Tandem's VNNI kernel prompts of up to 1024 tokens run whole in C: the old cap keeps the
+    # On Tandem's VNNI and AVX2 kernels prompts of up to 1024 tokens run whole in C: the old cap keeps the
     # windows on the wide copy, which this test is about.
     monkeypatch.setattr(model_module, "WHOLE_LAYERS_VNNI_MAX_ROWS", model_module.DECODE_LAYERS_X8_MAX_ROWS)
     if wide == "bf16" and not quant.can_run_bf16():
@@ -249,7 +249,7 @@ def test_ggml_format_runs_the_gguf_blocks_within_its_bound(
     # One row a step (the ggml rows of a decode step), and 64-token chunks: prompt rows run whole
     # in C on the same Q4 weights and 8-bit activation rows up to the row cap (model.py), or op by
     # op on the wide copy where it is bf16 (model.WHOLE_LAYERS_BF16_PROMPT_ROWS).
-    # Whole 128-token windows in one step: whole in C too on Tandem's VNNI kernel (up to 1024 rows,
+    # Whole 128-token windows in one step: whole in C too on Tandem's VNNI or AVX2 kernel (up to 1024 rows,
     # model.WHOLE_LAYERS_VNNI_MAX_ROWS), else op by op on the wide copy.
     assert model.whole_layer_rows(64, runner.pool)
     for chunk in (1, 64, 128):

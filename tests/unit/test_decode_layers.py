@@ -227,7 +227,7 @@ def test_long_prompt_steps_run_op_by_op_beside_a_bf16_wide_copy(wide: WeightForm
     batch = [SeqInput((rng.randrange(256),), 5, [2 * i]) for i in range(num_decode)]
     batch.append(SeqInput(tuple(rng.randrange(256) for _ in range(prompt_len)), 0,
                           list(range(8, 9 + prompt_len // 16))))
-    cap = model.whole_layers_max_rows()  # DECODE_LAYERS_X8_MAX_ROWS, or WHOLE_LAYERS_VNNI_MAX_ROWS on the VNNI kernel
+    cap = model.whole_layers_max_rows()  # DECODE_LAYERS_X8_MAX_ROWS, or WHOLE_LAYERS_VNNI_MAX_ROWS on our VNNI or AVX2 kernel
     whole = num_decode + prompt_len <= cap and (wide == WeightFormat.FP16 or prompt_len <= model.whole_layers_prompt_rows())
     assert model.whole_layer_rows(num_decode + prompt_len, pool, prompt_len) is whole
     assert (not runner.begin(batch).attn_meta.prefill) is whole
@@ -324,7 +324,7 @@ def _assert_step_is_its_rows_one_by_one(model: LlamaModel, seqs: list[tuple[int,
 @given(st.integers(0, 4), st.integers(0, 40), st.integers(0, 2**31))
 def test_a_long_prompt_runs_whole_up_to_the_row_cap_as_its_tokens_one_by_one(num_decode: int, cached: int,
                                                                             seed: int) -> None:
-    """A prompt chunk of up to the row cap (``whole_layers_max_rows``: 1024 rows on Tandem's VNNI
+    """A prompt chunk of up to the row cap (``whole_layers_max_rows``: 1024 rows on Tandem's VNNI or AVX2
     kernel, 128 on ggml's gemm), beside decode rows, runs whole in C as its tokens decoded one by
     one, bit for bit: the kernel's many 8-row tiles finish each row as a row alone."""
     model = _model(4, 2, 32, False, False, seed % 1000, (GgmlType.Q4_1, GgmlType.Q4_0))
