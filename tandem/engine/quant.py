@@ -30,7 +30,10 @@ prefill) run the fp16 copy it also keeps, except decode steps of up to
 repacked at load for ggml's gemm (``Kernels.repack_x8``; Q4_1 exactly, its offsets added apart),
 which unpacks a weight block once per 4 rows: calls of up to ``GGML_X8_MAX_ROWS`` rows and
 steps of up to ``model.DECODE_LAYERS_X8_MAX_ROWS`` rows (decode rows and prompt tokens together:
-hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows). The
+hybrid steps, prompt chunks) run on it (``TANDEM_GGML_REPACK=off`` keeps the plain rows); those
+calls run a kernel of Tandem's over the same blocks instead of ggml's gemm (``Kernels.x8_avx2``,
+or ``Kernels.x8_vnni`` with AVX512-VNNI), and then steps of up to
+``model.WHOLE_LAYERS_VNNI_MAX_ROWS`` rows run whole in C. The
 model's lm_head (a GGUF's Q8_0 token embedding, tied: the largest single weight of a small model)
 is repacked on an AVX512-VNNI CPU for a kernel of Tandem's (``Kernels.repack_q8_x16``) that runs
 calls of up to ``GGML_Q8_X16_MAX_ROWS`` rows, each row as it would run alone: 16-row decode steps

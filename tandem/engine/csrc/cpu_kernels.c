@@ -565,9 +565,9 @@ static int x8_avx2_off(void) {
  * its own inverse, so the same permutation puts a register back in column order. */
 #define X8_AVX2_ORDER _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)
 
-/* Raw outputs (without the Q4_1 offsets' term) of the 8-row group at w (tg_repack_x8's layout, nb
- * blocks) for activation rows [i0, i0 + NR) of q (nb act_blocks a row), into out (ldo floats a row)
- * from column c0. Per block, the group's nibbles are shuffled so that each 32-bit lane holds four
+/* Outputs of the 8-row group at w (tg_repack_x8's layout, nb blocks; corr its Q4_1 offsets [nb,
+ * n_out] or NULL) for activation rows [i0, i0 + NR) of q (nb act_blocks a row; xs their block sums),
+ * into y (ldy floats a row, added to it when `accumulate`) from column c0. Per block, the group's nibbles are shuffled so that each 32-bit lane holds four
  * consecutive values of one weight row (rows 0, 1, 4, 5, 2, 3, 6, 7 across the lanes), eight
  * registers for the block's 32 values; each is multiplied with the activations' matching 4 bytes,
  * broadcast (vpmaddubsw: the unsigned nibble q, 0..15, times the signed 8-bit activation, pairs
@@ -580,8 +580,9 @@ static int x8_avx2_off(void) {
  * are computed the same way whatever the tile, so they are those of the row alone. NR is a
  * constant at each call. */
 static inline __attribute__((always_inline)) void x8_avx2_tile(const char *w, int64_t nb, const act_block *q,
-                                                               int64_t i0, const int NR, float *out, int64_t ldo,
-                                                               int64_t c0) {
+                                                               int64_t i0, const int NR, const float *corr,
+                                                               const float *xs, int64_t n_out, float *y, int64_t ldy,
+                                                               int accumulate, int64_t c0) {
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x88), ones = _mm256_set1_epi16(1);
     __m256 acc[X8_AVX2_TILE];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
@@ -620,12 +621,30 @@ static inline __attribute__((always_inline)) void x8_avx2_tile(const char *w, in
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a->d)), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++)
-        _mm256_storeu_ps(out + (i0 + r) * ldo + c0, _mm256_permutevar8x32_ps(acc[r], X8_AVX2_ORDER));
+    /* back in column order, then finished as x8_finish_row does it, with the same operations in the
+     * same order (so the outputs stay those of the row alone): the Q4_1 offsets' term fmadd'ed block
+     * by block (corr not NULL; a block's offsets read once for the tile's rows), then added to y when
+     * accumulating */
+    __m256 o[X8_AVX2_TILE];
+    for (int r = 0; r < NR; r++) o[r] = _mm256_permutevar8x32_ps(acc[r], X8_AVX2_ORDER);
+    if (corr != NULL)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 cb = _mm256_loadu_ps(corr + b * n_out + c0);
+            for (int r = 0; r < NR; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(xs[(i0 + r) * nb + b]), cb, o[r]);
+        }
+    for (int r = 0; r < NR; r++) {
+        float *yr = y + (i0 + r) * ldy + c0;
+        _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(o[r], _mm256_loadu_ps(yr)) : o[r]);
+    }
 }
 
-/* x8_rows on an AVX2 CPU without AVX512-VNNI: the same contract, q holding m rows of act_blocks;
- * every row count, one included, runs x8_avx2_tile, X8_AVX2_TILE rows at a time, then the rest. */
+/* Fewest rows whose tiles finish their own outputs (x8_avx2_tile's corr and accumulate), as
+ * VNNI_FINISH_MIN_ROWS for the VNNI kernel; calls of fewer leave them to x8_finish_rows. */
+#define AVX2_FINISH_MIN_ROWS 8
+
+/* x8_rows on an AVX2 CPU without AVX512-VNNI: the same contract, q holding m rows of act_blocks
+ * (from AVX2_FINISH_MIN_ROWS rows tmp is not used); every row count, one included, runs
+ * x8_avx2_tile, X8_AVX2_TILE rows at a time, then the rest. */
 static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                          char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
     const int64_t nb = k / QK;
@@ -634,18 +653,22 @@ static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64
     for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
     /* the loop's implicit barrier: every row is quantized */
     const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+    const int fused = m >= AVX2_FINISH_MIN_ROWS;
+    float *out = fused || !accumulate ? y : tmp;
+    const int64_t ldo = fused || !accumulate ? ldy : n_out;
+    const float *tile_corr = fused ? corr : NULL;
+    const int tile_accumulate = fused && accumulate;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g0 = 0; g0 < groups; g0 += grab) {
         const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
-        float *out = accumulate ? tmp : y;
-        const int64_t ldo = accumulate ? n_out : ldy;
         for (int64_t g = g0; g < g1; g++) {
             const char *w = w8 + g * nb * X8_GROUP_BYTES;
             int64_t i = 0;
-            for (; i + X8_AVX2_TILE <= m; i += X8_AVX2_TILE) x8_avx2_tile(w, nb, q, i, X8_AVX2_TILE, out, ldo, g * 8);
-#define TG_AVX2_REST(NR)                                           \
-    case NR:                                                       \
-        x8_avx2_tile(w, nb, q, i, NR < X8_AVX2_TILE ? NR : 1, out, ldo, g * 8); \
+#define TG_AVX2_TILE(NR) x8_avx2_tile(w, nb, q, i, NR, tile_corr, xs, n_out, out, ldo, tile_accumulate, g * 8)
+            for (; i + X8_AVX2_TILE <= m; i += X8_AVX2_TILE) TG_AVX2_TILE(X8_AVX2_TILE);
+#define TG_AVX2_REST(NR)                           \
+    case NR:                                       \
+        TG_AVX2_TILE(NR < X8_AVX2_TILE ? NR : 1); \
         break
             switch (m - i) { /* fewer than X8_AVX2_TILE rows left */
                 TG_AVX2_REST(7);
@@ -658,8 +681,9 @@ static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64
             default: break;
             }
 #undef TG_AVX2_REST
+#undef TG_AVX2_TILE
         }
-        x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
+        if (!fused) x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
     } /* the loop's implicit barrier: every output is written */
 }
 #endif
