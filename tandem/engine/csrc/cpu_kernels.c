@@ -415,6 +415,32 @@ static void x8_act_quantize(const float *xi, int64_t nb, act_block *q, float *xs
         if (xs != NULL) xs[b] = q[b].d * (float)(half[0] + half[1]);
     }
 }
+
+/* Inside a parallel region, for x8_vnni_rows and x8_avx2_rows: the m rows of x [m, k] to act_blocks
+ * at q (their block sums to xs where `sums`: Q4_1), then where the call's tiles write: straight into
+ * y, finishing their outputs themselves (the Q4_1 offsets' term, the residual when `accumulate`),
+ * for calls of `fused_min` rows or more; else their raw outputs into y, or into tmp [m, n_out] when
+ * accumulating, for x8_finish_rows to finish. */
+typedef struct {
+    float *out;
+    int64_t ldo;
+    const float *corr; /* corr for the tiles to add, or NULL */
+    int accumulate;    /* whether the tiles add to out */
+    int fused;
+} x8_tile_target;
+
+static x8_tile_target x8_tiles_prepare(const float *x, int64_t m, int64_t k, act_block *q, float *xs, int sums,
+                                       int64_t fused_min, const float *corr, float *y, int64_t ldy, float *tmp,
+                                       int64_t n_out, int accumulate) {
+    const int64_t nb = k / QK;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, sums ? xs + i * nb : NULL);
+    /* the loop's implicit barrier: every row is quantized */
+    const int fused = m >= fused_min;
+    const x8_tile_target t = {fused || !accumulate ? y : tmp, fused || !accumulate ? ldy : n_out,
+                              fused ? corr : NULL, fused && accumulate, fused};
+    return t;
+}
 #endif
 
 #ifdef TG_VNNI
@@ -529,26 +555,20 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
                          char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
     const int64_t nb = k / QK;
     act_block *q = (act_block *)qbytes;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
-    /* the loop's implicit barrier: every row is quantized */
+    const x8_tile_target t =
+        x8_tiles_prepare(x, m, k, q, xs, corr != NULL, VNNI_FINISH_MIN_ROWS, corr, y, ldy, tmp, n_out, accumulate);
     const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g0 = 0; g0 < groups; g0 += grab) {
         const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
-        const int fused = m >= VNNI_FINISH_MIN_ROWS;
-        float *out = fused || !accumulate ? y : tmp;
-        const int64_t ldo = fused || !accumulate ? ldy : n_out;
-        const float *tile_corr = fused ? corr : NULL;
-        const int tile_accumulate = fused && accumulate;
         for (int64_t g = g0; g < g1; g += 2) {
             const char *w0 = w8 + g * nb * X8_GROUP_BYTES, *w1 = w0 + nb * X8_GROUP_BYTES;
             const int two = g + 1 < g1;
-#define TG_VNNI_TILE(NR) x8_vnni_tile(w0, w1, two, nb, q, i, NR, tile_corr, xs, n_out, out, ldo, tile_accumulate, g * 8)
+#define TG_VNNI_TILE(NR) x8_vnni_tile(w0, w1, two, nb, q, i, NR, t.corr, xs, n_out, t.out, t.ldo, t.accumulate, g * 8)
             TG_ROW_TILES(TG_VNNI_TILE);
 #undef TG_VNNI_TILE
         }
-        if (!fused) x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
+        if (!t.fused) x8_finish_rows(t.out, t.ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
     } /* the loop's implicit barrier: every output is written */
 }
 #endif
@@ -649,22 +669,16 @@ static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64
                          char *qbytes, float *xs, float *y, int64_t ldy, float *tmp, int accumulate) {
     const int64_t nb = k / QK;
     act_block *q = (act_block *)qbytes;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++) x8_act_quantize(x + i * k, nb, q + i * nb, corr != NULL ? xs + i * nb : NULL);
-    /* the loop's implicit barrier: every row is quantized */
+    const x8_tile_target t =
+        x8_tiles_prepare(x, m, k, q, xs, corr != NULL, AVX2_FINISH_MIN_ROWS, corr, y, ldy, tmp, n_out, accumulate);
     const int64_t groups = n_out / 8, grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
-    const int fused = m >= AVX2_FINISH_MIN_ROWS;
-    float *out = fused || !accumulate ? y : tmp;
-    const int64_t ldo = fused || !accumulate ? ldy : n_out;
-    const float *tile_corr = fused ? corr : NULL;
-    const int tile_accumulate = fused && accumulate;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g0 = 0; g0 < groups; g0 += grab) {
         const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
         for (int64_t g = g0; g < g1; g++) {
             const char *w = w8 + g * nb * X8_GROUP_BYTES;
             int64_t i = 0;
-#define TG_AVX2_TILE(NR) x8_avx2_tile(w, nb, q, i, NR, tile_corr, xs, n_out, out, ldo, tile_accumulate, g * 8)
+#define TG_AVX2_TILE(NR) x8_avx2_tile(w, nb, q, i, NR, t.corr, xs, n_out, t.out, t.ldo, t.accumulate, g * 8)
             for (; i + X8_AVX2_TILE <= m; i += X8_AVX2_TILE) TG_AVX2_TILE(X8_AVX2_TILE);
 #define TG_AVX2_REST(NR)                           \
     case NR:                                       \
@@ -683,7 +697,7 @@ static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64
 #undef TG_AVX2_REST
 #undef TG_AVX2_TILE
         }
-        if (!fused) x8_finish_rows(out, ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
+        if (!t.fused) x8_finish_rows(t.out, t.ldo, y, ldy, corr, n_out, xs, nb, m, accumulate, g0 * 8, g1 * 8);
     } /* the loop's implicit barrier: every output is written */
 }
 #endif
@@ -718,7 +732,10 @@ static size_t x8_q_bytes(int64_t m, size_t qrow) {
 }
 
 /* Inside a parallel region: y [m, n_out] (+)= x [m, k] @ W^T for W repacked by tg_repack_x8 (corr
- * its Q4_1 offsets or NULL). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm;
+ * its Q4_1 offsets or NULL): through x8_vnni_rows or x8_avx2_rows where they run (every repacked
+ * call on an AVX2 CPU but one-row calls on AVX512-VNNI), else through ggml's gemm and gemv as
+ * follows (by default only those one-row calls; TANDEM_X8_VNNI=0 / TANDEM_X8_AVX2=0 for the rest,
+ * the A/B baseline, padding included). The rows are quantized to Q8_0 into q (4 at a time for ggml's gemm;
  * with `pad` the rows from x8_tail's start and zero rows after them as one more group of 4 or 16,
  * else the m % 4 others one by one for its gemv; x8_padded(m) * k / 32 * 34 bytes), the block sums
  * of x go to xs [m, k / 32] (Q4_1 only), then each thread computes its share of 8-row groups of
