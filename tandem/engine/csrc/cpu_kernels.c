@@ -338,9 +338,22 @@ static int64_t x8_padded(int64_t m) {
     return group ? start + group : m;
 }
 
+#ifdef TG_X8_AVX2
+/* Whether TANDEM_X8_AVX2=0 keeps ggml's gemm and gemv where x8_avx2_rows would run (for A/B
+ * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
+static int x8_avx2_off(void) {
+    const char *v = getenv("TANDEM_X8_AVX2");
+    return v != NULL && strcmp(v, "0") == 0;
+}
+#endif
+
 /* Whether m rows go through the gemm with a padded group (x8_padded), unless TANDEM_X8_PAD=0 (for
- * A/B measurements, bench/x8_pad.py: read at every call, so a benchmark flips it between steps). */
+ * A/B measurements, bench/x8_pad.py: read at every call, so a benchmark flips it between steps), or
+ * x8_avx2_rows takes the call. */
 static int x8_padding(int64_t m) {
+#ifdef TG_X8_AVX2
+    if (!x8_avx2_off()) return 0; /* x8_avx2_rows takes every call: no scratch for padded rows */
+#endif
     const char *v = getenv("TANDEM_X8_PAD");
     return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
 }
@@ -574,31 +587,24 @@ static void x8_vnni_rows(const char *w8, const float *corr, int64_t n_out, int64
 #endif
 
 #ifdef TG_X8_AVX2
-/* Whether TANDEM_X8_AVX2=0 keeps ggml's gemm and gemv where x8_avx2_rows would run (for A/B
- * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
-static int x8_avx2_off(void) {
-    const char *v = getenv("TANDEM_X8_AVX2");
-    return v != NULL && strcmp(v, "0") == 0;
-}
-
 /* The weight columns a tile's registers hold, lane by lane (x8_avx2_tile's shuffles); the order is
  * its own inverse, so the same permutation puts a register back in column order. */
 #define X8_AVX2_ORDER _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)
 
 /* Outputs of the 8-row group at w (tg_repack_x8's layout, nb blocks; corr its Q4_1 offsets [nb,
- * n_out] or NULL) for activation rows [i0, i0 + NR) of q (nb act_blocks a row; xs their block sums),
- * into y (ldy floats a row, added to it when `accumulate`) from column c0. Per block, the group's nibbles are shuffled so that each 32-bit lane holds four
- * consecutive values of one weight row (rows 0, 1, 4, 5, 2, 3, 6, 7 across the lanes), eight
- * registers for the block's 32 values; each is multiplied with the activations' matching 4 bytes,
- * broadcast (vpmaddubsw: the unsigned nibble q, 0..15, times the signed 8-bit activation, pairs
- * summed into 16 bits), and the eight products summed in 16 bits (at most 8 x 2 x 15 x 127 = 30480:
- * exact), then in pairs into 32 (vpmaddwd), which leaves each lane one weight row's whole block:
- * its integer dot product once the activations' -8 x sum (the Q4_0 value is q - 8) is added,
- * scaled by weight scale x activation scale and accumulated in fp32 block by block. ggml's AVX2
- * gemm does signed x signed bytes (two sign instructions per multiply) and adds every product
- * into 32 bits; this does one multiply and one 16-bit add per 32 byte products. A row's outputs
- * are computed the same way whatever the tile, so they are those of the row alone. NR is a
- * constant at each call. */
+ * n_out] or NULL) for activation rows [i0, i0 + NR) of q (nb act_blocks a row; xs their block
+ * sums), into y (ldy floats a row, added to it when `accumulate`) from column c0. Per block, the
+ * group's nibbles are shuffled so that each 32-bit lane holds four consecutive values of one weight
+ * row (rows 0, 1, 4, 5, 2, 3, 6, 7 across the lanes), eight registers for the block's 32 values;
+ * each is multiplied with the activations' matching 4 bytes, broadcast (vpmaddubsw: the unsigned
+ * nibble q, 0..15, times the signed 8-bit activation, pairs summed into 16 bits), and the eight
+ * products summed in 16 bits (at most 8 x 2 x 15 x 127 = 30480: exact), then in pairs into 32
+ * (vpmaddwd), which leaves each lane one weight row's whole block: its integer dot product once the
+ * activations' -8 x sum (the Q4_0 value is q - 8) is added, scaled by weight scale x activation
+ * scale and accumulated in fp32 block by block. ggml's AVX2 gemm does signed x signed bytes (two
+ * sign instructions per multiply) and adds every product into 32 bits; this does one multiply and
+ * one 16-bit add per 32 byte products. A row's outputs are computed the same way whatever the tile,
+ * so they are those of the row alone. NR is a constant at each call. */
 static inline __attribute__((always_inline)) void x8_avx2_tile(const char *w, int64_t nb, const act_block *q,
                                                                int64_t i0, const int NR, const float *corr,
                                                                const float *xs, int64_t n_out, float *y, int64_t ldy,
