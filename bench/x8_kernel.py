@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.step_shapes import free_tables, step_batch  # noqa: E402
 from tandem.bench.report import paired, write_json  # noqa: E402
-from tandem.engine import ggml_kernels  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.quant import WeightFormat  # noqa: E402
@@ -59,10 +58,9 @@ def main() -> int:
     fused = model._whole_layers
     if fused is None or not fused.repacked:
         raise SystemExit("the layers are not repacked here: no kernel of ours to measure")
-    kernels = ggml_kernels.require()
     if fused.vnni:
         kernel, switch = "vnni", "TANDEM_X8_VNNI"
-    elif kernels.x8_avx2:
+    elif fused.avx2:
         kernel, switch = "avx2", "TANDEM_X8_AVX2"
     else:
         raise SystemExit("neither AVX512-VNNI nor AVX2: repacked layers run ggml's gemm alone")

@@ -215,13 +215,21 @@ def test_the_avx2_kernel_computes_each_row_alone_and_as_ggml_does(gtype: GgmlTyp
     assert kern is not None
     if not kern.x8_avx2:
         pytest.skip("this CPU runs the VNNI kernel or ggml's gemm: the AVX2 kernel is not built")
-    n, k = 8 * groups, 32 * kblocks
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, 32 * kblocks, generator=g) * spread
+    x[torch.rand(m, generator=g) < 0.1] = 0.0  # a row of zeros: scale 0
+    _assert_rows_alone_and_near_ggml(kern, gtype, 8 * groups, x, seed, 1e-6 * spread)
+
+
+def _assert_rows_alone_and_near_ggml(kern: ggml_kernels.Kernels, gtype: GgmlType, n: int, x: torch.Tensor, seed: int,
+                                     floor: float) -> None:
+    """Random exact ``gtype`` weights [n, x's width] repacked, through the kernel this CPU runs for
+    ``x``'s rows: each row's outputs bit for bit that row's alone; within float rounding of ggml's
+    gemm and gemv (``_ggml_gemm``) and within the bound of the exact product, both plus ``floor``."""
+    m, k = x.shape
     w = _exact(gtype, n, k, seed)
     x8, corr = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k) or (None, None)
     assert x8 is not None
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, k, generator=g) * spread
-    x[torch.rand(m, generator=g) < 0.1] = 0.0  # a row of zeros: scale 0
 
     def linear(rows: torch.Tensor) -> torch.Tensor:
         return kern.linear(rows, x8, GgmlType.Q4_X8, n, corr)
@@ -231,8 +239,8 @@ def test_the_avx2_kernel_computes_each_row_alone_and_as_ggml_does(gtype: GgmlTyp
     with _ggml_gemm():
         ggml = linear(x)
     scale = x.abs() @ w.abs().T
-    assert bool(((together - ggml).abs() <= 1e-5 * scale + 1e-6 * spread).all()), ((together - ggml).abs() / scale).max()
-    assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6 * spread).all())
+    assert bool(((together - ggml).abs() <= 1e-5 * scale + floor).all()), ((together - ggml).abs() / scale).max()
+    assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + floor).all())
 
 
 @settings(max_examples=40, deadline=None)
@@ -249,22 +257,8 @@ def test_the_vnni_kernel_computes_each_row_as_ggmls_gemv_does(gtype: GgmlType, g
     assert kern is not None
     if not kern.x8_vnni:
         pytest.skip("no AVX512-VNNI on this CPU: repacked calls run ggml's gemm alone")
-    n, k = 8 * groups, 32 * kblocks
-    w = _exact(gtype, n, k, seed)
-    x8, corr = kern.repack_x8(kern.quantize(w, gtype), gtype, n, k) or (None, None)
-    assert x8 is not None
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
-
-    def linear(rows: torch.Tensor) -> torch.Tensor:
-        return kern.linear(rows, x8, GgmlType.Q4_X8, n, corr)
-
-    together = linear(x)
-    assert torch.equal(together, torch.cat([linear(x[i:i + 1]) for i in range(m)]))
-    with _c_switch("TANDEM_X8_VNNI", False):
-        ggml = linear(x)
-    scale = x.abs() @ w.abs().T
-    assert bool(((together - ggml).abs() <= 1e-5 * scale + 1e-6).all()), ((together - ggml).abs() / scale).max()
-    assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
+    x = torch.randn(m, 32 * kblocks, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    _assert_rows_alone_and_near_ggml(kern, gtype, 8 * groups, x, seed, 1e-6)
 
 
 @settings(max_examples=40, deadline=None)

@@ -54,7 +54,8 @@
  * weight registers fill the 16 ymm registers. SmolLM2's projections (1536 x 576, 576 x 1536) on 2
  * AVX2 cores, 2026-12-07: tiles of 6 rows 1.3-2.6x ggml's gemm at 1-16 rows, tiles of 4 and 8 rows
  * 1.1-2.3x and 1.2-2.6x (the 16-row call 1.28x / 1.34x against 1.48x). */
-#define X8_AVX2_TILE 6
+#define X8_AVX2_TILE 6 /* x8_avx2_rows runs the 1-5 rows left over after whole tiles */
+_Static_assert(X8_AVX2_TILE == 6, "x8_avx2_rows's cases for the rows left over");
 #endif
 
 #define TILE_ROWS 16
@@ -338,24 +339,20 @@ static int64_t x8_padded(int64_t m) {
     return group ? start + group : m;
 }
 
-#ifdef TG_X8_AVX2
-/* Whether TANDEM_X8_AVX2=0 keeps ggml's gemm and gemv where x8_avx2_rows would run (for A/B
- * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
-static int x8_avx2_off(void) {
-    const char *v = getenv("TANDEM_X8_AVX2");
+/* Whether the A/B switch `name` is "0" (off); read at every call, so a benchmark flips it between
+ * steps: TANDEM_X8_PAD (bench/x8_pad.py), TANDEM_X8_VNNI and TANDEM_X8_AVX2 (bench/x8_kernel.py). */
+static int switched_off(const char *name) {
+    const char *v = getenv(name);
     return v != NULL && strcmp(v, "0") == 0;
 }
-#endif
 
-/* Whether m rows go through the gemm with a padded group (x8_padded), unless TANDEM_X8_PAD=0 (for
- * A/B measurements, bench/x8_pad.py: read at every call, so a benchmark flips it between steps), or
- * x8_avx2_rows takes the call. */
+/* Whether m rows go through the gemm with a padded group (x8_padded), unless TANDEM_X8_PAD=0, or
+ * x8_avx2_rows takes the call (unless TANDEM_X8_AVX2=0: then ggml's gemm and gemv run). */
 static int x8_padding(int64_t m) {
 #ifdef TG_X8_AVX2
-    if (!x8_avx2_off()) return 0; /* x8_avx2_rows takes every call: no scratch for padded rows */
+    if (!switched_off("TANDEM_X8_AVX2")) return 0; /* x8_avx2_rows takes every call: no scratch for padded rows */
 #endif
-    const char *v = getenv("TANDEM_X8_PAD");
-    return (v == NULL || strcmp(v, "0") != 0) && x8_padded(m) > m;
+    return !switched_off("TANDEM_X8_PAD") && x8_padded(m) > m;
 }
 
 /* Inside a grab of x8_rows or x8_vnni_rows (fewer than VNNI_FINISH_MIN_ROWS rows): outputs [c0, c1) of its m rows (in out, ldo floats
@@ -367,15 +364,6 @@ static void x8_finish_rows(float *out, int64_t ldo, float *y, int64_t ldy, const
         x8_finish_row(out + r * ldo, accumulate ? y + r * ldy : NULL, corr, n_out, xs + r * nb, corr != NULL ? nb : 0,
                       c0, c1);
 }
-
-/* Whether TANDEM_X8_VNNI=0 keeps ggml's gemm where the VNNI kernel would run (for A/B
- * measurements, bench/x8_kernel.py: read at every call, like TANDEM_X8_PAD). */
-#ifdef TG_VNNI
-static int vnni_off(void) {
-    const char *v = getenv("TANDEM_X8_VNNI");
-    return v != NULL && strcmp(v, "0") == 0;
-}
-#endif
 
 /* x8_rows's `pad` when `padding` (x8_padding's answer for the call's m), for a largest k or n_out of
  * `widest`: NULL when no group is padded. The caller keeps `padding` to tell that NULL from a failed
@@ -686,13 +674,11 @@ static void x8_avx2_rows(const char *w8, const float *corr, int64_t n_out, int64
             int64_t i = 0;
 #define TG_AVX2_TILE(NR) x8_avx2_tile(w, nb, q, i, NR, t.corr, xs, n_out, t.out, t.ldo, t.accumulate, g * 8)
             for (; i + X8_AVX2_TILE <= m; i += X8_AVX2_TILE) TG_AVX2_TILE(X8_AVX2_TILE);
-#define TG_AVX2_REST(NR)                           \
-    case NR:                                       \
-        TG_AVX2_TILE(NR < X8_AVX2_TILE ? NR : 1); \
+#define TG_AVX2_REST(NR) \
+    case NR:             \
+        TG_AVX2_TILE(NR); \
         break
             switch (m - i) { /* fewer than X8_AVX2_TILE rows left */
-                TG_AVX2_REST(7);
-                TG_AVX2_REST(6);
                 TG_AVX2_REST(5);
                 TG_AVX2_REST(4);
                 TG_AVX2_REST(3);
@@ -751,13 +737,13 @@ static size_t x8_q_bytes(int64_t m, size_t qrow) {
 static void x8_rows(const char *w8, const float *corr, int64_t n_out, int64_t k, const float *x, int64_t m,
                     char *q, float *xs, float *y, int64_t ldy, float *tmp, int accumulate, float *pad) {
 #ifdef TG_VNNI
-    if (m >= VNNI_MIN_ROWS && !vnni_off()) {
+    if (m >= VNNI_MIN_ROWS && !switched_off("TANDEM_X8_VNNI")) {
         x8_vnni_rows(w8, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
         return;
     }
 #endif
 #ifdef TG_X8_AVX2
-    if (!x8_avx2_off()) {
+    if (!switched_off("TANDEM_X8_AVX2")) {
         x8_avx2_rows(w8, corr, n_out, k, x, m, q, xs, y, ldy, tmp, accumulate);
         return;
     }
