@@ -65,12 +65,17 @@ class GgmlType(IntEnum):
     # Not ggml's either: Q8_0 rows repacked 16 at a time for Tandem's AVX512-VNNI kernel
     # (``Kernels.repack_q8_x16``), an lm_head's calls of several rows.
     Q8_X16 = 1001
+    # ... and Q8_0 rows repacked 8 at a time for Tandem's AVX2 kernel (``Kernels.repack_q8_x8``), an
+    # lm_head's calls where the CPU has no AVX512-VNNI.
+    Q8_X8 = 1002
 
 
 # Bytes of one block of 8 rows in that layout: 8 fp16 scales and 8 rows' 16 bytes of nibbles.
 _X8_GROUP_BYTES = 144
 # ... and of 16 rows of one Q8_0 block in Q8_X16's: 16 fp16 scales and 16 rows' 32 bytes.
 _Q8_X16_GROUP_BYTES = 544
+# ... and of 8 rows of one Q8_0 block in Q8_X8's: 8 fp16 scales and 8 rows' 32 bytes.
+_Q8_X8_GROUP_BYTES = 272
 
 
 class Projection(NamedTuple):
@@ -229,6 +234,15 @@ class Kernels:
         out = torch.empty(n // 16 * k // 32 * _Q8_X16_GROUP_BYTES, dtype=torch.uint8)
         return out if self.lib.tg_repack_q8_x16(blocks.data_ptr(), n, k, out.data_ptr()) == 0 else None
 
+    def repack_q8_x8(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+        """Rows of Q8_0 ``blocks`` ([n, k] weights) interleaved 8 at a time for the AVX2 kernel of
+        ``linear`` (``GgmlType.Q8_X8``); None where that kernel does not run (a CPU without AVX2 and
+        F16C, or with AVX512-VNNI: ``repack_q8_x16``; ``x8_avx2`` says) or for n not a multiple of 8."""
+        if n % 8 or k % 32 or not self.x8_avx2:
+            return None
+        out = torch.empty(n // 8 * k // 32 * _Q8_X8_GROUP_BYTES, dtype=torch.uint8)
+        return out if self.lib.tg_repack_q8_x8(blocks.data_ptr(), n, k, out.data_ptr()) == 0 else None
+
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, gtype: GgmlType, n_out: int,
                corr: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [m, k] fp32 @ W^T with W [n_out, k] in ``blocks`` (of ``gtype``, or repacked by
@@ -239,6 +253,9 @@ class Kernels:
         if gtype == GgmlType.Q8_X16:
             rc = self.lib.tg_linear_q8_x16(blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
                                            torch.get_num_threads())
+        elif gtype == GgmlType.Q8_X8:
+            rc = self.lib.tg_linear_q8_x8(blocks.data_ptr(), n_out, k, x.data_ptr(), m, y.data_ptr(),
+                                          torch.get_num_threads())
         elif gtype == GgmlType.Q4_X8:
             rc = self.lib.tg_linear_x8(blocks.data_ptr(), None if corr is None else corr.data_ptr(), n_out, k,
                                        x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
@@ -419,6 +436,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_repack_q8_x16.argtypes = [ptr, i64, i64, ptr]
     lib.tg_linear_q8_x16.restype = ctypes.c_int
     lib.tg_linear_q8_x16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tg_repack_q8_x8.restype = ctypes.c_int
+    lib.tg_repack_q8_x8.argtypes = [ptr, i64, i64, ptr]
+    lib.tg_linear_q8_x8.restype = ctypes.c_int
+    lib.tg_linear_q8_x8.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.tg_paged_decode_attention.restype = ctypes.c_int
     lib.tg_paged_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]

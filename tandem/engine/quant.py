@@ -38,6 +38,8 @@ model's lm_head (a GGUF's Q8_0 token embedding, tied: the largest single weight 
 is repacked on an AVX512-VNNI CPU for a kernel of Tandem's (``Kernels.repack_q8_x16``) that runs
 calls of up to ``GGML_Q8_X16_MAX_ROWS`` rows, each row as it would run alone: 16-row decode steps
 of SmolLM2 1.25x faster than on fbgemm's fp16 copy, which reads twice the bytes (bench/q8_head.py).
+On an AVX2 CPU without VNNI, likewise for another of Tandem's kernels (``Kernels.repack_q8_x8``,
+``GGML_Q8_X8_MAX_ROWS``), where fbgemm's fp16 ran at half its FMA peak.
 Greedy outputs therefore depend on how requests were batched, and ``auto`` never picks it.
 
 The ggml format's calls of more rows than its kernels take (prompts, large batches) run a second,
@@ -90,6 +92,11 @@ GGML_X8_MAX_ROWS = 16
 # measured on such a host).
 GGML_Q8_X16_MAX_ROWS = 128
 GGML_Q8_X16_BF16_MAX_ROWS = 16
+# The same for Tandem's AVX2 kernel (``Kernels.repack_q8_x8``) where the CPU has no AVX512-VNNI
+# (none of those has a bf16 wide copy). SmolLM2's head on a 2-core AVX2 EPYC (Zen 3), 2026-12-07,
+# one process: 1.5-2.1x fbgemm's fp16 at 1-128 rows (2.80 against 5.22 ms at 8 rows), 1.3-2.1x
+# ggml's vec_dot at 1-3 rows.
+GGML_Q8_X8_MAX_ROWS = 128
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
 GGML_EXACT_TYPES = (ggml_kernels.GgmlType.Q4_1, ggml_kernels.GgmlType.Q4_0, ggml_kernels.GgmlType.Q8_0)
@@ -251,8 +258,8 @@ class Linear:
         into the layer before); ``out_divisor`` [out_features] divides output rows, which is how
         a projection takes on the next layer's division. ``head``: the model's lm_head, whose
         Q8_0 blocks (the ggml format) run Tandem's VNNI kernel where the CPU has one
-        (``GGML_Q8_X16_MAX_ROWS``); the decoder layers' go whole into ``DecodeLayers``, which
-        takes ggml's layouts only."""
+        (``GGML_Q8_X16_MAX_ROWS``), else its AVX2 kernel (``GGML_Q8_X8_MAX_ROWS``); the decoder
+        layers' go whole into ``DecodeLayers``, which takes ggml's layouts only."""
         self.weight = weight  # [out_features, in_features]
         self.bias = bias
         self.format = effective_format(fmt, weight.dtype, weight.device)
@@ -303,7 +310,7 @@ class Linear:
     def _ggml_blocks(self, weight: torch.Tensor, head: bool) -> None:
         """The first of ``GGML_EXACT_TYPES`` whose blocks dequantize to ``weight`` bit for bit;
         none (a layer not from a GGUF of those types) leaves the layer on its wide copy alone.
-        Q4 blocks are repacked for ggml's gemm, a ``head``'s Q8_0 blocks for Tandem's VNNI kernel."""
+        Q4 blocks are repacked for ggml's gemm, a ``head``'s Q8_0 blocks for Tandem's VNNI or AVX2 kernel."""
         kernels = ggml_kernels.load()
         assert kernels is not None  # effective_format checked
         n, k = weight.shape
@@ -316,9 +323,13 @@ class Linear:
                 self.ggml_projection = ggml_kernels.Projection(blocks, gtype)
                 repack = ggml_kernels.repack_on()
                 if head and gtype == ggml_kernels.GgmlType.Q8_0:
-                    q8_x16 = kernels.repack_q8_x16(blocks, n, k) if repack else None
-                    if q8_x16 is not None:  # the plain rows are not kept
-                        self.ggml_projection = ggml_kernels.Projection(q8_x16, ggml_kernels.GgmlType.Q8_X16)
+                    # the plain rows are not kept: VNNI's layout, else AVX2's, where the CPU runs one
+                    for repacked_head, head_type in ((kernels.repack_q8_x16, ggml_kernels.GgmlType.Q8_X16),
+                                                     (kernels.repack_q8_x8, ggml_kernels.GgmlType.Q8_X8)):
+                        head_blocks = repacked_head(blocks, n, k) if repack else None
+                        if head_blocks is not None:
+                            self.ggml_projection = ggml_kernels.Projection(head_blocks, head_type)
+                            break
                 elif repack and (repacked := kernels.repack_x8(blocks, gtype, n, k)) is not None:
                     # the plain rows are not kept
                     self.ggml_projection = ggml_kernels.Projection(repacked[0], ggml_kernels.GgmlType.Q4_X8,
@@ -353,6 +364,8 @@ class Linear:
         projection = self.ggml_projection
         if projection is not None and projection.gtype == ggml_kernels.GgmlType.Q8_X16:
             return GGML_Q8_X16_BF16_MAX_ROWS if self.wide_format == WeightFormat.BF16 else GGML_Q8_X16_MAX_ROWS
+        if projection is not None and projection.gtype == ggml_kernels.GgmlType.Q8_X8:
+            return GGML_Q8_X8_MAX_ROWS
         return GGML_X8_MAX_ROWS if self.ggml_repacked else GGML_MAX_ROWS
 
     def _onednn(self, x: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

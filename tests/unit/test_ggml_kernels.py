@@ -261,54 +261,66 @@ def test_the_vnni_kernel_computes_each_row_as_ggmls_gemv_does(gtype: GgmlType, g
     _assert_rows_alone_and_near_ggml(kern, gtype, 8 * groups, x, seed, 1e-6)
 
 
+# The two kernels of a Q8_0 lm_head: (type, Kernels attribute saying the CPU runs it, repack, rows a group)
+Q8_HEAD_KERNELS = [(GgmlType.Q8_X16, "x8_vnni", "repack_q8_x16", 16), (GgmlType.Q8_X8, "x8_avx2", "repack_q8_x8", 8)]
+
+
+@pytest.mark.parametrize(("gtype", "runs", "repack", "rows"), Q8_HEAD_KERNELS, ids=["vnni", "avx2"])
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 20), st.integers(1, 40), st.integers(0, 2**31))
-def test_the_q8_head_kernel_computes_each_row_as_vec_dot_does(groups: int, kblocks: int, m: int, seed: int) -> None:
-    """With AVX512-VNNI, an lm_head's Q8_0 rows repacked 16 at a time (``Q8_X16``) against ggml's
-    vec_dot over the same blocks: the same integer block sums, so within float rounding (the sums
-    scaled in another order), for any number of rows (tiles of 8, 4, 2 and 1); each row's outputs
-    are bit for bit that row's alone, so a row's logits do not depend on its batch; both hold the
-    bound of the exact product. Without AVX512-VNNI nothing is repacked."""
+@given(groups=st.integers(1, 12), kblocks=st.integers(1, 20), m=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_the_q8_head_kernels_compute_each_row_as_vec_dot_does(gtype: GgmlType, runs: str, repack: str, rows: int,
+                                                              groups: int, kblocks: int, m: int, seed: int) -> None:
+    """An lm_head's Q8_0 rows repacked 16 at a time for AVX512-VNNI (``Q8_X16``) or 8 at a time for
+    AVX2 without it (``Q8_X8``) against ggml's vec_dot over the same blocks: the same integer block
+    sums, so within float rounding (the sums scaled in another order), for any number of rows (every
+    tile and the rows left over); each row's outputs are bit for bit that row's alone, so a row's
+    logits do not depend on its batch; both hold the bound of the exact product. On a CPU the kernel
+    does not run on, nothing is repacked for it."""
     kern = ggml_kernels.load()
     assert kern is not None
-    n, k = 16 * groups, 32 * kblocks
+    n, k = rows * groups, 32 * kblocks
     w = _exact(GgmlType.Q8_0, n, k, seed)
     blocks = kern.quantize(w, GgmlType.Q8_0)
-    x16 = kern.repack_q8_x16(blocks, n, k)
-    if not kern.x8_vnni:
-        assert x16 is None
-        pytest.skip("no AVX512-VNNI on this CPU: Q8_0 heads run ggml's vec_dot and the wide copy")
-    assert x16 is not None and x16.numel() == n * k // 32 * 34  # the Q8_0 bytes, rearranged
+    packed = getattr(kern, repack)(blocks, n, k)
+    if not getattr(kern, runs):
+        assert packed is None
+        pytest.skip(f"{gtype.name} does not run on this CPU ({runs} is off)")
+    assert packed is not None and packed.numel() == n * k // 32 * 34  # the Q8_0 bytes, rearranged
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
-    together = kern.linear(x, x16, GgmlType.Q8_X16, n)
-    assert torch.equal(together, torch.cat([kern.linear(x[i:i + 1], x16, GgmlType.Q8_X16, n) for i in range(m)]))
+    together = kern.linear(x, packed, gtype, n)
+    assert torch.equal(together, torch.cat([kern.linear(x[i:i + 1], packed, gtype, n) for i in range(m)]))
     scale = x.abs() @ w.abs().T
     vec_dot = kern.linear(x, blocks, GgmlType.Q8_0, n)
     assert bool(((together - vec_dot).abs() <= 1e-5 * scale + 1e-6).all()), ((together - vec_dot).abs() / scale).max()
     assert bool(((together - x @ w.T).abs() <= REL_ABS_DOT * scale + 1e-6).all())
 
 
-def test_only_a_heads_q8_rows_in_whole_groups_of_16_repack_for_the_vnni_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An lm_head's (``head=True``) Q8_0 blocks run the Q8_X16 kernel for calls of up to
-    ``GGML_Q8_X16_MAX_ROWS`` rows (``GGML_Q8_X16_BF16_MAX_ROWS`` where the wide copy is bf16), the
-    wide copy beyond; other layers' Q8_0 blocks (the decoder
-    layers' go whole into ``DecodeLayers``, which takes ggml's layouts) and rows not in whole groups
-    of 16 keep ggml's plain rows; ``TANDEM_GGML_REPACK=off`` keeps them too."""
+def test_only_a_heads_q8_rows_in_whole_groups_repack_for_the_head_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An lm_head's (``head=True``) Q8_0 blocks run the Q8_X16 kernel (AVX512-VNNI) for calls of up
+    to ``GGML_Q8_X16_MAX_ROWS`` rows (``GGML_Q8_X16_BF16_MAX_ROWS`` where the wide copy is bf16), or
+    the Q8_X8 kernel (AVX2 without VNNI) for up to ``GGML_Q8_X8_MAX_ROWS``, the wide copy beyond;
+    other layers' Q8_0 blocks (the decoder layers' go whole into ``DecodeLayers``, which takes
+    ggml's layouts) and rows not in whole groups (of 16, of 8) keep ggml's plain rows;
+    ``TANDEM_GGML_REPACK=off`` keeps them too."""
     kern = ggml_kernels.load()
     assert kern is not None
     w = _exact(GgmlType.Q8_0, 32, 64, 4)
     head = Linear(w, None, WeightFormat.GGML, head=True)
     assert head.ggml_type == GgmlType.Q8_0 and not head.ggml_repacked
-    want = GgmlType.Q8_X16 if kern.x8_vnni else GgmlType.Q8_0
+    want = GgmlType.Q8_X16 if kern.x8_vnni else GgmlType.Q8_X8 if kern.x8_avx2 else GgmlType.Q8_0
     assert head.ggml_projection is not None and head.ggml_projection.gtype == want
     assert Linear(w, None, WeightFormat.GGML).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
-    assert Linear(w[:24], None, WeightFormat.GGML, head=True).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
+    assert Linear(w[:20], None, WeightFormat.GGML, head=True).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
     if kern.x8_vnni:
+        assert Linear(w[:24], None, WeightFormat.GGML, head=True).ggml_projection.gtype == GgmlType.Q8_0  # type: ignore[union-attr]
         assert head.ggml_max_rows() == (quant.GGML_Q8_X16_BF16_MAX_ROWS if head.wide_format == WeightFormat.BF16
                                         else quant.GGML_Q8_X16_MAX_ROWS)
+    elif kern.x8_avx2:
+        assert head.ggml_max_rows() == quant.GGML_Q8_X8_MAX_ROWS
+    if want != GgmlType.Q8_0:
         x = torch.randn(head.ggml_max_rows() + 1, 64, generator=torch.Generator().manual_seed(5))
         small = x[:head.ggml_max_rows()]
-        assert torch.equal(head(small), kern.linear(small, head.ggml_projection.blocks, GgmlType.Q8_X16, 32))
+        assert torch.equal(head(small), kern.linear(small, head.ggml_projection.blocks, want, 32))
         assert torch.equal(head(x), Linear(w, None, head.wide_format)(x))  # more rows: the wide copy
     if kern.x8_vnni and quant.can_run_bf16():  # a bf16 wide copy (AMX's tiles): the kernel for fewer rows
         monkeypatch.setenv(quant.GGML_WIDE_ENV, "bf16")

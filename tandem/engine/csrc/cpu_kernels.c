@@ -33,7 +33,11 @@
  * outputs bit for bit those of ggml's gemv (so of the row alone).
  *
  * tg_repack_q8_x16 / tg_linear_q8_x16: ours, where the CPU has AVX512-VNNI: Q8_0 weights (an
- * lm_head) 16 rows interleaved for vpdpbusd, each row's outputs those of the row alone. */
+ * lm_head) 16 rows interleaved for vpdpbusd, each row's outputs those of the row alone.
+ *
+ * tg_repack_q8_x8 / tg_linear_q8_x8: ours, where the CPU has AVX2 and no AVX512-VNNI: the same Q8_0
+ * weights 8 rows interleaved for vpmaddubsw (signs moved to the activations, as ggml's vec_dot does),
+ * each row's outputs those of the row alone. */
 #include <ggml.h>
 #include <ggml-cpu.h>
 #include <math.h>
@@ -927,6 +931,129 @@ int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, in
 #define TG_Q8_TILE(NR) q8_vnni_tile(wg, nb, q, i, NR, y, n_out, g * Q8X16_ROWS)
                 TG_ROW_TILES(TG_Q8_TILE);
 #undef TG_Q8_TILE
+            }
+        }
+    }
+    free(q);
+    return 0;
+#endif
+}
+
+/* tg_repack_q8_x8 / tg_linear_q8_x8: Q8_0 weights (an lm_head as llama.cpp's GGUFs store it) for
+ * calls of several activation rows where the CPU has AVX2 but no AVX512-VNNI. ggml's kernels take
+ * such a layer one activation row and one weight row at a time (vec_dot), and fbgemm's fp16 copy, which
+ * runs calls of more rows, multiplies in fp32: one FMA and one broadcast per 8 multiply-adds, about
+ * half its FMA peak on this CPU. Here 8 weight rows are interleaved 4 bytes at a time, so one
+ * vpmaddubsw multiplies 4 values of each of the 8 rows with 4 of an activation row (32 byte
+ * products, summed in pairs), and a block of the 8 rows, loaded once, serves up to Q8X8_TILE
+ * activation rows. vpmaddubsw takes unsigned x signed bytes: the weights' magnitudes times the
+ * activations with the weights' signs (vpsignb), as ggml's AVX2 vec_dot does. The activations are
+ * Q8_0 as ggml quantizes them for vec_dot; every block's integer dot product is exact, then scaled
+ * by weight scale x activation scale and added block by block, the same operations in the same
+ * order for a row whatever the tile: each row's outputs are those of the row alone. */
+#ifdef TG_X8_AVX2 /* AVX2 and F16C without AVX512-VNNI: Kernels.x8_avx2 */
+#define TG_Q8X8 1
+#endif
+#define Q8X8_ROWS 8
+#define Q8X8_GROUP_BYTES (2 * Q8X8_ROWS + QK * Q8X8_ROWS) /* 8 fp16 scales, 8 rows x 32 bytes */
+/* Activation rows a weight block serves: four rows' int32 dot products and fp32 accumulators beside
+ * the block's chunk, its magnitudes and the constant fill the 16 ymm registers. */
+#define Q8X8_TILE 4
+
+/* n rows of Q8_0 blocks (k values each; n a multiple of 8, k of 32) into dst (n / 8 * k / 32 groups
+ * of Q8X8_GROUP_BYTES): group (g, b) holds block b of rows 8 g .. 8 g + 7, their scales, then 8
+ * chunks of 32 bytes, chunk j holding bytes 4 j .. 4 j + 3 of each row's block in row order. -1
+ * when this build does not run the layout (no AVX2 and F16C, or AVX512-VNNI: tg_repack_q8_x16's)
+ * or the shape does not fit it. */
+int tg_repack_q8_x8(const char *src, int64_t n, int64_t k, char *dst) {
+#ifndef TG_Q8X8
+    (void)src, (void)n, (void)k, (void)dst;
+    return -1;
+#else
+    if (n % Q8X8_ROWS || k % QK) return -1;
+    const int64_t nb = k / QK;
+    for (int64_t g = 0; g < n / Q8X8_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            char *out = dst + (g * nb + b) * Q8X8_GROUP_BYTES;
+            for (int r = 0; r < Q8X8_ROWS; r++) {
+                const char *in = src + ((g * Q8X8_ROWS + r) * nb + b) * Q8_ROW_BLOCK_BYTES;
+                memcpy(out + 2 * r, in, 2);
+                for (int j = 0; j < QK / 4; j++) memcpy(out + 2 * Q8X8_ROWS + 32 * j + 4 * r, in + 2 + 4 * j, 4);
+            }
+        }
+    return 0;
+#endif
+}
+
+#ifdef TG_Q8X8
+/* The 8 outputs of weight group wg (tg_repack_q8_x8's layout, nb blocks) for activation rows
+ * [i0, i0 + NR) of q into y (ldy floats a row) from column c0. NR is a constant at each call. */
+static inline __attribute__((always_inline)) void q8_x8_tile(const char *wg, int64_t nb, const act_block *q,
+                                                             int64_t i0, const int NR, float *y, int64_t ldy,
+                                                             int64_t c0) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[Q8X8_TILE];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const char *blk = wg + b * Q8X8_GROUP_BYTES;
+        __m256i dot[Q8X8_TILE];
+        for (int r = 0; r < NR; r++) dot[r] = _mm256_setzero_si256();
+        for (int j = 0; j < QK / 4; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2 * Q8X8_ROWS + 32 * j));
+            const __m256i magnitude = _mm256_abs_epi8(w);
+            for (int r = 0; r < NR; r++) {
+                int32_t v;
+                memcpy(&v, q[(i0 + r) * nb + b].qs + 4 * j, 4);
+                const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(v), w);
+                /* pairs of products: at most 2 x 127 x 127, so summed in 32 bits */
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(q[(i0 + r) * nb + b].d)), acc[r]);
+    }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (i0 + r) * ldy + c0, acc[r]);
+}
+#endif
+
+/* y [m, n_out] = x [m, k] @ W^T for W repacked by tg_repack_q8_x8. Returns 0, -1 where this build
+ * does not run the layout, -2 when scratch cannot be had. Each output row is computed alone (the
+ * same for any m and any rows beside it). */
+int tg_linear_q8_x8(const char *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+#ifndef TG_Q8X8
+    (void)w, (void)n_out, (void)k, (void)x, (void)m, (void)y, (void)nthreads;
+    return -1;
+#else
+    if (n_out % Q8X8_ROWS || k % QK) return -1;
+    const int64_t nb = k / QK, groups = n_out / Q8X8_ROWS;
+    act_block *q = malloc(sizeof(act_block) * (size_t)(m * nb) + 1);
+    if (q == NULL) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t b = 0; b < nb; b++) act_block_values(q8, x + i * k + b * QK, q + i * nb + b);
+        /* the loop's implicit barrier: every row is quantized */
+        const int64_t grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g0 = 0; g0 < groups; g0 += grab) {
+            const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
+            for (int64_t g = g0; g < g1; g++) {
+                const char *wg = w + g * nb * Q8X8_GROUP_BYTES;
+                int64_t i = 0;
+#define TG_Q8X8_TILE(NR) q8_x8_tile(wg, nb, q, i, NR, y, n_out, g * Q8X8_ROWS)
+                for (; i + Q8X8_TILE <= m; i += Q8X8_TILE) TG_Q8X8_TILE(Q8X8_TILE);
+                switch (m - i) { /* fewer than Q8X8_TILE rows left */
+                case 3: TG_Q8X8_TILE(3); break;
+                case 2: TG_Q8X8_TILE(2); break;
+                case 1: TG_Q8X8_TILE(1); break;
+                default: break;
+                }
+#undef TG_Q8X8_TILE
             }
         }
     }
