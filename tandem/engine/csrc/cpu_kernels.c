@@ -833,6 +833,28 @@ int tg_linear_x8(const char *w8, const float *corr, int64_t n_out, int64_t k, co
  * activation rows. vpdpbusd takes unsigned x signed bytes: the weights are stored as q + 128 and
  * each activation block's sum starts at -128 x the sum of its values, so every block's integer dot
  * product is exact, then scaled as ggml scales it (weight scale x activation scale, both Q8_0's). */
+#if defined(TG_VNNI) || defined(TG_X8_AVX2)
+/* n rows of Q8_0 blocks (k values each; n a multiple of `rows`, k of 32) into dst, `rows` rows at a
+ * time: group (g, b) (2 + 32 bytes a row) holds block b of rows rows g .. rows g + rows - 1, their
+ * fp16 scales in row order, then 8 chunks of 4 x rows bytes, chunk j holding bytes 4 j .. 4 j + 3 of
+ * each row's block in row order, each byte XOR `flip`. The layout of tg_repack_q8_x16 (16 rows, flip
+ * 0x80) and tg_repack_q8_x8 (8 rows, no flip). */
+static void q8_interleave(const char *src, int64_t n, int64_t k, int rows, char flip, char *dst) {
+    const int64_t nb = k / QK;
+    for (int64_t g = 0; g < n / rows; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            char *out = dst + (g * nb + b) * rows * (2 + QK);
+            for (int r = 0; r < rows; r++) {
+                const char *in = src + ((g * rows + r) * nb + b) * Q8_ROW_BLOCK_BYTES;
+                memcpy(out + 2 * r, in, 2);
+                for (int j = 0; j < QK / 4; j++)
+                    for (int e = 0; e < 4; e++)
+                        out[2 * rows + j * 4 * rows + 4 * r + e] = (char)(in[2 + 4 * j + e] ^ flip);
+            }
+        }
+}
+#endif
+
 #define Q8X16_ROWS 16
 #define Q8X16_GROUP_BYTES (2 * Q8X16_ROWS + QK * Q8X16_ROWS) /* 16 fp16 scales, 16 rows x 32 bytes */
 
@@ -847,18 +869,7 @@ int tg_repack_q8_x16(const char *src, int64_t n, int64_t k, char *dst) {
     return -1;
 #else
     if (n % Q8X16_ROWS || k % QK) return -1;
-    const int64_t nb = k / QK;
-    for (int64_t g = 0; g < n / Q8X16_ROWS; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            char *out = dst + (g * nb + b) * Q8X16_GROUP_BYTES;
-            for (int r = 0; r < Q8X16_ROWS; r++) {
-                const char *in = src + ((g * Q8X16_ROWS + r) * nb + b) * Q8_ROW_BLOCK_BYTES;
-                memcpy(out + 2 * r, in, 2);
-                for (int j = 0; j < QK / 4; j++)
-                    for (int e = 0; e < 4; e++)
-                        out[2 * Q8X16_ROWS + j * 4 * Q8X16_ROWS + 4 * r + e] = (char)(in[2 + 4 * j + e] ^ 0x80);
-            }
-        }
+    q8_interleave(src, n, k, Q8X16_ROWS, (char)0x80, dst);
     return 0;
 #endif
 }
@@ -971,16 +982,7 @@ int tg_repack_q8_x8(const char *src, int64_t n, int64_t k, char *dst) {
     return -1;
 #else
     if (n % Q8X8_ROWS || k % QK) return -1;
-    const int64_t nb = k / QK;
-    for (int64_t g = 0; g < n / Q8X8_ROWS; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            char *out = dst + (g * nb + b) * Q8X8_GROUP_BYTES;
-            for (int r = 0; r < Q8X8_ROWS; r++) {
-                const char *in = src + ((g * Q8X8_ROWS + r) * nb + b) * Q8_ROW_BLOCK_BYTES;
-                memcpy(out + 2 * r, in, 2);
-                for (int j = 0; j < QK / 4; j++) memcpy(out + 2 * Q8X8_ROWS + 32 * j + 4 * r, in + 2 + 4 * j, 4);
-            }
-        }
+    q8_interleave(src, n, k, Q8X8_ROWS, 0, dst);
     return 0;
 #endif
 }
