@@ -93,9 +93,9 @@ GGML_X8_MAX_ROWS = 16
 GGML_Q8_X16_MAX_ROWS = 128
 GGML_Q8_X16_BF16_MAX_ROWS = 16
 # The same for Tandem's AVX2 kernel (``Kernels.repack_q8_x8``) where the CPU has no AVX512-VNNI
-# (none of those has a bf16 wide copy). SmolLM2's head on a 2-core AVX2 EPYC (Zen 3), 2026-12-07,
-# one process: 1.5-2.1x fbgemm's fp16 at 1-128 rows (2.80 against 5.22 ms at 8 rows), 1.3-2.1x
-# ggml's vec_dot at 1-3 rows.
+# (none of those has a bf16 wide copy). SmolLM2's head on a 2-core AVX2 EPYC (Zen 3), paired in one
+# process (bench/q8_head.py, 2026-12-07): 1.2-1.8x faster than fbgemm's fp16 at 1-128 rows; decode
+# steps of 1-3 rows 1.06-1.18x faster than on ggml's vec_dot.
 GGML_Q8_X8_MAX_ROWS = 128
 # The block types tried, in order, for a layer of the ggml format: the first that holds the
 # layer's weights exactly is used (llama.cpp's usual GGUF body and embedding types).
