@@ -99,6 +99,7 @@ from tandem.policy.admission import (
     REASON_CROWDED,
     REASON_KV,
     REASON_TBT,
+    RATE_BOUND_SPREAD,
     CrowdBias,
     MissGuard,
     PrefillBatching,
@@ -312,7 +313,7 @@ class AdmissionController:
         if not 0 <= margin <= cold_margin:
             raise ValueError(f"need 0 <= margin <= cold_margin, got {margin} and {cold_margin}")
         # How admitted requests turned out tightens the margin past overload (0: never).
-        self.guard = MissGuard(miss_target)
+        self.guard = MissGuard(miss_target, event_s=slo.ttft_s)
         # How much later than predicted prompts beside many streams got their first token.
         self.crowd = CrowdBias()
         self.rate_bound = RateBound()
@@ -659,12 +660,17 @@ class AdmissionController:
             # itself, not to the margin the prediction gets: past overload on this CPU (13 runs,
             # 2026-12-06) prompts this estimate put between the deadline and the margin's limit
             # missed 35 of 155, those it put before the deadline 72 of 2,096.
+            # The rate is the TBT budget's of this moment, from a step calibration that leans slow
+            # on purpose, so it refuses only what the prediction, ``RATE_BOUND_SPREAD`` times
+            # longer, puts past the deadline too (``RateBound``).
             bound_s = self.least_beside_s(request, ahead) if regime.beside_streams else None
             bound_factor = self.rate_bound.factor()
             least_s = bound_factor * bound_s if bound_s is not None and bound_factor is not None else None
             if where and bound_s is not None:
                 where.update(bound_s=round(bound_s, 4), least_s=None if least_s is None else round(least_s, 4))
-            if least_s is not None and now_s + least_s - request.deadline(self.slo) - min(margin, 0.0) * self.slo.ttft_s > 0:
+            late_s = request.deadline(self.slo) + min(margin, 0.0) * self.slo.ttft_s - now_s  # time left, past none
+            if (least_s is not None and least_s > late_s
+                    and RATE_BOUND_SPREAD * (predicted.wait_s + predicted.batch_s) > late_s):
                 self._log("refused", request, now_s, reason=REASON_CROWDED, **where)
                 self.num_refused += 1
                 self.num_rate_refusals += 1

@@ -34,6 +34,10 @@ DEFAULT_COLD_MARGIN = 1.0
 # The share of admitted requests allowed to miss the TTFT SLO (``MissGuard``); 0: no guard.
 DEFAULT_MISS_TARGET = 0.05
 
+# How much longer than its calibrated prediction (CrowdBias included) a prompt beside streams
+# must be able to take before the agent's prompt rate may refuse it (``RateBound``).
+RATE_BOUND_SPREAD = 2.0
+
 REASON_PAST_DEADLINE = "deadline already passed"
 REASON_TOO_LONG = "prefill alone exceeds the TTFT SLO"
 REASON_QUEUE = "queue ahead pushes TTFT past the deadline"
@@ -571,6 +575,16 @@ class MissGuard:
     and no limit before ``min_outcomes`` outcomes. It only tightens what the margin admits, and
     loosens again as the window fills with requests that met their SLO.
 
+    Misses of one moment are one piece of evidence (``event_s``): a stall of the host stretches
+    every step running through it and makes every request then waiting late, whatever its
+    prediction, and the conformal count then finds no prediction safe and holds the limit at its
+    floor. On a 2-core AVX2 host a stack whose decode was stopped for 1.4-1.9 s at 16 streams
+    (``bench/admission_stall.py``) counted its 16 in-flight requests missed, cut the limit to 0.5x
+    and refused 53-54 of the next 96 requests, all of which it then judged false refusals. So the
+    guard tightens only once the recent misses span at least two events: misses within
+    ``event_s`` (the TTFT SLO, in the router) of the first miss of an event belong to it. An
+    overload that lasts misses on past one event, and the guard acts one event later.
+
     Outcomes older than ``max_age_s`` (30 s) are forgotten: what an overload taught must not
     outlive it. Kept by count alone, the misses of an overload held the limit at its floor after
     it passed, since the requests a tight limit admits are few and it takes ``window`` of them to
@@ -581,15 +595,16 @@ class MissGuard:
     """
 
     def __init__(self, target: float = DEFAULT_MISS_TARGET, window: int = 40, min_outcomes: int = 20,
-                 floor: float = 0.5, max_age_s: float = 30.0) -> None:
+                 floor: float = 0.5, max_age_s: float = 30.0, event_s: float = 2.0) -> None:
         if not 0 <= target < 1:
             raise ValueError(f"the miss target must be in [0, 1), got {target}")
-        if not 1 <= min_outcomes <= window or not 0 < floor <= 1 or not max_age_s > 0:
-            raise ValueError("need 1 <= min_outcomes <= window, 0 < floor <= 1 and max_age_s > 0")
+        if not 1 <= min_outcomes <= window or not 0 < floor <= 1 or not max_age_s > 0 or not event_s >= 0:
+            raise ValueError("need 1 <= min_outcomes <= window, 0 < floor <= 1, max_age_s > 0 and event_s >= 0")
         self.target = target
         self.min_outcomes = min_outcomes
         self.floor = floor
         self.max_age_s = max_age_s
+        self.event_s = event_s
         self.outcomes: deque[tuple[float, bool, float]] = deque(maxlen=window)  # (share, missed, when)
 
     @property
@@ -605,9 +620,12 @@ class MissGuard:
     def limit(self, ceiling: float, now_s: float) -> float:
         """The largest prediction, as a share of the SLO, to admit at ``now_s``: at most
         ``ceiling`` (1 + the margin), at least ``floor`` (or ``ceiling`` if that is lower)."""
-        recent = [(share, missed) for share, missed, at in self.outcomes if at >= now_s - self.max_age_s]
+        kept = [outcome for outcome in self.outcomes if outcome[2] >= now_s - self.max_age_s]
+        recent = [(share, missed) for share, missed, _ in kept]
         if not self.enabled or len(recent) < self.min_outcomes:
             return ceiling
+        if miss_events([at for _, missed, at in kept if missed], self.event_s) < 2:
+            return ceiling  # one moment's misses: a stall, not a prediction that runs short
         ordered = sorted(recent)
         best: float | None = None
         misses = 0
@@ -619,6 +637,16 @@ class MissGuard:
         if best is not None and best >= ordered[-1][0]:
             return ceiling  # every outcome qualifies: larger predictions are not known to miss
         return min(ceiling, max(self.floor, best if best is not None else self.floor))
+
+
+def miss_events(times: Iterable[float], event_s: float) -> int:
+    """How many events ``times`` (of misses) make: each event takes the times within ``event_s``
+    of its first (``MissGuard``)."""
+    events, start = 0, -math.inf
+    for at in sorted(times):
+        if at > start + event_s:
+            events, start = events + 1, at
+    return events
 
 
 class StreamLimit:
@@ -791,6 +819,15 @@ class RateBound:
     gives waiting prompts more than the TBT budget to keep their deadlines and part of what is
     ahead is computed already. ``factor`` is the median ratio over the last ``window``
     outcomes, None until ``min_outcomes`` (the bound is then not used).
+
+    The rate is that of the moment, from the agent's step calibration, which leans slow on
+    purpose (``LiveStepPredictor``): after a run of slow steps on a 2-core AVX2 host it fell to 7.8
+    prompt tokens a second beside 15 streams, and the router refused 32 lone 65-token prompts in
+    0.3 s, with nothing ahead of them, that its prediction put at 0.21 s (``bench/admission_stall.py``,
+    a trial without a stall, 2026-12-07); the policy gives a waiting prompt more than the TBT
+    budget before its deadline. The prediction was seen to come short by up to 1.8x beside
+    streams (above), so the router refuses by the rate only a prompt that its prediction,
+    ``RATE_BOUND_SPREAD`` times longer, also puts past the deadline.
     """
 
     def __init__(self, window: int = 40, min_outcomes: int = 10) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gpu_agent.policy_loop import PolicyLoop
 from router.admission import AdmissionController
-from tandem.policy.admission import REASON_CROWDED, RateBound
+from tandem.policy.admission import RATE_BOUND_SPREAD, REASON_CROWDED, RateBound
 from tandem.policy.policies import POLICIES, ChunkedConfig, prompt_rate_beside
 from tandem.policy.types import Slo
 from tandem.protocol import LoadReport
@@ -117,9 +117,10 @@ def test_what_the_bound_ignores() -> None:
         RateBound(window=4, min_outcomes=5)
 
 
-def _beside_one_stream(rate: float | None, margin: float = 0.0, **kwargs: object) -> AdmissionController:
+def _beside_one_stream(rate: float | None, margin: float = 0.0, predictor: TokenPredictor | None = None,
+                       **kwargs: object) -> AdmissionController:
     """A router in aggregated mode with one stream of its own decoding and the agent's ``rate``."""
-    c = AdmissionController(TokenPredictor(), SLO, enabled=True, default_units=2, stream_cap=False, miss_target=0.0,
+    c = AdmissionController(predictor or TokenPredictor(), SLO, enabled=True, default_units=2, stream_cap=False, miss_target=0.0,
                             margin=margin, cold_margin=margin, **kwargs)  # type: ignore[arg-type]
     c.set_agent_load(dataclasses.replace(agent_report([], [0, 1], aggregated=True), prompt_rate_beside=rate))
     assert c.try_admit("stream", 10, now_s=0.0) is None
@@ -129,13 +130,16 @@ def _beside_one_stream(rate: float | None, margin: float = 0.0, **kwargs: object
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.floats(20.0, 2000.0), st.floats(0.2, 3.0), st.floats(0.05, 1.6), st.integers(0, 3), st.floats(0.0, 0.5))
+@given(st.floats(20.0, 2000.0), st.floats(0.2, 3.0), st.floats(0.05, 1.6), st.integers(0, 3), st.floats(0.0, 0.5),
+       st.floats(0.05, 0.95))
 def test_a_prompt_the_learnt_bound_puts_past_its_deadline_is_refused(rate: float, factor: float, share: float,
-                                                                      num_ahead: int, margin: float) -> None:
+                                                                      num_ahead: int, margin: float,
+                                                                      predicted_share: float) -> None:
     """The bound learnt at ``factor``: a prompt whose tokens, with those ahead of it, take
     ``factor`` x tokens / rate past its deadline is refused for the streams, with a finite
-    Retry-After, whatever margin past the deadline the prediction gets; one that fits is
-    admitted. The prefill model alone (TokenPredictor: fast) admits every one of them."""
+    Retry-After, whatever margin past the deadline the prediction gets, when its prediction
+    (``predicted_share`` of the SLO: the prefill model alone admits every one of them), twice as
+    long, is past the deadline too; one that fits either is admitted."""
     c = _beside_one_stream(rate, margin)
     c.rate_bound = RateBound(min_outcomes=1)
     c.rate_bound.observe(1.0, factor)
@@ -148,10 +152,12 @@ def test_a_prompt_the_learnt_bound_puts_past_its_deadline_is_refused(rate: float
     c.rate_bound.observe(1.0, factor)
     tokens = max(1, round(share * SLO.ttft_s * rate / factor) - sum(ahead))
     least_s = factor * (tokens + sum(ahead)) / rate
-    if abs(least_s - SLO.ttft_s) < 1e-6:
+    # the queue and the prompt on 2 units, each just admitted: all still to come
+    c.predictor = TokenPredictor(token_s=predicted_share * SLO.ttft_s * 2 / (tokens + sum(ahead)))
+    if abs(least_s - SLO.ttft_s) < 1e-6 or abs(RATE_BOUND_SPREAD * predicted_share - 1.0) < 1e-6:
         return  # on the edge: either answer is right
     refusal = c.try_admit("p", tokens, now_s=now_s)
-    if least_s > SLO.ttft_s:
+    if least_s > SLO.ttft_s and RATE_BOUND_SPREAD * predicted_share > 1.0:
         assert refusal is not None and refusal.reason == REASON_CROWDED
         assert refusal.predicted_ttft_s == pytest.approx(least_s)
         assert math.isfinite(refusal.retry_after_s) and "too few tokens" in refusal.message()
@@ -159,16 +165,23 @@ def test_a_prompt_the_learnt_bound_puts_past_its_deadline_is_refused(rate: float
         assert refusal is None
 
 
-def test_no_rate_or_no_factor_refuses_nothing_and_no_chunk_refuses_everything() -> None:
+def test_no_rate_or_no_factor_refuses_nothing_and_no_chunk_refuses_what_the_prediction_does_not_clear() -> None:
     """An agent that does not say (None) or a bound not learnt yet leaves admission as it was; a
-    rate of 0 (no chunk fits beside the streams) refuses, saying so, with a finite retry."""
+    rate of 0 (no chunk fits beside the streams) refuses, saying so, with a finite retry, a prompt
+    that its prediction, ``RATE_BOUND_SPREAD`` x longer, puts past the deadline, and admits a
+    shorter one: the rate is the moment's, and the policy gives a waiting prompt more."""
     huge = 10_000  # 1 s at 10,000 tokens/s: admitted; at 100 tokens/s with a factor of 1, 100 s
     assert _beside_one_stream(None).try_admit("p", huge, now_s=1.0) is None
     assert _beside_one_stream(100.0).try_admit("p", huge, now_s=1.0) is None  # nothing learnt yet
-    held = _beside_one_stream(0.0)
+    slow = TokenPredictor(token_s=0.3)  # 5 tokens on 2 units: 0.75 s, twice that under the 2 s SLO; 8 tokens: 1.2 s
+    short = _beside_one_stream(0.0, predictor=slow)
+    short.rate_bound = RateBound(min_outcomes=1)
+    short.rate_bound.observe(1.0, 0.5)
+    assert short.try_admit("p", 5, now_s=1.0) is None
+    held = _beside_one_stream(0.0, predictor=slow)
     held.rate_bound = RateBound(min_outcomes=1)
     held.rate_bound.observe(1.0, 0.5)
-    refusal = held.try_admit("p", 5, now_s=1.0)
+    refusal = held.try_admit("p", 8, now_s=1.0)
     assert refusal is not None and refusal.reason == REASON_CROWDED
     assert "no prompt chunk fits" in refusal.message() and math.isfinite(refusal.retry_after_s)
     stats = held.stats()
