@@ -115,16 +115,26 @@ class LiveStepPredictor:
     it, and a request's TBT p99 over 64-128 gaps is nearly its largest gap: at 0.9, about one
     hybrid step in 30 ran past the SLO at 32 streams and 6 req/s on the 2-core host, and in
     some runs 18-78 % of the admitted requests missed TBT alone (docs/benchmarks.md, "A hybrid step past the
-    SLO costs every stream"). Prefill predictions are the base model's (the router calibrates its own).
+    SLO costs every stream"). A slower step moves ``factor`` as one ``max_jump`` (2) times the
+    factor would, however slow it was. A step the host stalled (decode stopped for 1.3 s at 16
+    streams, ``bench/admission_stall.py``) measures tens of times its prediction, and folded whole
+    (its ratio clamped at ``max_factor`` only) it lifted the factor 2-3x at once. In such a trial
+    a prompt then waited 5.4 s for its first token beside 15 streams and admission refused 73 of
+    96 requests (the agent's factor was not logged: the chunk budget a 2-3x factor leaves beside
+    15 streams is the inferred link). A machine that really slowed moves it 1.23x a step, so 3x
+    within six steps.
+    Prefill predictions are the base model's (the router calibrates its own).
     Not thread-safe.
     """
 
     def __init__(self, base: Predictor, *, up: float = 0.3, down: float = 0.05, min_factor: float = 0.1,
                  max_factor: float = 10.0, prompt_quantile: float = 0.97, prompt_step: float = 0.2,
-                 window: int = 64) -> None:
-        if not (0 < down <= up <= 1 and 0 < min_factor <= 1 <= max_factor):
-            raise ValueError("LiveStepPredictor needs 0 < down <= up <= 1 and min_factor <= 1 <= max_factor")
+                 window: int = 64, max_jump: float = 2.0) -> None:
+        if not (0 < down <= up <= 1 and 0 < min_factor <= 1 <= max_factor and max_jump > 1):
+            raise ValueError("LiveStepPredictor needs 0 < down <= up <= 1, min_factor <= 1 <= max_factor and "
+                             "max_jump > 1")
         self.base = base
+        self.max_jump = max_jump
         if not (0 < prompt_quantile < 1 and prompt_step > 0 and window >= 1):
             raise ValueError("LiveStepPredictor needs 0 < prompt_quantile < 1, prompt_step > 0 and window >= 1")
         self.up, self.down, self.min_factor, self.max_factor = up, down, min_factor, max_factor
@@ -326,11 +336,14 @@ class LiveStepPredictor:
         return min(self.max_factor, max(self.min_factor, factor))
 
     def _fold(self, factor: float, ratio: float, num_samples: int) -> float:
-        """The first ratio, then a geometric step toward each later one (``up`` or ``down``)."""
+        """The first ratio, then a geometric step toward each later one (``up`` or ``down``),
+        a slower one taken as at most ``max_jump`` x the factor: a step the host stalled is not
+        a slower machine (see the class docstring)."""
         if num_samples == 0:
             return ratio
-        w = self.up if ratio > factor else self.down
-        return log_step(factor, ratio, w)
+        if ratio > factor:
+            return log_step(factor, min(ratio, self.max_jump * factor), self.up)
+        return log_step(factor, ratio, self.down)
 
     def predict_prefill(self, seqs: Sequence[tuple[int, int]], units: int) -> float:
         return self.base.predict_prefill(seqs, units)

@@ -530,3 +530,25 @@ def test_a_wave_run_in_far_larger_steps_leaves_room_for_a_chunk_beside_the_strea
     assert decided is not None and decided[0].aggregated
     assert not decided[0].prefill_held and decided[0].prefill_token_budget > 0
     assert loop.predictor.predict_hybrid([(decided[0].prefill_token_budget, 0)], streams, 2) <= slo.tbt_s
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_stalled_step_moves_the_decode_factor_by_max_jump_at_most_and_a_real_slowdown_still_shows(
+        seed: int) -> None:
+    """A decode step the host stalled for 0.5-3 s (tens of times its prediction) lifts the factor
+    no more than a step ``max_jump`` times slower would; steps that all run 3x slower bring it
+    within 10 % of their ratio in a dozen steps."""
+    rng = random.Random(seed)
+    base = LinearPredictor()
+    live = LiveStepPredictor(base)
+    ctx = [rng.randint(1, 300) for _ in range(rng.randint(1, 16))]
+    model_s = base.predict_decode(ctx, 2)
+    true = rng.uniform(0.3, 1.5)
+    for _ in range(30):
+        live.observe(true * model_s * rng.uniform(0.95, 1.05), 0, ctx, 2)
+    before = live.factor
+    live.observe(true * model_s + rng.uniform(0.5, 3.0), 0, ctx, 2)
+    assert before < live.factor <= before * live.max_jump ** live.up * (1 + 1e-9)
+    for _ in range(12):
+        live.observe(3 * true * model_s, 0, ctx, 2)
+    assert live.factor == pytest.approx(3 * true, rel=0.1)
