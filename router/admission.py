@@ -96,10 +96,10 @@ from tandem.policy.admission import (
     DEFAULT_COLD_MARGIN,
     DEFAULT_MARGIN,
     DEFAULT_MISS_TARGET,
+    RATE_BOUND_SPREAD,
     REASON_CROWDED,
     REASON_KV,
     REASON_TBT,
-    RATE_BOUND_SPREAD,
     CrowdBias,
     MissGuard,
     PrefillBatching,
@@ -668,9 +668,10 @@ class AdmissionController:
             least_s = bound_factor * bound_s if bound_s is not None and bound_factor is not None else None
             if where and bound_s is not None:
                 where.update(bound_s=round(bound_s, 4), least_s=None if least_s is None else round(least_s, 4))
-            late_s = request.deadline(self.slo) + min(margin, 0.0) * self.slo.ttft_s - now_s  # time left, past none
-            if (least_s is not None and least_s > late_s
-                    and RATE_BOUND_SPREAD * (predicted.wait_s + predicted.batch_s) > late_s):
+            # the time left until the deadline (less a negative margin's share of the SLO)
+            left_s = request.deadline(self.slo) + min(margin, 0.0) * self.slo.ttft_s - now_s
+            if (least_s is not None and least_s > left_s
+                    and RATE_BOUND_SPREAD * (predicted.wait_s + predicted.batch_s) > left_s):
                 self._log("refused", request, now_s, reason=REASON_CROWDED, **where)
                 self.num_refused += 1
                 self.num_rate_refusals += 1
