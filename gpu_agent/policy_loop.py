@@ -52,6 +52,13 @@ from tandem.rpc.v1 import agent_pb2
 
 log = logging.getLogger("tandem.gpu_agent.policy")
 
+# The agent logs its live calibration again whenever a factor has moved this much (either way)
+# since it was last logged: one stalled or slow step can move the chunk budget and the prompt
+# rate the router admits by, and nothing else in the log says so.
+CALIBRATION_MOVE = 1.5
+# The prompt chunk whose predicted part stands for the prompt parts in that log line.
+CALIBRATION_REF_TOKENS = 256
+
 Policy = Callable[[ClusterSnapshot, Predictor], Decision]
 
 
@@ -125,6 +132,29 @@ class DecisionStats:
         return line
 
 
+class CalibrationWatch:
+    """Which of some named factors moved by ``move`` or more (a ratio, either way) since each was
+    last said: ``moved`` returns them as "name xOLD -> xNEW" and remembers the new values; the
+    first value of a name is taken as said."""
+
+    def __init__(self, move: float = CALIBRATION_MOVE) -> None:
+        if not move > 1:
+            raise ValueError(f"CalibrationWatch needs move > 1, got {move}")
+        self.move = move
+        self.said: dict[str, float] = {}
+
+    def moved(self, values: dict[str, float]) -> list[str]:
+        out = []
+        for name, value in values.items():
+            old = self.said.get(name)
+            if old is None or not (value > 0 and old > 0):
+                self.said[name] = value
+            elif value >= old * self.move or value * self.move <= old:
+                out.append(f"{name} x{old:.2f} -> x{value:.2f}")
+                self.said[name] = value
+        return out
+
+
 class PolicyLoop:
     def __init__(self, policy_name: str, policy: Policy, predictor: Predictor, cores: Sequence[int],
                  num_layers: int, slo: Slo, calibrate_split: bool = True,
@@ -146,6 +176,7 @@ class PolicyLoop:
         self.calibrate_split = calibrate_split
         self.policy = policy
         self.predictor = LiveStepPredictor(predictor)
+        self.calibration_watch = CalibrationWatch()
         self._last_step_end_ns: dict[tuple[int, str], int] = {}  # per decode service: the step last folded in
         self.predicted_model = predicted_model
         self.anchored_from = ""  # the decode service whose start-up timings anchor the predictor
@@ -197,11 +228,21 @@ class PolicyLoop:
                     else len(load.decode_context_lens))
         ratio = live.observe(_compute_s(load), load.last_step_chunk_tokens,
                              list(load.decode_context_lens[:num_seqs]), len(self.cores))
-        if first and ratio is not None:
+        if ratio is None:
+            return
+        moves = self.calibration_watch.moved({
+            "decode steps": live.factor,
+            f"a {CALIBRATION_REF_TOKENS}-token prompt part": live.prompt_ratio(CALIBRATION_REF_TOKENS, len(self.cores))})
+        if first:
             log.info("policy calibration: a %.0f ms step (%d sequences, %d prompt tokens) measured %.2f x the "
                      "prediction; decode steps now x%.2f the model, prompt parts of hybrid steps %s",
                      _compute_s(load) * 1e3, num_seqs, load.last_step_chunk_tokens, ratio, live.factor,
                      live.prompt_scale())
+        elif moves:
+            log.info("policy calibration moved (times the model, since last logged): %s; after a %.0f ms step (%d "
+                     "sequences, %d prompt tokens) that measured %.2f x the prediction; prompt parts of hybrid "
+                     "steps now %s", "; ".join(moves), _compute_s(load) * 1e3, num_seqs,
+                     load.last_step_chunk_tokens, ratio, live.prompt_scale())
 
     def _anchor(self, load: agent_pb2.PhaseLoad) -> None:
         """Fit the shape of prompt parts on the prompt steps a (new) decode service timed at start-up."""

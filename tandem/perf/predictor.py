@@ -300,6 +300,12 @@ class LiveStepPredictor:
         decode_s = min(decode_s, whole)
         return decode_s, whole - decode_s
 
+    def prompt_ratio(self, tokens: int, units: int) -> float:
+        """A ``tokens``-token prompt chunk's part of a step, as predicted now, over the base
+        model's (1.0 where the base predicts none): one number for how the prompt parts moved."""
+        _, base_s = self._hybrid_parts([(tokens, 0)], (), units)
+        return self._prompt_s(base_s) / base_s if base_s > 0 else 1.0
+
     def prompt_scale(self) -> str:
         """How prompt parts are predicted now, for the log."""
         if not (self.num_prompt_samples or self._anchors):

@@ -5,6 +5,7 @@ decides reaches the partition it publishes."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_agent.policy_loop import PolicyLoop
+from gpu_agent.policy_loop import CALIBRATION_MOVE, CalibrationWatch, PolicyLoop
 from tandem.policy.policies import POLICIES, ChunkedConfig, prompt_rate_beside
 from tandem.policy.types import Slo
 from tandem.rpc.v1 import agent_pb2
@@ -336,6 +337,61 @@ def test_the_loop_logs_its_decisions_summary(caplog: pytest.LogCaptureFixture) -
             time.sleep(0.002)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decisions: ")]
     assert lines and all('x "chunked: ' in line for line in lines)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0.05, 20.0)), max_size=3), max_size=40),
+       st.floats(1.05, 4.0))
+def test_the_calibration_watch_says_each_move_past_its_bound_once(rounds: list[list[tuple[str, float]]],
+                                                                   move: float) -> None:
+    """Against a replay: a name is said when its value is at least ``move`` times, or at most
+    1 / ``move`` of, the value last said for it (its first value counts as said), and then that
+    value is the one said."""
+    watch = CalibrationWatch(move)
+    said: dict[str, float] = {}
+    for values in rounds:
+        values_map = dict(values)
+        want = []
+        for name, value in values_map.items():
+            if name in said and (value / said[name] >= move or said[name] / value >= move):
+                want.append(name)
+                said[name] = value
+            said.setdefault(name, value)
+        got = watch.moved(values_map)
+        assert [line.split(" x", 1)[0] for line in got] == want
+        assert watch.said == said
+
+
+def test_the_loop_logs_when_a_run_of_slow_steps_moves_its_decode_factor(caplog: pytest.LogCaptureFixture) -> None:
+    """Decode steps at a steady ratio to the model log the calibration once (the first step);
+    a run of steps that lifts the factor past CALIBRATION_MOVE x what was logged logs one line
+    naming the decode steps, with the old and new factors, and steady steps after it none."""
+    rng = random.Random(21)
+    for _ in range(6):
+        loop = PolicyLoop("chunked", POLICIES["chunked"], LinearPredictor(), [0, 1], NUM_LAYERS, SLO)
+        contexts = [rng.randint(1, 300) for _ in range(rng.randint(1, 8))]
+        base_s = LinearPredictor().predict_decode(contexts, 2)
+        loop.report(agent_pb2.PhaseLoad(service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts), "")
+        assert loop.decide() is not None
+        steady, slow = rng.uniform(0.5, 2.0), rng.uniform(2.5, 6.0)
+        end_ns = time.time_ns()
+        with caplog.at_level(logging.INFO, logger="tandem.gpu_agent.policy"):
+            caplog.clear()
+            for ratio in [steady] * 10 + [steady * slow] * 12 + [steady * slow] * 10:
+                end_ns += 1000
+                step_ns = round(ratio * base_s * 1e9)
+                loop.report(agent_pb2.PhaseLoad(
+                    service_id="d", role=agent_pb2.ROLE_DECODE, decode_context_lens=contexts, last_step_ns=step_ns,
+                    last_step_compute_ns=step_ns, last_step_end_unix_ns=end_ns, last_step_num_seqs=len(contexts)), "")
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy calibration")]
+        moved = [line for line in lines if line.startswith("policy calibration moved")]
+        assert len(lines) - len(moved) == 1  # the first step's
+        # the factor climbs toward steady x slow in steps of at most 2x: one line per 1.5x climbed
+        assert 1 <= len(moved) <= 1 + int(math.log(slow) / math.log(CALIBRATION_MOVE))
+        assert all("decode steps x" in line for line in moved)
+        last = float(moved[-1].split("decode steps x", 1)[1].split(" -> x", 1)[1].split(";", 1)[0])
+        assert last >= steady * CALIBRATION_MOVE * 0.99
+        assert abs(loop.predictor.factor / (steady * slow) - 1) < 0.1
 
 
 @settings(max_examples=50, deadline=None)
