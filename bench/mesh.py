@@ -113,6 +113,19 @@ async def decode_stats(address: str) -> dict[str, Any]:
             "p99_ms": stats.handoff_p99_ns / 1e6}
 
 
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far (Linux /proc; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
 def stack_round(model_dir: Path, prompts: list[list[int]], params: SamplingParams, policy: str,
                 weight_format: WeightFormat, round_trips: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A fresh stack: the agent's round trips (when ``round_trips``), the streams' throughput and
@@ -128,7 +141,18 @@ def stack_round(model_dir: Path, prompts: list[list[int]], params: SamplingParam
                 extra["agent_allocate_round_trip"] = asyncio.run(
                     agent_round_trips(stack.address("gpu_agent"), round_trips))
                 print("agent allocate:", extra["agent_allocate_round_trip"], flush=True)
+            pids = {name: proc.pid for name, proc in stack.procs.items()}
+            if stack.redis is not None and stack.redis.pid is not None:
+                pids["redis"] = stack.redis.pid
+            pids["client"] = os.getpid()
+            before = _cpu_seconds(pids)
             mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params))
+            after = _cpu_seconds(pids)
+            # where the two cores went while the streams ran: CPU seconds per process over the
+            # run's wall time (2.0 is both cores busy)
+            mesh["cpu_share"] = {name: round((after[name] - before[name]) / mesh["seconds"], 3)
+                                 for name in after if name in before}
+            print("cpu share per process:", mesh["cpu_share"], flush=True)
             extra["handoff"] = asyncio.run(decode_stats(stack.address("decode_svc")))
         finally:
             stack.stop()
