@@ -87,9 +87,9 @@ def trial(args: argparse.Namespace, cache: Path, name: str, at_s: float | None, 
             shutil.copytree(cache, own)
         log_path = logs / f"{name}.log"
         # the router's decision log (one JSON line per decision: prediction, limit, reason)
-        os.environ["TANDEM_ADMISSION_LOG"] = str(logs / f"{name}.decisions.jsonl")
         server = tandem_up("Tandem", f"stall-{os.getpid()}-{name}",
-                           ["--admission-cache", str(own), *args.tandem_args], log_path)
+                           ["--admission-cache", str(own), "--admission-log", str(logs / f"{name}.decisions.jsonl"),
+                            *args.tandem_args], log_path)
         record: dict[str, Any] = {"trial": name, "stall_at_s": at_s, "stall_s": for_s if at_s is not None else 0.0}
         with running(server, 300.0):
             time.sleep(3.0)

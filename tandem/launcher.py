@@ -219,6 +219,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flag(parser, "--stream-cap", "on", "with admission on, the router also caps the streams in flight "
              "where their token gaps approach the TBT SLO", choices=["on", "off"])
     add_flag(parser, "--profile", "", "perf profile from `tandem profile` for the agent and the router")
+    add_flag(parser, "--admission-log", "", "the router appends one JSON line per admission decision and per "
+             "admitted request's first token to this file (its prediction, limit and the measured TTFT: why a "
+             "request was refused or missed; with several models, one file each, the served name added)")
+    add_flag(parser, "--step-log", "", "every decode_svc appends one JSON line per step to this file (its time, "
+             "rows, prompt tokens, the partition and the agent's reason for it; each line names its service)")
     add_flag(parser, "--tool-call-parser", "auto", "format of the tool calls in the answers of a model whose "
              "chat template renders tools: auto (the one the template teaches), hermes, llama3_json or mistral",
              choices=["auto", *TOOL_FORMATS])
@@ -645,7 +650,7 @@ class Supervisor:
                 suffix = where + (f"-{index}" if len(plan.models) > 1 else "")
                 model = ["--model", spec.name] if len(plan.models) > 1 or many_cells else []
                 decode_argv = ["decode_svc", "--agent-address", cell.agent_address, "--port", _port(decode_addr),
-                               *model]
+                               *model, *(["--step-log", str(Path(args.step_log).absolute())] if args.step_log else [])]
                 prefill_argv = ["prefill_svc", "--agent-address", cell.agent_address, "--decode-address",
                                 decode_addr, "--port", _port(prefill_addr), *model]
                 cell.workers.append(Child(f"decode_svc{suffix}", _fixed(decode_argv), decode_addr, cell_env,
@@ -669,6 +674,7 @@ class Supervisor:
         self.router = Child("router", _fixed([
             "router", "--model", str(first_dir), "--host", args.host, "--grpc-port", str(args.grpc_port),
             "--http-port", str(args.port), *upstreams,
+            *(["--admission-log", str(Path(args.admission_log).absolute())] if args.admission_log else []),
         ]), self.router_addr, {**env, "TANDEM_CELL_ID": plans[0].cell_id}, self._budget())
         self.children = [*(c for cell in self.cells for c in cell.children), self.router]
         self.liveness = LivenessWatch(args.liveness_timeout_s) if args.liveness_timeout_s > 0 else None

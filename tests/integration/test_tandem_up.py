@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 import uuid
@@ -19,8 +20,10 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
     port, http_port = free_ports(2)
     cell = f"up-{uuid.uuid4().hex[:6]}"
     log_path = tmp_path / "up.log"
+    decisions, steps = tmp_path / "decisions.jsonl", tmp_path / "steps.jsonl"
     proc = start_up(["--model", str(model_dir), "--grpc-port", str(port), "--port", str(http_port), "--cell-id",
-                     cell, "--kv-cache-gb", "0.05"], log_path, timeout_s=180)  # with a Redis of its own
+                     cell, "--kv-cache-gb", "0.05", "--admission-log", str(decisions), "--step-log", str(steps)],
+                    log_path, timeout_s=180)  # with a Redis of its own
     try:
         text = log_path.read_text(errors="replace")
         pids = [int(p) for p in re.findall(r"ready at \S+ \(pid (\d+)\)", text)]
@@ -37,6 +40,15 @@ def test_up_serves_and_sigterm_stops_everything(smollm2_dir: Path, tmp_path: Pat
             responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
         assert sum(len(r.tokens) for r in responses) == 4
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        # --admission-log reached the router: the request's decision and its first token
+        events = [json.loads(line) for line in decisions.read_text().splitlines()]
+        admitted = [e for e in events if e["event"] == "admitted"]
+        assert len(admitted) == 1 and any(e["request_id"] == admitted[0]["request_id"] for e in events[1:])
+        # --step-log reached decode: its steps computed the 4 tokens (the first is prefill's, or
+        # a hybrid step's), each line naming the service
+        rows = [json.loads(line) for line in steps.read_text().splitlines()]
+        assert rows and all(r["service_id"].startswith("decode") for r in rows)
+        assert sum(r["num_seqs"] * r["steps"] for r in rows) >= 3
 
         stop_up(proc, log_path, timeout_s=60)
         assert "tandem up: stopped" in log_path.read_text(errors="replace")
