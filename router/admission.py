@@ -74,7 +74,9 @@ admitted requests that met or missed the TTFT SLO (measured here, from admission
 token), and refusals judged false or confirmed. A refused request has no TTFT, so it is judged
 by the request admitted just before it: had it been admitted, its first token would have come
 about when that one's did, plus what it adds to its batch; if that is within its deadline, the
-refusal was false.
+refusal was false. One refused with nothing of this router's queued ahead of it is judged by
+the next request admitted while its deadline can still be met: had it been admitted, it would
+have gone first, and its first token would have come about with that one's, plus what it adds.
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ SUMMARY_INTERVAL_S = 30.0
 # (router/calibration_cache.py), and once more when it stops.
 SAVE_INTERVAL_S = 10.0
 _CLOSED_BATCHES_KEPT = 64
+# Refusals with nothing ahead waiting for the next admission to judge them (the oldest dropped).
+_LONE_KEPT = 4096
 
 
 def describe_scaling(slope: float, overhead_s: float) -> str:
@@ -168,7 +172,9 @@ class AdmissionStats:
 
     ``num_met + num_missed`` are the admitted requests that got a first token;
     ``num_false_refusals + num_confirmed_refusals`` the refusals that could be judged (those
-    whose request ahead failed or was cancelled cannot be).
+    whose request ahead failed or was cancelled cannot be, nor those refused with none ahead
+    when no request was admitted while their deadline could still be met). Refusals at the
+    prompt rate beside streams are judged too; those over the stream cap or for KV blocks not.
     """
 
     num_admitted: int
@@ -359,6 +365,9 @@ class AdmissionController:
         self._step_group: _StepGroup | None = None  # first tokens from one of decode's hybrid steps
         self._closed_batches: deque[int] = deque(maxlen=_CLOSED_BATCHES_KEPT)
         self._shadows: dict[str, list[_Shadow]] = {}
+        # Refused with nothing of ours queued ahead: judged by the next request admitted in time
+        # (``_shadow``), else never.
+        self._lone: deque[_Shadow] = deque(maxlen=_LONE_KEPT)
         self.num_admitted = 0
         self.num_refused = 0
         self.num_met = 0
@@ -638,9 +647,7 @@ class AdmissionController:
             if rejection is not None:
                 self._log("refused", request, now_s, reason=rejection.reason, **where)
                 self.num_refused += 1
-                if ahead:
-                    self._shadows.setdefault(ahead[-1].request_id, []).append(
-                        _Shadow(request.deadline(self.slo), predicted.marginal_s))
+                self._shadow(request, ahead, predicted.marginal_s)
                 return Refusal(rejection.reason, rejection.retry_after_s or 0.0, predicted.ttft_s,
                                self.slo.ttft_for(request.prompt_tokens))
             # A full KV pool: the prompt waits for blocks however short the prefill queue is.
@@ -675,6 +682,7 @@ class AdmissionController:
                 self._log("refused", request, now_s, reason=REASON_CROWDED, **where)
                 self.num_refused += 1
                 self.num_rate_refusals += 1
+                self._shadow(request, ahead, predicted.marginal_s)
                 return Refusal(REASON_CROWDED, self._end_interval_s, now_s - request.arrival_s + least_s,
                                self.slo.ttft_for(request.prompt_tokens))
             share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
@@ -683,6 +691,14 @@ class AdmissionController:
                 self._beside[request_id] = _Beside(len(self._in_flight), calibrated_s, now_s, bound_s)
         else:
             self._log("admitted", request, now_s)
+        if self._lone:
+            # Refused before this one with nothing ahead of them: had they been admitted, they
+            # would go first, and their first tokens come about with this one's, plus what each
+            # adds. One whose deadline that cannot meet even now stays unjudged: how fast the
+            # cell was when it came is not known.
+            self._shadows.setdefault(request_id, []).extend(
+                shadow for shadow in self._lone if now_s + shadow.marginal_s <= shadow.deadline_s)
+            self._lone.clear()
         if not ahead:
             self._running_since_s = now_s  # prefill has nothing of ours: this one starts now
         # The uncalibrated prediction, kept for aggregated mode: there decode computes prompts
@@ -776,6 +792,17 @@ class AdmissionController:
             lambda batch: calibration.predict(self.predictor.predict_prefill([r.seq for r in batch], units)),
             self.slo))
         self._measuring = _MeasuredBatch(prefill_ns)
+
+    def _shadow(self, request: QueuedRequest, ahead: Sequence[QueuedRequest], marginal_s: float) -> None:
+        """Keep a refused ``request`` to be judged: by the last request ``ahead`` of it, or, with
+        none ahead, by the next one admitted in time (``try_admit``)."""
+        shadow = _Shadow(request.deadline(self.slo), marginal_s)
+        if ahead:
+            self._shadows.setdefault(ahead[-1].request_id, []).append(shadow)
+        else:
+            while self._lone and self._lone[0].deadline_s < request.arrival_s:
+                self._lone.popleft()  # past its deadline with nothing admitted: unjudged
+            self._lone.append(shadow)
 
     def _judge(self, request: QueuedRequest, now_s: float) -> None:
         """Count ``request``'s first token, at ``now_s``, as met or missed (and tell the guard,

@@ -215,3 +215,36 @@ def test_the_router_learns_the_factor_from_its_prompts_first_tokens(seed: int) -
             c.first_token(f"p{i}", prefill_ns=1, handoff_ns=0, finished=False, now_s=later_s)
         now_s = later_s + 0.01
     assert c.rate_bound.factor() == pytest.approx(ratio, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_refusals_with_nothing_ahead_are_judged_by_the_next_request_admitted_in_time(seed: int) -> None:
+    """Prompts refused at the prompt rate beside the streams with nothing of the router's queued
+    ahead (the cascade of a stalled host) are judged by the next request admitted: each whose
+    deadline that admission can still meet is false when that request's first token, plus its
+    own part alone, comes by its deadline, confirmed otherwise; the others stay unjudged, and all
+    of them do when the request that would judge them fails."""
+    rng = random.Random(seed)
+    token_s = 0.3  # TokenPredictor on 2 units: tokens x 0.15 s
+    for fails in (False, True):
+        c = _beside_one_stream(0.0, predictor=TokenPredictor(token_s=token_s))
+        c.rate_bound = RateBound(min_outcomes=1)
+        c.rate_bound.observe(1.0, 0.5)
+        refused: list[tuple[float, float]] = []  # (deadline, alone)
+        for i, at_s in enumerate(sorted(rng.uniform(1.0, 1.5) for _ in range(rng.randint(1, 6)))):
+            tokens = rng.randint(8, 12)  # 1.2-1.8 s alone: twice that is past the 2 s SLO
+            refusal = c.try_admit(f"p{i}", tokens, now_s=at_s)
+            assert refusal is not None and refusal.reason == REASON_CROWDED
+            refused.append((at_s + SLO.ttft_s, tokens * token_s / 2))
+        admitted_s = rng.uniform(1.5, 2.0)
+        assert c.try_admit("next", 2, now_s=admitted_s) is None  # 0.3 s alone: admitted
+        first_s = admitted_s + rng.uniform(0.02, 0.8)
+        if fails:
+            c.done("next", now_s=first_s)
+        else:
+            c.first_token("next", prefill_ns=1, handoff_ns=0, finished=False, now_s=first_s)
+        judged = [(d, m) for d, m in refused if admitted_s + m <= d and not fails]
+        want_false = sum(first_s + m <= d for d, m in judged)
+        stats = c.stats()
+        assert (stats.num_false_refusals, stats.num_confirmed_refusals) == (want_false, len(judged) - want_false)
+        assert stats.num_rate_refusals == len(refused)
