@@ -913,6 +913,46 @@ static inline __attribute__((always_inline)) void q8_vnni_tile(const char *wg, i
     }
     for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + (i0 + r) * ldy + c0, acc[r]);
 }
+
+/* The 16 outputs of weight group wg for all m activation rows of q. */
+static void q8_vnni_group(const char *wg, int64_t nb, const act_block *q, int64_t m, float *y, int64_t ldy,
+                          int64_t c0) {
+#define TG_Q8_TILE(NR) q8_vnni_tile(wg, nb, q, i, NR, y, ldy, c0)
+    TG_ROW_TILES(TG_Q8_TILE);
+#undef TG_Q8_TILE
+}
+#endif
+
+#if defined(TG_VNNI) || defined(TG_X8_AVX2)
+/* The Q8_0 head kernels' common frame: y [m, n_out] = x [m, k] @ W^T for W in groups of `rows`
+ * output rows (`group_bytes` a block of a group): each activation row quantized by `quantize`
+ * (in parallel), then the groups in grabs, `group` computing one group's outputs for every row.
+ * Returns 0, or -2 when scratch cannot be had. */
+typedef void (*q8_quantize_fn)(const float *xi, int64_t nb, act_block *q);
+typedef void (*q8_group_fn)(const char *wg, int64_t nb, const act_block *q, int64_t m, float *y, int64_t ldy,
+                            int64_t c0);
+static int q8_linear_groups(const char *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
+                            int nthreads, int64_t rows, int64_t group_bytes, q8_quantize_fn quantize,
+                            q8_group_fn group) {
+    const int64_t nb = k / QK, groups = n_out / rows;
+    act_block *q = malloc(sizeof(act_block) * (size_t)(m * nb) + 1);
+    if (q == NULL) return -2;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize(x + i * k, nb, q + i * nb);
+        /* the loop's implicit barrier: every row is quantized */
+        const int64_t grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g0 = 0; g0 < groups; g0 += grab) {
+            const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
+            for (int64_t g = g0; g < g1; g++) group(w + g * nb * group_bytes, nb, q, m, y, n_out, g * rows);
+        }
+    }
+    free(q);
+    return 0;
+}
 #endif
 
 /* y [m, n_out] = x [m, k] @ W^T for W repacked by tg_repack_q8_x16. Returns 0, -1 without
@@ -923,30 +963,8 @@ int tg_linear_q8_x16(const char *w, int64_t n_out, int64_t k, const float *x, in
     (void)w, (void)n_out, (void)k, (void)x, (void)m, (void)y, (void)nthreads;
     return -1;
 #else
-    const int64_t nb = k / QK;
-    act_block *q = malloc(sizeof(act_block) * (size_t)(m * nb) + 1);
-    if (q == NULL) return -2;
-    if (nthreads < 1) nthreads = 1;
-    const int64_t groups = n_out / Q8X16_ROWS;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) q8_vnni_quantize(x + i * k, nb, q + i * nb);
-        /* the loop's implicit barrier: every row is quantized */
-        const int64_t grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t g0 = 0; g0 < groups; g0 += grab) {
-            const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
-            for (int64_t g = g0; g < g1; g++) {
-                const char *wg = w + g * nb * Q8X16_GROUP_BYTES;
-#define TG_Q8_TILE(NR) q8_vnni_tile(wg, nb, q, i, NR, y, n_out, g * Q8X16_ROWS)
-                TG_ROW_TILES(TG_Q8_TILE);
-#undef TG_Q8_TILE
-            }
-        }
-    }
-    free(q);
-    return 0;
+    return q8_linear_groups(w, n_out, k, x, m, y, nthreads, Q8X16_ROWS, Q8X16_GROUP_BYTES, q8_vnni_quantize,
+                            q8_vnni_group);
 #endif
 }
 
@@ -1018,6 +1036,25 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const char *wg, int
     }
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (i0 + r) * ldy + c0, acc[r]);
 }
+
+/* Row xi [k] to nb act_blocks at q, Q8_0 as ggml quantizes for vec_dot. */
+static void q8_x8_quantize(const float *xi, int64_t nb, act_block *q) {
+    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    for (int64_t b = 0; b < nb; b++) act_block_values(q8, xi + b * QK, q + b);
+}
+
+/* The 8 outputs of weight group wg for all m activation rows of q. */
+static void q8_x8_group(const char *wg, int64_t nb, const act_block *q, int64_t m, float *y, int64_t ldy,
+                        int64_t c0) {
+    int64_t i = 0;
+    for (; i + Q8X8_TILE <= m; i += Q8X8_TILE) q8_x8_tile(wg, nb, q, i, Q8X8_TILE, y, ldy, c0);
+    switch (m - i) { /* fewer than Q8X8_TILE rows left */
+    case 3: q8_x8_tile(wg, nb, q, i, 3, y, ldy, c0); break;
+    case 2: q8_x8_tile(wg, nb, q, i, 2, y, ldy, c0); break;
+    case 1: q8_x8_tile(wg, nb, q, i, 1, y, ldy, c0); break;
+    default: break;
+    }
+}
 #endif
 
 /* y [m, n_out] = x [m, k] @ W^T for W repacked by tg_repack_q8_x8. Returns 0, -1 where this build
@@ -1029,38 +1066,8 @@ int tg_linear_q8_x8(const char *w, int64_t n_out, int64_t k, const float *x, int
     return -1;
 #else
     if (n_out % Q8X8_ROWS || k % QK) return -1;
-    const int64_t nb = k / QK, groups = n_out / Q8X8_ROWS;
-    act_block *q = malloc(sizeof(act_block) * (size_t)(m * nb) + 1);
-    if (q == NULL) return -2;
-    if (nthreads < 1) nthreads = 1;
-    const struct ggml_type_traits_cpu *q8 = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t b = 0; b < nb; b++) act_block_values(q8, x + i * k + b * QK, q + i * nb + b);
-        /* the loop's implicit barrier: every row is quantized */
-        const int64_t grab = grab_size(groups, m, X8_GROUPS_PER_GRAB);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t g0 = 0; g0 < groups; g0 += grab) {
-            const int64_t g1 = g0 + grab < groups ? g0 + grab : groups;
-            for (int64_t g = g0; g < g1; g++) {
-                const char *wg = w + g * nb * Q8X8_GROUP_BYTES;
-                int64_t i = 0;
-#define TG_Q8X8_TILE(NR) q8_x8_tile(wg, nb, q, i, NR, y, n_out, g * Q8X8_ROWS)
-                for (; i + Q8X8_TILE <= m; i += Q8X8_TILE) TG_Q8X8_TILE(Q8X8_TILE);
-                switch (m - i) { /* fewer than Q8X8_TILE rows left */
-                case 3: TG_Q8X8_TILE(3); break;
-                case 2: TG_Q8X8_TILE(2); break;
-                case 1: TG_Q8X8_TILE(1); break;
-                default: break;
-                }
-#undef TG_Q8X8_TILE
-            }
-        }
-    }
-    free(q);
-    return 0;
+    return q8_linear_groups(w, n_out, k, x, m, y, nthreads, Q8X8_ROWS, Q8X8_GROUP_BYTES, q8_x8_quantize,
+                            q8_x8_group);
 #endif
 }
 
