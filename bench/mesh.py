@@ -72,7 +72,10 @@ async def agent_round_trips(address: str, num: int) -> dict[str, float]:
     return _percentiles(samples[10:])  # the first calls open the connection
 
 
-async def mesh_throughput(address: str, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+async def mesh_throughput(address: str, prompts: list[list[int]], params: SamplingParams,
+                          pids: dict[str, int] | None = None) -> dict[str, Any]:
+    """The streams' output tokens / s through the router; with ``pids`` (name -> process id), each
+    process's CPU share over the same timed window (``cpu_share``: CPU-s / s, 2.0 both cores)."""
     async with grpc.aio.insecure_channel(address) as channel:
         router = router_pb2_grpc.RouterStub(channel)
 
@@ -85,12 +88,17 @@ async def mesh_throughput(address: str, prompts: list[list[int]], params: Sampli
             return tokens
 
         await one(prompts[0][:16])  # warm the path
+        before = _cpu_seconds(pids or {})
         start = time.perf_counter()
         outputs = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - start
+        after = _cpu_seconds(pids or {})
     num_tokens = sum(len(o) for o in outputs)
-    return {"output_tokens": num_tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(num_tokens / elapsed, 2),
-            "outputs": outputs}
+    result: dict[str, Any] = {"output_tokens": num_tokens, "seconds": round(elapsed, 3),
+                              "tokens_per_s": round(num_tokens / elapsed, 2), "outputs": outputs}
+    if pids:
+        result["cpu_share"] = {name: round((after[name] - before[name]) / elapsed, 3) for name in after if name in before}
+    return result
 
 
 def engine_throughput(model_dir: Path, prompts: list[list[int]], params: SamplingParams,
@@ -145,13 +153,8 @@ def stack_round(model_dir: Path, prompts: list[list[int]], params: SamplingParam
             if stack.redis is not None and stack.redis.pid is not None:
                 pids["redis"] = stack.redis.pid
             pids["client"] = os.getpid()
-            before = _cpu_seconds(pids)
-            mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params))
-            after = _cpu_seconds(pids)
-            # where the two cores went while the streams ran: CPU seconds per process over the
-            # run's wall time (2.0 is both cores busy)
-            mesh["cpu_share"] = {name: round((after[name] - before[name]) / mesh["seconds"], 3)
-                                 for name in after if name in before}
+            # where the two cores went while the streams ran (after the warm-up request)
+            mesh = asyncio.run(mesh_throughput(stack.address("router"), prompts, params, pids))
             print("cpu share per process:", mesh["cpu_share"], flush=True)
             extra["handoff"] = asyncio.run(decode_stats(stack.address("decode_svc")))
         finally:
