@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.bench.metrics import mean_with_ci95  # noqa: E402
 from tandem.engine.llm import LLMEngine  # noqa: E402
+from tandem.launcher import process_cpu_s  # noqa: E402
 from tandem.engine.model_cache import resolve_model  # noqa: E402
 from tandem.engine.weight_format import FORMAT_NAMES, WeightFormat  # noqa: E402
 from tandem.engine.sampling import SamplingParams  # noqa: E402
@@ -123,15 +124,8 @@ async def decode_stats(address: str) -> dict[str, Any]:
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """User + system CPU seconds each process has used so far (Linux /proc; {} elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
-    return out
+    seconds = {name: process_cpu_s(pid) for name, pid in pids.items()}
+    return {name: s for name, s in seconds.items() if s is not None}
 
 
 def stack_round(model_dir: Path, prompts: list[list[int]], params: SamplingParams, policy: str,

@@ -59,6 +59,7 @@ from tandem.bench.client import PromptBuilder
 from tandem.bench.report import write_json
 from tandem.bench.workload import RequestSpec
 from tandem.engine.ggml_kernels import LLAMA_CPP_REQUIREMENT, cmake_binary, llama_cpp_source, run_logged
+from tandem.launcher import process_cpu_s
 from tandem.hostinfo import CPUINFO, cpu_flags, cpuinfo_field, machine_facts
 from tandem.engine.model_cache import (
     DEFAULT_GGUF_NAME,
@@ -228,13 +229,11 @@ def running(server: Server, timeout_s: float) -> Iterator[Server]:
 
 def _tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its live descendants (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
+        total += process_cpu_s(p) or 0.0
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):
