@@ -245,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                                                            str(args.tbt_slo_ms), *extra, *args.tandem_args],
                          log_dir / f"{label}.log")
 
-    on, off = stack(LABEL_ON, []), stack(LABEL_OFF, ["--admission", "off"])
+    # The router's decisions and decode's steps, kept for each stack: why a refusal was made, and
+    # what the cell did then.
+    on, off = (stack(label, [*extra, "--admission-log", str(log_dir / f"{label}-admission.jsonl"),
+                             "--step-log", str(log_dir / f"{label}-steps.jsonl")])
+               for label, extra in ((LABEL_ON, []), (LABEL_OFF, ["--admission", "off"])))
     common = ["--base-url", on.base_url, "--label-a", LABEL_ON, "--base-url-b", off.base_url, "--label-b", LABEL_OFF,
               "--endpoint", "chat", "--retries-429", str(args.retries_429), "--ttft-slo-ms", str(args.ttft_slo_ms), "--tbt-slo-ms", str(args.tbt_slo_ms)]
     started = time.time()
