@@ -289,12 +289,13 @@ class _Beside(NamedTuple):
 
     in_flight: int  # streams in flight when it was admitted
     calibrated_s: float  # its calibrated TTFT prediction then, before CrowdBias's factor
+    scale: float  # the calibration's scale it was made with
     admitted_s: float  # when it was admitted
     bound_s: float | None  # ``least_beside_s`` then; None: the agent said no rate (RateBound learns nothing)
 
     def observe(self, crowd: CrowdBias, rate_bound: RateBound, arrival_s: float, now_s: float) -> None:
         """Its first token came (or it ended without one) at ``now_s``."""
-        crowd.observe(self.in_flight, self.calibrated_s, now_s - arrival_s)
+        crowd.observe(self.in_flight, self.calibrated_s, now_s - arrival_s, self.scale)
         if self.bound_s is not None and 0 < self.bound_s < math.inf:
             rate_bound.observe(self.bound_s, now_s - self.admitted_s)
 
@@ -539,6 +540,8 @@ class AdmissionController:
     def stats(self, now_s: float | None = None) -> AdmissionStats:
         """What admission did so far, its limits as of ``now_s`` (``time.monotonic``, default now)."""
         now_s = time.monotonic() if now_s is None else now_s
+        # the crowd's factors as a prompt admitted beside streams now would be given them
+        crowd_scale = self._calibration_of(PromptRegime(self.prefill_units(), True)).scaling[0]
         return AdmissionStats(
             num_admitted=self.num_admitted, num_refused=self.num_refused, num_met=self.num_met,
             num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,
@@ -553,7 +556,7 @@ class AdmissionController:
             stream_limit=self.streams.limit if self.enabled and self.stream_cap else None,  # none enforced: none
             num_kv_refusals=self.num_kv_refusals,
             ttft_limit=self.ttft_limit(self.margin, now_s),
-            crowd_factors=tuple((n, round(f, 2)) for n in (1, *CrowdBias.BOUNDS) if (f := self.crowd.factor(n)) > 1.0),
+            crowd_factors=tuple((n, round(f, 2)) for n in (1, *CrowdBias.BOUNDS) if (f := self.crowd.factor(n, crowd_scale)) > 1.0),
             num_rate_refusals=self.num_rate_refusals, rate_bound_factor=self.rate_bound.factor(),
         )
 
@@ -628,7 +631,7 @@ class AdmissionController:
                                      running_since_s=self._running_since_s, scale=scale, slo=self.slo,
                                      overhead_s=overhead_s)
             calibrated_s = predicted.ttft_s  # before ``crowd``, which the outcome measures
-            crowd = self.crowd.factor(len(self._in_flight)) if regime.beside_streams else 1.0
+            crowd = self.crowd.factor(len(self._in_flight), scale) if regime.beside_streams else 1.0
             predicted = predicted.stretched(crowd)
             self._note_overdue(now_s)
             margin = self.margin if calibration is not self.calibration else self.cold_margin
@@ -688,7 +691,7 @@ class AdmissionController:
             share = predicted.ttft_s / self.slo.ttft_for(request.prompt_tokens)
             self._log("admitted", request, now_s, **where)
             if regime.beside_streams:
-                self._beside[request_id] = _Beside(len(self._in_flight), calibrated_s, now_s, bound_s)
+                self._beside[request_id] = _Beside(len(self._in_flight), calibrated_s, scale, now_s, bound_s)
         else:
             self._log("admitted", request, now_s)
         if self._lone:
