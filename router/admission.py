@@ -541,7 +541,7 @@ class AdmissionController:
         """What admission did so far, its limits as of ``now_s`` (``time.monotonic``, default now)."""
         now_s = time.monotonic() if now_s is None else now_s
         # the crowd's factors as a prompt admitted beside streams now would be given them
-        crowd_scale = self._calibration_of(PromptRegime(self.prefill_units(), True)).scaling[0]
+        crowd_scale, _ = self.scaling(PromptRegime(self.prefill_units(), True))
         return AdmissionStats(
             num_admitted=self.num_admitted, num_refused=self.num_refused, num_met=self.num_met,
             num_missed=self.num_missed, num_false_refusals=self.num_false_refusals,

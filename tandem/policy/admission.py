@@ -808,9 +808,9 @@ class CrowdBias:
     def observe(self, in_flight: int, predicted_s: float, measured_s: float, scale: float = 1.0) -> None:
         """A prompt admitted with ``in_flight`` streams, predicted at ``predicted_s`` (calibrated
         with ``scale``, before this factor), got its first token ``measured_s`` after it arrived."""
-        ratio = _log_ratio(measured_s, predicted_s)
-        if ratio is not None and scale > 0 and math.isfinite(scale):
-            self._ratios[self.bucket(in_flight)].append(ratio + math.log(scale))
+        ratio = _log_ratio(measured_s * scale, predicted_s)  # None for a scale not positive and finite too
+        if ratio is not None:
+            self._ratios[self.bucket(in_flight)].append(ratio)
 
     def factor(self, in_flight: int, scale: float = 1.0) -> float:
         """The factor for a prediction calibrated with ``scale`` at ``in_flight`` streams."""

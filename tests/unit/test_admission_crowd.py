@@ -80,6 +80,8 @@ def test_the_buckets_and_what_is_ignored() -> None:
     crowd = CrowdBias(min_outcomes=1)
     for predicted, measured in ((0.0, 1.0), (1.0, 0.0), (math.inf, 1.0), (1.0, math.nan), (-1.0, 1.0)):
         crowd.observe(40, predicted, measured)
+    for scale in (0.0, -1.0, math.inf, math.nan):  # an outcome made with no usable scale
+        crowd.observe(40, 1.0, 5.0, scale)
     assert crowd.factor(40) == 1.0
     with pytest.raises(ValueError):
         CrowdBias(window=4, min_outcomes=5)
