@@ -104,6 +104,17 @@ GATHER_MAX_S = 0.25
 # over 1.1 s, and the streams stayed out of step for every wave after (2026-12-06, 298 output
 # tok/s against 400 for waves that stayed whole).
 GATHER_AFTER_WAVE_S = 1.0
+# Once as many prompts have come as streams ended since the loop was last idle (within
+# GATHER_AFTER_WAVE_S of the last of them), a closed loop's clients are all back: the step waits
+# only this much more for one that was not counted, instead of a whole quiet period. A single
+# client's next request waited GATHER_QUIET_S (20 ms) at every turn, a third of its TTFT on a
+# fast host (64.5 ms for a 35-token chat, 2026-12-07), and a wave of sixteen 50-100 ms after its
+# last prompt came. A prompt beyond the count means others send too: then the quiet periods above.
+# The count is trusted only after one gathering took exactly the streams ended before it (a loop
+# seen once): a burst of new clients right after one stream ended (a benchmark's warm-up request,
+# then its wave) had its first prompt stepped alone when the router passed the burst on with a gap
+# past this quiet (`bench/mesh.py`, 2026-12-07: 8 of 16 outputs changed).
+GATHER_EXPECTED_QUIET_S = 0.008
 # Routers whose cancelled requests are remembered, so that one coming back after its grace hears
 # that they failed instead of waiting out its stall timeout.
 _GONE_ROUTERS_KEPT = 64
@@ -252,6 +263,10 @@ class DecodeWorker:
         self._outrun_unreported = False
         self._idle = True  # nothing to step since the last step: the next prompts are gathered
         self._wave_ended_s = -math.inf  # (loop time) when a step last ended several streams at once
+        self._last_ended_s = -math.inf  # (loop time) when a step last ended a stream
+        self._ended_since_idle = 0  # streams steps ended since the loop last gathered prompts
+        self._loop_seen = False  # the last gathering took exactly as many prompts as streams had ended
+        self._prompt_came = asyncio.Event()  # set as a prompt joins ``prefilling``
         self._publishing: asyncio.Task[None] | None = None  # the last step's record-and-stream
         # Set once the prompts the last step finished computing have their first token and are in
         # ``running`` (aggregated mode): the next step waits for it, so they decode in it.
@@ -373,6 +388,7 @@ class DecodeWorker:
             active.first_token = asyncio.get_running_loop().create_future()
             self.by_id[req.request_id] = active
             self.prefilling.append(active)
+            self._prompt_came.set()
             self._wake.set()
             self._report_load()
             return None, active
@@ -731,6 +747,7 @@ class DecodeWorker:
                 self._idle = False
                 if self.prefilling and not (self.running or self.pending):
                     await self._gather_arrivals()
+                self._ended_since_idle = 0
             self.running.extend(self.pending)
             self.pending.clear()
             await self._drop_cancelled()
@@ -845,21 +862,42 @@ class DecodeWorker:
         """Wait until no prompt has come for GATHER_QUIET_S, or GATHER_WAVE_QUIET_S once
         several have or several streams ended together within GATHER_AFTER_WAVE_S (GATHER_MAX_S
         at most), so that prompts sent together start in one step: a lone prompt waits little, a
-        wave is given time to arrive whole."""
+        wave is given time to arrive whole. Once exactly as many have come as streams ended since
+        the last gathering (the last of them within GATHER_AFTER_WAVE_S), the quiet is
+        GATHER_EXPECTED_QUIET_S: a closed loop's clients are back; trusted only once the last
+        gathering took exactly that many."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + GATHER_MAX_S
-        after_wave = loop.time() - self._wave_ended_s <= GATHER_AFTER_WAVE_S
+        now = loop.time()
+        end = now + GATHER_MAX_S
+        after_wave = now - self._wave_ended_s <= GATHER_AFTER_WAVE_S
+        ended = self._ended_since_idle if now - self._last_ended_s <= GATHER_AFTER_WAVE_S else 0
+        expected = ended if self._loop_seen else 0
         seen = -1
         while len(self.prefilling) != seen and loop.time() < end:
             seen = len(self.prefilling)
-            quiet_s = GATHER_WAVE_QUIET_S if seen > 1 or after_wave else GATHER_QUIET_S
-            await asyncio.sleep(min(quiet_s, max(0.0, end - loop.time())))
+            if seen > expected:
+                expected = 0  # more came than ended: not those clients alone
+            if expected and seen == expected:
+                quiet_s = GATHER_EXPECTED_QUIET_S
+            else:
+                quiet_s = GATHER_WAVE_QUIET_S if seen > 1 or after_wave else GATHER_QUIET_S
+            # ended by the next prompt to come, so the quiet counts from the last one
+            self._prompt_came.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(quiet_s, max(0.0, end - loop.time()))):
+                    await self._prompt_came.wait()
+        self._loop_seen = ended > 0 and len(self.prefilling) == ended
 
     def _note_ended_together(self, count: int) -> None:
-        """A step ended ``count`` streams: several at once are a wave whose clients will be back
+        """A step ended ``count`` streams: their clients may be back, several at once as a wave
         (``_gather_arrivals``)."""
+        if count < 1:
+            return
+        now = asyncio.get_running_loop().time()
+        self._ended_since_idle += count
+        self._last_ended_s = now
         if count > 1:
-            self._wave_ended_s = asyncio.get_running_loop().time()
+            self._wave_ended_s = now
 
     def _note_outrun(self, step_ns: int, beside_streams: bool, carried_prompts: bool) -> None:
         """After a step of ``step_ns`` (its time and the gap before it): one that carried prompt

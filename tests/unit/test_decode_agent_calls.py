@@ -88,7 +88,10 @@ def _worker(calls: list[tuple[str, str]], block_size: int = 16, held: dict[str, 
     worker.num_preemptions = 0
     worker._agent_outage, worker._held_for_agent = decode_server.Outage(), 0
     worker._outrun_epoch, worker._outrun_unreported = -1, False
-    worker._wave_ended_s = -math.inf
+    worker._wave_ended_s = worker._last_ended_s = -math.inf
+    worker._ended_since_idle = 0
+    worker._loop_seen = False
+    worker._prompt_came = asyncio.Event()
     return worker
 
 
@@ -453,6 +456,7 @@ async def _arrive(worker: DecodeWorker, gaps: list[float]) -> None:
     for gap in gaps:
         await asyncio.sleep(gap)
         worker.prefilling.append(object())  # type: ignore[arg-type]
+        worker._prompt_came.set()
 
 
 async def _gathers_all(worker: DecodeWorker, gaps: list[float]) -> bool:
@@ -541,6 +545,80 @@ def test_a_lone_prompt_after_streams_ended_together_is_given_the_waves_quiet(
             if not gathered:
                 await asyncio.sleep(0.25)  # the late prompt's sender ends before the next case
 
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_as_many_prompts_as_streams_ended_start_after_a_short_quiet(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams that ended since the last gathering (the last within GATHER_AFTER_WAVE_S) are
+    clients that will be back: once that many prompts have come, the step waits only
+    GATHER_EXPECTED_QUIET_S more, from the second such round of a loop on (the first, and a burst
+    after a lone warm-up request, get the usual quiet). One more prompt than that, within it,
+    means others send too: the usual quiet follows. Ended too long ago, the count is not used.
+    (Periods lengthened so late timers cannot decide.)"""
+    rng = random.Random(seed)
+    monkeypatch.setattr(decode_server, "GATHER_QUIET_S", 0.3)
+    monkeypatch.setattr(decode_server, "GATHER_WAVE_QUIET_S", 0.3)
+    monkeypatch.setattr(decode_server, "GATHER_EXPECTED_QUIET_S", 0.1)
+    monkeypatch.setattr(decode_server, "GATHER_MAX_S", 3.0)
+    monkeypatch.setattr(decode_server, "GATHER_AFTER_WAVE_S", 0.5)
+
+    async def gather(ended: list[int], idle_s: float, gaps: list[float], worker: DecodeWorker | None = None,
+                     ) -> tuple[int, float]:
+        """Prompts gathered, and the time from the last one's arrival to the step."""
+        if worker is None:
+            worker = _worker([])
+            worker._loop_seen = True  # an earlier round took exactly its clients
+        worker._ended_since_idle = 0  # as the loop does after gathering
+        for count in ended:  # steps that ended streams
+            worker._note_ended_together(count)
+        await asyncio.sleep(idle_s)
+        worker.prefilling = [object()]  # type: ignore[list-item]
+        arrived = [loop.time()]
+
+        async def arrive() -> None:
+            for gap in gaps:
+                await asyncio.sleep(gap)
+                worker.prefilling.append(object())  # type: ignore[arg-type]
+                worker._prompt_came.set()
+                arrived.append(loop.time())
+
+        sender = loop.create_task(arrive())
+        await worker._gather_arrivals()
+        gathered, after_last = len(worker.prefilling), loop.time() - arrived[-1]
+        await sender
+        return gathered, after_last
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        ended = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+        clients = sum(ended)
+        gaps = [rng.uniform(0.0, 0.05) for _ in range(clients - 1)]
+        # every client back, gaps under the usual quiet: all start, soon after the last
+        gathered, after_last = await gather(ended, 0.0, gaps)
+        assert gathered == clients and after_last < 0.25, (ended, gaps, after_last)
+        # one more, within the short quiet: all start, after the usual quiet
+        gathered, after_last = await gather(ended, 0.0, [*gaps, rng.uniform(0.0, 0.03)])
+        assert gathered == clients + 1 and after_last >= 0.25, (ended, gaps, after_last)
+        # the streams ended past GATHER_AFTER_WAVE_S: the usual quiet
+        gathered, after_last = await gather(ended, 0.6, gaps)
+        assert gathered == clients and after_last >= 0.25, (ended, gaps, after_last)
+        # one loop from its start: its first two rounds get the usual quiet, then the short one
+        worker = _worker([])
+        gathered, after_last = await gather([], 0.0, gaps, worker)  # the first round: nothing ended
+        assert gathered == clients and after_last >= 0.25
+        for short in (False, True, True):
+            gathered, after_last = await gather(ended, 0.0, gaps, worker)
+            assert gathered == clients and (after_last < 0.25) is short, (ended, gaps, after_last, short)
+        # a lone warm-up request, then a burst: the usual quiet
+        worker = _worker([])
+        await gather([], 0.0, [], worker)
+        gathered, after_last = await gather([1], 0.0, [rng.uniform(0.0, 0.05) for _ in range(rng.randint(1, 8))], worker)
+        assert gathered > 1 and after_last >= 0.25
+
+    loop: asyncio.AbstractEventLoop
     asyncio.run(main())
 
 
