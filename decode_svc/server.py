@@ -112,8 +112,9 @@ GATHER_AFTER_WAVE_S = 1.0
 # last prompt came. A prompt beyond the count means others send too: then the quiet periods above.
 # The count is trusted only after one gathering took exactly the streams ended before it (a loop
 # seen once): a burst of new clients right after one stream ended (a benchmark's warm-up request,
-# then its wave) had its first prompt stepped alone when the router passed the burst on with a gap
-# past this quiet (`bench/mesh.py`, 2026-12-07: 8 of 16 outputs changed).
+# then its wave) can have its first prompt stepped alone when the router passes the burst on with a
+# gap past this quiet (`bench/mesh.py`, 2026-12-07: 8 of 16 outputs changed, as a split wave changes
+# them; the split itself inferred, no step log was kept).
 GATHER_EXPECTED_QUIET_S = 0.008
 # Routers whose cancelled requests are remembered, so that one coming back after its grace hears
 # that they failed instead of waiting out its stall timeout.

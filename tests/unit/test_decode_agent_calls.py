@@ -450,13 +450,15 @@ def test_a_budget_decided_for_fewer_streams_waits_for_one_decided_for_those_runn
     asyncio.run(main())
 
 
-async def _arrive(worker: DecodeWorker, gaps: list[float]) -> None:
+async def _arrive(worker: DecodeWorker, gaps: list[float], arrived: list[float] | None = None) -> None:
     """A prompt reaches ``worker`` after each of ``gaps`` seconds (a stand-in: the gathering
-    counts them only)."""
+    counts them only); each arrival's loop time appended to ``arrived`` when given."""
     for gap in gaps:
         await asyncio.sleep(gap)
         worker.prefilling.append(object())  # type: ignore[arg-type]
         worker._prompt_came.set()
+        if arrived is not None:
+            arrived.append(asyncio.get_running_loop().time())
 
 
 async def _gathers_all(worker: DecodeWorker, gaps: list[float]) -> bool:
@@ -575,24 +577,15 @@ def test_as_many_prompts_as_streams_ended_start_after_a_short_quiet(
             worker._note_ended_together(count)
         await asyncio.sleep(idle_s)
         worker.prefilling = [object()]  # type: ignore[list-item]
+        loop = asyncio.get_running_loop()
         arrived = [loop.time()]
-
-        async def arrive() -> None:
-            for gap in gaps:
-                await asyncio.sleep(gap)
-                worker.prefilling.append(object())  # type: ignore[arg-type]
-                worker._prompt_came.set()
-                arrived.append(loop.time())
-
-        sender = loop.create_task(arrive())
+        sender = loop.create_task(_arrive(worker, gaps, arrived))
         await worker._gather_arrivals()
         gathered, after_last = len(worker.prefilling), loop.time() - arrived[-1]
         await sender
         return gathered, after_last
 
     async def main() -> None:
-        nonlocal loop
-        loop = asyncio.get_running_loop()
         ended = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
         clients = sum(ended)
         gaps = [rng.uniform(0.0, 0.05) for _ in range(clients - 1)]
@@ -618,7 +611,6 @@ def test_as_many_prompts_as_streams_ended_start_after_a_short_quiet(
         gathered, after_last = await gather([1], 0.0, [rng.uniform(0.0, 0.05) for _ in range(rng.randint(1, 8))], worker)
         assert gathered > 1 and after_last >= 0.25
 
-    loop: asyncio.AbstractEventLoop
     asyncio.run(main())
 
 
