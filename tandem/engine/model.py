@@ -229,19 +229,20 @@ class LlamaModel:
                                          c.intermediate_size, c.rms_norm_eps)
 
     def decode_layers(self, start: int, stop: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attn_meta: object, pool: KVPool) -> bool:
+                      attn_meta: object, pool: KVPool, independent: bool = False) -> bool:
         """Layers [start, stop) of a step of decode rows alone run whole in C, ``hidden`` updated in
         place, where they can: the ggml format, at most ``DECODE_LAYERS_MAX_ROWS`` rows
         (``whole_layers_max_rows``), attention
         planned on Tandem's C kernel (an fp32, fp16 or bf16 pool on the CPU), not turned off
-        (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op."""
+        (``ggml_kernels.whole_layers_on``). False: the caller runs them op by op. ``independent``:
+        every row a sequence of its own (``DecodeLayers.run``)."""
         fused = self._whole_layers
         if fused is None or not self.whole_layer_rows(hidden.shape[0], pool):
             return False
         tables = self.attention.decode_tables(attn_meta)
         if tables is None:
             return False
-        fused.run(start, stop, hidden, cos, sin, tables[0], pool, tables[1])
+        fused.run(start, stop, hidden, cos, sin, tables[0], pool, tables[1], independent)
         return True
 
     def whole_layer_rows(self, num_rows: int, pool: KVPool, prompt_rows: int = 0) -> bool:

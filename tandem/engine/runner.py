@@ -56,6 +56,8 @@ class ForwardState:
     attn_meta: Any
     logit_rows: torch.Tensor  # [num_seqs_with_logits] int64, last row of each such sequence
     next_layer: int = 0
+    # every row a sequence of its own (no prompt rows): no row reads K/V another row writes
+    independent_rows: bool = False
 
 
 class ModelRunner:
@@ -140,6 +142,7 @@ class ModelRunner:
             sin=sin,
             attn_meta=self.model.attention.plan(spans, self.pool),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+            independent_rows=prompt_rows == 0,
         )
 
     @torch.inference_mode()
@@ -150,7 +153,7 @@ class ModelRunner:
             raise ValueError(f"cannot run layers [{state.next_layer}, {stop}) of {self.num_layers}")
         hidden = state.hidden
         if not self.model.decode_layers(state.next_layer, stop, hidden, state.cos, state.sin, state.attn_meta,
-                                        self.pool):
+                                        self.pool, state.independent_rows):
             for index in range(state.next_layer, stop):
                 hidden = self.model.layer(index, hidden, state.cos, state.sin, state.attn_meta, self.pool)
         state.hidden = hidden

@@ -305,6 +305,8 @@ def _assert_step_is_its_rows_one_by_one(model: LlamaModel, seqs: list[tuple[int,
     finally:
         monkeypatch.undo()
     assert len(calls) == 1, "the step did not run whole in C"
+    # the rows are the threads' to split only when each is a sequence of its own (DecodeLayers.run)
+    assert calls[0][-1] is all(n == 1 for _, n in seqs)
     row = 0
     for (cached, n), ids, a, b in zip(seqs, tokens, tables, twins, strict=True):
         for i in range(n):  # the twin sequence: the same tokens, one decode step each
@@ -318,6 +320,40 @@ def _assert_step_is_its_rows_one_by_one(model: LlamaModel, seqs: list[tuple[int,
             for cache in (pool.k_cache(layer), pool.v_cache(layer)):
                 flat = cache.reshape(-1, *cache.shape[2:])
                 assert torch.equal(flat[slots_a], flat[slots_b])
+
+
+@settings(max_examples=16, deadline=None)
+@given(st.sampled_from(SHAPES), st.booleans(), st.sampled_from([1, 5, 16]), st.booleans(), st.integers(2, 3),
+       st.integers(0, 2**31))
+def test_decode_rows_split_between_the_threads_are_each_the_row_alone(
+        heads_kv_d: tuple[int, int, int], bias: bool, block_size: int, repacked: bool, threads: int, seed: int) -> None:
+    """A step of decode rows alone, from ``SPLIT_ROWS_MIN`` rows on, runs split between the threads
+    (each its rows through every layer alone, 2 or 3 threads: uneven parts too): each row's hidden
+    state and the K/V it writes are bit for bit those of the row decoded alone (one row: no split)."""
+    heads, kv_heads, head_dim = heads_kv_d
+    gtypes = (GgmlType.Q4_1, GgmlType.Q4_0) if repacked else (GgmlType.Q4_1, GgmlType.Q8_0)
+    model = _model(heads, kv_heads, head_dim, bias, False, seed % 1000, gtypes)
+    rng = random.Random(seed)
+    rows = rng.randint(ggml_kernels.SPLIT_ROWS_MIN, min(model.whole_layers_max_rows(), 40))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert ggml_kernels.split_rows_min() <= rows
+        _assert_step_is_its_rows_one_by_one(model, [(rng.randint(0, 120), 1) for _ in range(rows)], block_size, rng)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_split_threshold_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_SPLIT_ROWS", raising=False)
+    assert ggml_kernels.split_rows_min() == ggml_kernels.SPLIT_ROWS_MIN
+    monkeypatch.setenv("TANDEM_SPLIT_ROWS", "9")
+    assert ggml_kernels.split_rows_min() == 9
+    monkeypatch.setenv("TANDEM_SPLIT_ROWS", "0")  # never
+    assert ggml_kernels.split_rows_min() > 10**9
+    monkeypatch.setenv("TANDEM_SPLIT_ROWS", "many")
+    with pytest.raises(ValueError, match="TANDEM_SPLIT_ROWS"):
+        ggml_kernels.split_rows_min()
 
 
 @settings(max_examples=6, deadline=None)

@@ -1360,11 +1360,53 @@ static void project(int type, const char *w, const float *corr, int64_t n_out, i
  * the one-op-at-a-time path does, with the same ggml kernels. Returns 0, -1 when ggml has no dot
  * product for a projection's type or the heads do not group, -2 when scratch cannot be had, -3 for
  * a kv_type other than fp32, fp16 or bf16. */
+static int decode_layers_rows(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads,
+                              int64_t kv_heads, int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m,
+                              const float *cos, const float *sin_signed, const int64_t *slots, void *k0,
+                              int64_t layer_stride, int64_t v_offset, int64_t block_stride, int64_t bs,
+                              const int32_t *indptr, const int32_t *table, const int32_t *last_len, int kv_type,
+                              int nthreads);
+
+/* The step's rows split between the threads when `split` is set (the rows are independent: each a
+ * sequence of its own, no prompt chunk whose later rows read K/V its earlier rows write) and there
+ * are at least as many rows as threads: thread t runs rows [t m / n, (t + 1) m / n) through every
+ * layer alone, with no barrier between the threads until the step ends. Each thread reads every
+ * layer's weights (the second read mostly from the shared cache, the threads moving through the
+ * layers at about one pace); in exchange a thread preempted by another process (the router, the
+ * client, decode's own event loop on a 2-core host) holds only its own rows back, where at each of
+ * the ~12 barriers a layer it held the other thread too. Tandem's AVX2 and VNNI kernels and ggml's
+ * per-row dot products compute each row as the row alone, so there splitting changes no output;
+ * ggml's gemm (repacked layers with TANDEM_X8_AVX2=0) groups rows, and its outputs depend on the
+ * split as on any batching. */
 int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads, int64_t kv_heads,
                      int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m, const float *cos,
                      const float *sin_signed, const int64_t *slots, void *k0, int64_t layer_stride,
                      int64_t v_offset, int64_t block_stride, int64_t bs, const int32_t *indptr,
-                     const int32_t *table, const int32_t *last_len, int kv_type, int nthreads) {
+                     const int32_t *table, const int32_t *last_len, int kv_type, int nthreads, int split) {
+    if (!split || nthreads < 2 || m < nthreads)
+        return decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x, m, cos,
+                                  sin_signed, slots, k0, layer_stride, v_offset, block_stride, bs, indptr, table,
+                                  last_len, kv_type, nthreads);
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) reduction(min : rc)
+    {
+        const int n = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t i0 = t * m / n, i1 = (t + 1) * m / n;
+        if (i1 > i0)
+            rc = decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x + i0 * hidden,
+                                    i1 - i0, cos + i0 * d, sin_signed + i0 * d, slots + i0, k0, layer_stride, v_offset,
+                                    block_stride, bs, indptr + i0, table, last_len + i0, kv_type, 1);
+    }
+    return rc;
+}
+
+/* tg_decode_layers's rows on `nthreads` threads together (OpenMP barriers between the ops). */
+static int decode_layers_rows(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads,
+                              int64_t kv_heads, int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m,
+                              const float *cos, const float *sin_signed, const int64_t *slots, void *k0,
+                              int64_t layer_stride, int64_t v_offset, int64_t block_stride, int64_t bs,
+                              const int32_t *indptr, const int32_t *table, const int32_t *last_len, int kv_type,
+                              int nthreads) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
     if (!kv_type_ok(kv_type)) return -3;
     const size_t esize = kv_elem_size(kv_type);
