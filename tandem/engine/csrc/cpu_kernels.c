@@ -1347,60 +1347,18 @@ static void project(int type, const char *w, const float *corr, int64_t n_out, i
     matvec_rows(t, w, ggml_row_size((enum ggml_type)type, k), n_out, k, q, qrow, m, y, ldy, accumulate);
 }
 
-/* Llama-family decoder layers [0, n_layers) of `layers` over m decode rows, in one call and one
- * OpenMP region (threads meet at a barrier between phases instead of a fork and join per op):
- * per layer, RMSNorm, the qkv projection (+ bias), rotate-half rope of q and k from the rows'
- * cos / sin_signed tables ([m, d], sin_signed holding rotate-half's sign), K and V written to
- * each row's slot, the paged attention above over its blocks (CSR table as for
+/* Llama-family decoder layers [0, n_layers) of `layers` over m decode rows on `nthreads` threads,
+ * in one call and one OpenMP region (threads meet at a barrier between phases instead of a fork and
+ * join per op): per layer, RMSNorm, the qkv projection (+ bias), rotate-half rope of q and k from
+ * the rows' cos / sin_signed tables ([m, d], sin_signed holding rotate-half's sign), K and V
+ * written to each row's slot, the paged attention above over its blocks (CSR table as for
  * tg_paged_decode_attention), the output projection added to x, RMSNorm, gate_up, silu(gate) * up,
  * and the down projection added to x. x [m, hidden] is updated in place. The pool holds kv_type
  * elements (fp32, fp16 or bf16; new K and V are rounded to it): layer l's K cache starts
- * layer_stride elements after layer l - 1's, at k0 for layer 0, its V cache v_offset elements
- * after its K. Every op runs row by row, as
- * the one-op-at-a-time path does, with the same ggml kernels. Returns 0, -1 when ggml has no dot
- * product for a projection's type or the heads do not group, -2 when scratch cannot be had, -3 for
- * a kv_type other than fp32, fp16 or bf16. */
-static int decode_layers_rows(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads,
-                              int64_t kv_heads, int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m,
-                              const float *cos, const float *sin_signed, const int64_t *slots, void *k0,
-                              int64_t layer_stride, int64_t v_offset, int64_t block_stride, int64_t bs,
-                              const int32_t *indptr, const int32_t *table, const int32_t *last_len, int kv_type,
-                              int nthreads);
-
-/* The step's rows split between the threads when `split` is set (the rows are independent: each a
- * sequence of its own, no prompt chunk whose later rows read K/V its earlier rows write) and there
- * are at least as many rows as threads: thread t runs rows [t m / n, (t + 1) m / n) through every
- * layer alone, with no barrier between the threads until the step ends. Each thread reads every
- * layer's weights (the second read mostly from the shared cache, the threads moving through the
- * layers at about one pace); in exchange a thread preempted by another process (the router, the
- * client, decode's own event loop on a 2-core host) holds only its own rows back, where at each of
- * the ~12 barriers a layer it held the other thread too. Tandem's AVX2 and VNNI kernels and ggml's
- * per-row dot products compute each row as the row alone, so there splitting changes no output;
- * ggml's gemm (repacked layers with TANDEM_X8_AVX2=0) groups rows, and its outputs depend on the
- * split as on any batching. */
-int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads, int64_t kv_heads,
-                     int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m, const float *cos,
-                     const float *sin_signed, const int64_t *slots, void *k0, int64_t layer_stride,
-                     int64_t v_offset, int64_t block_stride, int64_t bs, const int32_t *indptr,
-                     const int32_t *table, const int32_t *last_len, int kv_type, int nthreads, int split) {
-    if (!split || nthreads < 2 || m < nthreads)
-        return decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x, m, cos,
-                                  sin_signed, slots, k0, layer_stride, v_offset, block_stride, bs, indptr, table,
-                                  last_len, kv_type, nthreads);
-    int rc = 0;
-#pragma omp parallel num_threads(nthreads) reduction(min : rc)
-    {
-        const int n = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t i0 = t * m / n, i1 = (t + 1) * m / n;
-        if (i1 > i0)
-            rc = decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x + i0 * hidden,
-                                    i1 - i0, cos + i0 * d, sin_signed + i0 * d, slots + i0, k0, layer_stride, v_offset,
-                                    block_stride, bs, indptr + i0, table, last_len + i0, kv_type, 1);
-    }
-    return rc;
-}
-
-/* tg_decode_layers's rows on `nthreads` threads together (OpenMP barriers between the ops). */
+ * layer_stride elements after layer l - 1's, at k0 for layer 0, its V cache v_offset elements after
+ * its K. Every op runs row by row, as the one-op-at-a-time path does, with the same ggml kernels.
+ * Returns 0, -1 when ggml has no dot product for a projection's type or the heads do not group, -2
+ * when scratch cannot be had, -3 for a kv_type other than fp32, fp16 or bf16. */
 static int decode_layers_rows(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads,
                               int64_t kv_heads, int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m,
                               const float *cos, const float *sin_signed, const int64_t *slots, void *k0,
@@ -1498,4 +1456,38 @@ static int decode_layers_rows(const tg_layer *layers, int64_t n_layers, int64_t 
     free(pad);
     return failed ? -2 : 0;
 }
+
+/* The step's rows split between the threads when `split` is set (the rows are independent: each a
+ * sequence of its own, no prompt chunk whose later rows read K/V its earlier rows write) and there
+ * are at least as many rows as threads: thread t runs rows [t m / n, (t + 1) m / n) through every
+ * layer alone, with no barrier between the threads until the step ends. Each thread reads every
+ * layer's weights (the second read mostly from the shared cache, the threads moving through the
+ * layers at about one pace); in exchange a thread preempted by another process (the router, the
+ * client, decode's own event loop on a 2-core host) holds only its own rows back, where at each of
+ * the ~12 barriers a layer it held the other thread too. Tandem's AVX2 and VNNI kernels and ggml's
+ * per-row dot products compute each row as the row alone, so there splitting changes no output;
+ * ggml's gemm (repacked layers with TANDEM_X8_AVX2=0) groups rows, and its outputs depend on the
+ * split as on any batching. */
+int tg_decode_layers(const tg_layer *layers, int64_t n_layers, int64_t hidden, int64_t heads, int64_t kv_heads,
+                     int64_t d, int64_t inter, float eps, float scale, float *x, int64_t m, const float *cos,
+                     const float *sin_signed, const int64_t *slots, void *k0, int64_t layer_stride,
+                     int64_t v_offset, int64_t block_stride, int64_t bs, const int32_t *indptr,
+                     const int32_t *table, const int32_t *last_len, int kv_type, int nthreads, int split) {
+    if (!split || nthreads < 2 || m < nthreads)
+        return decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x, m, cos,
+                                  sin_signed, slots, k0, layer_stride, v_offset, block_stride, bs, indptr, table,
+                                  last_len, kv_type, nthreads);
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) reduction(min : rc)
+    {
+        const int n = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t i0 = t * m / n, i1 = (t + 1) * m / n;
+        if (i1 > i0)
+            rc = decode_layers_rows(layers, n_layers, hidden, heads, kv_heads, d, inter, eps, scale, x + i0 * hidden,
+                                    i1 - i0, cos + i0 * d, sin_signed + i0 * d, slots + i0, k0, layer_stride, v_offset,
+                                    block_stride, bs, indptr + i0, table, last_len + i0, kv_type, 1);
+    }
+    return rc;
+}
+
 #undef TG_SEQ_LEN
